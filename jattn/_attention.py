@@ -1,0 +1,255 @@
+"""The public attention function: validation, defaults, and the choice of implementation.
+
+Shape vocabulary (as in `jax.nn.dot_product_attention`):
+  B batch, T query length, S key/value length, N query heads, K key/value heads,
+  H head dimension, G = N // K query heads per key/value head.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import numbers
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jattn import _chunked, _dense, _dropout, _tile, _validation
+from jattn import masks as _masks
+from jattn._tile import Config
+
+# Default block sizes, measured on a 2-core AVX2 CPU (B=1, N=8, H=64, fp32): 512 x 512 ran the
+# forward at ~80 GFLOP/s; 256 was ~1.75x slower (small matmuls, per-step overhead); 1024 tied at
+# large T and lost at small T.
+DEFAULT_BLOCK_Q = 512
+DEFAULT_BLOCK_KV = 512
+
+# implementation=None picks chunked once the (T, S) score matrix per head reaches this many
+# entries. Below it dense's single fused pass wins; above it dense is limited by the (T, S)
+# temporaries falling out of cache (and by their memory). Measured crossover: see README.
+AUTO_CHUNKED_MIN_SCORES = 1024 * 1024
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Options:
+  """The static (hashable) options of one call; the jit cache key besides array shapes."""
+
+  scale: float | None
+  causal: str | None  # None | "top_left" | "bottom_right"
+  window: tuple[int | None, int | None] | None
+  logits_soft_cap: float | None
+  dropout_rate: float
+  implementation: str | None
+  block_q: int | None
+  block_kv: int | None
+  return_residual: bool
+  score_mod: Callable | None
+
+
+def dot_product_attention(
+    query,
+    key,
+    value,
+    bias=None,
+    mask=None,
+    *,
+    scale: float | None = None,
+    is_causal: bool | str = False,
+    query_seq_lengths=None,
+    key_value_seq_lengths=None,
+    local_window_size: int | tuple[int, int] | None = None,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    logits_soft_cap: float | None = None,
+    dropout_rate: float = 0.0,
+    dropout_rng=None,
+    implementation: str | None = None,
+    block_q: int | None = None,
+    block_kv: int | None = None,
+    return_residual: bool = False,
+    score_mod: Callable | None = None,
+    sinks=None,
+):
+  r"""Scaled dot-product attention, numerically stable, dense or chunked.
+
+  Computes, for each head, ``softmax(mask(score_mod(cap(Q K^T * scale) + bias))) V``:
+  logits and softmax statistics in float32 (for 16-bit inputs), the output in the input dtype.
+  Arguments shared with :func:`jax.nn.dot_product_attention` mean exactly what they mean there.
+
+  Args:
+    query: (B, T, N, H) or (T, N, H).
+    key: (B, S, K, H) or (S, K, H); K must divide N (K < N is GQA, K = 1 is MQA).
+    value: same shape as ``key``.
+    bias: additive float bias of rank <= 4, broadcastable to (B, N, T, S) (each dim 1 or full).
+      In the chunked implementation a full (B, N, T, S) bias is read block by block but still
+      costs its own O(T x S) memory.
+    mask: boolean array of rank <= 4 broadcastable to (B, N, T, S), True = attend; or a
+      :mod:`jattn.masks` object (``masks.causal() & masks.local_window(128)`` ...).
+    scale: logit scale; default ``1 / sqrt(H)``.
+    is_causal: ``False``, ``True`` / ``"top_left"`` (query i sees keys <= i, as jax.nn), or
+      ``"bottom_right"`` (query i sees keys <= i + S - T: the last query aligns with the last
+      key, as when decoding with a KV cache or prefilling in chunks). The alignment also sets
+      the diagonal that ``local_window_size`` is measured from.
+    query_seq_lengths: int (B,) valid query lengths; rows past it output 0.
+    key_value_seq_lengths: int (B,) valid key/value lengths.
+    local_window_size: ``w`` or ``(left, right)``: query i sees keys in [i - left, i + right]
+      (relative to the causal diagonal when ``is_causal="bottom_right"``).
+    q_segment_ids: int (B, T) packed-document ids; a query sees only keys with an equal id.
+    kv_segment_ids: int (B, S); required together with ``q_segment_ids``.
+    logits_soft_cap: ``cap > 0``: logits become ``cap * tanh(logits / cap)`` (before bias).
+    dropout_rate: in [0, 1): drop attention weights, scale the kept ones by 1 / (1 - rate).
+      Which weights drop is a pure function of (dropout_rng, b, n, t, s), identical for every
+      implementation and block size.
+    dropout_rng: a PRNG key, required when ``dropout_rate > 0``.
+    implementation: ``None`` (automatic: dense below ~1M scores per head, else chunked),
+      ``"dense"`` (alias ``"xla"``) or ``"chunked"``.
+    block_q, block_kv: chunked block sizes (default 512, clipped to T and S).
+    return_residual: also return the log-sum-exp of each row, shaped (B, T, N) (or (T, N)) like
+      jax.nn's, without gradient. A row with nothing to attend to has a large negative value.
+    score_mod: ``f(score, batch, head, q_index, kv_index) -> score`` on the fp32 logits after
+      bias, before masking; ``score`` is (B, N, tq, tk) and the indices broadcast to it. Arrays it
+      closes over receive gradients. Define it once: a new function object recompiles.
+    sinks: optional float (N,) per-head sink logits that join every row's softmax denominator and
+      take no value (attention sinks); they receive gradients.
+
+  Returns:
+    The output, shaped like ``query`` with value's head dim, in the query dtype; with
+    ``return_residual`` a tuple (output, lse).
+
+  Differences from jax.nn: a query row with nothing to attend to returns 0 (jax.nn returns the
+  mean of V); its gradients are 0; masked positions never contribute inf or NaN.
+  """
+  opts = _Options(
+      scale=_validation.scale(scale),
+      causal=_validation.causal(is_causal),
+      window=_validation.window(local_window_size),
+      logits_soft_cap=_validation.soft_cap(logits_soft_cap),
+      dropout_rate=_validation.dropout(dropout_rate, dropout_rng),
+      implementation=_validation.implementation(implementation),
+      block_q=_validation.block("block_q", block_q),
+      block_kv=_validation.block("block_kv", block_kv),
+      return_residual=_validation.flag("return_residual", return_residual),
+      score_mod=_validation.callable_or_none("score_mod", score_mod),
+  )
+  if opts.dropout_rate == 0.0:
+    dropout_rng = None
+  return _attention(query, key, value, bias, mask, query_seq_lengths, key_value_seq_lengths,
+                    q_segment_ids, kv_segment_ids, dropout_rng, sinks, opts=opts)
+
+
+@functools.partial(jax.jit, static_argnames=("opts",))
+def _attention(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_seg, dropout_rng,
+               sinks, *, opts: _Options):
+  args = _validation.arrays(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_seg,
+                            sinks)
+  query, key, value = args.query, args.key, args.value
+  B, T, N, H = query.shape
+  _, S, K, Hv = value.shape
+  G = N // K
+  scale = opts.scale if opts.scale is not None else 1.0 / float(np.sqrt(H))
+  shape = (B, N, T, S)
+
+  combined = build_mask(shape, args.mask, opts.causal, opts.window, q_lengths=args.q_lengths,
+                        kv_lengths=args.kv_lengths, q_segment_ids=args.q_seg,
+                        kv_segment_ids=args.kv_seg)
+
+  impl = opts.implementation or choose_implementation(T, S)
+  bq = min(opts.block_q or DEFAULT_BLOCK_Q, T)
+  bk = min(opts.block_kv or DEFAULT_BLOCK_KV, S)
+  tile_shape = (B, N, T, S) if impl == "dense" else (B, N, bq, bk)
+
+  score_mod, score_args = None, ()
+  if opts.score_mod is not None:
+    score_mod, score_args = _closure_convert_score_mod(opts.score_mod, tile_shape,
+                                                       _tile.stat_dtype(query.dtype))
+
+  cfg = Config(B=B, T=T, S=S, K=K, G=G, H=H, scale=scale, logits_soft_cap=opts.logits_soft_cap,
+               dropout_rate=opts.dropout_rate, score_mod=score_mod)
+
+  # Head-major, GQA-grouped layout inside the kernels: (B, T, N, H) -> (B, K, G, T, H).
+  q = jnp.transpose(query, (0, 2, 1, 3)).reshape(B, K, G, T, H)
+  k = jnp.transpose(key, (0, 2, 1, 3))
+  v = jnp.transpose(value, (0, 2, 1, 3))
+  bias5 = None if args.bias is None else _tile.group_heads(args.bias, K, G)
+  sink = (None if args.sinks is None
+          else args.sinks.astype(_tile.stat_dtype(query.dtype)).reshape(1, K, G, 1))
+  seed = (_dropout.seed_words(dropout_rng) if opts.dropout_rate > 0
+          else jnp.zeros((2,), jnp.uint32))
+
+  if impl == "dense":
+    out, lse = _dense.dense_attention(cfg, q, k, v, bias5, combined, seed, score_args, sink)
+  else:
+    grid = _masks.BlockGrid(T, S, bq, bk)
+    states = block_map(combined, grid, shape)
+    cc = _chunked.ChunkedConfig(cfg, grid)
+    out, lse = _chunked.chunked_attention(cc, q, k, v, bias5, combined, states, seed, score_args,
+                                          sink)
+
+  out = jnp.transpose(out.reshape(B, N, T, Hv), (0, 2, 1, 3))
+  if args.unbatched:
+    out = out[0]
+  if not opts.return_residual:
+    return out
+  lse = jnp.transpose(lse.reshape(B, N, T), (0, 2, 1))
+  # Keep the "nothing to attend to" value finite in the output dtype (float16's range is small).
+  lse = jnp.maximum(lse, jnp.asarray(jnp.finfo(query.dtype).min, lse.dtype)).astype(query.dtype)
+  if args.unbatched:
+    lse = lse[0]
+  return out, jax.lax.stop_gradient(lse)
+
+
+def choose_implementation(T: int, S: int) -> str:
+  """The rule behind implementation=None: dense for small score matrices, chunked otherwise."""
+  return "chunked" if T * S >= AUTO_CHUNKED_MIN_SCORES else "dense"
+
+
+def build_mask(shape, mask=None, causal=None, window=None, *, q_lengths=None, kv_lengths=None,
+               q_segment_ids=None, kv_segment_ids=None):
+  """Turn the keyword arguments into one `jattn.masks` object (None when nothing is hidden).
+
+  The keywords are thin ways to build mask objects, so both implementations see one mechanism.
+  """
+  parts = []
+  if mask is not None:
+    parts.append(mask if isinstance(mask, _masks.Mask) else _masks.from_array(mask))
+  offset = 0 if causal in (None, "top_left") else shape[3] - shape[2]
+  if causal is not None:
+    parts.append(_masks.causal(offset=offset))
+  if window is not None:
+    parts.append(_masks.local_window(window[0], window[1], offset=offset))
+  if q_lengths is not None or kv_lengths is not None:
+    parts.append(_masks.lengths(q_lengths, kv_lengths))
+  if q_segment_ids is not None:
+    parts.append(_masks.segments(q_segment_ids, kv_segment_ids))
+  if not parts:
+    return None
+  return functools.reduce(lambda a, b: a & b, parts)
+
+
+def block_map(mask, grid: _masks.BlockGrid, shape):
+  """The (nq, nk) EMPTY/PARTIAL/FULL map the chunked kernel runs on (a jax int8 array)."""
+  if mask is None:
+    states = np.full((grid.num_q_blocks, grid.num_kv_blocks), _masks.FULL, np.int8)
+  else:
+    states = _masks.reduce_states(mask.block_states(grid, shape), shape)
+  if grid.S % grid.block_kv:
+    # The last key block is padded: it always needs the (kv < S) mask.
+    xp = np if isinstance(states, np.ndarray) else jnp
+    last = xp.minimum(states[:, -1:], _masks.PARTIAL).astype(xp.int8)
+    states = xp.concatenate([states[:, :-1], last], axis=1)
+  return jnp.asarray(states, jnp.int8)
+
+
+def _closure_convert_score_mod(score_mod, tile_shape, dtype):
+  """Hoist the arrays a score_mod closes over into explicit arguments, so the chunked custom VJP
+  can return their gradients (a learned relative-position table gets its gradient)."""
+  B, N, tq, tk = tile_shape
+  ex = (jax.ShapeDtypeStruct((B, N, tq, tk), dtype),
+        jax.ShapeDtypeStruct((B, 1, 1, 1), jnp.int32),
+        jax.ShapeDtypeStruct((1, N, 1, 1), jnp.int32),
+        jax.ShapeDtypeStruct((1, 1, tq, 1), jnp.int32),
+        jax.ShapeDtypeStruct((1, 1, 1, tk), jnp.int32))
+  converted, consts = jax.closure_convert(score_mod, *ex)
+  return converted, tuple(consts)

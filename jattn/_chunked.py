@@ -1,0 +1,334 @@
+"""Chunked attention: online softmax over key/value blocks, O(T + S) memory forward and backward.
+
+The FlashAttention algorithm in pure JAX, so XLA compiles it for CPU, GPU and TPU.
+
+Forward, for each query block: walk the key/value blocks that the mask does not hide, keeping a
+running max m, running sum l and an fp32 accumulator acc. When a block raises the max from m to
+m', the old sum and accumulator are rescaled by exp(m - m') -- the same max trick as the stable
+softmax, applied incrementally. At the end out = acc / l and the log-sum-exp m + log(l) is saved.
+
+Backward (a custom VJP, so nothing of size T x S is stored): for each key/value block, walk the
+query blocks that can see it, recompute P = exp(S - lse) from the saved log-sum-exp, and
+accumulate dV = P^T dO, dK = dS^T Q and dQ = dS K with dS = P * (dO V^T - rowsum(dO * O)).
+
+Block skipping: a (num_q_blocks, num_kv_blocks) int8 map of EMPTY / PARTIAL / FULL (see
+`jattn.masks`) drives both loops. Each loop only runs over the range of non-empty blocks, a switch
+skips any EMPTY block inside that range, and FULL blocks take a branch without mask arithmetic.
+
+Shapes inside: q (B,K,G,Tp,H), k/v (B,K,Sp,H), with Tp, Sp padded up to whole blocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jattn import _tile
+from jattn._tile import Config
+from jattn.masks import EMPTY, FULL, PARTIAL, BlockGrid
+
+# A test hook: when set (at trace time) to a Python callable, every computed block calls it with
+# (pass, q_block, kv_block, state) through `jax.debug.callback`. It lets tests check that EMPTY
+# blocks are never computed, from the program actually run.
+_BLOCK_HOOK = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ChunkedConfig:
+  cfg: Config
+  grid: BlockGrid  # over the true (T, S)
+
+  @property
+  def Tp(self):
+    return self.grid.num_q_blocks * self.grid.block_q
+
+  @property
+  def Sp(self):
+    return self.grid.num_kv_blocks * self.grid.block_kv
+
+
+def _nonempty_range(states):
+  """Per row of a (R, C) state map: [first, last + 1) of its non-empty columns (0, 0 if none)."""
+  ne = states != EMPTY
+  has = ne.any(axis=1)
+  C = states.shape[1]
+  first = jnp.argmax(ne, axis=1).astype(jnp.int32)
+  last = (C - jnp.argmax(ne[:, ::-1], axis=1)).astype(jnp.int32)
+  zero = jnp.zeros((), jnp.int32)
+  return jnp.where(has, first, zero), jnp.where(has, last, zero)
+
+
+def _hook(pass_name, i, j, state):
+  if _BLOCK_HOOK is not None:
+    hook = _BLOCK_HOOK
+    jax.debug.callback(lambda i, j, s: hook(pass_name, int(i), int(j), int(s)), i, j, state)
+
+
+def _slice(x, start, size, axis):
+  return jax.lax.dynamic_slice_in_dim(x, start, size, axis=axis)
+
+
+def _bias_block(bias, i, j, grid):
+  """Slice a (B|1,K|1,G|1,Tp|1,Sp|1) bias for tile (i, j); broadcast dims stay size 1."""
+  if bias is None:
+    return None
+  if bias.shape[3] != 1:
+    bias = _slice(bias, i * grid.block_q, grid.block_q, 3)
+  if bias.shape[4] != 1:
+    bias = _slice(bias, j * grid.block_kv, grid.block_kv, 4)
+  return bias
+
+
+def _positions(i, block):
+  return i * block + jnp.arange(block, dtype=jnp.int32)
+
+
+# --------------------------------------------------------------------------------------------
+# Forward.
+# --------------------------------------------------------------------------------------------
+
+
+def _forward(cc: ChunkedConfig, q, k, v, bias, mask, states, seed, score_args, sink):
+  cfg, grid = cc.cfg, cc.grid
+  B, K, G, _, H = q.shape
+  bq, bk = grid.block_q, grid.block_kv
+  sd = _tile.stat_dtype(q.dtype)
+  ragged = cfg.S % bk != 0
+  lo, hi = _nonempty_range(states)
+  Hv = v.shape[-1]
+
+  def q_block(i):
+    q_pos = _positions(i, bq)
+    qb = _slice(q, i * bq, bq, 3)
+
+    def tile(j, carry, masked: bool):
+      m, l, acc = carry
+      kv_pos = _positions(j, bk)
+      kb, vb = _slice(k, j * bk, bk, 2), _slice(v, j * bk, bk, 2)
+      qt = qb
+      vis = None
+      if masked:
+        vis = _tile.visible(cfg, mask, q_pos, kv_pos, ragged_kv=ragged)
+        if vis is not None:
+          qt, kb, vb = _tile.sanitize(vis, qb, kb, vb)
+      s, _ = _tile.logits(cfg, qt, kb, _bias_block(bias, i, j, grid), q_pos, kv_pos, score_args)
+      if vis is not None:
+        s = jnp.where(vis, s, jnp.asarray(_tile.NEG, sd))
+      m_new = jnp.maximum(m, s.max(axis=-1))
+      p = jnp.exp(s - m_new[..., None])
+      if vis is not None:
+        p = jnp.where(vis, p, jnp.zeros((), sd))
+      corr = jnp.exp(m - m_new)
+      l = l * corr + p.sum(axis=-1)
+      if cfg.dropout_rate > 0:
+        p = jnp.where(_tile.keep(cfg, seed, q_pos, kv_pos), p, jnp.zeros((), sd))
+      acc = acc * corr[..., None] + _tile.pv(p, vb)
+      _hook("fwd", i, j, jnp.int8(PARTIAL if masked else FULL))
+      return m_new, l, acc
+
+    def body(j, carry):
+      return jax.lax.switch(
+          states[i, j].astype(jnp.int32),
+          [lambda j, c: c, functools.partial(tile, masked=True),
+           functools.partial(tile, masked=False)], j, carry)
+
+    m0 = jnp.full((B, K, G, bq), _tile.NEG, sd)
+    l0 = jnp.zeros((B, K, G, bq), sd)
+    if sink is not None:
+      # The sink is one more logit in every row, with no value: it starts the running max and
+      # contributes exp(sink - m) to the sum.
+      m0 = jnp.broadcast_to(sink.astype(sd), (B, K, G, bq))
+      l0 = jnp.ones((B, K, G, bq), sd)
+    acc0 = jnp.zeros((B, K, G, bq, Hv), sd)
+    m, l, acc = jax.lax.fori_loop(lo[i], hi[i], body, (m0, l0, acc0))
+    out = _tile.safe_normalize(acc, l, cfg.dropout_rate).astype(q.dtype)
+    return out, _tile.safe_lse(m, l)
+
+  outs, lses = jax.lax.map(q_block, jnp.arange(grid.num_q_blocks, dtype=jnp.int32))
+  # (nq, B, K, G, bq, .) -> (B, K, G, nq * bq, .)
+  out = jnp.moveaxis(outs, 0, 3).reshape(B, K, G, cc.Tp, Hv)
+  lse = jnp.moveaxis(lses, 0, 3).reshape(B, K, G, cc.Tp)
+  return out, lse
+
+
+# --------------------------------------------------------------------------------------------
+# Backward.
+# --------------------------------------------------------------------------------------------
+
+
+def _backward(cc: ChunkedConfig, q, k, v, bias, mask, states, seed, score_args, sink, out, lse,
+              dout):
+  cfg, grid = cc.cfg, cc.grid
+  B, K, G, Tp, H = q.shape
+  bq, bk = grid.block_q, grid.block_kv
+  sd = _tile.stat_dtype(q.dtype)
+  ragged = cfg.S % bk != 0
+  lo, hi = _nonempty_range(states.T)
+  Hv = v.shape[-1]
+  # rowsum(dO * O) = rowsum(P * dP): the softmax Jacobian's correction term, one per query.
+  delta = jnp.einsum("bkgqh,bkgqh->bkgq", dout.astype(sd), out.astype(sd))
+  keep_scale = 1.0 / (1.0 - cfg.dropout_rate) if cfg.dropout_rate > 0 else None
+
+  # The score_mod is applied separately so its VJP gives d(logits) and d(closed-over arrays).
+  cfg_nomod = dataclasses.replace(cfg, score_mod=None)
+
+  def kv_block(carry, j):
+    dq, dbias, dargs = carry
+    kv_pos = _positions(j, bk)
+    kb0, vb0 = _slice(k, j * bk, bk, 2), _slice(v, j * bk, bk, 2)
+
+    def tile(i, inner, masked: bool):
+      dk, dv, dq, dbias, dargs = inner
+      q_pos = _positions(i, bq)
+      qb, kb, vb = _slice(q, i * bq, bq, 3), kb0, vb0
+      dob = _slice(dout, i * bq, bq, 3)
+      lse_b = _slice(lse, i * bq, bq, 3)
+      delta_b = _slice(delta, i * bq, bq, 3)
+      vis = None
+      if masked:
+        vis = _tile.visible(cfg, mask, q_pos, kv_pos, ragged_kv=ragged)
+        if vis is not None:
+          qb, kb, vb = _tile.sanitize(vis, qb, kb, vb)
+      bias_b = _bias_block(bias, i, j, grid)
+      s, t = _tile.logits(cfg_nomod, qb, kb, bias_b, q_pos, kv_pos)
+      if cfg.score_mod is not None:
+        s, mod_vjp = jax.vjp(
+            lambda s_, a_: _tile.apply_score_mod(cfg, s_, q_pos, kv_pos, a_), s, score_args)
+      if vis is not None:
+        s = jnp.where(vis, s, jnp.asarray(_tile.NEG, sd))
+      p = jnp.exp(s - lse_b[..., None])
+      if vis is not None:
+        p = jnp.where(vis, p, jnp.zeros((), sd))
+      dp = jnp.einsum("bkgqh,bksh->bkgqs", dob, vb, preferred_element_type=sd)
+      if cfg.dropout_rate > 0:
+        kept = _tile.keep(cfg, seed, q_pos, kv_pos)
+        pd = jnp.where(kept, p, jnp.zeros((), sd)) * jnp.asarray(keep_scale, sd)
+        dp = jnp.where(kept, dp, jnp.zeros((), sd)) * jnp.asarray(keep_scale, sd)
+      else:
+        pd = p
+      dv = dv + jnp.einsum("bkgqs,bkgqh->bksh", pd.astype(dob.dtype), dob,
+                           preferred_element_type=sd)
+      ds = p * (dp - delta_b[..., None])  # d loss / d (post-bias, post-score_mod) logits
+      if vis is not None:
+        ds = jnp.where(vis, ds, jnp.zeros((), sd))
+      if cfg.score_mod is not None:
+        ds, dargs_b = mod_vjp(ds)
+        dargs = jax.tree.map(jnp.add, dargs, dargs_b)
+      if dbias is not None:
+        dbias = _accumulate_bias(dbias, ds, i, j, grid)
+      if t is not None:
+        ds = ds * (1.0 - t * t)
+      ds = ds * jnp.asarray(cfg.scale, sd)
+      dsc = ds.astype(q.dtype)
+      dk = dk + jnp.einsum("bkgqs,bkgqh->bksh", dsc, qb, preferred_element_type=sd)
+      dq_b = jnp.einsum("bkgqs,bksh->bkgqh", dsc, kb, preferred_element_type=sd)
+      dq = jax.lax.dynamic_update_slice_in_dim(
+          dq, _slice(dq, i * bq, bq, 3) + dq_b, i * bq, axis=3)
+      _hook("bwd", i, j, jnp.int8(PARTIAL if masked else FULL))
+      return dk, dv, dq, dbias, dargs
+
+    def body(i, inner):
+      return jax.lax.switch(
+          states[i, j].astype(jnp.int32),
+          [lambda i, c: c, functools.partial(tile, masked=True),
+           functools.partial(tile, masked=False)], i, inner)
+
+    dk0 = jnp.zeros((B, K, bk, H), sd)
+    dv0 = jnp.zeros((B, K, bk, Hv), sd)
+    dk, dv, dq, dbias, dargs = jax.lax.fori_loop(lo[j], hi[j], body,
+                                                 (dk0, dv0, dq, dbias, dargs))
+    return (dq, dbias, dargs), (dk, dv)
+
+  dq0 = jnp.zeros(q.shape, sd)
+  dbias0 = None if bias is None else jnp.zeros(bias.shape, _tile.stat_dtype(bias.dtype))
+  dargs0 = jax.tree.map(jnp.zeros_like, score_args)
+  (dq, dbias, dargs), (dks, dvs) = jax.lax.scan(
+      kv_block, (dq0, dbias0, dargs0), jnp.arange(grid.num_kv_blocks, dtype=jnp.int32))
+  dk = jnp.moveaxis(dks, 0, 2).reshape(B, K, cc.Sp, H)
+  dv = jnp.moveaxis(dvs, 0, 2).reshape(B, K, cc.Sp, Hv)
+  dsink = None
+  if sink is not None:
+    # d out / d sink = -p_sink * out, so d loss / d sink = -sum_rows exp(sink - lse) * delta.
+    # Padded query rows have delta = 0.
+    p_sink = jnp.exp(sink.astype(sd) - lse)
+    dsink = -(p_sink * delta).sum(axis=(0, 3), keepdims=True).reshape(sink.shape)
+    dsink = dsink.astype(sink.dtype)
+  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
+          None if dbias is None else dbias.astype(bias.dtype), dargs, dsink)
+
+
+def _accumulate_bias(dbias, ds, i, j, grid):
+  """Add a tile's dS into the bias gradient, summed over the bias's broadcast dimensions."""
+  axes = tuple(a for a in range(3) if dbias.shape[a] == 1 and ds.shape[a] != 1)
+  t_full, s_full = dbias.shape[3] != 1, dbias.shape[4] != 1
+  if not t_full:
+    axes += (3,)
+  if not s_full:
+    axes += (4,)
+  contrib = ds.sum(axis=axes, keepdims=True) if axes else ds
+  start = (0, 0, 0, i * grid.block_q if t_full else 0, j * grid.block_kv if s_full else 0)
+  cur = jax.lax.dynamic_slice(dbias, start, contrib.shape)
+  return jax.lax.dynamic_update_slice(dbias, cur + contrib.astype(dbias.dtype), start)
+
+
+# --------------------------------------------------------------------------------------------
+# The custom VJP: inputs, output and log-sum-exp are the only residuals.
+# --------------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _chunked(cc, q, k, v, bias, mask, states, seed, score_args, sink):
+  return _forward(cc, q, k, v, bias, mask, states, seed, score_args, sink)
+
+
+def _chunked_fwd(cc, q, k, v, bias, mask, states, seed, score_args, sink):
+  out, lse = _forward(cc, q, k, v, bias, mask, states, seed, score_args, sink)
+  return (out, lse), (q, k, v, bias, mask, states, seed, score_args, sink, out, lse)
+
+
+def _chunked_bwd(cc, res, cts):
+  q, k, v, bias, mask, states, seed, score_args, sink, out, lse = res
+  dout, _ = cts  # the log-sum-exp output carries no gradient (as in jax.nn)
+  dq, dk, dv, dbias, dargs, dsink = _backward(cc, q, k, v, bias, mask, states, seed, score_args,
+                                              sink, out, lse, dout)
+  zero_mask = jax.tree.map(_zero_cotangent, mask)
+  return (dq, dk, dv, dbias, zero_mask, _zero_cotangent(states), _zero_cotangent(seed), dargs,
+          dsink)
+
+
+def _zero_cotangent(x):
+  if x is None:
+    return None
+  x = jnp.asarray(x)
+  if jnp.issubdtype(x.dtype, jnp.inexact):
+    return jnp.zeros_like(x)
+  return np.zeros(x.shape, jax.dtypes.float0)
+
+
+_chunked.defvjp(_chunked_fwd, _chunked_bwd)
+
+
+def chunked_attention(cc: ChunkedConfig, q, k, v, bias, mask, states, seed, score_args=(),
+                      sink=None):
+  """q (B,K,G,T,H), k/v (B,K,S,H), bias (B|1,K|1,G|1,T|1,S|1), states (nq, nk) int8.
+
+  Pads T and S to whole blocks, runs the custom-VJP kernel, and slices the padding off.
+  Returns out (B,K,G,T,H) and lse (B,K,G,T).
+  """
+  cfg = cc.cfg
+  pt, ps = cc.Tp - cfg.T, cc.Sp - cfg.S
+  if pt:
+    q = jnp.pad(q, ((0, 0),) * 3 + ((0, pt), (0, 0)))
+  if ps:
+    k = jnp.pad(k, ((0, 0),) * 2 + ((0, ps), (0, 0)))
+    v = jnp.pad(v, ((0, 0),) * 2 + ((0, ps), (0, 0)))
+  if bias is not None and (pt or ps):
+    bias = jnp.pad(bias, ((0, 0),) * 3 + ((0, pt if bias.shape[3] != 1 else 0),
+                                         (0, ps if bias.shape[4] != 1 else 0)))
+  out, lse = _chunked(cc, q, k, v, bias, mask, states, seed, score_args, sink)
+  return out[:, :, :, :cfg.T], lse[:, :, :, :cfg.T]

@@ -1,0 +1,48 @@
+"""Dense attention: materialise the (B, N, T, S) scores; plain autodiff gives the gradients.
+
+Fastest for short sequences, where the score matrix fits in cache. The stable softmax is written
+out rather than calling `jax.nn.softmax` so that masked entries are exact zeros, a row with
+nothing to attend to yields 0 instead of the mean of V, and no masked position can put inf or NaN
+into the forward or backward pass.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jattn import _tile
+from jattn._tile import Config
+
+
+def dense_attention(cfg: Config, q, k, v, bias, mask, seed, score_args=(), sink=None):
+  """q (B,K,G,T,H), k/v (B,K,S,H), bias (B|1,K|1,G|1,T|1,S|1) or None, mask a jattn Mask or None.
+
+  Returns out (B,K,G,T,H) in q's dtype and lse (B,K,G,T) in the statistics dtype.
+  """
+  q_pos = jnp.arange(cfg.T, dtype=jnp.int32)
+  kv_pos = jnp.arange(cfg.S, dtype=jnp.int32)
+  vis = _tile.visible(cfg, mask, q_pos, kv_pos, ragged_kv=False)
+  if vis is not None:
+    q, k, v = _tile.sanitize(vis, q, k, v)
+  s, _ = _tile.logits(cfg, q, k, bias, q_pos, kv_pos, score_args)  # (B,K,G,T,S)
+  sd = s.dtype
+  neg = jnp.asarray(_tile.NEG, sd)
+  if vis is not None:
+    s = jnp.where(vis, s, neg)
+  # The max only shifts the exponent (softmax(x) = softmax(x - c)); its gradient cancels, so it is
+  # a constant for autodiff. Starting from NEG keeps all-masked rows finite.
+  m = jax.lax.stop_gradient(jnp.maximum(s.max(axis=-1), neg))  # (B,K,G,T)
+  if sink is not None:
+    m = jnp.maximum(m, jax.lax.stop_gradient(sink))
+  p = jnp.exp(s - m[..., None])
+  if vis is not None:
+    p = jnp.where(vis, p, jnp.zeros((), sd))
+  l = p.sum(axis=-1)
+  if sink is not None:
+    l = l + jnp.exp(sink - m)
+  if cfg.dropout_rate > 0:
+    p = jnp.where(_tile.keep(cfg, seed, q_pos, kv_pos), p, jnp.zeros((), sd))
+  out = _tile.safe_normalize(_tile.pv(p, v), l, cfg.dropout_rate)
+  lse = jax.lax.stop_gradient(_tile.safe_lse(m, l))
+  return out.astype(q.dtype), lse

@@ -1,0 +1,155 @@
+"""The math of one (query-block, key-block) tile, shared by the dense and chunked kernels.
+
+Dense attention is the special case of a single tile covering the whole (T, S) score matrix, so
+both implementations compute logits, masks and dropout through these functions and cannot drift
+apart.
+
+Inside the kernels, arrays are head-major and grouped for GQA (K key/value heads, G = N // K query
+heads per key/value head; query head n = k * G + g, as `jax.nn` numbers them):
+  q  (B, K, G, tq, H)      k, v  (B, K, tk, H)      scores  (B, K, G, tq, tk)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jattn import _dropout
+
+# Masked logits are set to a finite large negative, never -inf: exp(NEG - m) underflows to an
+# exact 0 and `max` over a fully masked row stays finite, so no inf - inf = NaN can arise.
+# Float32's range is used for every statistics dtype (as jax.nn does) so it survives a cast.
+NEG = float(-0.7 * np.finfo(np.float32).max)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Config:
+  """Static (hashable) description of one attention call, after validation."""
+
+  B: int
+  T: int
+  S: int
+  K: int
+  G: int
+  H: int
+  scale: float
+  logits_soft_cap: float | None
+  dropout_rate: float
+  score_mod: Callable | None = None
+
+  @property
+  def N(self) -> int:
+    return self.K * self.G
+
+
+def stat_dtype(dtype) -> Any:
+  """Softmax statistics are float32 for 16-bit inputs (float64 stays float64)."""
+  return jnp.promote_types(dtype, jnp.float32)
+
+
+def group_heads(x, K: int, G: int):
+  """(B|1, N|1, t, s) -> (B|1, K|1, G|1, t, s), following query head n = k * G + g."""
+  b, n, t, s = x.shape
+  if n == 1:
+    return x.reshape(b, 1, 1, t, s)
+  return x.reshape(b, K, G, t, s)
+
+
+def logits(cfg: Config, q, k, bias, q_pos, kv_pos, score_args=()):
+  """Scaled logits of a tile in the statistics dtype, before masking.
+
+  Order: scale * q.k, then soft-cap (cap * tanh(x / cap)), then + bias, then score_mod.
+  Returns (scores, tanh_or_None); the tanh is kept for the soft-cap derivative.
+  """
+  sd = stat_dtype(q.dtype)
+  s = jnp.einsum("bkgqh,bksh->bkgqs", q, k, preferred_element_type=sd)
+  s = s * jnp.asarray(cfg.scale, sd)
+  t = None
+  if cfg.logits_soft_cap is not None:
+    cap = jnp.asarray(cfg.logits_soft_cap, sd)
+    t = jnp.tanh(s / cap)
+    s = cap * t
+  if bias is not None:
+    s = s + bias.astype(sd)
+  if cfg.score_mod is not None:
+    s = apply_score_mod(cfg, s, q_pos, kv_pos, score_args)
+  return s, t
+
+
+def index_grids(cfg: Config, q_pos, kv_pos):
+  """Broadcastable (batch, head, q, kv) int32 index arrays for a tile, heads as n = k * G + g."""
+  b = jnp.arange(cfg.B, dtype=jnp.int32).reshape(cfg.B, 1, 1, 1, 1)
+  h = (jnp.arange(cfg.K, dtype=jnp.int32)[:, None] * cfg.G
+       + jnp.arange(cfg.G, dtype=jnp.int32)[None, :]).reshape(1, cfg.K, cfg.G, 1, 1)
+  q = q_pos.astype(jnp.int32).reshape(1, 1, 1, -1, 1)
+  k = kv_pos.astype(jnp.int32).reshape(1, 1, 1, 1, -1)
+  return b, h, q, k
+
+
+def apply_score_mod(cfg: Config, s, q_pos, kv_pos, score_args):
+  """score_mod on a tile, presented to the user in (B, N, tq, tk) layout with index arrays of
+  shapes (B,1,1,1), (1,N,1,1), (1,1,tq,1), (1,1,1,tk)."""
+  shape5 = s.shape
+  s4 = s.reshape(shape5[0], cfg.N, shape5[3], shape5[4])
+  b = jnp.arange(cfg.B, dtype=jnp.int32).reshape(cfg.B, 1, 1, 1)
+  h = jnp.arange(cfg.N, dtype=jnp.int32).reshape(1, cfg.N, 1, 1)
+  q = q_pos.astype(jnp.int32).reshape(1, 1, -1, 1)
+  k = kv_pos.astype(jnp.int32).reshape(1, 1, 1, -1)
+  out = cfg.score_mod(s4, b, h, q, k, *score_args)
+  out = jnp.broadcast_to(jnp.asarray(out).astype(s.dtype), s4.shape)
+  return out.reshape(shape5)
+
+
+def visible(cfg: Config, mask, q_pos, kv_pos, *, ragged_kv: bool):
+  """Boolean (B|1, K|1, G|1, tq, tk) visibility of a tile, or None when nothing is hidden."""
+  vis = None
+  if mask is not None:
+    vis = group_heads(mask.evaluate(q_pos, kv_pos, (cfg.B, cfg.N, cfg.T, cfg.S)), cfg.K, cfg.G)
+  if ragged_kv:
+    # Key positions past S are padding of the last block.
+    inside = (kv_pos < cfg.S).reshape(1, 1, 1, 1, -1)
+    vis = inside if vis is None else vis & inside
+  return vis
+
+
+def sanitize(vis, q, k, v):
+  """Zero query rows and key/value columns that the tile's mask hides entirely.
+
+  A masked probability is an exact 0, but 0 * NaN = NaN: garbage (inf/NaN) in padded keys, values
+  or queries would otherwise leak into outputs and gradients through the matmuls.
+  """
+  row = vis.any(axis=4)[..., None]  # (B|1, K|1, G|1, tq, 1)
+  col = vis.any(axis=(2, 3))[..., None]  # (B|1, K|1, tk, 1)
+  zero = lambda x: jnp.zeros((), x.dtype)
+  return (jnp.where(row, q, zero(q)), jnp.where(col, k, zero(k)), jnp.where(col, v, zero(v)))
+
+
+def keep(cfg: Config, seed, q_pos, kv_pos):
+  """Dropout keep-mask of a tile, (B, K, G, tq, tk); a pure function of the absolute indices."""
+  b, h, q, k = index_grids(cfg, q_pos, kv_pos)
+  return _dropout.keep_mask(seed, cfg.dropout_rate, b, h, q, k)
+
+
+def pv(p, v):
+  """(B,K,G,tq,tk) weights times (B,K,tk,H) values; weights in the value dtype, fp32 accumulate."""
+  return jnp.einsum("bkgqs,bksh->bkgqh", p.astype(v.dtype), v,
+                    preferred_element_type=stat_dtype(v.dtype))
+
+
+def safe_lse(m, l):
+  """log-sum-exp of a row from its max and sum; NEG for a row with nothing to attend to."""
+  ok = l > 0
+  return jnp.where(ok, m + jnp.log(jnp.where(ok, l, jnp.ones((), l.dtype))),
+                   jnp.asarray(NEG, m.dtype))
+
+
+def safe_normalize(acc, l, dropout_rate: float):
+  """acc / l with 0 (not NaN) for empty rows; dropout's 1 / (1 - rate) folded in."""
+  denom = jnp.where(l > 0, l, jnp.ones((), l.dtype))
+  if dropout_rate > 0:
+    denom = denom * jnp.asarray(1.0 - dropout_rate, l.dtype)
+  return acc / denom[..., None]

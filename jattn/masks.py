@@ -1,0 +1,582 @@
+"""Attention masks as small lazy objects, with a per-block summary.
+
+A mask says, for batch b, query head n, query position q and key position k, whether query q may
+attend to key k (True = attend, as in ``jax.nn.dot_product_attention``). jattn never needs the
+dense (B, N, T, S) boolean array: a mask is evaluated on one (q-range, kv-range) window at a time
+(``mask.evaluate``), and summarised per block of a (block_q, block_kv) grid as EMPTY (nothing
+visible: the block is skipped), PARTIAL (mask arithmetic needed) or FULL (everything visible: no
+mask arithmetic) by ``mask.block_states``.
+
+Structural masks (causal, window, chunked-local, prefix-LM) know their block summary from index
+ranges alone, so it is computed in NumPy at trace time in O(number of blocks). Masks that depend on
+data (lengths, segment ids, a boolean array, a user function) compute it at run time from per-block
+ranges, still without a (T, S) array.
+
+Masks combine with ``&``, ``|`` and ``~``. ``bool(mask)`` raises, so ``m1 and m2`` (which would
+silently pick one of them) fails loudly.
+
+Shapes: B batch, T query length, S key length, N query heads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = [
+    "EMPTY", "PARTIAL", "FULL", "Mask", "BlockGrid", "causal", "local_window", "chunked_local",
+    "prefix_lm", "lengths", "segments", "from_array", "from_function", "full",
+    "CausalAlignment",
+]
+
+# Block states. The numeric order matters: AND of two states is their minimum, OR their maximum,
+# NOT is 2 - state (see `_combine`).
+EMPTY, PARTIAL, FULL = 0, 1, 2
+
+CausalAlignment = str  # "top_left" | "bottom_right"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BlockGrid:
+  """A (block_q, block_kv) tiling of a (T, S) score matrix; the last blocks may be ragged."""
+
+  T: int
+  S: int
+  block_q: int
+  block_kv: int
+
+  @property
+  def num_q_blocks(self) -> int:
+    return -(-self.T // self.block_q)
+
+  @property
+  def num_kv_blocks(self) -> int:
+    return -(-self.S // self.block_kv)
+
+  def q_ranges(self) -> tuple[np.ndarray, np.ndarray]:
+    """First and one-past-last query position of every query block, shape (nq,)."""
+    start = np.arange(self.num_q_blocks, dtype=np.int64) * self.block_q
+    return start, np.minimum(start + self.block_q, self.T)
+
+  def kv_ranges(self) -> tuple[np.ndarray, np.ndarray]:
+    start = np.arange(self.num_kv_blocks, dtype=np.int64) * self.block_kv
+    return start, np.minimum(start + self.block_kv, self.S)
+
+
+class Mask:
+  """Base class. Subclasses are frozen dataclasses and JAX pytrees (arrays are leaves).
+
+  Subclasses implement:
+    evaluate(q_pos, kv_pos, shape): bool array broadcastable to (B, N, len(q_pos), len(kv_pos)),
+      where q_pos (tq,) and kv_pos (tk,) are int32 absolute positions (possibly traced) and
+      shape = (B, N, T, S) is the full problem.
+    block_states(grid, shape): int8 array broadcastable to (B, N, nq, nk); a NumPy array when
+      the summary is known at trace time, a jax array otherwise.
+  """
+
+  def evaluate(self, q_pos, kv_pos, shape):  # pragma: no cover - abstract
+    raise NotImplementedError
+
+  def block_states(self, grid: BlockGrid, shape):  # pragma: no cover - abstract
+    raise NotImplementedError
+
+  def __and__(self, other: "Mask") -> "Mask":
+    _check_is_mask(other, "&")
+    return _And(self, other)
+
+  def __or__(self, other: "Mask") -> "Mask":
+    _check_is_mask(other, "|")
+    return _Or(self, other)
+
+  def __invert__(self) -> "Mask":
+    return _Not(self)
+
+  def __bool__(self):
+    raise TypeError(
+        f"The truth value of a jattn mask ({type(self).__name__}) is ambiguous: use `m1 & m2` or "
+        "`m1 | m2` to combine masks, not `and`/`or`.")
+
+
+def _check_is_mask(other, op):
+  if not isinstance(other, Mask):
+    raise TypeError(f"mask {op} needs another jattn mask, got {type(other).__name__}")
+
+
+def _register(cls, data_fields=()):
+  """Frozen dataclass + pytree: `data_fields` are array leaves, the rest is static structure."""
+  meta = [f.name for f in dataclasses.fields(cls) if f.name not in data_fields]
+  return jax.tree_util.register_dataclass(cls, data_fields=list(data_fields), meta_fields=meta)
+
+
+# --------------------------------------------------------------------------------------------
+# Structural masks: a band of diagonals  q + lo <= k <= q + hi.
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=True)
+class _Band(Mask):
+  """Keys k with ``q + lo <= k <= q + hi`` (``None`` = unbounded on that side).
+
+  Causal attention is ``lo=None, hi=offset``; a (left, right) window around the diagonal at
+  ``offset`` is ``lo=offset-left, hi=offset+right``. The intersection of two bands is a band, so
+  ``causal & window`` stays exact.
+  """
+
+  lo: int | None
+  hi: int | None
+
+  def evaluate(self, q_pos, kv_pos, shape):
+    q = q_pos[:, None]
+    k = kv_pos[None, :]
+    ok = jnp.ones((q_pos.shape[0], kv_pos.shape[0]), bool)
+    if self.lo is not None:
+      ok = ok & (k >= q + self.lo)
+    if self.hi is not None:
+      ok = ok & (k <= q + self.hi)
+    return ok[None, None]
+
+  def block_states(self, grid, shape):
+    q0, q1 = grid.q_ranges()
+    k0, k1 = grid.kv_ranges()
+    q0, q1 = q0[:, None], q1[:, None] - 1  # inclusive last query
+    k0, k1 = k0[None, :], k1[None, :] - 1  # inclusive last key
+    lo = -math.inf if self.lo is None else self.lo
+    hi = math.inf if self.hi is None else self.hi
+    # Every (q, k) in the block lies inside the band: the tightest corners are inside.
+    full = (k0 >= q1 + lo) & (k1 <= q0 + hi)
+    # No (q, k) inside: the keys are all right of the band's right edge for the first query's
+    # reach (q1 + hi), or all left of the left edge for the last query (q0 + lo).
+    empty = (k0 > q1 + hi) | (k1 < q0 + lo)
+    states = np.where(empty, EMPTY, np.where(full, FULL, PARTIAL)).astype(np.int8)
+    return states[None, None]
+
+  def __and__(self, other):
+    if isinstance(other, _Band):
+      return _Band(_max_opt(self.lo, other.lo), _min_opt(self.hi, other.hi))
+    return Mask.__and__(self, other)
+
+
+def _max_opt(a, b):
+  return b if a is None else a if b is None else max(a, b)
+
+
+def _min_opt(a, b):
+  return b if a is None else a if b is None else min(a, b)
+
+
+_register(_Band)
+
+
+def _alignment_offset(alignment: str, shape) -> int:
+  T, S = shape[2], shape[3]
+  if alignment == "top_left":
+    return 0
+  if alignment == "bottom_right":
+    return S - T
+  raise ValueError(f"alignment must be 'top_left' or 'bottom_right', got {alignment!r}")
+
+
+def causal(shape=None, *, alignment: str = "top_left", offset: int | None = None) -> Mask:
+  """Causal mask: query q sees keys k <= q + offset.
+
+  ``alignment="top_left"`` (offset 0) is `jax.nn`'s convention: query i sees keys <= i.
+  ``alignment="bottom_right"`` (offset S - T) aligns the last query with the last key, the
+  convention for decoding with a KV cache and for chunked prefill; it needs ``shape`` (B, N, T, S)
+  or ``(T, S)``. An explicit ``offset`` overrides the alignment; an int array offset (shape () or
+  (B,)) gives a run-time diagonal, e.g. the fill level of a KV cache under `jit`.
+  """
+  if offset is None:
+    offset = 0 if alignment == "top_left" else _alignment_offset(alignment, _shape4(shape))
+  if isinstance(offset, (int, np.integer)):
+    return _Band(None, int(offset))
+  offset = jnp.asarray(offset)
+  if not jnp.issubdtype(offset.dtype, jnp.integer) or offset.ndim > 1:
+    raise TypeError(f"causal: offset must be an int or an int array of shape () or (B,), got "
+                    f"{offset.dtype}{offset.shape}")
+  return _DynamicCausal(offset)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class _DynamicCausal(Mask):
+  """Causal with a run-time diagonal: query q sees keys k <= q + offset[b].
+
+  For decoding with a KV cache under `jit`: the T new queries sit at cache positions
+  offset[b] .. offset[b] + T - 1 of a fixed-size cache, so the offset is the cache's fill level
+  and changes every step without recompiling.
+  """
+
+  offset: Any  # int32 (B,) or ()
+
+  def evaluate(self, q_pos, kv_pos, shape):
+    off = jnp.reshape(self.offset, (-1, 1, 1)).astype(jnp.int32)
+    return (kv_pos[None, None, :] <= q_pos[None, :, None] + off)[:, None]
+
+  def block_states(self, grid, shape):
+    off = jnp.reshape(self.offset, (-1, 1, 1)).astype(jnp.int32)
+    q0, q1 = (jnp.asarray(a, jnp.int32) for a in grid.q_ranges())
+    k0, k1 = (jnp.asarray(a, jnp.int32) for a in grid.kv_ranges())
+    full = k1[None, None, :] - 1 <= q0[None, :, None] + off
+    empty = k0[None, None, :] > q1[None, :, None] - 1 + off
+    return jnp.where(empty, EMPTY, jnp.where(full, FULL, PARTIAL)).astype(jnp.int8)[:, None]
+
+
+_register(_DynamicCausal, data_fields=("offset",))
+
+
+def local_window(left: int | None, right: int | None = 0, *, offset: int = 0) -> Mask:
+  """Sliding window: query q sees keys with ``q + offset - left <= k <= q + offset + right``.
+
+  ``None`` on a side means unbounded. ``local_window(3, 2)`` is jax.nn's
+  ``local_window_size=(3, 2)``; ``local_window(w, 0)`` is causal sliding-window attention.
+  """
+  for name, v in (("left", left), ("right", right)):
+    if v is not None and (not isinstance(v, (int, np.integer)) or v < 0):
+      raise ValueError(f"local_window: {name} must be a non-negative int or None, got {v!r}")
+  return _Band(None if left is None else offset - int(left),
+               None if right is None else offset + int(right))
+
+
+def _shape4(shape):
+  if shape is None:
+    raise ValueError("bottom_right alignment needs the problem shape (T, S) or (B, N, T, S)")
+  shape = tuple(shape)
+  return (1, 1) + shape if len(shape) == 2 else shape
+
+
+# --------------------------------------------------------------------------------------------
+# Chunked-local and prefix-LM: static, but not bands.
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _ChunkedLocal(Mask):
+  """Query q sees keys in the same fixed-size chunk: q // chunk == k // chunk (Llama 4)."""
+
+  chunk: int
+
+  def evaluate(self, q_pos, kv_pos, shape):
+    return ((q_pos[:, None] // self.chunk) == (kv_pos[None, :] // self.chunk))[None, None]
+
+  def block_states(self, grid, shape):
+    q0, q1 = grid.q_ranges()
+    k0, k1 = grid.kv_ranges()
+    qc0, qc1 = q0[:, None] // self.chunk, (q1[:, None] - 1) // self.chunk
+    kc0, kc1 = k0[None, :] // self.chunk, (k1[None, :] - 1) // self.chunk
+    empty = (qc1 < kc0) | (kc1 < qc0)
+    full = (qc0 == qc1) & (kc0 == kc1) & (qc0 == kc0)
+    return np.where(empty, EMPTY, np.where(full, FULL, PARTIAL)).astype(np.int8)[None, None]
+
+
+_register(_ChunkedLocal)
+
+
+def chunked_local(chunk_size: int) -> Mask:
+  """Attend only within fixed chunks of ``chunk_size`` positions (combine with causal)."""
+  if not isinstance(chunk_size, (int, np.integer)) or chunk_size <= 0:
+    raise ValueError(f"chunked_local: chunk_size must be a positive int, got {chunk_size!r}")
+  return _ChunkedLocal(int(chunk_size))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Prefix(Mask):
+  """Keys k < prefix are visible to every query (the bidirectional prefix of a prefix-LM)."""
+
+  prefix: int
+
+  def evaluate(self, q_pos, kv_pos, shape):
+    return jnp.broadcast_to(kv_pos[None, :] < self.prefix, (q_pos.shape[0], kv_pos.shape[0]))[
+        None, None]
+
+  def block_states(self, grid, shape):
+    k0, k1 = grid.kv_ranges()
+    nq = grid.num_q_blocks
+    st = np.where(k1 <= self.prefix, FULL, np.where(k0 >= self.prefix, EMPTY, PARTIAL))
+    return np.broadcast_to(st[None, :], (nq, st.shape[0])).astype(np.int8)[None, None]
+
+
+_register(_Prefix)
+
+
+def prefix_lm(prefix_length: int, *, offset: int = 0) -> Mask:
+  """Prefix-LM: the first ``prefix_length`` keys are seen by all queries, the rest causally."""
+  if not isinstance(prefix_length, (int, np.integer)) or prefix_length < 0:
+    raise ValueError(f"prefix_lm: prefix_length must be a non-negative int, got {prefix_length!r}")
+  return _Prefix(int(prefix_length)) | _Band(None, int(offset))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Full(Mask):
+  """Everything visible (the neutral element of `&`)."""
+
+  def evaluate(self, q_pos, kv_pos, shape):
+    return jnp.ones((1, 1, q_pos.shape[0], kv_pos.shape[0]), bool)
+
+  def block_states(self, grid, shape):
+    return np.full((1, 1, grid.num_q_blocks, grid.num_kv_blocks), FULL, np.int8)
+
+
+_register(_Full)
+
+
+def full() -> Mask:
+  """The mask that hides nothing."""
+  return _Full()
+
+
+# --------------------------------------------------------------------------------------------
+# Data-dependent masks: the arrays are pytree leaves, the summary is computed at run time.
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class _Lengths(Mask):
+  """Padding: query q < q_lengths[b] and key k < kv_lengths[b] (either may be None)."""
+
+  q_lengths: Any
+  kv_lengths: Any
+
+  def evaluate(self, q_pos, kv_pos, shape):
+    ok = jnp.ones((1, q_pos.shape[0], kv_pos.shape[0]), bool)
+    if self.q_lengths is not None:
+      ok = ok & (q_pos[None, :, None] < self.q_lengths[:, None, None])
+    if self.kv_lengths is not None:
+      ok = ok & (kv_pos[None, None, :] < self.kv_lengths[:, None, None])
+    return ok[:, None]
+
+  def block_states(self, grid, shape):
+    full = jnp.ones((1, grid.num_q_blocks, grid.num_kv_blocks), bool)
+    empty = jnp.zeros((1, grid.num_q_blocks, grid.num_kv_blocks), bool)
+    for lens, (lo, hi), axis in ((self.q_lengths, grid.q_ranges(), 2),
+                                 (self.kv_lengths, grid.kv_ranges(), 1)):
+      if lens is None:
+        continue
+      lo = jnp.asarray(lo, jnp.int32)
+      hi = jnp.asarray(hi, jnp.int32)
+      lens = lens[:, None].astype(jnp.int32)
+      f = jnp.expand_dims(hi[None, :] <= lens, axis)
+      e = jnp.expand_dims(lo[None, :] >= lens, axis)
+      full = full & f
+      empty = empty | e
+    return jnp.where(empty, EMPTY, jnp.where(full, FULL, PARTIAL)).astype(jnp.int8)[:, None]
+
+
+_register(_Lengths, data_fields=("q_lengths", "kv_lengths"))
+
+
+def lengths(q_lengths=None, kv_lengths=None) -> Mask:
+  """Padding mask from per-example valid lengths, int arrays of shape (B)."""
+  return _Lengths(None if q_lengths is None else jnp.asarray(q_lengths),
+                  None if kv_lengths is None else jnp.asarray(kv_lengths))
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class _Segments(Mask):
+  """Packed documents: query q sees key k iff q_ids[b, q] == kv_ids[b, k]."""
+
+  q_ids: Any
+  kv_ids: Any
+
+  def evaluate(self, q_pos, kv_pos, shape):
+    qi = jnp.take(self.q_ids, q_pos, axis=1, mode="fill", fill_value=-1)
+    ki = jnp.take(self.kv_ids, kv_pos, axis=1, mode="fill", fill_value=-2)
+    return (qi[:, :, None] == ki[:, None, :])[:, None]
+
+  def block_states(self, grid, shape):
+    # Per-block id ranges. Two blocks can share a document only if their [min, max] id ranges
+    # meet; that is exact for sorted ids (packed documents) and still sound for unsorted ones.
+    qmin, qmax = _block_min_max(self.q_ids, grid.block_q, grid.num_q_blocks)
+    kmin, kmax = _block_min_max(self.kv_ids, grid.block_kv, grid.num_kv_blocks)
+    qmin, qmax = qmin[:, :, None], qmax[:, :, None]
+    kmin, kmax = kmin[:, None, :], kmax[:, None, :]
+    empty = (qmax < kmin) | (kmax < qmin)
+    full = (qmin == qmax) & (kmin == kmax) & (qmin == kmin)
+    return jnp.where(empty, EMPTY, jnp.where(full, FULL, PARTIAL)).astype(jnp.int8)[:, None]
+
+
+def _block_min_max(ids, block, nblocks):
+  B, L = ids.shape
+  pad = nblocks * block - L
+  lo = jnp.pad(ids, ((0, 0), (0, pad)), constant_values=jnp.iinfo(ids.dtype).max)
+  hi = jnp.pad(ids, ((0, 0), (0, pad)), constant_values=jnp.iinfo(ids.dtype).min)
+  return (lo.reshape(B, nblocks, block).min(-1), hi.reshape(B, nblocks, block).max(-1))
+
+
+_register(_Segments, data_fields=("q_ids", "kv_ids"))
+
+
+def segments(q_segment_ids, kv_segment_ids=None) -> Mask:
+  """Packed-document mask from integer segment ids, q (B, T) and kv (B, S)."""
+  q = jnp.asarray(q_segment_ids)
+  kv = q if kv_segment_ids is None else jnp.asarray(kv_segment_ids)
+  return _Segments(q, kv)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class _ArrayMask(Mask):
+  """A boolean array broadcastable to (B, N, T, S), as jax.nn's ``mask`` argument."""
+
+  array: Any
+
+  def evaluate(self, q_pos, kv_pos, shape):
+    a = self.array
+    if a.shape[2] != 1:
+      a = jnp.take(a, q_pos, axis=2, mode="fill", fill_value=False)
+    if a.shape[3] != 1:
+      a = jnp.take(a, kv_pos, axis=3, mode="fill", fill_value=False)
+    return a
+
+  def block_states(self, grid, shape):
+    a = self.array
+    b, n, t, s = a.shape
+    nq = grid.num_q_blocks if t != 1 else 1
+    nk = grid.num_kv_blocks if s != 1 else 1
+    bq = grid.block_q if t != 1 else 1
+    bk = grid.block_kv if s != 1 else 1
+    # Padding positions count as "visible" for FULL and "hidden" for EMPTY: they are neither.
+    anyv = jnp.pad(a, ((0, 0), (0, 0), (0, nq * bq - t), (0, nk * bk - s)), constant_values=False)
+    allv = jnp.pad(a, ((0, 0), (0, 0), (0, nq * bq - t), (0, nk * bk - s)), constant_values=True)
+    anyv = anyv.reshape(b, n, nq, bq, nk, bk).any(axis=(3, 5))
+    allv = allv.reshape(b, n, nq, bq, nk, bk).all(axis=(3, 5))
+    return jnp.where(anyv, jnp.where(allv, FULL, PARTIAL), EMPTY).astype(jnp.int8)
+
+
+_register(_ArrayMask, data_fields=("array",))
+
+
+def from_array(mask) -> Mask:
+  """Wrap a boolean array broadcastable to (B, N, T, S) (True = attend)."""
+  m = jnp.asarray(mask)
+  if m.dtype != jnp.bool_:
+    raise TypeError(f"from_array: mask must be boolean, got dtype {m.dtype}")
+  if m.ndim > 4:
+    raise ValueError(f"from_array: mask must have rank <= 4 (BNTS), got shape {m.shape}")
+  return _ArrayMask(m.reshape((1,) * (4 - m.ndim) + m.shape))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _FnMask(Mask):
+  """A user predicate ``fn(batch, head, q_index, kv_index) -> bool`` written with jnp ops.
+
+  The four index arguments are int32 arrays broadcastable against each other, of shapes
+  (B,1,1,1), (1,N,1,1), (1,1,tq,1), (1,1,1,tk). Its block summary is evaluated block by block at
+  run time (one (B, N, block_q, block_kv) window at a time, never a (T, S) array).
+  """
+
+  fn: Callable
+
+  def evaluate(self, q_pos, kv_pos, shape):
+    B, N = shape[0], shape[1]
+    b = jnp.arange(B, dtype=jnp.int32)[:, None, None, None]
+    h = jnp.arange(N, dtype=jnp.int32)[None, :, None, None]
+    out = self.fn(b, h, q_pos[None, None, :, None], kv_pos[None, None, None, :])
+    out = jnp.asarray(out)
+    if out.dtype != jnp.bool_:
+      raise TypeError(f"mask_fn must return booleans, got dtype {out.dtype}")
+    return jnp.broadcast_to(out, (B, N, q_pos.shape[0], kv_pos.shape[0]))
+
+  def block_states(self, grid, shape):
+    nq, nk = grid.num_q_blocks, grid.num_kv_blocks
+
+    def one(ij):
+      i, j = ij // nk, ij % nk
+      q = i * grid.block_q + jnp.arange(grid.block_q, dtype=jnp.int32)
+      k = j * grid.block_kv + jnp.arange(grid.block_kv, dtype=jnp.int32)
+      inside = (q[:, None] < grid.T) & (k[None, :] < grid.S)
+      m = self.evaluate(q, k, shape)
+      anyv = (m & inside).any(axis=(2, 3))
+      allv = (m | ~inside).all(axis=(2, 3))
+      return jnp.where(anyv, jnp.where(allv, FULL, PARTIAL), EMPTY).astype(jnp.int8)
+
+    st = jax.lax.map(one, jnp.arange(nq * nk, dtype=jnp.int32))  # (nq*nk, B, N)
+    return jnp.moveaxis(st.reshape(nq, nk, *st.shape[1:]), (0, 1), (2, 3))
+
+
+_register(_FnMask)
+
+
+def from_function(mask_fn: Callable) -> Mask:
+  """Mask from ``mask_fn(batch, head, q_index, kv_index) -> bool`` (jnp ops, broadcasting)."""
+  if not callable(mask_fn):
+    raise TypeError(f"from_function: mask_fn must be callable, got {type(mask_fn).__name__}")
+  return _FnMask(mask_fn)
+
+
+# --------------------------------------------------------------------------------------------
+# Combinations.
+# --------------------------------------------------------------------------------------------
+
+
+def _combine(op, a, b):
+  """Combine block states; stays NumPy when both sides are static."""
+  xp = np if isinstance(a, np.ndarray) and isinstance(b, np.ndarray) else jnp
+  if op == "and":
+    return xp.minimum(a, b)
+  return xp.maximum(a, b)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class _And(Mask):
+  a: Mask
+  b: Mask
+
+  def evaluate(self, q_pos, kv_pos, shape):
+    return self.a.evaluate(q_pos, kv_pos, shape) & self.b.evaluate(q_pos, kv_pos, shape)
+
+  def block_states(self, grid, shape):
+    return _combine("and", self.a.block_states(grid, shape), self.b.block_states(grid, shape))
+
+  def __hash__(self):
+    return hash(("and", self.a, self.b))
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class _Or(Mask):
+  a: Mask
+  b: Mask
+
+  def evaluate(self, q_pos, kv_pos, shape):
+    return self.a.evaluate(q_pos, kv_pos, shape) | self.b.evaluate(q_pos, kv_pos, shape)
+
+  def block_states(self, grid, shape):
+    return _combine("or", self.a.block_states(grid, shape), self.b.block_states(grid, shape))
+
+  def __hash__(self):
+    return hash(("or", self.a, self.b))
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class _Not(Mask):
+  a: Mask
+
+  def evaluate(self, q_pos, kv_pos, shape):
+    return ~self.a.evaluate(q_pos, kv_pos, shape)
+
+  def block_states(self, grid, shape):
+    st = self.a.block_states(grid, shape)
+    return (2 - st).astype(np.int8) if isinstance(st, np.ndarray) else (2 - st).astype(jnp.int8)
+
+  def __hash__(self):
+    return hash(("not", self.a))
+
+
+# Combinations hold masks, which may hold arrays: their children are pytree leaves-or-nodes.
+jax.tree_util.register_dataclass(_And, data_fields=["a", "b"], meta_fields=[])
+jax.tree_util.register_dataclass(_Or, data_fields=["a", "b"], meta_fields=[])
+jax.tree_util.register_dataclass(_Not, data_fields=["a"], meta_fields=[])
+
+
+def reduce_states(states, shape) -> Any:
+  """Summarise (B|1, N|1, nq, nk) states over batch and heads into one (nq, nk) map.
+
+  The kernels process all batch elements and heads of a block together, so a block is skipped
+  only if it is EMPTY for every (b, n), and is mask-free only if it is FULL for every (b, n).
+  """
+  xp = np if isinstance(states, np.ndarray) else jnp
+  lo = states.min(axis=(0, 1))
+  hi = states.max(axis=(0, 1))
+  return xp.where(hi == EMPTY, EMPTY, xp.where(lo == FULL, FULL, PARTIAL)).astype(xp.int8)
