@@ -41,6 +41,7 @@ class _Options:
   window: tuple[int | None, int | None] | None
   logits_soft_cap: float | None
   dropout_rate: float
+  dropout_broadcast: bool
   implementation: str | None
   block_q: int | None
   block_kv: int | None
@@ -65,6 +66,7 @@ def dot_product_attention(
     logits_soft_cap: float | None = None,
     dropout_rate: float = 0.0,
     dropout_rng=None,
+    dropout_broadcast: bool = False,
     implementation: str | None = None,
     block_q: int | None = None,
     block_kv: int | None = None,
@@ -103,6 +105,8 @@ def dot_product_attention(
       Which weights drop is a pure function of (dropout_rng, b, n, t, s), identical for every
       implementation and block size.
     dropout_rng: a PRNG key, required when ``dropout_rate > 0``.
+    dropout_broadcast: share one (T, S) dropout mask across batch and heads (the mask of batch
+      0, head 0), as flax's ``broadcast_dropout=True``.
     implementation: ``None`` (automatic: dense below ~1M scores per head, else chunked),
       ``"dense"`` (alias ``"xla"``) or ``"chunked"``.
     block_q, block_kv: chunked block sizes (default 512, clipped to T and S).
@@ -127,6 +131,7 @@ def dot_product_attention(
       window=_validation.window(local_window_size),
       logits_soft_cap=_validation.soft_cap(logits_soft_cap),
       dropout_rate=_validation.dropout(dropout_rate, dropout_rng),
+      dropout_broadcast=_validation.flag("dropout_broadcast", dropout_broadcast),
       implementation=_validation.implementation(implementation),
       block_q=_validation.block("block_q", block_q),
       block_kv=_validation.block("block_kv", block_kv),
@@ -166,7 +171,8 @@ def _attention(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_s
                                                        _tile.stat_dtype(query.dtype))
 
   cfg = Config(B=B, T=T, S=S, K=K, G=G, H=H, scale=scale, logits_soft_cap=opts.logits_soft_cap,
-               dropout_rate=opts.dropout_rate, score_mod=score_mod)
+               dropout_rate=opts.dropout_rate, score_mod=score_mod,
+               dropout_broadcast=opts.dropout_broadcast)
 
   # Head-major, GQA-grouped layout inside the kernels: (B, T, N, H) -> (B, K, G, T, H).
   q = jnp.transpose(query, (0, 2, 1, 3)).reshape(B, K, G, T, H)

@@ -40,6 +40,8 @@ class Config:
   logits_soft_cap: float | None
   dropout_rate: float
   score_mod: Callable | None = None
+  # One (T, S) dropout mask shared by every batch element and head (flax's broadcast_dropout).
+  dropout_broadcast: bool = False
 
   @property
   def N(self) -> int:
@@ -129,8 +131,11 @@ def sanitize(vis, q, k, v):
 
 
 def keep(cfg: Config, seed, q_pos, kv_pos):
-  """Dropout keep-mask of a tile, (B, K, G, tq, tk); a pure function of the absolute indices."""
+  """Dropout keep-mask of a tile, (B, K, G, tq, tk) (or (1, 1, 1, tq, tk) when broadcast over
+  batch and heads); a pure function of the absolute indices."""
   b, h, q, k = index_grids(cfg, q_pos, kv_pos)
+  if cfg.dropout_broadcast:
+    b, h = jnp.zeros_like(b[:1]), jnp.zeros_like(h[:, :1, :1])
   return _dropout.keep_mask(seed, cfg.dropout_rate, b, h, q, k)
 
 
