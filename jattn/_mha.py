@@ -1,0 +1,225 @@
+"""What jattn's linen and nnx attention modules share: options, RoPE, the KV cache and the call.
+
+The two modules differ only in how flax stores parameters and cache variables; everything that
+decides the numbers lives here, so they cannot drift apart.
+
+Shapes: B batch, T query length, S key length, S_max cache length, N query heads, K key/value
+heads (K divides N: GQA / MQA), H head dim, D model features.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jattn import _validation
+from jattn import masks as _masks
+from jattn._attention import dot_product_attention
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Options:
+  """The validated, static attention options of one module."""
+
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  is_causal: str | None
+  window: tuple[int, int] | None
+  logits_soft_cap: float | None
+  scale: float | None
+  implementation: str | None
+  block_q: int | None
+  block_kv: int | None
+  rope: bool
+  rope_base: float
+  dropout_rate: float
+  broadcast_dropout: bool
+
+
+def options(*, num_heads, num_kv_heads, qkv_features, is_causal, local_window_size,
+            logits_soft_cap, scale, implementation, block_q, block_kv, rope, rope_base,
+            dropout_rate, broadcast_dropout) -> Options:
+  """Check a module's constructor arguments; errors name the argument."""
+  for name, v in (("num_heads", num_heads), ("qkv_features", qkv_features)):
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
+      raise ValueError(f"{name} must be a positive int, got {v!r}")
+  if num_kv_heads is None:
+    num_kv_heads = num_heads
+  if (isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, (int, np.integer))
+      or num_kv_heads <= 0 or num_heads % num_kv_heads):
+    raise ValueError(f"num_kv_heads must be a positive int dividing num_heads={num_heads}, got "
+                     f"{num_kv_heads!r}")
+  if qkv_features % num_heads:
+    raise ValueError(f"qkv_features={qkv_features} must be divisible by num_heads={num_heads}")
+  head_dim = int(qkv_features) // int(num_heads)
+  rope = _validation.flag("rope", rope)
+  if rope and head_dim % 2:
+    raise ValueError(f"rope=True rotates pairs of features: the head dim qkv_features // "
+                     f"num_heads = {head_dim} must be even")
+  if isinstance(rope_base, bool) or not isinstance(rope_base, numbers.Real) or not rope_base > 1:
+    raise ValueError(f"rope_base must be a number > 1, got {rope_base!r}")
+  if isinstance(dropout_rate, bool) or not isinstance(dropout_rate, numbers.Real) or not (
+      0.0 <= dropout_rate < 1.0):
+    raise ValueError(f"dropout_rate must be a float in [0, 1), got {dropout_rate!r}")
+  return Options(
+      num_heads=int(num_heads), num_kv_heads=int(num_kv_heads), head_dim=head_dim,
+      is_causal=_validation.causal(is_causal),
+      window=_validation.window(local_window_size),
+      logits_soft_cap=_validation.soft_cap(logits_soft_cap),
+      scale=_validation.scale(scale),
+      implementation=_validation.implementation(implementation),
+      block_q=_validation.block("block_q", block_q),
+      block_kv=_validation.block("block_kv", block_kv),
+      rope=rope, rope_base=float(rope_base), dropout_rate=float(dropout_rate),
+      broadcast_dropout=_validation.flag("broadcast_dropout", broadcast_dropout))
+
+
+def rope(x, positions, base: float):
+  """Rotary position embedding, rotate-half convention (GPT-NeoX, Llama).
+
+  x (B, L, heads, H) with H even; positions int (B, L). Feature i < H/2 pairs with i + H/2 and
+  rotates by the angle ``position * base ** (-2 i / H)``. Computed in float32, returned in
+  x's dtype.
+  """
+  H = x.shape[-1]
+  half = H // 2
+  inv_freq = jnp.asarray(base, jnp.float32) ** (
+      -jnp.arange(half, dtype=jnp.float32) * jnp.asarray(2.0 / H, jnp.float32))
+  angle = positions.astype(jnp.float32)[:, :, None] * inv_freq[None, None, :]  # (B, L, H/2)
+  cos = jnp.cos(angle)[:, :, None, :]  # (B, L, 1, H/2)
+  sin = jnp.sin(angle)[:, :, None, :]
+  x1 = x[..., :half].astype(jnp.float32)
+  x2 = x[..., half:].astype(jnp.float32)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x.dtype)
+
+
+def _positions(name, positions, B, L, offset=None):
+  """Explicit (L,) or (B, L) int positions, or offset[b] + arange(L) (offset None: 0)."""
+  if positions is None:
+    p = jnp.arange(L, dtype=jnp.int32)[None, :]
+    if offset is not None:
+      p = offset.astype(jnp.int32)[:, None] + p
+    return jnp.broadcast_to(p, (B, L))
+  positions = jnp.asarray(positions)
+  if not jnp.issubdtype(positions.dtype, jnp.integer):
+    raise TypeError(f"{name} must be an integer array, got dtype {positions.dtype}")
+  if positions.shape not in ((L,), (B, L)):
+    raise ValueError(f"{name} must have shape (L,)=({L},) or (B, L)=({B}, {L}), got "
+                     f"{positions.shape}")
+  return jnp.broadcast_to(positions.astype(jnp.int32), (B, L))
+
+
+def _lengths(name, x, B):
+  x = jnp.asarray(x)
+  if not jnp.issubdtype(x.dtype, jnp.integer) or x.shape != (B,):
+    raise ValueError(f"{name} must be an int array of shape (B,)=({B},), got "
+                     f"{x.dtype}{x.shape}")
+  return x.astype(jnp.int32)
+
+
+def _dropout(opts: Options, deterministic: bool, dropout_rng):
+  """(rate, rng) for jattn: (0, None) unless dropout is on for this call."""
+  if opts.dropout_rate == 0.0 or deterministic:
+    return 0.0, None
+  if dropout_rng is None:
+    raise ValueError(f"dropout_rate={opts.dropout_rate} with deterministic=False needs a dropout "
+                     f"PRNG key (linen: a 'dropout' rng or dropout_rng=; nnx: rngs=)")
+  return opts.dropout_rate, dropout_rng
+
+
+def _common(opts: Options, rate, rng):
+  return dict(scale=opts.scale, logits_soft_cap=opts.logits_soft_cap, dropout_rate=rate,
+              dropout_rng=rng, dropout_broadcast=opts.broadcast_dropout,
+              implementation=opts.implementation, block_q=opts.block_q, block_kv=opts.block_kv)
+
+
+def attend(opts: Options, q, k, v, *, self_attention: bool, mask=None, positions=None,
+           kv_positions=None, query_seq_lengths=None, key_value_seq_lengths=None,
+           q_segment_ids=None, kv_segment_ids=None, deterministic: bool = True,
+           dropout_rng=None):
+  """Attention without a cache. q (B, T, N, H), k and v (B, S, K, H) -> (B, T, N, H).
+
+  RoPE positions: ``positions`` for the queries (default arange(T)); ``kv_positions`` for the
+  keys (default: the query positions in self-attention, arange(S) otherwise).
+  """
+  B, T = q.shape[:2]
+  S = k.shape[1]
+  if opts.rope:
+    qp = _positions("positions", positions, B, T)
+    if kv_positions is None and self_attention:
+      kp = qp
+    else:
+      kp = _positions("kv_positions", kv_positions, B, S)
+    q, k = rope(q, qp, opts.rope_base), rope(k, kp, opts.rope_base)
+  rate, rng = _dropout(opts, deterministic, dropout_rng)
+  return dot_product_attention(
+      q, k, v, mask=mask, is_causal=opts.is_causal or False, local_window_size=opts.window,
+      query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+      q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, **_common(opts, rate, rng))
+
+
+def attend_cached(opts: Options, q, k, v, cached_key, cached_value, cache_index, *, mask=None,
+                  positions=None, query_seq_lengths=None, deterministic: bool = True,
+                  dropout_rng=None):
+  """One decoding step: append T new keys/values to the cache, attend over the cache.
+
+  q (B, T, N, H); k, v (B, T, K, H); cached_key, cached_value (B, S_max, K, H); cache_index
+  int32 (B,): how many positions of each example's cache are filled. The new tokens take cache
+  positions cache_index[b] .. cache_index[b] + T - 1 (also their RoPE positions unless
+  ``positions`` is given). Query t sees cache keys k <= cache_index[b] + t (bottom-right aligned
+  causality at the fill level: ``masks.causal(offset=cache_index)``), within the valid length
+  cache_index[b] + query_seq_lengths[b]. ``query_seq_lengths`` (B,) marks right-padding of a
+  batch of prompts of different lengths: only that many new tokens count, padded queries
+  return 0, and the next step overwrites the padded cache entries.
+
+  Writes past S_max are dropped (a fixed-size cache under jit cannot raise on values): keep
+  cache_index + T <= S_max.
+
+  Returns (out (B, T, N, H), new cached_key, new cached_value, new cache_index).
+  """
+  B, T = q.shape[:2]
+  S_max = cached_key.shape[1]
+  if opts.is_causal is None:
+    raise ValueError("decode=True needs is_causal=True: step-by-step decoding with a KV cache "
+                     "reproduces causal self-attention only")
+  if T > S_max:
+    raise ValueError(f"decode step of T={T} tokens does not fit the cache of S_max={S_max}")
+  if k.dtype != cached_key.dtype or v.dtype != cached_value.dtype:
+    raise TypeError(f"new keys/values ({k.dtype}) must have the cache's dtype "
+                    f"({cached_key.dtype}); init the cache with the computation dtype")
+  if k.shape[0] != B or cached_key.shape[0] != B or cached_key.shape[2:] != k.shape[2:]:
+    raise ValueError(f"cache of shape {cached_key.shape} (B, S_max, K, H) does not match new "
+                     f"keys of shape {k.shape} (B, T, K, H)")
+  index = cache_index.astype(jnp.int32)
+  new = (T if query_seq_lengths is None
+         else _lengths("query_seq_lengths", query_seq_lengths, B))
+  if opts.rope:
+    p = _positions("positions", positions, B, T, offset=index)
+    q, k = rope(q, p, opts.rope_base), rope(k, p, opts.rope_base)
+
+  slots = index[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # (B, T) cache positions
+  rows = jnp.arange(B, dtype=jnp.int32)[:, None]
+  # mode="drop": an out-of-range write is lost rather than clamped onto valid entries.
+  cached_key = cached_key.at[rows, slots].set(k, mode="drop")
+  cached_value = cached_value.at[rows, slots].set(v, mode="drop")
+  valid = index + new  # (B,) filled length after this step
+
+  # The causal diagonal alone already hides every slot past the fill level from the valid
+  # queries; the lengths mask adds the same bound for padded queries and zeroes their rows.
+  m = _masks.causal(offset=index)
+  if opts.window is not None:
+    # Keys k >= q + index - left: the complement of causal at offset index - left - 1.
+    m = m & ~_masks.causal(offset=index - (opts.window[0] + 1))
+  m = m & _masks.lengths(None if query_seq_lengths is None else new, valid)
+  if mask is not None:
+    m = m & (mask if isinstance(mask, _masks.Mask) else _masks.from_array(mask))
+  rate, rng = _dropout(opts, deterministic, dropout_rng)
+  out = dot_product_attention(q, cached_key, cached_value, mask=m, **_common(opts, rate, rng))
+  return out, cached_key, cached_value, valid

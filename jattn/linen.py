@@ -1,0 +1,155 @@
+"""jattn attention as a ``flax.linen`` module.
+
+Shapes: B batch, T query length, S key length, S_max cache length, N query heads, K key/value
+heads, H head dim, D features.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax.numpy as jnp
+from flax import linen as nn
+
+from jattn import _mha
+
+__all__ = ["MultiHeadAttention"]
+
+
+class MultiHeadAttention(nn.Module):
+  """Multi-head attention (MHA, GQA, MQA) over :func:`jattn.dot_product_attention`.
+
+  Parameters as in ``flax.linen.MultiHeadDotProductAttention`` (``query``, ``key``, ``value``
+  DenseGeneral kernels (D, N|K, H), ``out`` kernel (N, H, out_features)), so weights copy
+  between the two, and between this module and :class:`jattn.nnx.MultiHeadAttention`.
+
+  Attributes:
+    num_heads: N query heads.
+    qkv_features: N * H (default: the input features D).
+    out_features: output features (default: D).
+    num_kv_heads: K key/value heads (default N); K < N is GQA, K = 1 MQA.
+    dtype: computation dtype (default: inferred from inputs and params).
+    param_dtype: parameter dtype.
+    dropout_rate: attention-weight dropout rate.
+    broadcast_dropout: one (T, S) dropout mask for all batch elements and heads (flax's
+      default is True; here False: independent masks).
+    deterministic: default for the call's ``deterministic`` (no dropout when True).
+    use_bias, kernel_init, bias_init: for the four projections, as in flax.
+    is_causal, local_window_size, logits_soft_cap, scale, implementation, block_q, block_kv:
+      passed to :func:`jattn.dot_product_attention`.
+    rope: apply rotary position embeddings (rotate-half convention) to q and k.
+    rope_base: RoPE base (theta).
+    decode: autoregressive decoding with a KV cache in the ``'cache'`` collection. As in flax,
+      ``init`` with decode=True on an input of shape (B, S_max, D) creates a zero cache of
+      S_max positions (``cached_key``, ``cached_value`` (B, S_max, K, H) and ``cache_index``
+      (B,)); then each ``apply(..., mutable=['cache'])`` on (B, T, D) appends T tokens (a
+      prompt prefill, or one or a few generated tokens) and attends causally over the filled
+      cache. Needs ``is_causal``.
+  """
+
+  num_heads: int
+  qkv_features: int | None = None
+  out_features: int | None = None
+  num_kv_heads: int | None = None
+  dtype: Any = None
+  param_dtype: Any = jnp.float32
+  dropout_rate: float = 0.0
+  broadcast_dropout: bool = False
+  deterministic: bool | None = None
+  use_bias: bool = True
+  kernel_init: Callable = nn.initializers.lecun_normal()
+  bias_init: Callable = nn.initializers.zeros_init()
+  is_causal: bool | str = False
+  local_window_size: int | tuple[int, int] | None = None
+  logits_soft_cap: float | None = None
+  scale: float | None = None
+  implementation: str | None = None
+  block_q: int | None = None
+  block_kv: int | None = None
+  rope: bool = False
+  rope_base: float = 10000.0
+  decode: bool = False
+
+  @nn.compact
+  def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, mask=None, positions=None,
+               kv_positions=None, query_seq_lengths=None, key_value_seq_lengths=None,
+               q_segment_ids=None, kv_segment_ids=None, deterministic: bool | None = None,
+               dropout_rng=None):
+    """inputs_q (B, T, D); inputs_k, inputs_v (B, S, D_kv) (default: self-attention).
+
+    Args:
+      mask: a :mod:`jattn.masks` object (or a boolean array broadcastable to (B, N, T, S)).
+      positions: int (T,) or (B, T) RoPE positions of the queries (default arange(T), or the
+        cache positions when decoding); kv_positions: the same for keys (cross-attention).
+      query_seq_lengths, key_value_seq_lengths: int (B,) valid lengths (padding). When
+        decoding, ``query_seq_lengths`` is the number of real tokens among the T new ones.
+      q_segment_ids, kv_segment_ids: int (B, T), (B, S) packed-document ids.
+      deterministic: no dropout (overrides the attribute).
+      dropout_rng: PRNG key for dropout (default: ``self.make_rng('dropout')``).
+
+    Returns:
+      (B, T, out_features).
+    """
+    D = inputs_q.shape[-1]
+    opts = _mha.options(
+        num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+        qkv_features=self.qkv_features or D, is_causal=self.is_causal,
+        local_window_size=self.local_window_size, logits_soft_cap=self.logits_soft_cap,
+        scale=self.scale, implementation=self.implementation, block_q=self.block_q,
+        block_kv=self.block_kv, rope=self.rope, rope_base=self.rope_base,
+        dropout_rate=self.dropout_rate, broadcast_dropout=self.broadcast_dropout)
+    self_attention = inputs_k is None and inputs_v is None
+    if inputs_k is None:
+      if inputs_v is not None:
+        raise ValueError("inputs_v given without inputs_k; pass inputs_k (and leave inputs_v "
+                         "None to use it for both)")
+      inputs_k = inputs_q
+    if inputs_v is None:
+      inputs_v = inputs_k
+
+    dense = lambda heads, name: nn.DenseGeneral(
+        features=(heads, opts.head_dim), axis=-1, dtype=self.dtype,
+        param_dtype=self.param_dtype, kernel_init=self.kernel_init, bias_init=self.bias_init,
+        use_bias=self.use_bias, name=name)
+    q = dense(opts.num_heads, "query")(inputs_q)  # (B, T, N, H)
+    k = dense(opts.num_kv_heads, "key")(inputs_k)  # (B, S, K, H)
+    v = dense(opts.num_kv_heads, "value")(inputs_v)
+
+    m_deterministic = nn.merge_param("deterministic", self.deterministic, deterministic) if (
+        self.dropout_rate > 0) else True
+    if not m_deterministic and dropout_rng is None:
+      dropout_rng = self.make_rng("dropout")
+
+    decoding = self.decode and self.has_variable("cache", "cached_key")
+    if self.decode:
+      # As in flax: the first (init) call sizes the cache from its input, (B, S_max, ...).
+      cached_key = self.variable("cache", "cached_key", jnp.zeros, k.shape, k.dtype)
+      cached_value = self.variable("cache", "cached_value", jnp.zeros, v.shape, v.dtype)
+      cache_index = self.variable("cache", "cache_index",
+                                  lambda: jnp.zeros((k.shape[0],), jnp.int32))
+    if decoding:
+      if not self_attention:
+        raise NotImplementedError("decode=True caches self-attention keys; inputs_k/inputs_v "
+                                  "(cross-attention) while decoding is not supported")
+      for name, val in (("kv_positions", kv_positions),
+                        ("key_value_seq_lengths", key_value_seq_lengths),
+                        ("q_segment_ids", q_segment_ids), ("kv_segment_ids", kv_segment_ids)):
+        if val is not None:
+          raise ValueError(f"{name} is set by the cache while decoding; got a value")
+      x, ck, cv, idx = _mha.attend_cached(
+          opts, q, k, v, cached_key.value, cached_value.value, cache_index.value, mask=mask,
+          positions=positions, query_seq_lengths=query_seq_lengths,
+          deterministic=m_deterministic, dropout_rng=dropout_rng)
+      cached_key.value, cached_value.value, cache_index.value = ck, cv, idx
+    else:
+      x = _mha.attend(
+          opts, q, k, v, self_attention=self_attention, mask=mask, positions=positions,
+          kv_positions=kv_positions, query_seq_lengths=query_seq_lengths,
+          key_value_seq_lengths=key_value_seq_lengths, q_segment_ids=q_segment_ids,
+          kv_segment_ids=kv_segment_ids, deterministic=m_deterministic,
+          dropout_rng=dropout_rng)
+
+    return nn.DenseGeneral(
+        features=self.out_features or D, axis=(-2, -1), dtype=self.dtype,
+        param_dtype=self.param_dtype, kernel_init=self.kernel_init, bias_init=self.bias_init,
+        use_bias=self.use_bias, name="out")(x)

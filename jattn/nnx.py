@@ -1,0 +1,197 @@
+"""jattn attention as a ``flax.nnx`` module.
+
+Shapes: B batch, T query length, S key length, S_max cache length, N query heads, K key/value
+heads, H head dim, D features.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax.numpy as jnp
+from flax import nnx
+
+from jattn import _mha
+
+__all__ = ["MultiHeadAttention"]
+
+
+class MultiHeadAttention(nnx.Module):
+  """Multi-head attention (MHA, GQA, MQA) over :func:`jattn.dot_product_attention`.
+
+  Parameters as in ``flax.nnx.MultiHeadAttention``: ``query``, ``key``, ``value``
+  (LinearGeneral kernels (D, N|K, H)) and ``out`` (kernel (N, H, out_features)); they copy
+  one to one to and from :class:`jattn.linen.MultiHeadAttention`.
+
+  Args:
+    num_heads: N query heads.
+    in_features: D, features of the query input.
+    qkv_features: N * H (default D).
+    out_features: output features (default D).
+    num_kv_heads: K key/value heads (default N); K < N is GQA, K = 1 MQA.
+    in_kv_features: features of the key/value inputs (default D).
+    dtype: computation dtype (default: inferred from inputs and params).
+    param_dtype: parameter dtype.
+    dropout_rate: attention-weight dropout rate.
+    broadcast_dropout: one (T, S) dropout mask for all batch elements and heads (flax's
+      default is True; here False: independent masks).
+    deterministic: default for the call's ``deterministic`` (``model.eval()`` / ``.train()``
+      set it).
+    use_bias, kernel_init, bias_init: for the four projections, as in flax.
+    is_causal, local_window_size, logits_soft_cap, scale, implementation, block_q, block_kv:
+      passed to :func:`jattn.dot_product_attention`.
+    rope: apply rotary position embeddings (rotate-half convention) to q and k.
+    rope_base: RoPE base (theta).
+    decode: default for the call's ``decode``: append to the KV cache made by
+      :meth:`init_cache` and attend over it.
+    rngs: parameter initialisation, and the dropout stream (kept when dropout_rate > 0).
+  """
+
+  def __init__(
+      self,
+      num_heads: int,
+      in_features: int,
+      qkv_features: int | None = None,
+      out_features: int | None = None,
+      num_kv_heads: int | None = None,
+      in_kv_features: int | None = None,
+      *,
+      dtype: Any = None,
+      param_dtype: Any = jnp.float32,
+      dropout_rate: float = 0.0,
+      broadcast_dropout: bool = False,
+      deterministic: bool | None = None,
+      use_bias: bool = True,
+      kernel_init: Callable = nnx.initializers.lecun_normal(),
+      bias_init: Callable = nnx.initializers.zeros_init(),
+      is_causal: bool | str = False,
+      local_window_size: int | tuple[int, int] | None = None,
+      logits_soft_cap: float | None = None,
+      scale: float | None = None,
+      implementation: str | None = None,
+      block_q: int | None = None,
+      block_kv: int | None = None,
+      rope: bool = False,
+      rope_base: float = 10000.0,
+      decode: bool = False,
+      rngs: nnx.Rngs,
+  ):
+    self.opts = _mha.options(
+        num_heads=num_heads, num_kv_heads=num_kv_heads,
+        qkv_features=in_features if qkv_features is None else qkv_features,
+        is_causal=is_causal, local_window_size=local_window_size,
+        logits_soft_cap=logits_soft_cap, scale=scale, implementation=implementation,
+        block_q=block_q, block_kv=block_kv, rope=rope, rope_base=rope_base,
+        dropout_rate=dropout_rate, broadcast_dropout=broadcast_dropout)
+    o = self.opts
+    self.in_features = in_features
+    self.out_features = in_features if out_features is None else out_features
+    self.dtype = dtype
+    self.param_dtype = param_dtype
+    self.deterministic = deterministic
+    self.decode = decode
+    in_kv = in_features if in_kv_features is None else in_kv_features
+    linear = lambda fin, heads: nnx.LinearGeneral(
+        fin, (heads, o.head_dim), dtype=dtype, param_dtype=param_dtype, use_bias=use_bias,
+        kernel_init=kernel_init, bias_init=bias_init, rngs=rngs)
+    self.query = linear(in_features, o.num_heads)
+    self.key = linear(in_kv, o.num_kv_heads)
+    self.value = linear(in_kv, o.num_kv_heads)
+    self.out = nnx.LinearGeneral(
+        (o.num_heads, o.head_dim), self.out_features, axis=(-2, -1), dtype=dtype,
+        param_dtype=param_dtype, use_bias=use_bias, kernel_init=kernel_init,
+        bias_init=bias_init, rngs=rngs)
+    self.rngs = rngs.dropout.fork() if o.dropout_rate > 0 else nnx.data(None)
+    self.cached_key = nnx.data(None)
+    self.cached_value = nnx.data(None)
+    self.cache_index = nnx.data(None)
+
+  def init_cache(self, batch_size: int, max_length: int, dtype: Any = None):
+    """Create a zero KV cache: ``cached_key``, ``cached_value`` (B, S_max, K, H) and
+    ``cache_index`` int32 (B,), as ``nnx.Cache`` variables. ``dtype`` defaults to the
+    computation dtype (``dtype``, else ``param_dtype``); it must be the dtype keys come in."""
+    if dtype is None:
+      dtype = self.dtype if self.dtype is not None else self.param_dtype
+    shape = (batch_size, max_length, self.opts.num_kv_heads, self.opts.head_dim)
+    self.cached_key = nnx.Cache(jnp.zeros(shape, dtype))
+    self.cached_value = nnx.Cache(jnp.zeros(shape, dtype))
+    self.cache_index = nnx.Cache(jnp.zeros((batch_size,), jnp.int32))
+
+  def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, mask=None, positions=None,
+               kv_positions=None, query_seq_lengths=None, key_value_seq_lengths=None,
+               q_segment_ids=None, kv_segment_ids=None, deterministic: bool | None = None,
+               decode: bool | None = None, rngs: nnx.Rngs | nnx.RngStream | None = None):
+    """inputs_q (B, T, D); inputs_k, inputs_v (B, S, D_kv) (default: self-attention).
+
+    Args:
+      mask: a :mod:`jattn.masks` object (or a boolean array broadcastable to (B, N, T, S)).
+      positions: int (T,) or (B, T) RoPE positions of the queries (default arange(T), or the
+        cache positions when decoding); kv_positions: the same for keys (cross-attention).
+      query_seq_lengths, key_value_seq_lengths: int (B,) valid lengths (padding). When
+        decoding, ``query_seq_lengths`` is the number of real tokens among the T new ones.
+      q_segment_ids, kv_segment_ids: int (B, T), (B, S) packed-document ids.
+      deterministic: no dropout (overrides the attribute).
+      decode: append to the cache and attend over it (overrides the attribute).
+      rngs: dropout randomness (overrides the stream kept at construction).
+
+    Returns:
+      (B, T, out_features).
+    """
+    o = self.opts
+    if inputs_q.shape[-1] != self.in_features:
+      raise ValueError(f"inputs_q has {inputs_q.shape[-1]} features, the module expects "
+                       f"in_features={self.in_features}")
+    self_attention = inputs_k is None and inputs_v is None
+    if inputs_k is None:
+      if inputs_v is not None:
+        raise ValueError("inputs_v given without inputs_k; pass inputs_k (and leave inputs_v "
+                         "None to use it for both)")
+      inputs_k = inputs_q
+    if inputs_v is None:
+      inputs_v = inputs_k
+    q = self.query(inputs_q)  # (B, T, N, H)
+    k = self.key(inputs_k)  # (B, S, K, H)
+    v = self.value(inputs_v)
+
+    det = True
+    if o.dropout_rate > 0:
+      det = deterministic if deterministic is not None else self.deterministic
+      if det is None:
+        raise ValueError("dropout_rate > 0 needs deterministic=True/False, at the call or in the "
+                         "constructor (or model.train() / model.eval())")
+    dropout_rng = None
+    if not det:
+      stream = rngs if rngs is not None else self.rngs
+      if isinstance(stream, nnx.Rngs):
+        stream = stream.dropout
+      if stream is None:
+        raise ValueError("dropout needs rngs: pass rngs= at the call")
+      dropout_rng = stream()
+
+    decode = self.decode if decode is None else decode
+    if decode:
+      if self.cached_key is None:
+        raise ValueError("decode=True but the KV cache is not initialized: call "
+                         "init_cache(batch_size, max_length) first")
+      if not self_attention:
+        raise NotImplementedError("decode=True caches self-attention keys; inputs_k/inputs_v "
+                                  "(cross-attention) while decoding is not supported")
+      for name, val in (("kv_positions", kv_positions),
+                        ("key_value_seq_lengths", key_value_seq_lengths),
+                        ("q_segment_ids", q_segment_ids), ("kv_segment_ids", kv_segment_ids)):
+        if val is not None:
+          raise ValueError(f"{name} is set by the cache while decoding; got a value")
+      x, ck, cv, idx = _mha.attend_cached(
+          o, q, k, v, self.cached_key[...], self.cached_value[...], self.cache_index[...],
+          mask=mask, positions=positions, query_seq_lengths=query_seq_lengths,
+          deterministic=det, dropout_rng=dropout_rng)
+      self.cached_key[...] = ck
+      self.cached_value[...] = cv
+      self.cache_index[...] = idx
+    else:
+      x = _mha.attend(
+          o, q, k, v, self_attention=self_attention, mask=mask, positions=positions,
+          kv_positions=kv_positions, query_seq_lengths=query_seq_lengths,
+          key_value_seq_lengths=key_value_seq_lengths, q_segment_ids=q_segment_ids,
+          kv_segment_ids=kv_segment_ids, deterministic=det, dropout_rng=dropout_rng)
+    return self.out(x)
