@@ -50,7 +50,8 @@ class Config:
 
 def stat_dtype(dtype) -> Any:
   """Softmax statistics are float32 for 16-bit inputs (float64 stays float64)."""
-  return jnp.promote_types(dtype, jnp.float32)
+  # Not jnp.promote_types: under jax_numpy_dtype_promotion='strict' it refuses (bfloat16, float32).
+  return jnp.dtype(jnp.float64) if jnp.dtype(dtype) == jnp.float64 else jnp.dtype(jnp.float32)
 
 
 def group_heads(x, K: int, G: int):
