@@ -1,0 +1,7 @@
+"""jattn-bench: time, memory and FLOP rate of jattn's attention against the usual alternatives.
+
+Modules: ``config`` (TOML sweeps -> cases), ``masks`` (mask specs and exact visible-pair counts),
+``flops`` (FLOP and memory estimates), ``impls`` (the implementations compared), ``torch_peer``
+(PyTorch in its own process), ``runner`` (compile, warm up, interleaved timing), ``report``
+(table, JSON, CSV, machine info), ``plots`` (PNG figures) and ``cli`` (the command line).
+"""

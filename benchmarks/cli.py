@@ -1,0 +1,247 @@
+"""``jattn-bench``: the benchmark command line.
+
+Runs the sweep of a config (configs/default.toml when none is given), prints one table block per
+case as it finishes (progress on stderr), and writes JSON, CSV and Markdown results to ``--out``
+and PNG plots to ``--plot``. See docs/benchmarks.md for how to read the output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import os
+import sys
+
+from benchmarks import config as _config
+from benchmarks import flops as _flops
+from benchmarks import report as _report
+from benchmarks import torch_peer as _torch_peer
+
+_EPILOG = """\
+examples:
+  jattn-bench                                  # configs/default.toml, about 2 minutes on 2 cores
+  jattn-bench quick --plot results/plots       # a tiny sweep, with figures
+  jattn-bench configs/long_context.toml --max-memory 20
+  jattn-bench --impl jattn-chunked,jax-nn --repeats 9
+  jattn-bench long_context --compile-only      # compile time and XLA memory only, no runs
+
+columns: compile_s (lower+compile, apart from run time); median_s and min..max_s over the timed
+repeats; temp_MiB (XLA compiled temporaries); GFLOP/s (visible pairs only, see docs); %peak (of
+the fp32/bf16 matmul peak measured at the start of the run); vs_<baseline> (baseline time /
+this time: > 1 is faster); max|diff| (largest difference from the reference implementation's
+output and gradients); status (ok, compiled, skipped, unsupported, oom, error: with the reason).
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(
+      prog="jattn-bench", description=(
+          "Benchmark jattn's dense and chunked attention against jax.nn, flax (and PyTorch's "
+          "SDPA when torch is importable): time, compile time, XLA memory, FLOP rate."),
+      epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("config_pos", nargs="?", metavar="CONFIG",
+                 help="config file, or a name in configs/ (default: default)")
+  p.add_argument("--config", help="the same as the positional CONFIG")
+  p.add_argument("--quick", action="store_true", help="use configs/quick.toml (a tiny sweep)")
+  p.add_argument("--out", default="results", metavar="DIR",
+                 help="directory for the JSON, CSV and Markdown results (default: results)")
+  p.add_argument("--no-out", action="store_true", help="write no result files")
+  p.add_argument("--plot", metavar="DIR", help="also write PNG plots (time and memory vs T) here")
+  p.add_argument("--max-memory", type=float, metavar="GIB",
+                 help="skip cases that would need more memory than this many GiB: dense "
+                      "implementations by their (B, N, T, S) score estimate before compiling, "
+                      "every JAX implementation by its compiled memory (default: the config's "
+                      "max_memory_gib, else 16)")
+  p.add_argument("--repeats", type=int, metavar="N", help="timed calls per case (overrides)")
+  p.add_argument("--warmup", type=int, metavar="N", help="untimed calls first (overrides)")
+  p.add_argument("--impl", action="append", metavar="NAMES",
+                 help="only these implementations (comma-separated; a prefix matches, so "
+                      "'jattn-chunked' keeps every block size); repeatable")
+  p.add_argument("--peak-size", type=int, metavar="N",
+                 help="n of the n^3 matmul that measures the FLOP peak (overrides the config)")
+  p.add_argument("--compile-only", action="store_true",
+                 help="compile and report compile time and memory, run nothing")
+  p.add_argument("--dry-run", action="store_true",
+                 help="list the cases with their FLOPs and dense memory estimates, and stop")
+  p.add_argument("--quiet", action="store_true", help="no progress display on stderr")
+  return p
+
+
+def _select(cfg: _config.Config, args) -> tuple[list[_config.Case], list[str]]:
+  """Apply the command line's overrides and filters; returns (cases, notes on what was dropped)."""
+  import jax
+
+  notes = []
+  wanted = None
+  if args.impl:
+    wanted = [w.strip() for a in args.impl for w in a.split(",") if w.strip()]
+  backend = jax.default_backend()
+  torch_ok = _torch_peer.available()
+  dropped = set()
+  cases = []
+  for case in cfg.cases:
+    keep = []
+    for impl in case.impls:
+      if wanted is not None and not any(impl.label.startswith(w) for w in wanted):
+        continue
+      if impl.name == "jax-nn-cudnn" and backend != "gpu":
+        dropped.add(f"jax-nn-cudnn needs a GPU backend (this run's backend: {backend})")
+        continue
+      if impl.name == "torch" and not torch_ok:
+        dropped.add("torch is not importable: the PyTorch SDPA peer is left out")
+        continue
+      keep.append(impl)
+    if not keep:
+      continue
+    changes = {"impls": tuple(keep)}
+    if args.repeats is not None:
+      changes["repeats"] = args.repeats
+    if args.warmup is not None:
+      changes["warmup"] = args.warmup
+    cases.append(dataclasses.replace(case, **changes))
+  notes.extend(sorted(dropped))
+  return cases, notes
+
+
+def main(argv: list[str] | None = None) -> int:
+  args = build_parser().parse_args(argv)
+  argv = list(sys.argv[1:] if argv is None else argv)
+  if args.config and args.config_pos:
+    print("jattn-bench: give the config once (positional or --config)", file=sys.stderr)
+    return 2
+  if args.quick and (args.config or args.config_pos):
+    print("jattn-bench: --quick selects configs/quick.toml; give no other config", file=sys.stderr)
+    return 2
+  for name in ("repeats", "peak_size"):
+    v = getattr(args, name)
+    if v is not None and v < 1:
+      print(f"jattn-bench: --{name.replace('_', '-')} must be >= 1, got {v}", file=sys.stderr)
+      return 2
+  if args.warmup is not None and args.warmup < 0:
+    print(f"jattn-bench: --warmup must be >= 0, got {args.warmup}", file=sys.stderr)
+    return 2
+  if args.max_memory is not None and args.max_memory <= 0:
+    print(f"jattn-bench: --max-memory must be > 0 GiB, got {args.max_memory}", file=sys.stderr)
+    return 2
+  try:
+    path = _config.resolve_path("quick" if args.quick else (args.config or args.config_pos))
+    cfg = _config.load(path)
+  except _config.ConfigError as e:
+    print(f"jattn-bench: {e}", file=sys.stderr)
+    return 2
+
+  cases, notes = _select(cfg, args)
+  if not cases:
+    print("jattn-bench: no case left after the filters", file=sys.stderr)
+    return 2
+  max_memory_gib = args.max_memory if args.max_memory is not None else cfg.max_memory_gib
+
+  if args.dry_run:
+    for i, c in enumerate(cases):
+      print(f"[{i + 1}/{len(cases)}] {c.name}: {c.flops / 1e9:.4g} GFLOP, dense estimate "
+            f"{c.dense_memory_estimate / 2 ** 30:.3g} GiB, "
+            f"{', '.join(x.label for x in c.impls)}")
+    for n in notes:
+      print(f"note: {n}")
+    return 0
+  return _run(cfg, cases, notes, args, argv, max_memory_gib)
+
+
+def _run(cfg, cases, notes, args, argv, max_memory_gib) -> int:
+  from benchmarks import runner as _runner  # imports jax, flax, jattn: after argument errors
+
+  progress = _report.Progress(len(cases), enabled=not args.quiet)
+  machine = _report.machine_info()
+  peak_n = args.peak_size or cfg.peak_matmul_size
+  dtypes = sorted({c.dtype for c in cases})
+  peak_start = {}
+  for d in dtypes:
+    if not args.quiet:
+      print(f"measuring the {d} matmul peak ({peak_n}^3) ...", file=sys.stderr, flush=True)
+    peak_start[d] = _runner.measure_matmul_peak(d, peak_n)
+
+  threads = machine["cpu_affinity"] or machine["cpu_count"] or 1
+  peer = _torch_peer.TorchPeer(threads) if any(
+      i.name == "torch" for c in cases for i in c.impls) else None
+  ctx = _runner.Context(
+      max_memory_bytes=int(max_memory_gib * 2 ** 30), baseline=cfg.baseline, seed=cfg.seed,
+      backend=machine["backend"], peak_flops={d: p["flops_per_s"] for d, p in peak_start.items()},
+      compile_only=args.compile_only, torch_peer=peer, progress=progress.detail)
+
+  impl_labels = list(dict.fromkeys(i.label for c in cases for i in c.impls))
+  peaks = ", ".join(f"{d} {p['flops_per_s'] / 1e9:.1f}" for d, p in peak_start.items())
+  print(f"jattn-bench: config {cfg.name!r} ({len(cases)} cases; {', '.join(impl_labels)}) on "
+        f"{machine['backend']} ({', '.join(sorted(set(machine['devices'])))}, "
+        f"{machine['cpu_affinity']} cores); matmul peak GFLOP/s: {peaks}")
+  for n in notes:
+    print(f"note: {n}")
+  sys.stdout.flush()
+
+  rows = []
+  interrupted = False
+  try:
+    for i, case in enumerate(cases):
+      progress.case(i, case.name)
+      case_rows = _runner.run_case(case, i, ctx)
+      rows.extend(case_rows)
+      progress.clear()
+      print("\n" + _report.format_case(case_rows, cfg.baseline), flush=True)
+  except KeyboardInterrupt:
+    interrupted = True
+    progress.clear()
+    print("\ninterrupted: writing the cases finished so far", file=sys.stderr)
+  finally:
+    if peer is not None:
+      if peer.info:
+        machine["torch"] = {k: peer.info.get(k) for k in ("torch", "threads", "cuda")}
+      peer.close()
+
+  peak_end = {}
+  if not interrupted:
+    for d in dtypes:
+      peak_end[d] = _runner.measure_matmul_peak(d, peak_n)
+      drift = peak_end[d]["flops_per_s"] / peak_start[d]["flops_per_s"]
+      if abs(drift - 1) > 0.15:
+        notes.append(f"the {d} matmul peak moved {100 * (drift - 1):+.0f}% between the start and "
+                     f"the end of the run: the machine's load changed; compare within one run "
+                     f"and treat differences under ~15% as noise")
+        print(f"note: {notes[-1]}")
+  machine["load_average_end"] = _report._loadavg()
+
+  comps = _report.comparisons(rows, cfg.compare)
+  if comps:
+    print("\ncomparisons (median time ratios):\n" + _report.format_comparisons(comps))
+  result = {
+      "schema_version": 1,
+      "tool": "jattn-bench",
+      "argv": argv,
+      "config": {"name": cfg.name, "path": cfg.path, "description": cfg.description,
+                 "raw": cfg.raw},
+      "machine": machine,
+      "max_memory_gib": max_memory_gib,
+      "baseline": cfg.baseline,
+      "peak": {d: {"n": peak_n, "flops_per_s": peak_start[d]["flops_per_s"],
+                   "times_s": peak_start[d]["times_s"],
+                   "flops_per_s_end": peak_end[d]["flops_per_s"] if d in peak_end else None}
+               for d in dtypes},
+      "flop_convention": _flops.__doc__.strip(),
+      "notes": notes,
+      "interrupted": interrupted,
+      "compile_only": args.compile_only,
+      "rows": rows,
+      "comparisons": comps,
+  }
+  stem = f"{cfg.name}-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}"
+  if not args.no_out:
+    paths = _report.write_results(args.out, stem, result)
+    print("\nresults: " + ", ".join(str(p) for p in paths.values()))
+  if args.plot:
+    from benchmarks import plots as _plots
+    written = _plots.write_plots(rows, args.plot, stem)
+    print(f"plots: {len(written)} PNG in {args.plot}")
+  return 130 if interrupted else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

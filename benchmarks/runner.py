@@ -1,0 +1,286 @@
+"""Running one case: guard, compile, check, warm up, then time every implementation interleaved.
+
+Per case, each implementation is compiled ahead of time (``jax.jit(f).lower(*args).compile()``,
+timed apart from running) and its compiled memory read from XLA's memory analysis. The first
+call of each is checked against the reference implementation's output (max |difference| over
+the output and, forward+backward, the three gradients). Then ``warmup`` untimed calls each, and
+``repeats`` rounds in which every implementation runs once, in turn (A B A B ...), so that a
+slow period of a shared machine hits all of them alike. Each call ends in ``block_until_ready``.
+A failure (out of memory, unsupported, any error) becomes the row's status and the sweep goes on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks import impls as _impls
+from benchmarks import masks as _masks
+from benchmarks import torch_peer as _torch_peer
+from benchmarks.config import Case, Impl
+
+GIB = 1024 ** 3
+
+# Every row carries every field (None where it does not apply), in this order (also the CSV's).
+ROW_FIELDS = (
+    "case_index", "pass", "dtype", "mask", "B", "N", "K", "H", "T", "S", "impl", "block_q",
+    "block_kv", "status", "reason", "note", "compile_s", "time_median_s", "time_min_s",
+    "time_max_s", "time_p25_s", "time_p75_s", "spread_pct", "repeats", "warmup", "times_s",
+    "flops", "flops_per_s", "peak_fraction", "temp_bytes", "argument_bytes", "output_bytes",
+    "memory_estimate_bytes", "baseline", "speedup_vs_baseline", "temp_vs_baseline",
+    "max_abs_diff", "diff_reference",
+)
+STATUSES = ("ok", "compiled", "skipped", "unsupported", "oom", "error")
+
+
+@dataclasses.dataclass
+class Context:
+  """What every case of a sweep shares."""
+
+  max_memory_bytes: int
+  baseline: str
+  seed: int
+  backend: str
+  peak_flops: dict[str, float]  # dtype -> measured matmul FLOP/s
+  compile_only: bool = False
+  torch_peer: _torch_peer.TorchPeer | None = None
+  progress: Callable[[str], None] = lambda text: None
+
+
+def measure_matmul_peak(dtype: str, n: int, repeats: int = 5) -> dict[str, Any]:
+  """FLOP/s of an (n, n) @ (n, n) matmul in ``dtype``: the machine's practical ceiling.
+
+  Median of ``repeats`` calls after one warm-up; 2 n^3 FLOPs per call.
+  """
+  rng = np.random.default_rng(0)
+  a = jnp.asarray(rng.standard_normal((n, n), dtype=np.float32)).astype(dtype)
+  b = jnp.asarray(rng.standard_normal((n, n), dtype=np.float32)).astype(dtype)
+  compiled = jax.jit(jnp.matmul).lower(a, b).compile()
+  jax.block_until_ready(compiled(a, b))
+  samples = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(compiled(a, b))
+    samples.append(time.perf_counter() - start)
+  median = statistics.median(samples)
+  return {"dtype": dtype, "n": n, "flops_per_s": 2.0 * n ** 3 / median, "times_s": samples}
+
+
+def new_row(case: Case, index: int, impl: Impl, baseline: str) -> dict[str, Any]:
+  row = dict.fromkeys(ROW_FIELDS)
+  row.update(case.fields())
+  row.update(case_index=index, impl=impl.label, repeats=case.repeats, warmup=case.warmup,
+             flops=case.flops, baseline=baseline, note="")
+  if impl.block_q is not None:
+    # The kernel clips blocks to the sequence: record what ran.
+    row.update(block_q=min(impl.block_q, case.T), block_kv=min(impl.block_kv, case.S))
+  return row
+
+
+def classify(error: BaseException) -> tuple[str, str]:
+  """(status, reason) of a failed implementation."""
+  text = " ".join(f"{type(error).__name__}: {error}".split())
+  if len(text) > 500:
+    text = text[:500] + " ..."
+  if isinstance(error, (NotImplementedError, _impls.Unsupported)):
+    return "unsupported", text
+  if (isinstance(error, MemoryError) or getattr(error, "oom", False)
+      or "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()):
+    return "oom", text
+  return "error", text
+
+
+class _JaxRunner:
+  def __init__(self, impl: Impl, case: Case, args: tuple, row: dict):
+    self.impl, self.case, self.args, self.row = impl, case, args, row
+    self.compiled = None
+
+  def prepare(self):
+    attn, note = _impls.attention_fn(self.impl, self.case)
+    self.row["note"] = note
+    fn = _impls.pass_fn(attn, self.case.pass_)
+    start = time.perf_counter()
+    self.compiled = jax.jit(fn).lower(*self.args).compile()
+    self.row["compile_s"] = time.perf_counter() - start
+    stats = None
+    try:
+      stats = self.compiled.memory_analysis()
+    except Exception:  # noqa: BLE001 - some backends do not implement it; the fields stay None
+      pass
+    if stats is not None:
+      self.row.update(temp_bytes=int(stats.temp_size_in_bytes),
+                      argument_bytes=int(stats.argument_size_in_bytes),
+                      output_bytes=int(stats.output_size_in_bytes))
+
+  def measured_bytes(self) -> int | None:
+    if self.row["temp_bytes"] is None:
+      return None
+    return self.row["temp_bytes"] + self.row["argument_bytes"] + self.row["output_bytes"]
+
+  def call(self, keep: bool):
+    start = time.perf_counter()
+    out = jax.block_until_ready(self.compiled(*self.args))
+    elapsed = time.perf_counter() - start
+    return elapsed, (out if keep else None)
+
+  def close(self):
+    self.compiled = None
+
+
+class _TorchRunner:
+  def __init__(self, peer: _torch_peer.TorchPeer, case: Case, seed: int, backend: str, row):
+    self.peer, self.case, self.seed, self.backend, self.row = peer, case, seed, backend, row
+
+  def prepare(self):
+    fields = self.case.fields()
+    m = self.case.mask
+    fields.update(causal=m.causal, window=None if m.window is None else list(m.window),
+                  segments=m.segments)
+    self.row["note"] = self.peer.setup(fields, self.seed, self.backend)["note"]
+
+  def measured_bytes(self):
+    return None
+
+  def call(self, keep: bool):
+    return self.peer.run(), None
+
+  def close(self):
+    pass
+
+
+def _max_abs_diff(a, b) -> float:
+  leaves_a, leaves_b = jax.tree.leaves(a), jax.tree.leaves(b)
+  diffs = [jnp.max(jnp.abs(x.astype(jnp.float32) - y.astype(jnp.float32)))
+           for x, y in zip(leaves_a, leaves_b, strict=True)]
+  return float(max(diffs))
+
+
+def run_case(case: Case, index: int, ctx: Context) -> list[dict[str, Any]]:
+  """All rows of one case (one per implementation), in the config's implementation order."""
+  # The baseline runs first so it can serve as the reference of the output check.
+  order = sorted(case.impls, key=lambda i: i.name != ctx.baseline)
+  rows = {impl: new_row(case, index, impl, ctx.baseline) for impl in case.impls}
+  args = _impls.make_inputs(case, ctx.seed)
+  empty_rows = bool((_masks.visible_per_query(case.T, case.S, case.mask) == 0).any())
+
+  runners = []
+  for impl in order:
+    row = rows[impl]
+    if impl.dense_memory:
+      row["memory_estimate_bytes"] = case.dense_memory_estimate
+      if case.dense_memory_estimate > ctx.max_memory_bytes:
+        row.update(status="skipped", reason=(
+            f"dense score estimate {case.dense_memory_estimate / GIB:.2f} GiB > max-memory "
+            f"{ctx.max_memory_bytes / GIB:.2f} GiB"))
+        continue
+    if impl.name == "torch":
+      runner = _TorchRunner(ctx.torch_peer, case, ctx.seed, ctx.backend, row)
+    else:
+      runner = _JaxRunner(impl, case, args, row)
+    ctx.progress(f"compiling {impl.label}")
+    try:
+      runner.prepare()
+    except Exception as e:  # noqa: BLE001 - recorded in the row; the sweep goes on
+      row["status"], row["reason"] = classify(e)
+      continue
+    measured = runner.measured_bytes()
+    if measured is not None and measured > ctx.max_memory_bytes:
+      row.update(status="skipped", reason=(
+          f"compiled memory {measured / GIB:.2f} GiB > max-memory "
+          f"{ctx.max_memory_bytes / GIB:.2f} GiB"))
+      runner.close()
+      continue
+    if ctx.compile_only:
+      row["status"] = "compiled"
+      runner.close()
+      continue
+    runners.append((impl, runner))
+
+  # First calls: the output check, then the rest of the warm-up. With warmup = 0 the first timed
+  # call is the checked one.
+  reference = None
+  times = {impl: [] for impl, _ in runners}
+
+  def first_call(impl, runner, timed):
+    nonlocal reference
+    elapsed, out = runner.call(keep=True)
+    row = rows[impl]
+    if out is not None and not empty_rows:
+      if reference is None:
+        reference = (impl.label, out)
+      else:
+        row.update(max_abs_diff=_max_abs_diff(out, reference[1]), diff_reference=reference[0])
+    if timed:
+      times[impl].append(elapsed)
+
+  active = []
+  for impl, runner in runners:
+    if case.warmup == 0:
+      active.append((impl, runner))
+      continue
+    ctx.progress(f"warming up {impl.label}")
+    try:
+      first_call(impl, runner, timed=False)
+      for _ in range(case.warmup - 1):
+        runner.call(keep=False)
+      active.append((impl, runner))
+    except Exception as e:  # noqa: BLE001
+      rows[impl]["status"], rows[impl]["reason"] = classify(e)
+      runner.close()
+
+  for rep in range(case.repeats):
+    ctx.progress(f"timing round {rep + 1}/{case.repeats}")
+    still = []
+    for impl, runner in active:
+      try:
+        if rep == 0 and case.warmup == 0:
+          first_call(impl, runner, timed=True)
+        else:
+          times[impl].append(runner.call(keep=False)[0])
+        still.append((impl, runner))
+      except Exception as e:  # noqa: BLE001
+        rows[impl]["status"], rows[impl]["reason"] = classify(e)
+        runner.close()
+    active = still
+  for impl, runner in active:
+    rows[impl].update(status="ok", **_stats(times[impl]))
+    runner.close()
+  if empty_rows:
+    for row in rows.values():
+      if row["status"] == "ok":
+        row["note"] = "; ".join(filter(None, [row["note"], "no output check: some queries see "
+                                              "no key (implementations differ there by design)"]))
+
+  for row in rows.values():
+    if row["status"] == "ok":
+      row["flops_per_s"] = row["flops"] / row["time_median_s"]
+      peak = ctx.peak_flops.get(case.dtype)
+      row["peak_fraction"] = None if not peak else row["flops_per_s"] / peak
+  _ratios(list(rows.values()), ctx.baseline)
+  return [rows[impl] for impl in case.impls]
+
+
+def _stats(samples: list[float]) -> dict[str, Any]:
+  median = statistics.median(samples)
+  p25, p75 = np.percentile(samples, [25, 75])
+  return {"time_median_s": median, "time_min_s": min(samples), "time_max_s": max(samples),
+          "time_p25_s": float(p25), "time_p75_s": float(p75),
+          "spread_pct": 100.0 * (max(samples) - min(samples)) / median, "times_s": samples}
+
+
+def _ratios(rows: list[dict], baseline: str):
+  """speedup_vs_baseline = baseline median / row median (> 1: faster than the baseline)."""
+  base = next((r for r in rows if r["impl"] == baseline), None)
+  for r in rows:
+    if base is None:
+      continue
+    if r["status"] == "ok" and base["status"] == "ok":
+      r["speedup_vs_baseline"] = base["time_median_s"] / r["time_median_s"]
+    if r["temp_bytes"] is not None and base["temp_bytes"]:
+      r["temp_vs_baseline"] = r["temp_bytes"] / base["temp_bytes"]
