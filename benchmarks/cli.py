@@ -56,8 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--repeats", type=int, metavar="N", help="timed calls per case (overrides)")
   p.add_argument("--warmup", type=int, metavar="N", help="untimed calls first (overrides)")
   p.add_argument("--impl", action="append", metavar="NAMES",
-                 help="only these implementations (comma-separated; a prefix matches, so "
-                      "'jattn-chunked' keeps every block size); repeatable")
+                 help="only these implementations, comma-separated, repeatable: names "
+                      "(jattn-dense, jattn-chunked, jax-nn, jax-nn-cudnn, flax, torch; "
+                      "'jattn-chunked' keeps every block size) or labels "
+                      "('jattn-chunked-256x256')")
   p.add_argument("--peak-size", type=int, metavar="N",
                  help="n of the n^3 matmul that measures the FLOP peak (overrides the config)")
   p.add_argument("--compile-only", action="store_true",
@@ -83,7 +85,7 @@ def _select(cfg: _config.Config, args) -> tuple[list[_config.Case], list[str]]:
   for case in cfg.cases:
     keep = []
     for impl in case.impls:
-      if wanted is not None and not any(impl.label.startswith(w) for w in wanted):
+      if wanted is not None and impl.label not in wanted and impl.name not in wanted:
         continue
       if impl.name == "jax-nn-cudnn" and backend != "gpu":
         dropped.add(f"jax-nn-cudnn needs a GPU backend (this run's backend: {backend})")
@@ -100,6 +102,11 @@ def _select(cfg: _config.Config, args) -> tuple[list[_config.Case], list[str]]:
     if args.warmup is not None:
       changes["warmup"] = args.warmup
     cases.append(dataclasses.replace(case, **changes))
+  if wanted is not None:
+    known = {x for c in cfg.cases for i in c.impls for x in (i.name, i.label)}
+    for w in wanted:
+      if w not in known:
+        dropped.add(f"--impl {w!r} matches no implementation of this config")
   notes.extend(sorted(dropped))
   return cases, notes
 

@@ -11,6 +11,7 @@ int32 segment ids ``q_seg`` (B, T) and ``kv_seg`` (B, S) when the mask has segme
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import jax
@@ -91,6 +92,21 @@ def _flax(case):
     return nn.dot_product_attention(q, k, v, mask=mask)
 
   return attn, "; ".join(notes)
+
+
+def trace_context(impl: Impl) -> contextlib.AbstractContextManager:
+  """The JAX settings to trace ``impl`` under.
+
+  jax.nn and flax are written for jax's default promotion rules and fail under the strict dtype
+  and rank promotion that jattn's tests (and careful users) set globally; they are traced under
+  the defaults, as their users run them. jattn is traced under whatever is set.
+  """
+  if impl.name in ("jax-nn", "jax-nn-cudnn", "flax"):
+    stack = contextlib.ExitStack()
+    stack.enter_context(jax.numpy_dtype_promotion("standard"))
+    stack.enter_context(jax.numpy_rank_promotion("allow"))
+    return stack
+  return contextlib.nullcontext()
 
 
 def pass_fn(attn: Callable, pass_: str) -> Callable:

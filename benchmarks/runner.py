@@ -106,7 +106,8 @@ class _JaxRunner:
     self.row["note"] = note
     fn = _impls.pass_fn(attn, self.case.pass_)
     start = time.perf_counter()
-    self.compiled = jax.jit(fn).lower(*self.args).compile()
+    with _impls.trace_context(self.impl):
+      self.compiled = jax.jit(fn).lower(*self.args).compile()
     self.row["compile_s"] = time.perf_counter() - start
     stats = None
     try:

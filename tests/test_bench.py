@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from benchmarks import cli, config, flops, masks, runner
+from benchmarks import cli, config, flops, masks, runner, torch_peer
 
 _JAX_IMPLS = {"jattn-dense", "jattn-chunked-32x32", "jax-nn", "flax"}
 
@@ -84,6 +84,23 @@ def test_quick_result_describes_the_machine(quick):
   assert result["peak"]["float32"]["flops_per_s"] > 0
   assert "visible" in result["flop_convention"]
   assert result["config"]["name"] == "quick" and result["interrupted"] is False
+  if not torch_peer.available():
+    assert any("torch is not importable" in n for n in result["notes"])
+
+
+@pytest.mark.skipif(torch_peer.available(), reason="checks how a missing torch is recorded")
+def test_torch_peer_that_cannot_start_is_recorded():
+  # Forced past the CLI's check: the worker process reports its failed import over the protocol.
+  (case,) = config.parse({"T": [8], "implementations": ["torch"], "passes": ["forward"]}).cases
+  peer = torch_peer.TorchPeer(threads=1)
+  ctx = runner.Context(max_memory_bytes=2 ** 30, baseline="jax-nn", seed=0, backend="cpu",
+                       peak_flops={}, torch_peer=peer)
+  try:
+    (row,) = runner.run_case(case, 0, ctx)
+  finally:
+    peer.close()
+  assert row["status"] == "error" and "import torch failed" in row["reason"], row
+  assert row["time_median_s"] is None
 
 
 def test_quick_writes_csv_markdown_and_plots(quick):
