@@ -1,5 +1,6 @@
 """jattn: numerically stable scaled dot-product attention for JAX, dense and chunked."""
 
+from jattn import diagnostics as diagnostics
 from jattn import linen as linen
 from jattn import masks as masks
 from jattn import nnx as nnx

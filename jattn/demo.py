@@ -1,0 +1,582 @@
+"""`jattn-demo` / `python -m jattn.demo`: the numerical-stability experiments of the article.
+
+1. sharpness  Scaled vs unscaled softmax over head dims d: q, k ~ N(0, 1) make Var(q.k) = d, so
+              without the 1/sqrt(d) scale the softmax saturates and its gradient vanishes.
+2. overflow   Naive exp(x) / sum(exp(x)) vs the max-subtracted softmax vs jattn in float16,
+              bfloat16 and float32 as the logits grow: where the naive one returns NaN.
+3. masked     A query row with every key masked: NaN from the -inf-masked softmax, the mean of V
+              from jax.nn, 0 from jattn.
+4. precision  Attention error against a float64 reference as T grows: jattn dense and chunked in
+              float32 and bfloat16, a plain all-bfloat16 attention, and the bfloat16 rounding
+              floor.
+
+Each experiment is a function returning plain data (dataclasses of floats and NumPy arrays);
+printing and plotting are separate, so the tests check the claims on the same numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import math
+import os
+import sys
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jattn
+from jattn import diagnostics
+
+EXPERIMENTS = ("sharpness", "overflow", "masked", "precision")
+DTYPES = {"float16": jnp.float16, "bfloat16": jnp.bfloat16, "float32": jnp.float32}
+
+
+def _softmax64(x):
+  x = np.asarray(x, np.float64)
+  e = np.exp(x - x.max(axis=-1, keepdims=True))
+  return e / e.sum(axis=-1, keepdims=True)
+
+
+def softmax_jacobian_norm(p):
+  """Frobenius norm of the softmax Jacobian diag(p) - p p^T, for probabilities p (..., S).
+
+  ||J||_F^2 = sum p^2 - 2 sum p^3 + (sum p^2)^2: it goes to 0 as p becomes one-hot, which is how a
+  saturated softmax stops passing gradient to its logits.
+  """
+  p = np.asarray(p, np.float64)
+  p2 = (p * p).sum(-1)
+  return np.sqrt(np.maximum(p2 - 2.0 * (p ** 3).sum(-1) + p2 * p2, 0.0))
+
+
+# --------------------------------------------------------------------------------------------
+# 1. Sharpness: the 1/sqrt(d) scale.
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class SharpnessRow:
+  """Means over seeds for one head dim d, with or without the 1/sqrt(d) scale."""
+
+  d: int
+  scaled: bool
+  logit_std: float  # std of the logits: sqrt(d) unscaled, 1 scaled
+  max_prob: float
+  min_prob: float
+  entropy: float  # nats; log(S) is the uniform maximum
+  entropy_fraction: float  # entropy / log(S), from jattn.diagnostics
+  saturated_fraction: float  # share of rows with max prob > 0.99, from jattn.diagnostics
+  jacobian_norm: float  # Frobenius norm of the softmax Jacobian
+
+
+def sharpness(dims: Sequence[int] = (32, 64, 128, 512), num_keys: int = 8, seeds: int = 256,
+              seed: int = 0) -> list[SharpnessRow]:
+  """One query against ``num_keys`` keys, entries N(0, 1), ``seeds`` independent draws per d.
+
+  Probabilities, entropy and the Jacobian norm are computed in float64 NumPy; the entropy fraction
+  and saturation come from `jattn.diagnostics.attention_stats` on the same float32 q and k.
+  """
+  rows = []
+  rng = np.random.default_rng(seed)
+  for d in dims:
+    q = rng.standard_normal((seeds, 1, 1, d)).astype(np.float32)  # (B, T=1, N=1, H=d)
+    k = rng.standard_normal((seeds, num_keys, 1, d)).astype(np.float32)  # (B, S, K=1, H)
+    raw = np.einsum("bh,bsh->bs", q[:, 0, 0].astype(np.float64), k[:, :, 0].astype(np.float64))
+    for scaled in (False, True):
+      scale = 1.0 / math.sqrt(d) if scaled else 1.0
+      logits = raw * scale
+      p = _softmax64(logits)
+      # The scale folded into q keeps one compiled program per d for both rows.
+      stats = diagnostics.attention_stats(jnp.asarray(q * np.float32(scale)), jnp.asarray(k),
+                                          scale=1.0)
+      rows.append(SharpnessRow(
+          d=int(d), scaled=scaled, logit_std=float(logits.std()),
+          max_prob=float(p.max(-1).mean()), min_prob=float(p.min(-1).mean()),
+          entropy=float((-(p * np.log(np.maximum(p, 1e-300))).sum(-1)).mean()),
+          entropy_fraction=float(np.mean(stats.entropy_fraction)),
+          saturated_fraction=float(np.mean(stats.saturated_fraction)),
+          jacobian_norm=float(softmax_jacobian_norm(p).mean())))
+  return rows
+
+
+# --------------------------------------------------------------------------------------------
+# 2. Overflow: the max trick.
+# --------------------------------------------------------------------------------------------
+
+PATTERNS = {
+    # logits spread over [-M, M]: exp(M) overflows the naive softmax.
+    "spread": lambda M, S: M * np.linspace(-1.0, 1.0, S),
+    # logits in [-M - 1, -M]: every exp(x) underflows to 0 and the naive softmax is 0 / 0.
+    "shifted": lambda M, S: -M + np.linspace(-1.0, 0.0, S),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class OverflowRow:
+  dtype: str
+  pattern: str
+  magnitude: float
+  method: str  # "naive" | "stable" | "jattn"
+  status: str  # "ok" | "NaN" | "inf" | "zeros"
+  max_error: float  # max |p - p_ref| over the row; nan unless status == "ok"
+
+
+@jax.jit
+def _naive_softmax(x):
+  return jnp.exp(x) / jnp.exp(x).sum()
+
+
+@jax.jit
+def _stable_softmax(x):
+  e = jnp.exp(x - x.max())
+  return e / e.sum()
+
+
+def _status(p):
+  p = np.asarray(p, np.float64)
+  if np.isnan(p).any():
+    return "NaN"
+  if np.isinf(p).any():
+    return "inf"
+  if not (p > 0).any():
+    return "zeros"
+  return "ok"
+
+
+def overflow(magnitudes: Sequence[float] = (1, 10, 100, 1e3, 1e4, 1e5), num_keys: int = 8,
+             dtypes: Sequence[str] = ("float16", "bfloat16", "float32"),
+             patterns: Sequence[str] = ("spread", "shifted")) -> list[OverflowRow]:
+  """Softmax of one row of logits x = q * k_i, computed three ways from q and k in ``dtype``.
+
+  naive: exp(x) / sum(exp(x)) in the dtype; stable: exp(x - max x) / sum(...) in the dtype;
+  jattn: `jattn.dot_product_attention` with value = identity, whose output row is the softmax
+  (logits and statistics in float32). The reference is the float64 softmax of the exact products
+  of the rounded inputs.
+  """
+  S = num_keys
+  rows = []
+  for name in dtypes:
+    dtype = DTYPES[name]
+    for pattern in patterns:
+      for M in magnitudes:
+        x = PATTERNS[pattern](float(M), S)
+        r = math.sqrt(abs(float(M)))
+        # q = r e_1 and k_i = (x_i / r) e_1, so q.k_i = x_i; H = S lets value be the identity.
+        q = np.zeros((1, 1, 1, S)); q[0, 0, 0, 0] = r
+        k = np.zeros((1, S, 1, S)); k[0, :, 0, 0] = x / r
+        qd = jnp.asarray(q, jnp.float32).astype(dtype)
+        kd = jnp.asarray(k, jnp.float32).astype(dtype)
+        vd = jnp.asarray(np.eye(S).reshape(1, S, 1, S), jnp.float32).astype(dtype)
+        q64 = np.asarray(qd.astype(jnp.float32), np.float64)[0, 0, 0, 0]
+        k64 = np.asarray(kd.astype(jnp.float32), np.float64)[0, :, 0, 0]
+        ref = _softmax64(q64 * k64)
+        xd = qd[0, 0, 0, 0] * kd[0, :, 0, 0]  # the logits, computed in the dtype
+        got = {
+            "naive": _naive_softmax(xd),
+            "stable": _stable_softmax(xd),
+            "jattn": jattn.dot_product_attention(qd, kd, vd, scale=1.0)[0, 0, 0],
+        }
+        for method, p in got.items():
+          p = np.asarray(p.astype(jnp.float32), np.float64)
+          status = _status(p)
+          err = float(np.abs(p - ref).max()) if status == "ok" else float("nan")
+          rows.append(OverflowRow(name, pattern, float(M), method, status, err))
+  return rows
+
+
+# --------------------------------------------------------------------------------------------
+# 3. A fully masked row.
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskedRowResult:
+  method: str  # "naive -inf" | "jax.nn" | "jattn"
+  masked_row: np.ndarray  # (H,) output of the query row that sees no key
+  output_nan: bool  # any NaN in the output
+  grad_nan: bool  # any NaN in d(sum of outputs)/d(q, k, v)
+  other_rows_error: float  # max |out - ref| over the rows that do see keys
+  mean_of_v_error: float  # max |masked_row - mean over keys of V|
+
+
+def _jax_nn_attention(q, k, v, mask):
+  return jax.nn.dot_product_attention(q, k, v, mask=mask)
+
+
+def _jattn_attention(q, k, v, mask):
+  return jattn.dot_product_attention(q, k, v, mask=mask)
+
+
+def _naive_masked_attention(q, k, v, mask):
+  """The textbook version: masked logits set to -inf, then the max-subtracted softmax."""
+  s = jnp.einsum("btnh,bsnh->bnts", q, k) / jnp.sqrt(jnp.asarray(q.shape[-1], q.dtype))
+  s = jnp.where(mask, s, -jnp.inf)
+  s = s - jax.lax.stop_gradient(s.max(axis=-1, keepdims=True))  # -inf - (-inf) = NaN
+  p = jnp.exp(s)
+  p = p / p.sum(axis=-1, keepdims=True)
+  return jnp.einsum("bnts,bsnh->btnh", p, v)
+
+
+def _with_grad(f):
+  grad = jax.grad(lambda q, k, v, mask: f(q, k, v, mask).sum(), argnums=(0, 1, 2))
+  return jax.jit(f), jax.jit(grad)
+
+
+_MASKED_FNS = {"naive -inf": _with_grad(_naive_masked_attention),
+               "jax.nn": _with_grad(_jax_nn_attention),
+               "jattn": _with_grad(_jattn_attention)}
+
+
+def masked_row(T: int = 4, S: int = 6, H: int = 8, masked_query: int = 1,
+               seed: int = 0) -> list[MaskedRowResult]:
+  """Attention in float32 with a mask that hides every key from query ``masked_query``."""
+  rng = np.random.default_rng(seed)
+  q, k, v = (rng.standard_normal((1, L, 1, H)).astype(np.float32) for L in (T, S, S))
+  vis = np.ones((1, 1, T, S), bool)
+  vis[0, 0, masked_query] = False
+  vis[0, 0, (masked_query + 1) % T, S // 2:] = False  # a partly masked row for contrast
+  s = np.einsum("th,sh->ts", q[0, :, 0].astype(np.float64), k[0, :, 0].astype(np.float64))
+  s = np.where(vis[0, 0], s / math.sqrt(H), -np.inf)
+  seen = vis[0, 0].any(-1)
+  p = np.zeros_like(s)
+  p[seen] = _softmax64(s[seen])
+  ref = p @ v[0, :, 0].astype(np.float64)  # (T, H)
+  mean_v = v[0, :, 0].astype(np.float64).mean(0)
+  mask = jnp.asarray(vis)
+  out = []
+  for name, (f, grad) in _MASKED_FNS.items():
+    o = np.asarray(f(q, k, v, mask), np.float64)[0, :, 0]  # (T, H)
+    grads = grad(q, k, v, mask)
+    err = np.abs(o[seen] - ref[seen])
+    out.append(MaskedRowResult(
+        method=name, masked_row=o[masked_query], output_nan=bool(np.isnan(o).any()),
+        grad_nan=bool(any(np.isnan(np.asarray(g)).any() for g in grads)),
+        other_rows_error=float(np.nanmax(err)) if not np.isnan(err).all() else float("nan"),
+        mean_of_v_error=float(np.abs(o[masked_query] - mean_v).max())))
+  return out
+
+
+# --------------------------------------------------------------------------------------------
+# 4. Precision as T grows.
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionRow:
+  T: int
+  method: str  # see PRECISION_METHODS
+  rel_error: float  # ||out - ref||_F / ||ref||_F
+  max_error: float  # max |out - ref|
+
+
+PRECISION_METHODS = ("jattn dense fp32", "jattn chunked fp32", "jattn dense bf16",
+                     "jattn chunked bf16", "plain bf16", "bf16 rounding of ref")
+
+
+@jax.jit
+def _plain_attention(q, k, v):
+  """Every step in the input dtype (logits, max-subtracted softmax, P V): what a hand-written
+  attention does when the whole model is cast to bfloat16."""
+  dt = q.dtype
+  s = jnp.einsum("btnh,bsnh->bnts", q, k, preferred_element_type=dt)
+  s = s * jnp.asarray(1.0 / math.sqrt(q.shape[-1]), dt)
+  e = jnp.exp(s - s.max(axis=-1, keepdims=True))
+  p = e / e.sum(axis=-1, keepdims=True, dtype=dt)
+  return jnp.einsum("bnts,bsnh->btnh", p, v, preferred_element_type=dt)
+
+
+def _reference64(q, k, v):
+  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+  s = np.einsum("btnh,bsnh->bnts", q, k) / math.sqrt(q.shape[-1])
+  return np.einsum("bnts,bsnh->btnh", _softmax64(s), v)
+
+
+def precision(lengths: Sequence[int] = (128, 256, 512, 1024, 2048), heads: int = 2,
+              head_dim: int = 64, block: int = 128, seed: int = 0) -> list[PrecisionRow]:
+  """Self-attention (T = S), q, k, v ~ N(0, 1) rounded to bfloat16 so every dtype sees the same
+  values; errors against the float64 attention of those values. Chunked uses block x block tiles.
+  """
+  rng = np.random.default_rng(seed)
+  rows = []
+  impls = {"dense": dict(implementation="dense"),
+           "chunked": dict(implementation="chunked", block_q=block, block_kv=block)}
+  # jattn's functions are jitted inside; its compilation cache is shared across calls.
+  fns = {f"jattn {impl} {tag}": (functools.partial(jattn.dot_product_attention, **kw), dt)
+         for impl, kw in impls.items()
+         for tag, dt in (("fp32", jnp.float32), ("bf16", jnp.bfloat16))}
+  fns["plain bf16"] = (_plain_attention, jnp.bfloat16)
+  for T in lengths:
+    x = [jnp.asarray(rng.standard_normal((1, T, heads, head_dim)), jnp.float32).astype(
+        jnp.bfloat16) for _ in range(3)]
+    x32 = [a.astype(jnp.float32) for a in x]
+    ref = _reference64(*x32)
+    norm = float(np.sqrt((ref * ref).sum()))
+    outs = {name: np.asarray(f(*[a.astype(dt) for a in x32]).astype(jnp.float32), np.float64)
+            for name, (f, dt) in fns.items()}
+    outs["bf16 rounding of ref"] = np.asarray(
+        jnp.asarray(ref, jnp.float32).astype(jnp.bfloat16).astype(jnp.float32), np.float64)
+    for name in PRECISION_METHODS:
+      diff = outs[name] - ref
+      rows.append(PrecisionRow(int(T), name, float(np.sqrt((diff * diff).sum())) / norm,
+                               float(np.abs(diff).max())))
+  return rows
+
+
+# --------------------------------------------------------------------------------------------
+# Printing.
+# --------------------------------------------------------------------------------------------
+
+
+def _table(headers, rows) -> str:
+  cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
+  widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+  line = lambda r: "  ".join(c.rjust(w) for c, w in zip(r, widths))
+  return "\n".join([line(cells[0]), "  ".join("-" * w for w in widths)]
+                   + [line(r) for r in cells[1:]])
+
+
+def format_sharpness(rows: list[SharpnessRow], num_keys: int, seeds: int) -> str:
+  head = (f"1. Softmax sharpness, 1 query x {num_keys} keys, q, k ~ N(0, 1), mean of {seeds} "
+          f"draws (uniform: max = min = {1 / num_keys:.3f}, entropy = log S = "
+          f"{math.log(num_keys):.3f})")
+  body = _table(
+      ["d", "scale", "logit std", "max p", "min p", "entropy", "H/logS", "saturated",
+       "|J|_F"],
+      [[r.d, "1/sqrt(d)" if r.scaled else "none", f"{r.logit_std:.2f}", f"{r.max_prob:.3f}",
+        f"{r.min_prob:.2e}", f"{r.entropy:.3f}", f"{r.entropy_fraction:.3f}",
+        f"{r.saturated_fraction:.2f}", f"{r.jacobian_norm:.3f}"] for r in rows])
+  return head + "\n" + body
+
+
+def format_overflow(rows: list[OverflowRow]) -> str:
+  out = ["2. Naive exp(x)/sum(exp(x)) vs max-subtracted softmax vs jattn: max |p - p_ref| "
+         "(float64 reference), or what went wrong"]
+  mags = sorted({r.magnitude for r in rows})
+  for pattern in dict.fromkeys(r.pattern for r in rows):
+    desc = {"spread": "logits in [-M, M]", "shifted": "logits in [-M-1, -M]"}[pattern]
+    table = []
+    for dtype in dict.fromkeys(r.dtype for r in rows):
+      for method in ("naive", "stable", "jattn"):
+        cells = {r.magnitude: r for r in rows
+                 if (r.pattern, r.dtype, r.method) == (pattern, dtype, method)}
+        table.append([dtype, method] + [
+            (f"{cells[M].max_error:.1e}" if cells[M].status == "ok" else cells[M].status)
+            if M in cells else "" for M in mags])
+    out.append(f"  {desc}")
+    out.append(_table(["dtype", "method"] + [f"M={M:g}" for M in mags], table))
+  out.append("  naive/stable compute the logits in the dtype (float16's max is 65504); jattn "
+             "computes them in float32.")
+  return "\n".join(out)
+
+
+def format_masked(results: list[MaskedRowResult]) -> str:
+  head = "3. A query row with every key masked (float32)"
+  body = _table(
+      ["method", "masked row output", "NaN out", "NaN grad", "other rows err", "= mean(V)?"],
+      [[r.method, np.array2string(r.masked_row[:3], precision=3, separator=",")[:-1] + ",...]",
+        r.output_nan, r.grad_nan, f"{r.other_rows_error:.1e}",
+        "yes" if r.mean_of_v_error < 1e-5 else "no"] for r in results])
+  return head + "\n" + body
+
+
+def format_precision(rows: list[PrecisionRow], heads: int, head_dim: int, block: int) -> str:
+  head = (f"4. Relative error ||out - ref|| / ||ref|| against float64, self-attention, N={heads}, "
+          f"H={head_dim}, chunked blocks {block}x{block}")
+  lengths = sorted({r.T for r in rows})
+  table = []
+  for method in PRECISION_METHODS:
+    by_t = {r.T: r for r in rows if r.method == method}
+    table.append([method] + [f"{by_t[T].rel_error:.2e}" for T in lengths])
+  return head + "\n" + _table(["method"] + [f"T={T}" for T in lengths], table)
+
+
+# --------------------------------------------------------------------------------------------
+# Plots (matplotlib is imported only when asked for).
+# --------------------------------------------------------------------------------------------
+
+
+def _pyplot():
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  return plt
+
+
+def plot_sharpness(rows, path):
+  plt = _pyplot()
+  fig, axes = plt.subplots(1, 3, figsize=(12, 3.5))
+  for scaled, style in ((False, "o-"), (True, "s--")):
+    rs = [r for r in rows if r.scaled == scaled]
+    label = "scaled 1/sqrt(d)" if scaled else "unscaled"
+    d = [r.d for r in rs]
+    axes[0].plot(d, [r.max_prob for r in rs], style, label=label)
+    axes[1].plot(d, [r.entropy for r in rs], style, label=label)
+    axes[2].plot(d, [r.jacobian_norm for r in rs], style, label=label)
+  for ax, title in zip(axes, ("max probability", "entropy (nats)", "softmax Jacobian |J|_F")):
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("head dim d")
+    ax.set_title(title)
+    ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+
+
+def plot_overflow(rows, path):
+  plt = _pyplot()
+  dtypes = list(dict.fromkeys(r.dtype for r in rows))
+  patterns = list(dict.fromkeys(r.pattern for r in rows))
+  fig, axes = plt.subplots(len(patterns), len(dtypes), figsize=(4 * len(dtypes),
+                                                              3.2 * len(patterns)),
+                           squeeze=False)
+  for i, pattern in enumerate(patterns):
+    for j, dtype in enumerate(dtypes):
+      ax = axes[i][j]
+      for method, style in (("naive", "o-"), ("stable", "s--"), ("jattn", "^:")):
+        rs = [r for r in rows if (r.pattern, r.dtype, r.method) == (pattern, dtype, method)]
+        ok = [r for r in rs if r.status == "ok"]
+        bad = [r for r in rs if r.status != "ok"]
+        line, = ax.plot([r.magnitude for r in ok], [max(r.max_error, 1e-12) for r in ok], style,
+                        label=method)
+        # Failures are drawn as crosses pinned at the top of the axis.
+        ax.plot([r.magnitude for r in bad], [10.0] * len(bad), "x", color=line.get_color(),
+                markersize=9)
+      ax.set_xscale("log")
+      ax.set_yscale("log")
+      ax.set_ylim(1e-12, 30)
+      ax.set_title(f"{dtype}, {pattern} (x = NaN/inf/zeros)")
+      ax.set_xlabel("logit magnitude M")
+      ax.set_ylabel("max |p - p_ref|")
+      ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+
+
+def plot_masked(results, path):
+  plt = _pyplot()
+  fig, ax = plt.subplots(figsize=(6, 3.5))
+  H = results[0].masked_row.shape[0]
+  width = 0.8 / len(results)
+  for i, r in enumerate(results):
+    vals = np.nan_to_num(r.masked_row, nan=0.0)
+    ax.bar(np.arange(H) + i * width, vals, width, label=r.method + (" (NaN)" if r.output_nan
+                                                                   else ""))
+  ax.set_xlabel("output feature of the fully masked query row")
+  ax.set_title("fully masked row: NaN (naive), mean of V (jax.nn), 0 (jattn)")
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+
+
+def plot_precision(rows, path):
+  plt = _pyplot()
+  fig, ax = plt.subplots(figsize=(6, 4))
+  for method in PRECISION_METHODS:
+    rs = sorted((r for r in rows if r.method == method), key=lambda r: r.T)
+    ax.plot([r.T for r in rs], [r.rel_error for r in rs], "o-", label=method)
+  ax.set_xscale("log", base=2)
+  ax.set_yscale("log")
+  ax.set_xlabel("sequence length T")
+  ax.set_ylabel("relative error vs float64")
+  ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+
+
+# --------------------------------------------------------------------------------------------
+# CLI.
+# --------------------------------------------------------------------------------------------
+
+
+def _ints(text):
+  return tuple(int(t) for t in text.split(",") if t)
+
+
+def _floats(text):
+  return tuple(float(t) for t in text.split(",") if t)
+
+
+def _experiments(text):
+  names = []
+  for t in text.split(","):
+    t = t.strip()
+    if t.isdigit() and 1 <= int(t) <= len(EXPERIMENTS):
+      t = EXPERIMENTS[int(t) - 1]
+    if t not in EXPERIMENTS:
+      raise argparse.ArgumentTypeError(
+          f"unknown experiment {t!r}; choose from {', '.join(EXPERIMENTS)} (or 1-4)")
+    names.append(t)
+  return tuple(dict.fromkeys(names))
+
+
+def build_parser():
+  p = argparse.ArgumentParser(
+      prog="jattn-demo",
+      description="Reproduce the numerical-stability experiments: softmax sharpness with and "
+      "without 1/sqrt(d), naive vs stable softmax overflow, fully masked rows, and bf16/fp32 "
+      "attention error against float64.")
+  p.add_argument("-e", "--experiments", type=_experiments, default=EXPERIMENTS,
+                 help="comma-separated subset of sharpness,overflow,masked,precision (or 1-4); "
+                 "default all")
+  p.add_argument("--seed", type=int, default=0, help="base random seed")
+  p.add_argument("--seeds", type=int, default=256,
+                 help="sharpness: independent draws averaged per head dim (default 256)")
+  p.add_argument("--keys", type=int, default=8,
+                 help="sharpness and overflow: number of keys S (default 8, as the article)")
+  p.add_argument("--dims", type=_ints, default=(32, 64, 128, 512),
+                 help="sharpness: head dims (default 32,64,128,512)")
+  p.add_argument("--magnitudes", type=_floats, default=(1, 10, 100, 1e3, 1e4, 1e5),
+                 help="overflow: logit magnitudes M (default 1,10,100,1e3,1e4,1e5)")
+  p.add_argument("--lengths", type=_ints, default=(128, 256, 512, 1024, 2048),
+                 help="precision: sequence lengths T (default 128,...,2048)")
+  p.add_argument("--heads", type=int, default=2, help="precision: heads N (default 2)")
+  p.add_argument("--head-dim", type=int, default=64, help="precision: head dim H (default 64)")
+  p.add_argument("--block", type=int, default=128,
+                 help="precision: chunked block size (default 128)")
+  p.add_argument("--plot", metavar="DIR", default=None,
+                 help="also write PNG figures (one per experiment) into DIR")
+  return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  args = build_parser().parse_args(argv)
+  if args.plot:
+    os.makedirs(args.plot, exist_ok=True)
+  for name in args.experiments:
+    t0 = time.perf_counter()
+    if name == "sharpness":
+      data = sharpness(args.dims, args.keys, args.seeds, args.seed)
+      text = format_sharpness(data, args.keys, args.seeds)
+      plot = plot_sharpness
+    elif name == "overflow":
+      data = overflow(args.magnitudes, args.keys)
+      text = format_overflow(data)
+      plot = plot_overflow
+    elif name == "masked":
+      data = masked_row(seed=args.seed)
+      text = format_masked(data)
+      plot = plot_masked
+    else:
+      data = precision(args.lengths, args.heads, args.head_dim, args.block, args.seed)
+      text = format_precision(data, args.heads, args.head_dim, args.block)
+      plot = plot_precision
+    print(text)
+    if args.plot:
+      path = os.path.join(args.plot, f"{EXPERIMENTS.index(name) + 1}_{name}.png")
+      plot(data, path)
+      print(f"  wrote {path}")
+    print(f"  ({time.perf_counter() - t0:.1f} s)\n")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,383 @@
+"""Numerical-stability diagnostics of attention: is the softmax saturated, overflowing, empty?
+
+`attention_stats` computes, per head (or per query), the statistics of the softmax that
+`jattn.dot_product_attention` would take, without computing the attention output:
+
+  max_logit, min_logit  extremes of the logits that enter the softmax, over visible keys only
+  max_prob              the largest attention weight of a row
+  entropy               of the attention distribution, in nats
+  entropy_fraction      entropy / log(number of candidates): 1 = uniform, 0 = one-hot
+  saturated_fraction    share of rows whose largest weight exceeds a threshold (default 0.99)
+  masked_rows           rows with no visible key (jattn returns 0 for them)
+  overflow              the naive softmax exp(x) / sum(exp(x)) in the input dtype would overflow
+
+It takes the masking arguments of `jattn.dot_product_attention` and runs dense (one (T, S) tile)
+or chunked (an online pass over key blocks that keeps, per row, the running max, the running sum
+of exp and the running sum of exp * logit, so no (T, S) matrix exists). The entropy comes from
+those running sums: H = lse - sum_i p_i s_i.
+
+`sow_linen` / `sow_nnx` store the statistics from inside a Flax module (see docs/diagnostics.md).
+
+Shapes: B batch, T query length, S key/value length, N query heads, K key/value heads,
+H head dimension, G = N // K.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import numbers
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jattn import _attention, _chunked, _tile, _validation
+from jattn import masks as _masks
+from jattn._tile import Config
+
+__all__ = ["AttentionStats", "attention_stats", "sow_linen", "sow_nnx", "COLLECTION_NAME"]
+
+# The name under which the Flax helpers store the statistics.
+COLLECTION_NAME = "attention_stats"
+
+
+class AttentionStats(NamedTuple):
+  """Softmax statistics of one attention call (a pytree of arrays).
+
+  Per head (``per_query=False``) every field is (B, N); per query (``per_query=True``) it is
+  (B, N, T). Without a batch dimension in the query the leading B is dropped. Float fields are in
+  the statistics dtype (float32 for 16-bit inputs).
+
+  A "candidate" of a row is a visible key, plus the sink when ``sinks`` is given. Per head, the
+  logit extremes run over all visible positions of the head; ``max_prob``, ``entropy``,
+  ``entropy_fraction`` and ``saturated_fraction`` are means over the rows with at least two
+  candidates (a row with a single candidate has no choice to make: weight 1, entropy 0, and it is
+  not a sign of trouble, e.g. the first row of causal attention); they are 0 where no row
+  qualifies. Per query, a row without visible keys reports 0 in every float field.
+
+  Fields:
+    max_logit: largest visible logit (after scale, soft-cap, bias and score_mod).
+    min_logit: smallest visible logit.
+    max_prob: largest attention weight on a key, exp(max_logit - lse).
+    entropy: -sum p log p in nats (the sink's weight included when there is one).
+    entropy_fraction: entropy / log(number of candidates of the row), in [0, 1].
+    saturated_fraction: share of rows with max_prob > the saturation threshold (per query: 0/1).
+    masked_rows: int32 number of rows with no visible key (per query: 0/1). Rows past
+      ``query_seq_lengths`` count here.
+    overflow: bool, the log-sum-exp of some row exceeds log(finfo(query.dtype).max): without
+      the max trick, exp of a logit or the sum of the exps is inf in the input dtype, and the
+      naive softmax returns NaN (inf / inf) or all-zero weights (finite / inf).
+  """
+
+  max_logit: Any
+  min_logit: Any
+  max_prob: Any
+  entropy: Any
+  entropy_fraction: Any
+  saturated_fraction: Any
+  masked_rows: Any
+  overflow: Any
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Options:
+  scale: float | None
+  causal: str | None
+  window: tuple[int, int] | None
+  logits_soft_cap: float | None
+  implementation: str | None
+  block_q: int | None
+  block_kv: int | None
+  per_query: bool
+  saturation_threshold: float
+  score_mod: Callable | None
+
+
+def attention_stats(
+    query,
+    key,
+    bias=None,
+    mask=None,
+    *,
+    scale: float | None = None,
+    is_causal: bool | str = False,
+    query_seq_lengths=None,
+    key_value_seq_lengths=None,
+    local_window_size: int | tuple[int, int] | None = None,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    logits_soft_cap: float | None = None,
+    score_mod: Callable | None = None,
+    sinks=None,
+    implementation: str | None = None,
+    block_q: int | None = None,
+    block_kv: int | None = None,
+    per_query: bool = False,
+    saturation_threshold: float = 0.99,
+) -> AttentionStats:
+  """Softmax statistics of the attention that `jattn.dot_product_attention` would compute.
+
+  Args:
+    query: (B, T, N, H) or (T, N, H).
+    key: (B, S, K, H) or (S, K, H); K must divide N.
+    bias, mask, scale, is_causal, query_seq_lengths, key_value_seq_lengths, local_window_size,
+      q_segment_ids, kv_segment_ids, logits_soft_cap, score_mod, sinks: exactly as in
+      `jattn.dot_product_attention` (dropout does not change the softmax, so it is not taken).
+      A bias of -inf hides a position like the mask does; any finite bias counts as a logit.
+    implementation: ``None`` (dense below ~1M scores per head, else chunked, the rule of
+      `jattn.dot_product_attention`), ``"dense"`` or ``"chunked"`` (no (T, S) array; memory
+      O(B N block_q block_kv)).
+    block_q, block_kv: chunked block sizes (default 512, clipped to T and S).
+    per_query: return (B, N, T) per-query statistics instead of (B, N) per head.
+    saturation_threshold: in (0, 1]; a row is saturated when max_prob > it.
+
+  Returns:
+    An `AttentionStats` of (B, N) arrays, or (B, N, T) with ``per_query=True``.
+  """
+  if isinstance(saturation_threshold, (bool, np.bool_)) or not isinstance(
+      saturation_threshold, numbers.Real):
+    raise TypeError(f"saturation_threshold must be a float in (0, 1], got "
+                    f"{type(saturation_threshold).__name__} {saturation_threshold!r}")
+  if not 0.0 < float(saturation_threshold) <= 1.0:
+    raise ValueError(f"saturation_threshold must be in (0, 1], got {saturation_threshold!r}")
+  opts = _Options(
+      scale=_validation.scale(scale),
+      causal=_validation.causal(is_causal),
+      window=_validation.window(local_window_size),
+      logits_soft_cap=_validation.soft_cap(logits_soft_cap),
+      implementation=_validation.implementation(implementation),
+      block_q=_validation.block("block_q", block_q),
+      block_kv=_validation.block("block_kv", block_kv),
+      per_query=_validation.flag("per_query", per_query),
+      saturation_threshold=float(saturation_threshold),
+      score_mod=_validation.callable_or_none("score_mod", score_mod),
+  )
+  return _stats(query, key, bias, mask, query_seq_lengths, key_value_seq_lengths, q_segment_ids,
+                kv_segment_ids, sinks, opts=opts)
+
+
+@functools.partial(jax.jit, static_argnames=("opts",))
+def _stats(query, key, bias, mask, q_lengths, kv_lengths, q_seg, kv_seg, sinks, *,
+           opts: _Options):
+  # The value is not needed; passing the key in its place reuses every shape check.
+  args = _validation.arrays(query, key, key, bias, mask, q_lengths, kv_lengths, q_seg, kv_seg,
+                            sinks)
+  query, key = args.query, args.key
+  B, T, N, H = query.shape
+  _, S, K, _ = key.shape
+  G = N // K
+  scale = opts.scale if opts.scale is not None else 1.0 / float(np.sqrt(H))
+  shape = (B, N, T, S)
+  sd = _tile.stat_dtype(query.dtype)
+
+  combined = _attention.build_mask(shape, args.mask, opts.causal, opts.window,
+                                   q_lengths=args.q_lengths, kv_lengths=args.kv_lengths,
+                                   q_segment_ids=args.q_seg, kv_segment_ids=args.kv_seg)
+  impl = opts.implementation or _attention.choose_implementation(T, S)
+  bq = T if impl == "dense" else min(opts.block_q or _attention.DEFAULT_BLOCK_Q, T)
+  bk = S if impl == "dense" else min(opts.block_kv or _attention.DEFAULT_BLOCK_KV, S)
+
+  score_mod, score_args = None, ()
+  if opts.score_mod is not None:
+    score_mod, score_args = _attention._closure_convert_score_mod(opts.score_mod,
+                                                                  (B, N, bq, bk), sd)
+  cfg = Config(B=B, T=T, S=S, K=K, G=G, H=H, scale=scale, logits_soft_cap=opts.logits_soft_cap,
+               dropout_rate=0.0, score_mod=score_mod)
+
+  q = jnp.transpose(query, (0, 2, 1, 3)).reshape(B, K, G, T, H)
+  k = jnp.transpose(key, (0, 2, 1, 3))
+  bias5 = None if args.bias is None else _tile.group_heads(args.bias, K, G)
+  sink = None if args.sinks is None else args.sinks.astype(sd).reshape(1, K, G, 1)
+
+  grid = _masks.BlockGrid(T, S, bq, bk)
+  if impl == "dense":
+    rows = _init_rows(cfg, sd, T, sink)
+    rows = _update_rows(cfg, rows, q, k, bias5, combined, jnp.arange(T, dtype=jnp.int32),
+                        jnp.arange(S, dtype=jnp.int32), score_args, ragged=False, masked=True)
+  else:
+    states = _attention.block_map(combined, grid, shape)
+    rows = _chunked_rows(cfg, grid, q, k, bias5, combined, states, score_args, sink)
+
+  out = _finish(rows, sink is not None, jnp.finfo(query.dtype).max, opts)
+  # (B, K, G, T) -> (B, N, T); per head: (B, N).
+  out = AttentionStats(*(x.reshape((B, N, T) if opts.per_query else (B, N)) for x in out))
+  if args.unbatched:
+    out = AttentionStats(*(x[0] for x in out))
+  return out
+
+
+# --------------------------------------------------------------------------------------------
+# Per-row running statistics, updated one (query-block, key-block) tile at a time.
+# --------------------------------------------------------------------------------------------
+
+
+class _Rows(NamedTuple):
+  """Running per-row state, each (B, K, G, tq)."""
+
+  m: Any  # running max of the softmax candidates (the sink included): the shift of the sums
+  l: Any  # sum of exp(s - m) over candidates
+  w: Any  # sum of exp(s - m) * (s - m): gives the entropy, H = log(l) - w / l
+  hi: Any  # max visible logit
+  lo: Any  # min visible logit
+  n: Any  # number of visible keys (int32)
+
+
+def _init_rows(cfg: Config, sd, tq: int, sink) -> _Rows:
+  shape = (cfg.B, cfg.K, cfg.G, tq)
+  neg = jnp.full(shape, _tile.NEG, sd)
+  if sink is None:
+    m, l = neg, jnp.zeros(shape, sd)
+  else:
+    # The sink is one more candidate: it starts the max and adds exp(sink - m) = 1 to the sum.
+    m, l = jnp.broadcast_to(sink, shape), jnp.ones(shape, sd)
+  return _Rows(m=m, l=l, w=jnp.zeros(shape, sd), hi=neg, lo=jnp.full(shape, -_tile.NEG, sd),
+               n=jnp.zeros(shape, jnp.int32))
+
+
+def _update_rows(cfg: Config, rows: _Rows, q, k, bias, mask, q_pos, kv_pos, score_args, *,
+                 ragged: bool, masked: bool) -> _Rows:
+  """Fold the tile of queries q_pos and keys kv_pos into the running row statistics."""
+  s, _ = _tile.logits(cfg, q, k, bias, q_pos, kv_pos, score_args)  # (B, K, G, tq, tk)
+  sd = s.dtype
+  vis = _tile.visible(cfg, mask, q_pos, kv_pos, ragged_kv=ragged) if masked else None
+  # A -inf logit (from a -inf bias) is a hidden position, as in the attention kernels; NaN
+  # logits stay visible so that they show up in the statistics.
+  finite = s != -jnp.inf
+  vis = finite if vis is None else vis & finite
+  zero = jnp.zeros((), sd)
+  s_hi = jnp.where(vis, s, jnp.asarray(_tile.NEG, sd))
+  s_lo = jnp.where(vis, s, jnp.asarray(-_tile.NEG, sd))
+  m_new = jnp.maximum(rows.m, s_hi.max(axis=-1))
+  d = jnp.where(vis, s - m_new[..., None], zero)  # <= 0 on visible keys
+  e = jnp.where(vis, jnp.exp(d), zero)
+  corr = jnp.exp(rows.m - m_new)
+  # Shifting the reference from m to m_new: exp(s - m_new) (s - m_new)
+  #   = corr * exp(s - m) * ((s - m) + (m - m_new)).
+  w = corr * (rows.w + rows.l * (rows.m - m_new)) + (e * d).sum(axis=-1)
+  l = rows.l * corr + e.sum(axis=-1)
+  return _Rows(m=m_new, l=l, w=w, hi=jnp.maximum(rows.hi, s_hi.max(axis=-1)),
+               lo=jnp.minimum(rows.lo, s_lo.min(axis=-1)),
+               n=rows.n + vis.sum(axis=-1, dtype=jnp.int32))
+
+
+def _chunked_rows(cfg: Config, grid, q, k, bias, mask, states, score_args, sink) -> _Rows:
+  """The online pass: per query block, walk the non-empty key blocks (as `_chunked._forward`)."""
+  bq, bk = grid.block_q, grid.block_kv
+  Tp, Sp = grid.num_q_blocks * bq, grid.num_kv_blocks * bk
+  pt, ps = Tp - cfg.T, Sp - cfg.S
+  if pt:
+    q = jnp.pad(q, ((0, 0),) * 3 + ((0, pt), (0, 0)))
+  if ps:
+    k = jnp.pad(k, ((0, 0),) * 2 + ((0, ps), (0, 0)))
+  if bias is not None and (pt or ps):
+    bias = jnp.pad(bias, ((0, 0),) * 3 + ((0, pt if bias.shape[3] != 1 else 0),
+                                         (0, ps if bias.shape[4] != 1 else 0)))
+  ragged = cfg.S % bk != 0
+  lo, hi = _chunked._nonempty_range(states)
+  sd = _tile.stat_dtype(q.dtype)
+
+  def q_block(i):
+    q_pos = _chunked._positions(i, bq)
+    qb = _chunked._slice(q, i * bq, bq, 3)
+
+    def tile(j, rows, masked: bool):
+      kv_pos = _chunked._positions(j, bk)
+      kb = _chunked._slice(k, j * bk, bk, 2)
+      return _update_rows(cfg, rows, qb, kb, _chunked._bias_block(bias, i, j, grid), mask,
+                          q_pos, kv_pos, score_args, ragged=ragged, masked=masked)
+
+    def body(j, rows):
+      return jax.lax.switch(
+          states[i, j].astype(jnp.int32),
+          [lambda j, r: r, functools.partial(tile, masked=True),
+           functools.partial(tile, masked=False)], j, rows)
+
+    return jax.lax.fori_loop(lo[i], hi[i], body, _init_rows(cfg, sd, bq, sink))
+
+  rows = jax.lax.map(q_block, jnp.arange(grid.num_q_blocks, dtype=jnp.int32))
+  # (nq, B, K, G, bq) -> (B, K, G, Tp) -> drop the padded queries.
+  return _Rows(*(jnp.moveaxis(x, 0, 3).reshape(x.shape[1:4] + (Tp,))[..., :cfg.T]
+                 for x in rows))
+
+
+def _finish(rows: _Rows, has_sink: bool, dtype_max: float, opts: _Options) -> AttentionStats:
+  """Per-row statistics from the running sums; reduced over rows unless opts.per_query."""
+  sd = rows.l.dtype
+  zero, one = jnp.zeros((), sd), jnp.ones((), sd)
+  has_key = rows.n > 0
+  candidates = rows.n + (1 if has_sink else 0)
+  choice = candidates >= 2
+  ok = rows.l > 0
+  l = jnp.where(ok, rows.l, one)
+  log_l = jnp.log(l)
+  lse = rows.m + log_l
+  entropy = jnp.where(ok, log_l - rows.w / l, zero)
+  max_prob = jnp.where(has_key, jnp.exp(jnp.minimum(rows.hi - lse, zero)), zero)
+  log_c = jnp.log(jnp.maximum(candidates, 2).astype(sd))
+  frac = jnp.where(choice, entropy / log_c, zero)
+  saturated = choice & (max_prob > jnp.asarray(opts.saturation_threshold, sd))
+  overflow = ok & (lse > jnp.asarray(np.log(float(dtype_max)), sd))
+  hi = jnp.where(has_key, rows.hi, zero)
+  lo = jnp.where(has_key, rows.lo, zero)
+  masked = (~has_key).astype(jnp.int32)
+
+  if opts.per_query:
+    return AttentionStats(hi, lo, max_prob, entropy, frac, saturated.astype(sd), masked,
+                          overflow)
+
+  def mean(x):
+    num = jnp.where(choice, x, zero).sum(axis=-1)
+    cnt = choice.sum(axis=-1).astype(sd)
+    return jnp.where(cnt > 0, num / jnp.maximum(cnt, one), zero)
+
+  any_key = has_key.any(axis=-1)
+  return AttentionStats(
+      max_logit=jnp.where(any_key, jnp.where(has_key, rows.hi, -jnp.inf).max(axis=-1), zero),
+      min_logit=jnp.where(any_key, jnp.where(has_key, rows.lo, jnp.inf).min(axis=-1), zero),
+      max_prob=mean(max_prob),
+      entropy=mean(entropy),
+      entropy_fraction=mean(frac),
+      saturated_fraction=mean(saturated.astype(sd)),
+      masked_rows=masked.sum(axis=-1, dtype=jnp.int32),
+      overflow=overflow.any(axis=-1),
+  )
+
+
+# --------------------------------------------------------------------------------------------
+# Collecting the statistics from inside Flax modules.
+# --------------------------------------------------------------------------------------------
+
+
+def _resolve(stats):
+  stats = stats() if callable(stats) else stats
+  if not isinstance(stats, AttentionStats):
+    raise TypeError(f"stats must be an AttentionStats or a function returning one, got "
+                    f"{type(stats).__name__}")
+  return stats
+
+
+def sow_linen(module, stats, name: str = COLLECTION_NAME) -> bool:
+  """Store ``stats`` in a linen module's ``'intermediates'`` collection under ``name``.
+
+  ``stats`` is an `AttentionStats` or a zero-argument function returning one; a function is only
+  called when ``'intermediates'`` is mutable (``module.apply(..., mutable=['intermediates'])``),
+  so nothing is computed otherwise. Repeated calls append (flax's default ``sow`` reduction):
+  the collection holds a tuple of `AttentionStats`. Returns whether anything was stored.
+  """
+  if not module.is_mutable_collection("intermediates"):
+    return False
+  return module.sow("intermediates", name, _resolve(stats))
+
+
+def sow_nnx(module, stats, name: str = COLLECTION_NAME) -> bool:
+  """Store ``stats`` on an nnx module as an ``nnx.Intermediate`` named ``name``.
+
+  ``stats`` as in `sow_linen`. Read them with ``nnx.capture(nnx.Intermediate)`` around the forward
+  function (flax >= 0.12; older flax stores them on the module: ``nnx.pop(model,
+  nnx.Intermediate)``). Values append into a tuple. Returns whether anything was stored.
+  """
+  from flax import nnx  # flax is a dependency, but only this helper needs nnx
+
+  return module.sow(nnx.Intermediate, name, _resolve(stats))
