@@ -240,6 +240,9 @@ def block_map(mask, grid: _masks.BlockGrid, shape):
     states = np.full((grid.num_q_blocks, grid.num_kv_blocks), _masks.FULL, np.int8)
   else:
     states = _masks.reduce_states(mask.block_states(grid, shape), shape)
+    # Masks constant along an axis (a (B, N, 1, S) array, say) summarise it as one block.
+    xp = np if isinstance(states, np.ndarray) else jnp
+    states = xp.broadcast_to(states, (grid.num_q_blocks, grid.num_kv_blocks))
   if grid.S % grid.block_kv:
     # The last key block is padded: it always needs the (kv < S) mask.
     xp = np if isinstance(states, np.ndarray) else jnp

@@ -1,0 +1,110 @@
+"""A float64 NumPy reference for attention, written plainly: the definition the tests pin down.
+
+Shapes: q (B,T,N,H), k/v (B,S,K,H), visible (B,N,T,S) boolean (True = attend), bias broadcastable
+to (B,N,T,S). Heads: query head n uses key/value head n // G (G = N // K), as jax.nn.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def visible_mask(B, N, T, S, *, mask=None, causal=None, window=None, q_lengths=None,
+                 kv_lengths=None, q_seg=None, kv_seg=None):
+  """The dense (B, N, T, S) boolean mask, built index by index from the definitions."""
+  t = np.arange(T)[:, None]
+  s = np.arange(S)[None, :]
+  vis = np.ones((B, N, T, S), bool)
+  if mask is not None:
+    vis &= np.broadcast_to(np.asarray(mask, bool).reshape((1,) * (4 - np.ndim(mask))
+                                                         + np.shape(mask)), vis.shape)
+  offset = 0 if causal in (None, "top_left") else S - T
+  if causal is not None:
+    vis &= (s <= t + offset)[None, None]
+  if window is not None:
+    left, right = window
+    vis &= ((s >= t + offset - left) & (s <= t + offset + right))[None, None]
+  for b in range(B):
+    if q_lengths is not None:
+      vis[b, :, q_lengths[b]:, :] = False
+    if kv_lengths is not None:
+      vis[b, :, :, kv_lengths[b]:] = False
+    if q_seg is not None:
+      vis[b] &= (np.asarray(q_seg)[b][:, None] == np.asarray(kv_seg)[b][None, :])[None]
+  return vis
+
+
+def attention(q, k, v, *, visible=None, bias=None, scale=None, soft_cap=None, keep=None,
+              dropout_rate=0.0, sinks=None, score_mod=None):
+  """Forward pass. Returns (out (B,T,N,H), lse (B,T,N), and the intermediates for `grads`)."""
+  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+  B, T, N, H = q.shape
+  S, K = k.shape[1], k.shape[2]
+  G = N // K
+  scale = 1.0 / np.sqrt(H) if scale is None else scale
+  kr = np.repeat(k, G, axis=2)  # (B,S,N,H)
+  vr = np.repeat(v, G, axis=2)
+  raw = np.einsum("btnh,bsnh->bnts", q, kr) * scale
+  tanh = None
+  logits = raw
+  if soft_cap is not None:
+    tanh = np.tanh(raw / soft_cap)
+    logits = soft_cap * tanh
+  if bias is not None:
+    logits = logits + np.asarray(bias, np.float64)
+  if score_mod is not None:
+    logits = score_mod(logits)
+  vis = np.ones((B, N, T, S), bool) if visible is None else visible
+  masked = np.where(vis, logits, -np.inf)
+  m = masked.max(axis=-1, keepdims=True)
+  if sinks is not None:
+    m = np.maximum(m, np.asarray(sinks, np.float64)[None, :, None, None])
+  m = np.where(np.isfinite(m), m, 0.0)
+  e = np.where(vis, np.exp(masked - m), 0.0)
+  denom = e.sum(-1, keepdims=True)
+  if sinks is not None:
+    denom = denom + np.exp(np.asarray(sinks, np.float64)[None, :, None, None] - m)
+  p = np.where(denom > 0, e / np.where(denom > 0, denom, 1.0), 0.0)  # empty rows -> 0
+  lse = np.where(denom[..., 0] > 0, np.log(np.where(denom[..., 0] > 0, denom[..., 0], 1.0))
+                 + m[..., 0], -np.inf)
+  pd = p
+  if keep is not None and dropout_rate > 0:
+    pd = np.where(keep, p, 0.0) / (1.0 - dropout_rate)
+  out = np.einsum("bnts,bsnh->btnh", pd, vr)
+  cache = dict(q=q, kr=kr, vr=vr, p=p, pd=pd, tanh=tanh, scale=scale, G=G, K=K, keep=keep,
+               rate=dropout_rate, vis=vis, sinks=sinks, m=m, denom=denom)
+  return out, lse.transpose(0, 2, 1), cache
+
+
+def grads(cache, dout, bias_shape=None):
+  """Backward pass of `attention` for a cotangent dout (B,T,N,H): (dq, dk, dv, dbias, dsinks)."""
+  dout = np.asarray(dout, np.float64)
+  q, kr, vr, p, pd = cache["q"], cache["kr"], cache["vr"], cache["p"], cache["pd"]
+  B, T, N, H = q.shape
+  K, G = cache["K"], cache["G"]
+  dvr = np.einsum("bnts,btnh->bsnh", pd, dout)
+  dpd = np.einsum("btnh,bsnh->bnts", dout, vr)
+  dp = dpd
+  if cache["keep"] is not None and cache["rate"] > 0:
+    dp = np.where(cache["keep"], dpd, 0.0) / (1.0 - cache["rate"])
+  # Softmax Jacobian: dS = P * (dP - sum(P * dP)); the sink takes probability mass too but has
+  # no value, so its own gradient is -p_sink * sum(P * dP).
+  rowdot = (p * dp).sum(-1, keepdims=True)
+  dlogits = p * (dp - rowdot)
+  dsinks = None
+  if cache["sinks"] is not None:
+    p_sink = np.exp(np.asarray(cache["sinks"], np.float64)[None, :, None, None] - cache["m"]) / \
+        cache["denom"]
+    dsinks = -(p_sink * rowdot).sum(axis=(0, 2, 3))
+  dbias = None
+  if bias_shape is not None:
+    shape4 = (1,) * (4 - len(bias_shape)) + tuple(bias_shape)
+    axes = tuple(a for a in range(4) if shape4[a] == 1)
+    dbias = dlogits.sum(axis=axes, keepdims=True).reshape(bias_shape)
+  draw = dlogits if cache["tanh"] is None else dlogits * (1 - cache["tanh"] ** 2)
+  draw = draw * cache["scale"]
+  dq = np.einsum("bnts,bsnh->btnh", draw, kr)
+  dkr = np.einsum("bnts,btnh->bsnh", draw, q)
+  dk = dkr.reshape(B, -1, K, G, H).sum(3)
+  dv = dvr.reshape(B, -1, K, G, H).sum(3)
+  return dq, dk, dv, dbias, dsinks

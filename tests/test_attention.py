@@ -1,0 +1,437 @@
+"""jattn.dot_product_attention against the float64 reference and jax.nn, forward and gradients."""
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jattn
+from jattn import _dropout
+import reference as ref
+
+# Chunked runs with small, non-dividing blocks so ragged edges and many blocks are exercised.
+IMPLS = {
+    "dense": dict(implementation="dense"),
+    "chunked": dict(implementation="chunked", block_q=16, block_kv=24),
+}
+
+
+def _inputs(B=2, T=37, S=45, N=4, K=2, H=16, dtype=jnp.float32, seed=0):
+  kq, kk, kv, kd = jax.random.split(jax.random.key(seed), 4)
+  q = jax.random.normal(kq, (B, T, N, H), jnp.float32).astype(dtype)
+  k = jax.random.normal(kk, (B, S, K, H), jnp.float32).astype(dtype)
+  v = jax.random.normal(kv, (B, S, K, H), jnp.float32).astype(dtype)
+  do = jax.random.normal(kd, (B, T, N, H), jnp.float32).astype(dtype)
+  return q, k, v, do
+
+
+def _vjp(f, *args):
+  out, pull = jax.vjp(f, *args)
+  return out, pull
+
+
+def _check(impl, *, B=2, T=37, S=45, N=4, K=2, H=16, mask=None, bias=None, causal=None,
+           window=None, q_lengths=None, kv_lengths=None, segs=None, soft_cap=None, scale=None,
+           sinks=None, rtol=2e-5, atol=2e-5):
+  """Forward, lse and all gradients of jattn against the float64 reference."""
+  q, k, v, do = _inputs(B, T, S, N, K, H)
+  kwargs = dict(IMPLS[impl])
+  if causal is not None:
+    kwargs["is_causal"] = causal
+  if window is not None:
+    kwargs["local_window_size"] = window
+  if q_lengths is not None:
+    kwargs["query_seq_lengths"] = jnp.asarray(q_lengths, jnp.int32)
+  if kv_lengths is not None:
+    kwargs["key_value_seq_lengths"] = jnp.asarray(kv_lengths, jnp.int32)
+  if segs is not None:
+    kwargs["q_segment_ids"] = jnp.asarray(segs[0], jnp.int32)
+    kwargs["kv_segment_ids"] = jnp.asarray(segs[1], jnp.int32)
+  if soft_cap is not None:
+    kwargs["logits_soft_cap"] = soft_cap
+  if scale is not None:
+    kwargs["scale"] = scale
+  bias_arr = None if bias is None else jnp.asarray(bias, jnp.float32)
+  sinks_arr = None if sinks is None else jnp.asarray(sinks, jnp.float32)
+
+  def f(q, k, v, bias, sinks):
+    return jattn.dot_product_attention(q, k, v, bias, mask, return_residual=True, sinks=sinks,
+                                       **kwargs)
+
+  (out, lse), pull = jax.vjp(f, q, k, v, bias_arr, sinks_arr)
+  dq, dk, dv, dbias, dsinks = pull((do, jnp.zeros_like(lse)))
+
+  vis = ref.visible_mask(B, N, T, S, mask=None if mask is None else np.asarray(mask),
+                         causal=(("top_left" if causal is True else causal) or None),
+                         window=(window, window) if isinstance(window, int) else window,
+                         q_lengths=q_lengths, kv_lengths=kv_lengths,
+                         q_seg=None if segs is None else segs[0],
+                         kv_seg=None if segs is None else segs[1])
+  r_out, r_lse, cache = ref.attention(q, k, v, visible=vis, bias=bias, scale=scale,
+                                      soft_cap=soft_cap, sinks=sinks)
+  r_dq, r_dk, r_dv, r_dbias, r_dsinks = ref.grads(
+      cache, do, None if bias is None else np.shape(bias))
+  np.testing.assert_allclose(out, r_out, rtol=rtol, atol=atol)
+  rows = vis.any(-1).transpose(0, 2, 1)  # (B, T, N): rows with something to attend to
+  if sinks is None:
+    np.testing.assert_allclose(np.asarray(lse)[rows], r_lse[rows], rtol=rtol, atol=atol)
+    assert np.all(np.asarray(lse)[~rows] < -1e30)
+  for got, want in ((dq, r_dq), (dk, r_dk), (dv, r_dv), (dbias, r_dbias), (dsinks, r_dsinks)):
+    if want is not None:
+      np.testing.assert_allclose(got, want, rtol=rtol, atol=atol * 5)
+  return out
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+class TestAgainstReference:
+
+  def test_plain_gqa(self, impl):
+    _check(impl)
+
+  @pytest.mark.parametrize("K", [1, 4])
+  def test_mha_and_mqa(self, impl, K):
+    _check(impl, K=K, T=20, S=33)
+
+  @pytest.mark.parametrize("causal", [True, "bottom_right"])
+  @pytest.mark.parametrize("T,S", [(37, 45), (45, 37), (40, 40)])
+  def test_causal(self, impl, causal, T, S):
+    _check(impl, causal=causal, T=T, S=S)
+
+  @pytest.mark.parametrize("window", [3, (5, 0), (0, 7), (20, 2)])
+  def test_window(self, impl, window):
+    _check(impl, window=window)
+
+  def test_window_with_bottom_right_causal(self, impl):
+    _check(impl, window=(6, 0), causal="bottom_right", T=21, S=50)
+
+  def test_lengths(self, impl):
+    _check(impl, q_lengths=[30, 37], kv_lengths=[45, 5])
+
+  def test_lengths_with_zero_and_causal(self, impl):
+    _check(impl, q_lengths=[0, 12], kv_lengths=[17, 0], causal=True)
+
+  def test_segments_packed(self, impl):
+    q_seg = np.array([[0] * 10 + [1] * 20 + [2] * 7, [0] * 37])
+    kv_seg = np.array([[0] * 12 + [1] * 3 + [2] * 30, [0] * 20 + [5] * 25])
+    _check(impl, segs=(q_seg, kv_seg))
+
+  def test_segments_unsorted(self, impl):
+    rng = np.random.default_rng(0)
+    q_seg = rng.integers(0, 3, (2, 37))
+    kv_seg = rng.integers(0, 3, (2, 45))
+    _check(impl, segs=(q_seg, kv_seg))
+
+  @pytest.mark.parametrize("shape", [(2, 4, 37, 45), (1, 4, 37, 45), (2, 1, 1, 45), (37, 45)])
+  def test_bias_broadcast_with_grad(self, impl, shape):
+    bias = np.random.default_rng(1).normal(size=shape)
+    _check(impl, bias=bias)
+
+  @pytest.mark.parametrize("shape", [(2, 4, 37, 45), (1, 1, 37, 45), (2, 1, 1, 45)])
+  def test_boolean_mask(self, impl, shape):
+    mask = np.random.default_rng(2).random(shape) > 0.4
+    _check(impl, mask=jnp.asarray(mask))
+
+  def test_soft_cap_and_scale(self, impl):
+    _check(impl, soft_cap=2.0, scale=0.9, causal=True)
+
+  def test_sinks(self, impl):
+    _check(impl, sinks=[0.0, 1.0, -2.0, 3.0], causal=True, kv_lengths=[45, 3])
+
+  def test_everything_together(self, impl):
+    rng = np.random.default_rng(3)
+    _check(impl, causal="bottom_right", window=(30, 0), kv_lengths=[40, 45], q_lengths=[37, 30],
+           segs=(np.sort(rng.integers(0, 3, (2, 37))), np.sort(rng.integers(0, 3, (2, 45)))),
+           bias=rng.normal(size=(1, 4, 37, 45)), soft_cap=5.0,
+           mask=jnp.asarray(rng.random((2, 1, 37, 45)) > 0.2))
+
+
+def test_closed_form_two_keys():
+  # One query, two keys, logits 0 and 1: weights 1/(1+e) and e/(1+e).
+  q = jnp.ones((1, 1, 1, 1))
+  k = jnp.array([0.0, 1.0]).reshape(1, 2, 1, 1)
+  v = jnp.array([1.0, 0.0]).reshape(1, 2, 1, 1)
+  for impl in IMPLS:
+    out, lse = jattn.dot_product_attention(q, k, v, scale=1.0, return_residual=True,
+                                           **IMPLS[impl])
+    np.testing.assert_allclose(out.ravel(), [1 / (1 + np.e)], rtol=1e-6)
+    np.testing.assert_allclose(lse.ravel(), [np.log(1 + np.e)], rtol=1e-6)
+
+
+# --------------------------------------------------------------------------------------------
+# Parity with jax.nn.dot_product_attention on its whole argument set.
+# --------------------------------------------------------------------------------------------
+
+JAX_CASES = {
+    "plain": {},
+    "causal": dict(is_causal=True),
+    "window": dict(local_window_size=(4, 2)),
+    "window_int": dict(local_window_size=3),
+    "kv_lengths": dict(key_value_seq_lengths=np.array([30, 45], np.int32)),
+    "q_lengths": dict(query_seq_lengths=np.array([20, 37], np.int32)),
+    "bias": dict(bias=np.random.default_rng(0).normal(size=(2, 4, 37, 45)).astype(np.float32)),
+    "bias_bcast": dict(bias=np.random.default_rng(0).normal(size=(1, 1, 37, 45))
+                       .astype(np.float32)),
+    "mask": dict(mask=np.random.default_rng(1).random((2, 1, 37, 45)) > 0.3),
+    "scale": dict(scale=0.3),
+    "all": dict(is_causal=True, local_window_size=(10, 0), bias=np.ones((1, 4, 37, 45),
+                np.float32), key_value_seq_lengths=np.array([40, 45], np.int32)),
+}
+
+
+# GQA groups 1, 2 and 4 on the plain and the everything-at-once cases; G = 2 on the rest.
+JAX_PARAMS = [(c, 2) for c in JAX_CASES] + [(c, K) for c in ("plain", "all") for K in (4, 1)]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("case,K", JAX_PARAMS)
+def test_matches_jax_nn(impl, case, K):
+  q, k, v, do = _inputs(K=K)
+  kw = {name: (jnp.asarray(x) if isinstance(x, np.ndarray) else x)
+        for name, x in JAX_CASES[case].items()}
+  bias = kw.pop("bias", None)
+  mask = kw.pop("mask", None)
+  # jax.nn returns the mean of V on rows with nothing visible: compare on defined rows.
+  f_jax = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, bias, mask, **kw)
+  f_us = lambda q, k, v: jattn.dot_product_attention(q, k, v, bias, mask, **kw, **IMPLS[impl])
+  o_jax, pull_jax = jax.vjp(f_jax, q, k, v)
+  o_us, pull_us = jax.vjp(f_us, q, k, v)
+  B, T, N, H = q.shape
+  vis = ref.visible_mask(B, N, T, 45, mask=None if mask is None else np.asarray(mask),
+                         causal="top_left" if kw.get("is_causal") else None,
+                         window=_pair(kw.get("local_window_size")),
+                         q_lengths=kw.get("query_seq_lengths"),
+                         kv_lengths=kw.get("key_value_seq_lengths"))
+  defined = vis.any(-1).transpose(0, 2, 1)[..., None]  # (B, T, N, 1)
+  chex.assert_trees_all_close(jnp.where(defined, o_us, 0.0), jnp.where(defined, o_jax, 0.0),
+                              rtol=2e-5, atol=2e-5)
+  # Gradients through defined rows only (a cotangent of 0 on undefined rows).
+  do = jnp.where(defined, do, 0.0)
+  chex.assert_trees_all_close(pull_us(do), pull_jax(do), rtol=2e-4, atol=2e-5)
+  # return_residual: same shape, same values on defined rows.
+  _, lse_us = jattn.dot_product_attention(q, k, v, bias, mask, return_residual=True, **kw,
+                                          **IMPLS[impl])
+  _, lse_jax = jax.nn.dot_product_attention(q, k, v, bias, mask, return_residual=True, **kw)
+  assert lse_us.shape == lse_jax.shape and lse_us.dtype == lse_jax.dtype
+  np.testing.assert_allclose(lse_us[defined[..., 0]], lse_jax[defined[..., 0]], rtol=1e-5,
+                             atol=1e-5)
+
+
+def _pair(w):
+  return (w, w) if isinstance(w, int) else w
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_rank3_inputs_match_jax_nn(impl):
+  q, k, v, _ = _inputs(B=1)
+  q, k, v = q[0], k[0], v[0]
+  out = jattn.dot_product_attention(q, k, v, is_causal=True, **IMPLS[impl])
+  chex.assert_trees_all_close(out, jax.nn.dot_product_attention(q, k, v, is_causal=True),
+                              rtol=2e-5, atol=2e-5)
+  out, lse = jattn.dot_product_attention(q, k, v, return_residual=True, **IMPLS[impl])
+  assert out.shape == q.shape and lse.shape == q.shape[:-1]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_vmap_and_jit(impl):
+  q, k, v, _ = _inputs()
+  f = functools.partial(jattn.dot_product_attention, is_causal=True, **IMPLS[impl])
+  # vmap over the batch with rank-3 per-example inputs, against jax.nn's batched answer.
+  got = jax.jit(jax.vmap(f))(q, k, v)
+  chex.assert_trees_all_close(got, jax.nn.dot_product_attention(q, k, v, is_causal=True),
+                              rtol=2e-5, atol=2e-5)
+  # vmap of the gradient too.
+  g = jax.vmap(jax.grad(lambda q, k, v: f(q, k, v).sum()))(q, k, v)
+  g_ref = jax.grad(lambda q: jax.nn.dot_product_attention(q, k, v, is_causal=True).sum())(q)
+  chex.assert_trees_all_close(g, g_ref, rtol=2e-4, atol=2e-5)
+
+
+# --------------------------------------------------------------------------------------------
+# Numerics at the edges.
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_fully_masked_rows_give_zero_and_zero_grads(impl):
+  q, k, v, do = _inputs()
+  mask = np.ones((2, 1, 37, 45), bool)
+  mask[0, :, 5] = False
+  mask[1, :, 30:] = False
+  f = lambda q, k, v: jattn.dot_product_attention(q, k, v, mask=jnp.asarray(mask),
+                                                  **IMPLS[impl])
+  out, pull = jax.vjp(f, q, k, v)
+  assert np.all(np.asarray(out)[0, 5] == 0) and np.all(np.asarray(out)[1, 30:] == 0)
+  # jax.nn silently returns the mean of V on those rows.
+  jout = jax.nn.dot_product_attention(q, k, v, mask=jnp.asarray(mask))
+  assert not np.allclose(jout[0, 5], 0)
+  dq, dk, dv = pull(do)
+  assert np.all(np.asarray(dq)[0, 5] == 0) and np.all(np.asarray(dq)[1, 30:] == 0)
+  for g in (dq, dk, dv):
+    assert np.all(np.isfinite(g))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_garbage_in_masked_positions_does_not_leak(impl):
+  q, k, v, do = _inputs()
+  lens = jnp.array([30, 45], jnp.int32)
+  qlens = jnp.array([37, 20], jnp.int32)
+  k = k.at[0, 30:].set(jnp.nan).at[0, 31].set(jnp.inf)
+  v = v.at[0, 30:].set(jnp.inf).at[0, 40].set(jnp.nan)
+  q = q.at[1, 20:].set(jnp.nan)
+  f = lambda q, k, v: jattn.dot_product_attention(
+      q, k, v, key_value_seq_lengths=lens, query_seq_lengths=qlens, **IMPLS[impl])
+  out, pull = jax.vjp(f, q, k, v)
+  assert np.all(np.isfinite(out))
+  for g in pull(do):
+    assert np.all(np.isfinite(g))
+  clean_q, clean_k, clean_v, _ = _inputs()
+  want = jattn.dot_product_attention(clean_q, clean_k, clean_v, key_value_seq_lengths=lens,
+                                     query_seq_lengths=qlens, **IMPLS[impl])
+  np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32])
+def test_huge_logits_stay_finite_and_correct(impl, dtype):
+  # Logits of magnitude ~1e4: exp would overflow any float without the max trick.
+  q, k, v, _ = _inputs(T=8, S=12, dtype=dtype)
+  out = jattn.dot_product_attention(q, k, v, scale=1e4 / 4, is_causal=True, **IMPLS[impl])
+  assert out.dtype == dtype
+  assert np.all(np.isfinite(np.asarray(out, np.float32)))
+  vis = ref.visible_mask(2, 4, 8, 12, causal="top_left")
+  want, _, _ = ref.attention(np.asarray(q, np.float64), np.asarray(k, np.float64),
+                             np.asarray(v, np.float64), visible=vis, scale=1e4 / 4)
+  # At this scale softmax is (nearly) a hard argmax; the output is one row of V, to the input
+  # dtype's precision (ties of the 16-bit logits aside).
+  err = np.abs(np.asarray(out, np.float64) - want)
+  frac_ok = np.mean(err < 2e-2 if dtype != jnp.float32 else err < 1e-4)
+  assert frac_ok > 0.97
+
+
+# --------------------------------------------------------------------------------------------
+# Low precision: the FlashAttention rule.
+# --------------------------------------------------------------------------------------------
+
+
+def _plain_low_precision(q, k, v, causal):
+  """Everything in the input dtype: logits, softmax and all (the baseline a bf16 kernel beats)."""
+  H = q.shape[-1]
+  G = q.shape[2] // k.shape[2]
+  kr, vr = jnp.repeat(k, G, axis=2), jnp.repeat(v, G, axis=2)
+  s = jnp.einsum("btnh,bsnh->bnts", q, kr) * jnp.asarray(1 / np.sqrt(H), q.dtype)
+  if causal:
+    T, S = s.shape[-2:]
+    s = jnp.where(jnp.tril(jnp.ones((T, S), bool))[None, None], s,
+                  jnp.asarray(-1e4, q.dtype))
+  p = jax.nn.softmax(s, axis=-1)
+  return jnp.einsum("bnts,bsnh->btnh", p, vr)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_low_precision_rule(impl, dtype, causal):
+  q32, k32, v32, do32 = _inputs(T=64, S=96, H=32)
+  q, k, v, do = (x.astype(dtype) for x in (q32, k32, v32, do32))
+  f = lambda q, k, v: jattn.dot_product_attention(q, k, v, is_causal=causal, **IMPLS[impl])
+  g = lambda q, k, v: _plain_low_precision(q, k, v, causal)
+  out, pull = jax.vjp(f, q, k, v)
+  base, pull_base = jax.vjp(g, q, k, v)
+  # The float64 reference on the same (rounded) inputs.
+  qq, kk, vv = (np.asarray(x, np.float64) for x in (q, k, v))
+  vis = ref.visible_mask(2, 4, 64, 96, causal="top_left" if causal else None)
+  want, _, cache = ref.attention(qq, kk, vv, visible=vis)
+  want_grads = ref.grads(cache, np.asarray(do, np.float64))[:3]
+  err = lambda a, b: np.max(np.abs(np.asarray(a, np.float64) - b))
+  assert err(out, want) <= 2 * err(base, want) + 1e-3
+  for got, plain, w in zip(pull(do), pull_base(do), want_grads):
+    assert err(got, w) <= 2 * err(plain, w) + 1e-3
+  assert out.dtype == dtype
+
+
+# --------------------------------------------------------------------------------------------
+# Dropout.
+# --------------------------------------------------------------------------------------------
+
+
+def test_dropout_same_entries_for_every_implementation_and_block():
+  q, k, v, do = _inputs()
+  rng = jax.random.key(7)
+  runs = [jattn.dot_product_attention(q, k, v, dropout_rate=0.3, dropout_rng=rng,
+                                      is_causal=True, implementation="dense")]
+  for bq, bk in ((16, 24), (37, 45), (8, 5)):
+    runs.append(jattn.dot_product_attention(q, k, v, dropout_rate=0.3, dropout_rng=rng,
+                                            is_causal=True, implementation="chunked",
+                                            block_q=bq, block_kv=bk))
+  for r in runs[1:]:
+    np.testing.assert_allclose(r, runs[0], rtol=2e-5, atol=2e-5)
+  other = jattn.dot_product_attention(q, k, v, dropout_rate=0.3, dropout_rng=jax.random.key(8),
+                                      is_causal=True)
+  assert not np.allclose(other, runs[0])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_dropout_against_reference_with_grads(impl):
+  B, T, S, N, K, H = 2, 37, 45, 4, 2, 16
+  q, k, v, do = _inputs()
+  rate, rng = 0.25, jax.random.key(3)
+  seed = _dropout.seed_words(rng)
+  b = jnp.arange(B).reshape(B, 1, 1, 1)
+  h = jnp.arange(N).reshape(1, N, 1, 1)
+  t = jnp.arange(T).reshape(1, 1, T, 1)
+  s = jnp.arange(S).reshape(1, 1, 1, S)
+  keep = np.asarray(_dropout.keep_mask(seed, rate, b, h, t, s))
+  f = lambda q, k, v: jattn.dot_product_attention(q, k, v, dropout_rate=rate, dropout_rng=rng,
+                                                  is_causal=True, **IMPLS[impl])
+  out, pull = jax.vjp(f, q, k, v)
+  vis = ref.visible_mask(B, N, T, S, causal="top_left")
+  want, _, cache = ref.attention(q, k, v, visible=vis, keep=keep, dropout_rate=rate)
+  np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5)
+  for got, w in zip(pull(do), ref.grads(cache, do)[:3]):
+    np.testing.assert_allclose(got, w, rtol=2e-5, atol=1e-4)
+
+
+def test_dropout_mask_statistics():
+  seed = _dropout.seed_words(jax.random.key(0))
+  shape_idx = (jnp.arange(4).reshape(4, 1, 1, 1), jnp.arange(8).reshape(1, 8, 1, 1),
+               jnp.arange(128).reshape(1, 1, 128, 1), jnp.arange(128).reshape(1, 1, 1, 128))
+  for rate in (0.1, 0.5, 0.9):
+    keep = np.asarray(_dropout.keep_mask(seed, rate, *shape_idx))
+    n = keep.size
+    # Binomial: 5 standard deviations.
+    assert abs(keep.mean() - (1 - rate)) < 5 * np.sqrt(rate * (1 - rate) / n)
+    # Neighbouring entries are independent (no stripes along any axis).
+    for axis in range(4):
+      a = np.take(keep, range(keep.shape[axis] - 1), axis=axis)
+      b = np.take(keep, range(1, keep.shape[axis]), axis=axis)
+      both = np.mean(a & b)
+      assert abs(both - (1 - rate) ** 2) < 0.02
+
+
+# --------------------------------------------------------------------------------------------
+# Compilation.
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_no_recompilation_on_second_call(impl):
+  chex.clear_trace_counter()
+  traces = []
+
+  @jax.jit
+  @chex.assert_max_traces(n=1)
+  def step(q, k, v):
+    traces.append(1)
+    return jattn.dot_product_attention(q, k, v, is_causal=True, **IMPLS[impl])
+
+  q, k, v, _ = _inputs()
+  step(q, k, v)
+  step(q + 1, k, v)
+  assert len(traces) == 1
+  # The public function itself keeps one jit cache entry per configuration.
+  before = jattn._attention._attention._cache_size()
+  jattn.dot_product_attention(q, k, v, is_causal=True, **IMPLS[impl])
+  jattn.dot_product_attention(q * 2, k, v, is_causal=True, **IMPLS[impl])
+  assert jattn._attention._attention._cache_size() - before <= 1
