@@ -1,0 +1,141 @@
+"""Structure of the chunked implementation: O(T) memory, hidden blocks really skipped."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jattn
+from jattn import _chunked
+from jattn import masks as M
+
+
+def _compiled_temp_bytes(fn, *args):
+  compiled = jax.jit(fn).lower(*args).compile()
+  return compiled.memory_analysis().temp_size_in_bytes
+
+
+def _shapes(T, N=2, H=16):
+  return (jax.ShapeDtypeStruct((1, T, N, H), jnp.float32),) * 3
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_memory_grows_linearly(backward):
+  def make(impl):
+    def f(q, k, v):
+      return jattn.dot_product_attention(q, k, v, implementation=impl, block_q=128,
+                                         block_kv=128)
+    if backward:
+      return lambda q, k, v: jax.grad(lambda q, k, v: f(q, k, v).sum(), argnums=(0, 1, 2))(
+          q, k, v)
+    return f
+
+  temps = {impl: [_compiled_temp_bytes(make(impl), *_shapes(T)) for T in (1024, 2048, 4096)]
+           for impl in ("chunked", "dense")}
+  ch, de = temps["chunked"], temps["dense"]
+  # Doubling T doubles chunked memory (plus a constant), and quadruples dense's.
+  assert ch[2] - ch[1] <= 2.2 * (ch[1] - ch[0]) + 4096, ch
+  assert ch[2] <= 2.3 * ch[1], ch
+  assert de[2] >= 3.5 * de[1], de
+  # At T = 4096 (N=2, H=16) chunked needs a small multiple of one (B, T, N, H) input.
+  one_input = 4096 * 2 * 16 * 4
+  assert ch[2] <= 12 * one_input, (ch[2], one_input)
+  assert ch[2] * 10 < de[2]
+
+
+class _Recorder:
+  def __init__(self):
+    self.blocks = {"fwd": {}, "bwd": {}}
+
+  def __call__(self, pass_name, i, j, state):
+    self.blocks[pass_name][(i, j)] = state
+
+
+def _run_recorded(T, S, bq, bk, **kwargs):
+  jax.clear_caches()  # the hook is read at trace time
+  rec = _Recorder()
+  _chunked._BLOCK_HOOK = rec
+  try:
+    q = jax.random.normal(jax.random.key(0), (2, T, 2, 8))
+    k = jax.random.normal(jax.random.key(1), (2, S, 2, 8))
+    f = lambda q, k: jattn.dot_product_attention(q, k, k, implementation="chunked", block_q=bq,
+                                                 block_kv=bk, **kwargs).sum()
+    jax.block_until_ready(jax.grad(f, argnums=(0, 1))(q, k))
+    jax.effects_barrier()
+  finally:
+    _chunked._BLOCK_HOOK = None
+    jax.clear_caches()
+  return rec.blocks
+
+
+def _expected_blocks(vis, bq, bk):
+  """From the dense (B, N, T, S) mask: {(i, j): state} for every non-empty block."""
+  T, S = vis.shape[-2:]
+  out = {}
+  for i in range(-(-T // bq)):
+    for j in range(-(-S // bk)):
+      blk = vis[..., i * bq:(i + 1) * bq, j * bk:(j + 1) * bk]
+      if blk.any():
+        ragged = (j + 1) * bk > S
+        out[(i, j)] = M.FULL if blk.all() and not ragged else M.PARTIAL
+  return out
+
+
+def _dense_vis(T, S, **kwargs):
+  import reference as ref
+  return ref.visible_mask(2, 2, T, S, **kwargs)
+
+
+@pytest.mark.parametrize("T,S,bq,bk", [(64, 64, 16, 16), (50, 70, 16, 8), (70, 50, 8, 16)])
+def test_causal_blocks_skipped_exactly(T, S, bq, bk):
+  blocks = _run_recorded(T, S, bq, bk, is_causal=True)
+  want = _expected_blocks(_dense_vis(T, S, causal="top_left"), bq, bk)
+  assert blocks["fwd"] == want
+  assert blocks["bwd"] == want
+
+
+def test_window_blocks_skipped_exactly():
+  blocks = _run_recorded(128, 128, 16, 16, is_causal=True, local_window_size=(20, 0))
+  want = _expected_blocks(_dense_vis(128, 128, causal="top_left", window=(20, 0)), 16, 16)
+  assert blocks["fwd"] == want and blocks["bwd"] == want
+  # Work proportional to T x window: 8 rows of at most 3 blocks.
+  assert len(want) <= 8 * 3
+
+
+def test_lengths_blocks_skipped():
+  lens = np.array([20, 33])
+  blocks = _run_recorded(48, 64, 16, 16, key_value_seq_lengths=jnp.asarray(lens, jnp.int32))
+  want = _expected_blocks(_dense_vis(48, 64, kv_lengths=lens), 16, 16)
+  assert blocks["fwd"] == want and blocks["bwd"] == want
+  assert all(j <= 2 for (_, j) in blocks["fwd"])
+
+
+def test_packed_segments_blocks_skipped():
+  q_seg = np.repeat(np.arange(4), 16)[None].repeat(2, 0)  # four 16-token documents
+  blocks = _run_recorded(64, 64, 16, 16, q_segment_ids=jnp.asarray(q_seg, jnp.int32),
+                         kv_segment_ids=jnp.asarray(q_seg, jnp.int32))
+  assert blocks["fwd"] == {(i, i): M.FULL for i in range(4)}
+  assert blocks["bwd"] == blocks["fwd"]
+
+
+def test_unsorted_segments_stay_correct_and_skip_nothing_wrongly():
+  rng = np.random.default_rng(0)
+  ids = rng.integers(0, 3, (2, 40))
+  q = jax.random.normal(jax.random.key(0), (2, 40, 2, 8))
+  kw = dict(q_segment_ids=jnp.asarray(ids, jnp.int32), kv_segment_ids=jnp.asarray(ids, jnp.int32))
+  a = jattn.dot_product_attention(q, q, q, implementation="chunked", block_q=8, block_kv=8, **kw)
+  b = jattn.dot_product_attention(q, q, q, implementation="dense", **kw)
+  np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_cost_analysis_has_no_dense_score_matrix():
+  # XLA's cost analysis of the chunked forward counts FLOPs of one tile per loop body: far below
+  # the dense count. It would be equal if the kernel formed the (T, S) scores.
+  T = 2048
+  dense = jax.jit(lambda q, k, v: jattn.dot_product_attention(q, k, v, implementation="dense"))
+  chunk = jax.jit(lambda q, k, v: jattn.dot_product_attention(q, k, v, implementation="chunked",
+                                                              block_q=256, block_kv=256))
+  args = _shapes(T)
+  fd = dense.lower(*args).compile().cost_analysis()["flops"]
+  fc = chunk.lower(*args).compile().cost_analysis()["flops"]
+  assert fc < fd / 8
