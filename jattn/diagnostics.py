@@ -191,12 +191,12 @@ def _stats(query, key, bias, mask, q_lengths, kv_lengths, q_seg, kv_seg, sinks, 
   bias5 = None if args.bias is None else _tile.group_heads(args.bias, K, G)
   sink = None if args.sinks is None else args.sinks.astype(sd).reshape(1, K, G, 1)
 
-  grid = _masks.BlockGrid(T, S, bq, bk)
   if impl == "dense":
     rows = _init_rows(cfg, sd, T, sink)
     rows = _update_rows(cfg, rows, q, k, bias5, combined, jnp.arange(T, dtype=jnp.int32),
                         jnp.arange(S, dtype=jnp.int32), score_args, ragged=False, masked=True)
   else:
+    grid = _masks.BlockGrid(T, S, bq, bk)
     states = _attention.block_map(combined, grid, shape)
     rows = _chunked_rows(cfg, grid, q, k, bias5, combined, states, score_args, sink)
 

@@ -44,8 +44,9 @@ def test_unscaled_softmax_sharpens_with_d_and_scaled_does_not(sharpness_rows):
 
 def test_softmax_jacobian_norm_closed_form():
   p = np.array([[0.7, 0.2, 0.1], [1.0, 0.0, 0.0]])
+  jacobian = jax.jit(jax.jacobian(jax.nn.softmax))
   for row in p:
-    jac = np.asarray(jax.jacobian(jax.nn.softmax)(np.log(np.maximum(row, 1e-30))), np.float64)
+    jac = np.asarray(jacobian(np.log(np.maximum(row, 1e-30)).astype(np.float32)), np.float64)
     np.testing.assert_allclose(demo.softmax_jacobian_norm(row), np.linalg.norm(jac), atol=1e-6)
   assert demo.softmax_jacobian_norm(p)[1] == 0.0  # one-hot: no gradient at all
 
@@ -94,7 +95,7 @@ def test_fully_masked_row(masked_results):
     assert r.other_rows_error < 1e-5, r
 
 
-PRECISION = dict(lengths=(64, 256), heads=1, head_dim=32, block=32)
+PRECISION = dict(lengths=(256,), heads=1, head_dim=32, block=32)
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +119,7 @@ def test_precision_claims(precision_rows):
 
 def test_cli_end_to_end_with_plots(tmp_path, capsys):
   args = ["--seeds", "64", "--dims", "32,128,512", "--magnitudes", "10,100,1e5",
-          "--lengths", "64,256", "--heads", "1", "--head-dim", "32", "--block", "32",
+          "--lengths", "256", "--heads", "1", "--head-dim", "32", "--block", "32",
           "--plot", str(tmp_path)]
   assert demo.main(args) == 0
   out = capsys.readouterr().out
