@@ -236,6 +236,27 @@ def _pair(rc: _RingConfig, q_pos, kv_index, lengths, segs):
   return mask, states
 
 
+def tiles_per_device(num_devices: int, layout: str, Ts: int, Ss: int, block_q: int,
+                     block_kv: int, lo: int | None = None, hi: int | None = None):
+  """Kernel tiles each device computes over a whole ring pass, from the block maps it runs on.
+
+  Returns two (P,) int arrays: the non-EMPTY tiles (the work) and, of those, the FULL ones (no
+  mask arithmetic), for the band ``lo <= kv - q <= hi`` on global positions (``hi=0``: causal).
+  Benchmarks and tests use it to show a layout's load balance.
+  """
+  cfg = Config(B=1, T=Ts, S=Ss, K=1, G=1, H=1, scale=1.0, logits_soft_cap=None, dropout_rate=0.0)
+  cc = _chunked.ChunkedConfig(cfg, _masks.BlockGrid(Ts, Ss, block_q, block_kv))
+  rc = _RingConfig(cc, None, num_devices, layout, lo, hi)
+  work, full = np.zeros(num_devices, np.int64), np.zeros(num_devices, np.int64)
+  for d in range(num_devices):
+    q_pos = _padded_positions(d, Ts, cc.Tp, rc)
+    for j in range(num_devices):
+      states = np.asarray(_pair(rc, q_pos, j, (None, None), (None, None))[1])
+      work[d] += int((states != _masks.EMPTY).sum())
+      full[d] += int((states == _masks.FULL).sum())
+  return work, full
+
+
 def _varying(x, *like):
   """Give a fresh array (a loop's initial carry) the varying manual axes of ``like``.
 

@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 
 import jattn
-from jattn import _chunked, _ring
+from jattn import _ring
 from jattn import masks as jmasks
-from jattn._tile import NEG, Config
+from jattn._tile import NEG
 
 import _ring_worker
 import reference as ref
@@ -168,27 +168,12 @@ def test_zigzag_errors():
     jattn.zigzag_unpermute(jnp.zeros((1, 12)), 2, axis=2)
 
 
-def _tile_counts(layout, P, Ts, block):
-  """Tiles each device computes (non-EMPTY blocks over all ring steps), causal, from the
-  block maps the kernel runs on."""
-  cfg = Config(B=1, T=Ts, S=Ts, K=1, G=1, H=8, scale=1.0, logits_soft_cap=None, dropout_rate=0.0)
-  cc = _chunked.ChunkedConfig(cfg, jmasks.BlockGrid(Ts, Ts, block, block))
-  rc = _ring._RingConfig(cc, "seq", P, layout, None, 0)
-  counts, fulls = [], []
-  for d in range(P):
-    q_pos = _ring._padded_positions(jnp.int32(d), Ts, cc.Tp, rc)
-    states = [np.asarray(_ring._pair(rc, q_pos, jnp.int32(j), (None, None), (None, None))[1])
-              for j in range(P)]
-    counts.append(sum(int((s != jmasks.EMPTY).sum()) for s in states))
-    fulls.append(sum(int((s == jmasks.FULL).sum()) for s in states))
-  return counts, fulls
-
-
 def test_zigzag_balances_causal_work():
   P, Ts, block = 8, 16, 4
   nb = P * Ts // block  # global blocks per side
-  contiguous, _ = _tile_counts("contiguous", P, Ts, block)
-  zigzag, zig_full = _tile_counts("zigzag", P, Ts, block)
+  contiguous, _ = _ring.tiles_per_device(P, "contiguous", Ts, Ts, block, block, hi=0)
+  zigzag, zig_full = _ring.tiles_per_device(P, "zigzag", Ts, Ts, block, block, hi=0)
+  contiguous, zigzag = contiguous.tolist(), zigzag.tolist()
   # Both compute exactly the lower triangle of the global block grid, diagonal included...
   assert sum(contiguous) == sum(zigzag) == nb * (nb + 1) // 2
   # ...but contiguous gives the last device 2P - 1 times the first's work, zigzag spreads it.
