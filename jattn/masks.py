@@ -486,7 +486,7 @@ class _FnMask(Mask):
       i, j = ij // nk, ij % nk
       q = i * grid.block_q + jnp.arange(grid.block_q, dtype=jnp.int32)
       k = j * grid.block_kv + jnp.arange(grid.block_kv, dtype=jnp.int32)
-      inside = (q[:, None] < grid.T) & (k[None, :] < grid.S)
+      inside = ((q[:, None] < grid.T) & (k[None, :] < grid.S))[None, None]
       m = self.evaluate(q, k, shape)
       anyv = (m & inside).any(axis=(2, 3))
       allv = (m | ~inside).all(axis=(2, 3))

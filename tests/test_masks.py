@@ -1,0 +1,205 @@
+"""Mask objects, their block maps, score functions and sinks."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jattn
+from jattn import masks as M
+import reference as ref
+
+B, N = 2, 3
+
+
+def _dense(mask, T, S):
+  """Evaluate a mask object on the whole (T, S) grid: (B, N, T, S)."""
+  out = mask.evaluate(jnp.arange(T, dtype=jnp.int32), jnp.arange(S, dtype=jnp.int32),
+                      (B, N, T, S))
+  return np.broadcast_to(np.asarray(out), (B, N, T, S))
+
+
+def _by_hand(kind, T, S):
+  """The same masks built index by index from their definitions."""
+  t = np.arange(T)[:, None]
+  s = np.arange(S)[None, :]
+  full = lambda x: np.broadcast_to(x, (B, N, T, S))
+  return {
+      "causal": full(s <= t),
+      "causal bottom-right": full(s <= t + S - T),
+      "causal negative offset": full(s <= t - 5),
+      "window (3, 2)": full((s >= t - 3) & (s <= t + 2)),
+      "window (7, 0) offset 4": full((s >= t + 4 - 7) & (s <= t + 4)),
+      "chunked local 8": full(t // 8 == s // 8),
+      "prefix-lm 10": full((s < 10) | (s <= t)),
+      "lengths": np.stack([full(np.ones((T, S), bool))[0] & (t < 9) & (s < 17),
+                           full(np.ones((T, S), bool))[1] & (t < T) & (s < 4)]),
+      "segments": np.stack([full(_SEG_Q[b][:T, None] == _SEG_K[b][None, :S])[b]
+                            for b in range(B)]),
+      "function": np.fromfunction(lambda b, h, i, j: (i + j + b + h) % 3 != 0,
+                                  (B, N, T, S), dtype=int),
+      "causal & window": full((s <= t) & (s >= t - 6)),
+      "causal | window": full((s <= t) | ((s >= t - 2) & (s <= t + 2))),
+      "~causal": full(~(s <= t)),
+      "dynamic causal": np.stack([full(s <= t + 3)[0], full(s <= t + 11)[1]]),
+      "array": _ARR[:, :, :T, :S] & np.ones((B, N, T, S), bool),
+  }[kind]
+
+
+_rng = np.random.default_rng(0)
+_SEG_Q = np.sort(_rng.integers(0, 4, (B, 64)), axis=1)
+_SEG_K = np.sort(_rng.integers(0, 4, (B, 64)), axis=1)
+_ARR = _rng.random((B, 1, 64, 64)) > 0.3
+
+
+def _object(kind, T, S):
+  return {
+      "causal": M.causal(),
+      "causal bottom-right": M.causal((T, S), alignment="bottom_right"),
+      "causal negative offset": M.causal(offset=-5),
+      "window (3, 2)": M.local_window(3, 2),
+      "window (7, 0) offset 4": M.local_window(7, 0, offset=4),
+      "chunked local 8": M.chunked_local(8),
+      "prefix-lm 10": M.prefix_lm(10),
+      "lengths": M.lengths(jnp.array([9, T]), jnp.array([17, 4])),
+      "segments": M.segments(jnp.asarray(_SEG_Q[:, :T]), jnp.asarray(_SEG_K[:, :S])),
+      "function": M.from_function(lambda b, h, i, j: (i + j + b + h) % 3 != 0),
+      "causal & window": M.causal() & M.local_window(6, None),
+      "causal | window": M.causal() | M.local_window(2, 2),
+      "~causal": ~M.causal(),
+      "dynamic causal": M.causal(offset=jnp.array([3, 11], jnp.int32)),
+      "array": M.from_array(jnp.asarray(_ARR[:, :, :T, :S])),
+  }[kind]
+
+
+KINDS = ["causal", "causal bottom-right", "causal negative offset", "window (3, 2)",
+         "window (7, 0) offset 4", "chunked local 8", "prefix-lm 10", "lengths", "segments",
+         "function", "causal & window", "causal | window", "~causal", "dynamic causal", "array"]
+SHAPES = [("square", 40, 40), ("wide rectangle", 24, 61), ("tall rectangle", 61, 24)]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("shape", SHAPES, ids=[s[0] for s in SHAPES])
+def test_mask_equals_dense_construction_and_block_map_is_exact(kind, shape):
+  _, T, S = shape
+  mask = _object(kind, T, S)
+  want = _by_hand(kind, T, S)
+  np.testing.assert_array_equal(_dense(mask, T, S), want)
+  for bq, bk in ((8, 8), (16, 5), (7, 13)):
+    grid = M.BlockGrid(T, S, bq, bk)
+    st = np.broadcast_to(np.asarray(mask.block_states(grid, (B, N, T, S))),
+                         (B, N, grid.num_q_blocks, grid.num_kv_blocks))
+    for i, j in itertools.product(range(grid.num_q_blocks), range(grid.num_kv_blocks)):
+      blk = want[:, :, i * bq:(i + 1) * bq, j * bk:(j + 1) * bk]
+      # The mask evaluated on just this block equals the dense one there.
+      q_pos = jnp.arange(i * bq, min((i + 1) * bq, T), dtype=jnp.int32)
+      kv_pos = jnp.arange(j * bk, min((j + 1) * bk, S), dtype=jnp.int32)
+      np.testing.assert_array_equal(
+          np.broadcast_to(np.asarray(mask.evaluate(q_pos, kv_pos, (B, N, T, S))), blk.shape),
+          blk)
+      expect = np.where(~blk.any(axis=(2, 3)), M.EMPTY,
+                        np.where(blk.all(axis=(2, 3)), M.FULL, M.PARTIAL))
+      if kind in ("causal | window", "~causal"):
+        # OR of two partial blocks may be full: the summary is conservative (PARTIAL), never
+        # wrong about emptiness.
+        assert np.all((st[..., i, j] == expect) | (st[..., i, j] == M.PARTIAL)), (i, j)
+        assert np.all((st[..., i, j] == M.EMPTY) == (expect == M.EMPTY))
+      else:
+        np.testing.assert_array_equal(st[..., i, j], expect, err_msg=f"block {(i, j)}")
+
+
+def test_structural_block_maps_are_static():
+  grid = M.BlockGrid(1000, 1000, 128, 128)
+  for m in (M.causal(), M.local_window(64, 0), M.chunked_local(100), M.prefix_lm(300),
+            M.causal() & M.local_window(64, 0)):
+    assert isinstance(m.block_states(grid, (1, 1, 1000, 1000)), np.ndarray)
+
+
+def test_masks_are_hashable_and_band_intersection_is_a_band():
+  assert hash(M.causal()) == hash(M.causal())
+  assert M.causal() == M.causal(offset=0)
+  both = M.causal() & M.local_window(5, 3)
+  assert both == M.local_window(5, 0)
+
+
+@pytest.mark.parametrize("impl", ["dense", "chunked"])
+def test_mask_objects_in_attention_match_reference(impl):
+  T, S = 33, 50
+  q = jax.random.normal(jax.random.key(0), (B, T, N, 8))
+  k = jax.random.normal(jax.random.key(1), (B, S, N, 8))
+  for kind in ("chunked local 8", "prefix-lm 10", "function", "causal | window", "~causal",
+               "dynamic causal"):
+    mask = _object(kind, T, S)
+    got = jattn.dot_product_attention(q, k, k, mask=mask, implementation=impl, block_q=8,
+                                      block_kv=16)
+    want, _, _ = ref.attention(q, k, k, visible=_by_hand(kind, T, S))
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5, err_msg=kind)
+
+
+# --------------------------------------------------------------------------------------------
+# Score functions.
+# --------------------------------------------------------------------------------------------
+
+T, S, H = 30, 41, 8
+
+
+def _qkv():
+  ks = jax.random.split(jax.random.key(3), 4)
+  q = jax.random.normal(ks[0], (B, T, N, H))
+  k = jax.random.normal(ks[1], (B, S, N, H))
+  v = jax.random.normal(ks[2], (B, S, N, H))
+  do = jax.random.normal(ks[3], (B, T, N, H))
+  return q, k, v, do
+
+
+@pytest.mark.parametrize("impl", ["dense", "chunked"])
+def test_relative_position_table_gets_its_gradient(impl):
+  q, k, v, do = _qkv()
+  table = jax.random.normal(jax.random.key(9), (N, T + S)) * 0.5
+
+  def f(q, k, v, table):
+    def score_mod(s, b, h, qi, ki):
+      return s + table[h, qi - ki + S]
+    return jattn.dot_product_attention(q, k, v, score_mod=score_mod, is_causal=True,
+                                       implementation=impl, block_q=8, block_kv=16)
+
+  out, pull = jax.vjp(f, q, k, v, table)
+  dq, dk, dv, dtable = pull(do)
+  # Reference: the same bias as an explicit array.
+  idx = np.arange(T)[:, None] - np.arange(S)[None, :] + S
+  bias = np.asarray(table)[:, idx][None]  # (1, N, T, S)
+  vis = ref.visible_mask(B, N, T, S, causal="top_left")
+  want, _, cache = ref.attention(q, k, v, visible=vis, bias=bias)
+  r_dq, r_dk, r_dv, r_dbias, _ = ref.grads(cache, do, bias.shape)
+  np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5)
+  for got, w in ((dq, r_dq), (dk, r_dk), (dv, r_dv)):
+    np.testing.assert_allclose(got, w, rtol=2e-5, atol=1e-4)
+  r_dtable = np.zeros((N, T + S))
+  np.add.at(r_dtable, (np.arange(N)[:, None, None], idx[None]), r_dbias[0])
+  np.testing.assert_allclose(dtable, r_dtable, rtol=2e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("impl", ["dense", "chunked"])
+def test_alibi_and_temperature(impl):
+  q, k, v, _ = _qkv()
+  slopes = jnp.asarray([0.5, 0.25, 0.125])
+  temp = jnp.asarray([1.0, 2.0, 0.5])
+  mod = lambda s, b, h, qi, ki: s / temp[h] - slopes[h] * jnp.abs(qi - ki).astype(s.dtype)
+  got = jattn.dot_product_attention(q, k, v, score_mod=mod, implementation=impl, block_q=8,
+                                    block_kv=16)
+  dist = np.abs(np.arange(T)[:, None] - np.arange(S)[None, :])
+  want, _, _ = ref.attention(q, k, v, score_mod=lambda x: x / np.asarray(temp)[None, :, None, None]
+                             - np.asarray(slopes)[None, :, None, None] * dist)
+  np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+
+def test_soft_cap_via_score_mod_equals_the_option():
+  q, k, v, _ = _qkv()
+  cap = 3.0
+  a = jattn.dot_product_attention(q, k, v, logits_soft_cap=cap, implementation="chunked",
+                                  block_q=8, block_kv=16)
+  b = jattn.dot_product_attention(q, k, v, score_mod=lambda s, *_: cap * jnp.tanh(s / cap),
+                                  implementation="chunked", block_q=8, block_kv=16)
+  np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
