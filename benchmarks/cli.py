@@ -111,6 +111,20 @@ def _select(cfg: _config.Config, args) -> tuple[list[_config.Case], list[str]]:
   return cases, notes
 
 
+def _groups(cases, compares) -> list[list[tuple[int, _config.Case]]]:
+  """Cases that differ only in the fields of a ``[[compare]]``, as (index, case) groups.
+
+  Each group is timed in shared rounds, so the compared ratio is not skewed by load changing
+  between cases; without a compare every case is its own group.
+  """
+  fields = {c.field for c in compares} - {"impl"}
+  groups = {}
+  for i, case in enumerate(cases):
+    key = tuple(v for f, v in case.fields().items() if f not in fields)
+    groups.setdefault(key, []).append((i, case))
+  return list(groups.values())
+
+
 def main(argv: list[str] | None = None) -> int:
   args = build_parser().parse_args(argv)
   argv = list(sys.argv[1:] if argv is None else argv)
@@ -188,12 +202,15 @@ def _run(cfg, cases, notes, args, argv, max_memory_gib) -> int:
   rows = []
   interrupted = False
   try:
-    for i, case in enumerate(cases):
-      progress.case(i, case.name)
-      case_rows = _runner.run_case(case, i, ctx)
-      rows.extend(case_rows)
+    for group in _groups(cases, cfg.compare):
+      case = group[0][1]
+      name = case.name if len(group) == 1 else f"{case.name} and {len(group) - 1} more, together"
+      progress.case(name, count=len(group))
+      results = _runner.run_group([c for _, c in group], [i for i, _ in group], ctx)
       progress.clear()
-      print("\n" + _report.format_case(case_rows, cfg.baseline), flush=True)
+      for case_rows in results:
+        rows.extend(case_rows)
+        print("\n" + _report.format_case(case_rows, cfg.baseline), flush=True)
   except KeyboardInterrupt:
     interrupted = True
     progress.clear()
@@ -216,6 +233,7 @@ def _run(cfg, cases, notes, args, argv, max_memory_gib) -> int:
         print(f"note: {notes[-1]}")
   machine["load_average_end"] = _report._loadavg()
 
+  rows.sort(key=lambda r: r["case_index"])  # stable: each case keeps its implementation order
   comps = _report.comparisons(rows, cfg.compare)
   if comps:
     print("\ncomparisons (median time ratios):\n" + _report.format_comparisons(comps))

@@ -10,6 +10,8 @@ import re
 from pathlib import Path
 
 _GROUP = ("pass", "dtype", "mask", "B", "N", "K", "H")
+_MARKERS = ("o", "s", "^", "D", "v", "P")
+_DASHES = ("-", "--", "-.", ":")
 
 
 def _group_key(row):
@@ -37,20 +39,23 @@ def write_plots(rows: list[dict], out_dir, stem: str) -> list[Path]:
       lines.setdefault(r["impl"], []).append(r)
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(12, 4.5))
     plotted = False
-    for impl, rs in lines.items():
+    for k, (impl, rs) in enumerate(lines.items()):
+      # Distinct markers and dashes, so lines that coincide (dense implementations often share
+      # their memory exactly) stay visible.
+      style = dict(marker=_MARKERS[k % len(_MARKERS)], linestyle=_DASHES[k % len(_DASHES)],
+                   markersize=7 - k % 3, label=impl)
       rs = sorted(rs, key=lambda r: r["T"])
       timed = [r for r in rs if r["status"] == "ok"]
       if timed:
         ts = [r["T"] for r in timed]
-        (line,) = ax_t.plot(ts, [r["time_median_s"] for r in timed], marker="o", label=impl)
+        (line,) = ax_t.plot(ts, [r["time_median_s"] for r in timed], **style)
         # The spread (min..max over repeats) as a band.
         ax_t.fill_between(ts, [r["time_min_s"] for r in timed],
                           [r["time_max_s"] for r in timed], alpha=0.2, color=line.get_color())
         plotted = True
       mem = [r for r in rs if r["temp_bytes"]]
       if mem:
-        ax_m.plot([r["T"] for r in mem], [r["temp_bytes"] / 2 ** 20 for r in mem], marker="o",
-                  label=impl)
+        ax_m.plot([r["T"] for r in mem], [r["temp_bytes"] / 2 ** 20 for r in mem], **style)
         plotted = True
     if not plotted:
       plt.close(fig)

@@ -99,10 +99,14 @@ class Progress:
     self.tty = self.stream.isatty()
     self.start = time.perf_counter()
     self.prefix = ""
+    self.done = 0
 
-  def case(self, index: int, name: str):
+  def case(self, name: str, count: int = 1):
+    """Announce the next ``count`` cases (run together)."""
     elapsed = time.perf_counter() - self.start
-    self.prefix = f"[{index + 1}/{self.total} {elapsed:6.1f}s] {name}"
+    which = f"{self.done + 1}" if count == 1 else f"{self.done + 1}-{self.done + count}"
+    self.done += count
+    self.prefix = f"[{which}/{self.total} {elapsed:6.1f}s] {name}"
     if not self.enabled:
       return
     if self.tty:

@@ -1,12 +1,13 @@
-"""Running one case: guard, compile, check, warm up, then time every implementation interleaved.
+"""Running cases: guard, compile, check, warm up, then time every implementation interleaved.
 
 Per case, each implementation is compiled ahead of time (``jax.jit(f).lower(*args).compile()``,
 timed apart from running) and its compiled memory read from XLA's memory analysis. The first
 call of each is checked against the reference implementation's output (max |difference| over
 the output and, forward+backward, the three gradients). Then ``warmup`` untimed calls each, and
 ``repeats`` rounds in which every implementation runs once, in turn (A B A B ...), so that a
-slow period of a shared machine hits all of them alike. Each call ends in ``block_until_ready``.
-A failure (out of memory, unsupported, any error) becomes the row's status and the sweep goes on.
+slow period of a shared machine hits all of them alike; cases that a ``[[compare]]`` puts side by
+side run in the same rounds too. Each call ends in ``block_until_ready``. A failure (out of
+memory, unsupported, any error) becomes the row's status and the sweep goes on.
 """
 
 from __future__ import annotations
@@ -164,107 +165,137 @@ def _max_abs_diff(a, b) -> float:
 
 def run_case(case: Case, index: int, ctx: Context) -> list[dict[str, Any]]:
   """All rows of one case (one per implementation), in the config's implementation order."""
-  # The baseline runs first so it can serve as the reference of the output check.
-  order = sorted(case.impls, key=lambda i: i.name != ctx.baseline)
-  rows = {impl: new_row(case, index, impl, ctx.baseline) for impl in case.impls}
-  args = _impls.make_inputs(case, ctx.seed)
-  empty_rows = bool((_masks.visible_per_query(case.T, case.S, case.mask) == 0).any())
+  return run_group([case], [index], ctx)[0]
 
-  runners = []
-  for impl in order:
-    row = rows[impl]
-    if impl.dense_memory:
-      row["memory_estimate_bytes"] = case.dense_memory_estimate
-      if case.dense_memory_estimate > ctx.max_memory_bytes:
-        row.update(status="skipped", reason=(
-            f"dense score estimate {case.dense_memory_estimate / GIB:.2f} GiB > max-memory "
-            f"{ctx.max_memory_bytes / GIB:.2f} GiB"))
-        continue
-    if impl.name == "torch":
-      runner = _TorchRunner(ctx.torch_peer, case, ctx.seed, ctx.backend, row)
-    else:
-      runner = _JaxRunner(impl, case, args, row)
-    ctx.progress(f"compiling {impl.label}")
-    try:
-      runner.prepare()
-    except Exception as e:  # noqa: BLE001 - recorded in the row; the sweep goes on
-      row["status"], row["reason"] = classify(e)
-      continue
-    measured = runner.measured_bytes()
-    if measured is not None and measured > ctx.max_memory_bytes:
-      row.update(status="skipped", reason=(
-          f"compiled memory {measured / GIB:.2f} GiB > max-memory "
-          f"{ctx.max_memory_bytes / GIB:.2f} GiB"))
-      runner.close()
-      continue
-    if ctx.compile_only:
-      row["status"] = "compiled"
-      runner.close()
-      continue
-    runners.append((impl, runner))
 
-  # First calls: the output check, then the rest of the warm-up. With warmup = 0 the first timed
-  # call is the checked one.
-  reference = None
-  times = {impl: [] for impl, _ in runners}
+@dataclasses.dataclass
+class _Entry:
+  """One (case, implementation) pair of a group: its row, its runner, its timings."""
 
-  def first_call(impl, runner, timed):
-    nonlocal reference
-    elapsed, out = runner.call(keep=True)
-    row = rows[impl]
-    if out is not None and not empty_rows:
-      if reference is None:
-        reference = (impl.label, out)
-      else:
-        row.update(max_abs_diff=_max_abs_diff(out, reference[1]), diff_reference=reference[0])
+  case: Case
+  impl: Impl
+  row: dict
+  runner: Any = None
+  times: list = dataclasses.field(default_factory=list)
+
+
+def run_group(cases: list[Case], indices: list[int], ctx: Context) -> list[list[dict[str, Any]]]:
+  """Run cases together: every (case, implementation) pair is timed in the same rounds.
+
+  A group is the cases a ``[[compare]]`` sets side by side (causal and full of one shape, say):
+  interleaving them too keeps their ratio free of the load drift between cases. Returns each
+  case's rows, in the config's implementation order.
+  """
+  entries = []  # in run order: per case, the baseline first (it is the output check's reference)
+  for case, index in zip(cases, indices, strict=True):
+    for impl in sorted(case.impls, key=lambda i: i.name != ctx.baseline):
+      entries.append(_Entry(case, impl, new_row(case, index, impl, ctx.baseline)))
+  inputs = {case: _impls.make_inputs(case, ctx.seed) for case in cases}
+
+  ready = []
+  for e in entries:
+    if _prepare(e, inputs[e.case], ctx):
+      ready.append(e)
+
+  # The output check, per case: the first implementation to run is the reference.
+  references = {}
+  empty_rows = {case: bool((_masks.visible_per_query(case.T, case.S, case.mask) == 0).any())
+                for case in cases}
+
+  def checked_call(e, timed):
+    elapsed, out = e.runner.call(keep=True)
+    if out is not None and not empty_rows[e.case]:
+      ref = references.setdefault(e.case, (e.impl.label, out))
+      if ref[0] != e.impl.label:
+        e.row.update(max_abs_diff=_max_abs_diff(out, ref[1]), diff_reference=ref[0])
     if timed:
-      times[impl].append(elapsed)
+      e.times.append(elapsed)
+
+  def fail(e, error):
+    e.row["status"], e.row["reason"] = classify(error)
+    e.runner.close()
 
   active = []
-  for impl, runner in runners:
-    if case.warmup == 0:
-      active.append((impl, runner))
+  for e in ready:
+    if e.case.warmup == 0:  # the first timed call is the checked one
+      active.append(e)
       continue
-    ctx.progress(f"warming up {impl.label}")
+    ctx.progress(f"warming up {e.impl.label}")
     try:
-      first_call(impl, runner, timed=False)
-      for _ in range(case.warmup - 1):
-        runner.call(keep=False)
-      active.append((impl, runner))
-    except Exception as e:  # noqa: BLE001
-      rows[impl]["status"], rows[impl]["reason"] = classify(e)
-      runner.close()
+      checked_call(e, timed=False)
+      for _ in range(e.case.warmup - 1):
+        e.runner.call(keep=False)
+      active.append(e)
+    except Exception as error:  # noqa: BLE001 - recorded in the row; the sweep goes on
+      fail(e, error)
 
-  for rep in range(case.repeats):
-    ctx.progress(f"timing round {rep + 1}/{case.repeats}")
+  rounds = max((e.case.repeats for e in active), default=0)
+  for rep in range(rounds):
+    ctx.progress(f"timing round {rep + 1}/{rounds}")
     still = []
-    for impl, runner in active:
+    for e in active:
+      if rep >= e.case.repeats:
+        still.append(e)
+        continue
       try:
-        if rep == 0 and case.warmup == 0:
-          first_call(impl, runner, timed=True)
+        if rep == 0 and e.case.warmup == 0:
+          checked_call(e, timed=True)
         else:
-          times[impl].append(runner.call(keep=False)[0])
-        still.append((impl, runner))
-      except Exception as e:  # noqa: BLE001
-        rows[impl]["status"], rows[impl]["reason"] = classify(e)
-        runner.close()
+          e.times.append(e.runner.call(keep=False)[0])
+        still.append(e)
+      except Exception as error:  # noqa: BLE001
+        fail(e, error)
     active = still
-  for impl, runner in active:
-    rows[impl].update(status="ok", **_stats(times[impl]))
-    runner.close()
-  if empty_rows:
-    for row in rows.values():
-      if row["status"] == "ok":
-        row["note"] = "; ".join(filter(None, [row["note"], "no output check: some queries see "
+  for e in active:
+    e.row.update(status="ok", **_stats(e.times))
+    e.runner.close()
+    if empty_rows[e.case]:
+      e.row["note"] = "; ".join(filter(None, [e.row["note"], "no output check: some queries see "
                                               "no key (implementations differ there by design)"]))
+    e.row["flops_per_s"] = e.row["flops"] / e.row["time_median_s"]
+    peak = ctx.peak_flops.get(e.case.dtype)
+    e.row["peak_fraction"] = None if not peak else e.row["flops_per_s"] / peak
 
-  for row in rows.values():
-    if row["status"] == "ok":
-      row["flops_per_s"] = row["flops"] / row["time_median_s"]
-      peak = ctx.peak_flops.get(case.dtype)
-      row["peak_fraction"] = None if not peak else row["flops_per_s"] / peak
-  _ratios(list(rows.values()), ctx.baseline)
-  return [rows[impl] for impl in case.impls]
+  result = []
+  for case in cases:
+    rows = {e.impl: e.row for e in entries if e.case is case}
+    _ratios(list(rows.values()), ctx.baseline)
+    result.append([rows[impl] for impl in case.impls])
+  return result
+
+
+def _prepare(e: _Entry, args: tuple, ctx: Context) -> bool:
+  """Guard and compile one entry; False (with the row's status set) when it will not run."""
+  row, case, impl = e.row, e.case, e.impl
+  if impl.dense_memory:
+    row["memory_estimate_bytes"] = case.dense_memory_estimate
+    if case.dense_memory_estimate > ctx.max_memory_bytes:
+      row.update(status="skipped", reason=(
+          f"dense score estimate {case.dense_memory_estimate / GIB:.2f} GiB > max-memory "
+          f"{ctx.max_memory_bytes / GIB:.2f} GiB"))
+      return False
+  if impl.name == "torch":
+    e.runner = _TorchRunner(ctx.torch_peer, case, ctx.seed, ctx.backend, row)
+  else:
+    e.runner = _JaxRunner(impl, case, args, row)
+  ctx.progress(f"compiling {impl.label}")
+  try:
+    e.runner.prepare()
+  except Exception as error:  # noqa: BLE001 - recorded in the row; the sweep goes on
+    row["status"], row["reason"] = classify(error)
+    return False
+  measured = e.runner.measured_bytes()
+  if measured is not None and measured > ctx.max_memory_bytes:
+    row.update(status="skipped", reason=(
+        f"compiled memory {measured / GIB:.2f} GiB > max-memory "
+        f"{ctx.max_memory_bytes / GIB:.2f} GiB"))
+    e.runner.close()
+    return False
+  if ctx.compile_only:
+    row["status"] = "compiled"
+    e.runner.close()
+    return False
+  return True
 
 
 def _stats(samples: list[float]) -> dict[str, Any]:

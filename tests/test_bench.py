@@ -267,3 +267,12 @@ def test_cli_errors_and_dry_run(tmp_path, capsys):
   assert math.isclose(float(lines[0].split(": ")[1].split()[0]),
                       flops.attention_flops(1, 4, 64, 64, 16, masks.parse("causal"),
                                             "forward") / 1e9, rel_tol=1e-3)
+
+
+def test_compared_cases_are_grouped_to_run_together():
+  cfg = config.parse({"T": [8, 16], "masks": ["full", "causal"], "passes": ["forward"],
+                      "compare": [{"field": "mask", "values": ["causal", "full"]}]})
+  groups = cli._groups(list(cfg.cases), cfg.compare)
+  assert [[(c.T, c.mask.name) for _, c in g] for g in groups] == [
+      [(8, "full"), (8, "causal")], [(16, "full"), (16, "causal")]]
+  assert [len(g) for g in cli._groups(list(cfg.cases), ())] == [1, 1, 1, 1]
