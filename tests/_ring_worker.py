@@ -216,6 +216,30 @@ def run_case(name):
   return res
 
 
+def memory_by_ring_size(Ts=16, sizes=(4, 8)):
+  """Compiled per-device temporary memory of ring forward+backward with the same shard length
+  Ts on rings of different sizes (the global sequence grows with P)."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import jattn
+  res = {}
+  for P in sizes:
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:P]), ("seq",))
+    T = Ts * P
+    q = jax.ShapeDtypeStruct((1, T, 4, 8), jnp.float32)
+    kv = jax.ShapeDtypeStruct((1, T, 2, 8), jnp.float32)
+
+    def loss(q, k, v):
+      out = jattn.ring_attention_sharded(q, k, v, mesh=mesh, seq_axis="seq", is_causal=True,
+                                         layout="zigzag", block_q=4, block_kv=4)
+      return out.sum()
+
+    compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv).compile()
+    res[f"temp_bytes_p{P}"] = int(compiled.memory_analysis().temp_size_in_bytes)
+  return res
+
+
 def main_cases(devices, names):
   _setup(devices)
   import jax
@@ -230,6 +254,11 @@ def main_cases(devices, names):
       results[name]["seconds"] = time.perf_counter() - start
     except Exception:  # reported per case, so one failure does not hide the others
       results[name] = {"error": traceback.format_exc()}
+  if devices == 8 and not names:
+    try:
+      results["memory"] = memory_by_ring_size()
+    except Exception:
+      results["memory"] = {"error": traceback.format_exc()}
   print("RESULTS " + json.dumps(results), flush=True)
 
 

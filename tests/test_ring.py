@@ -93,6 +93,13 @@ def test_ring_4_devices(ring4, name):
   _check_case(ring4, name)
 
 
+def test_ring_memory_does_not_grow_with_devices(ring8):
+  """Compiled per-device temporaries of forward+backward, same shard length, P = 4 and 8."""
+  mem = ring8["memory"]
+  assert "error" not in mem, mem.get("error")
+  assert 0 < mem["temp_bytes_p8"] <= mem["temp_bytes_p4"], mem
+
+
 def _free_port():
   with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
     s.bind(("127.0.0.1", 0))
