@@ -84,6 +84,24 @@ def _bias_block(bias, i, j, grid):
   return bias
 
 
+def _varying(x, *like):
+  """Type a fresh loop carry as device-varying over the manual mesh axes of ``like``.
+
+  Inside `jax.shard_map` with ``check_vma=True`` (ring attention), a carry that starts as a
+  constant but becomes device-dependent in the loop body would change type; this declares it
+  device-dependent from the start. Outside shard_map it returns ``x`` unchanged.
+  """
+  axes = set().union(*(_varying_axes(a) for a in like))
+  return jax.lax.pcast(x, tuple(sorted(axes, key=str)), to="varying") if axes else x
+
+
+def _varying_axes(x) -> frozenset:
+  """Manual mesh axes over which ``x`` varies (``typeof(x).mat.varying``; ``.vma`` before)."""
+  aval = jax.typeof(x)
+  mat = getattr(aval, "mat", None)
+  return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
+
+
 def _positions(i, block):
   return i * block + jnp.arange(block, dtype=jnp.int32)
 
@@ -145,6 +163,7 @@ def _forward(cc: ChunkedConfig, q, k, v, bias, mask, states, seed, score_args, s
       m0 = jnp.broadcast_to(sink.astype(sd), (B, K, G, bq))
       l0 = jnp.ones((B, K, G, bq), sd)
     acc0 = jnp.zeros((B, K, G, bq, Hv), sd)
+    m0, l0, acc0 = (_varying(x, q, k, v, states) for x in (m0, l0, acc0))
     m, l, acc = jax.lax.fori_loop(lo[i], hi[i], body, (m0, l0, acc0))
     out = _tile.safe_normalize(acc, l, cfg.dropout_rate).astype(q.dtype)
     return out, _tile.safe_lse(m, l)
@@ -240,6 +259,7 @@ def _backward(cc: ChunkedConfig, q, k, v, bias, mask, states, seed, score_args, 
 
     dk0 = jnp.zeros((B, K, bk, H), sd)
     dv0 = jnp.zeros((B, K, bk, Hv), sd)
+    dk0, dv0 = (_varying(x, q, k, v, dout, states) for x in (dk0, dv0))
     dk, dv, dq, dbias, dargs = jax.lax.fori_loop(lo[j], hi[j], body,
                                                  (dk0, dv0, dq, dbias, dargs))
     return (dq, dbias, dargs), (dk, dv)
@@ -247,6 +267,7 @@ def _backward(cc: ChunkedConfig, q, k, v, bias, mask, states, seed, score_args, 
   dq0 = jnp.zeros(q.shape, sd)
   dbias0 = None if bias is None else jnp.zeros(bias.shape, _tile.stat_dtype(bias.dtype))
   dargs0 = jax.tree.map(jnp.zeros_like, score_args)
+  dq0, dbias0 = (None if x is None else _varying(x, q, k, v, dout, states) for x in (dq0, dbias0))
   (dq, dbias, dargs), (dks, dvs) = jax.lax.scan(
       kv_block, (dq0, dbias0, dargs0), jnp.arange(grid.num_kv_blocks, dtype=jnp.int32))
   dk = jnp.moveaxis(dks, 0, 2).reshape(B, K, cc.Sp, H)

@@ -42,6 +42,7 @@ import numpy as np
 from jattn import _chunked, _tile, _validation
 from jattn import masks as _masks
 from jattn._attention import DEFAULT_BLOCK_KV, DEFAULT_BLOCK_Q, block_map
+from jattn._chunked import _varying
 from jattn._tile import NEG, Config
 
 LAYOUTS = ("contiguous", "zigzag")
@@ -257,27 +258,6 @@ def tiles_per_device(num_devices: int, layout: str, Ts: int, Ss: int, block_q: i
   return work, full
 
 
-def _varying(x, *like):
-  """Give a fresh array (a loop's initial carry) the varying manual axes of ``like``.
-
-  Inside `jax.shard_map` with ``check_vma=True`` a loop carry that starts as a constant but
-  becomes device-dependent changes type; this declares it device-dependent from the start.
-  Outside shard_map it returns ``x`` unchanged.
-  """
-  axes = set().union(*(_varying_axes(a) for a in like))
-  return jax.lax.pcast(x, tuple(sorted(axes, key=str)), to="varying") if axes else x
-
-
-def _varying_axes(x) -> frozenset:
-  """The manual mesh axes over which ``x`` is typed as device-varying (empty outside shard_map).
-
-  ``jax.typeof(x).mat.varying`` in current JAX, ``.vma`` in releases before it.
-  """
-  aval = jax.typeof(x)
-  mat = getattr(aval, "mat", None)
-  return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
-
-
 def _send(rc: _RingConfig, tree):
   """Pass every array of ``tree`` to the next device on the ring (device d -> d + 1)."""
   P = rc.num_devices
@@ -473,8 +453,7 @@ def ring_attention(
     This device's output shard, shaped like ``query`` with value's head dim (and with
     ``return_residual``, (output, lse)).
 
-  Must be traced inside ``jax.shard_map(..., check_vma=False)`` (see `ring_attention_sharded`,
-  which sets that up): the chunked kernels' loop carries are not yet typed as device-varying.
+  Call it inside ``jax.shard_map`` (``check_vma`` either way), or use `ring_attention_sharded`.
   """
   unsupported = [name for name, given in (
       ("bias", bias is not None), ("mask", mask is not None),
@@ -499,12 +478,6 @@ def ring_attention(
     raise ValueError(
         f"ring_attention: axis_name={axis_name!r} is not a bound mesh axis; call it inside "
         f"jax.shard_map over a mesh with that axis (or use ring_attention_sharded)") from e
-  for name, x in (("query", query), ("key", key), ("value", value)):
-    if _varying_axes(x):
-      raise NotImplementedError(
-          f"ring_attention needs jax.shard_map(..., check_vma=False): {name} is typed as varying "
-          f"over {set(_varying_axes(x))}, and the chunked kernels' loop carries do not carry "
-          "that type yet. ring_attention_sharded sets this up.")
   opts = _RingOptions(
       axis_name=axis_name,
       num_devices=int(num_devices),

@@ -170,7 +170,7 @@ def _ring_fn(c, mesh, extra):
 
     ex_specs = {n: (spec if "segment" in n else PS()) for n in seq_extra}
     sm = jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec, ex_specs),
-                       out_specs=(spec, spec), check_vma=False)
+                       out_specs=(spec, spec))
     run = lambda q, k, v: sm(q, k, v, seq_extra)
   else:
     run = lambda q, k, v: jattn.ring_attention_sharded(

@@ -252,13 +252,18 @@ def test_argument_errors():
                                  seq_axis="seq")
 
 
-def test_check_vma_shard_map_is_refused_clearly():
+def test_ring_attention_in_a_checked_shard_map():
+  # The default check_vma=True types device-varying values; the kernels' loop carries follow it.
   q, k, v = _qkv()
   spec = jax.sharding.PartitionSpec(None, "seq")
-  f = jax.shard_map(lambda q, k, v: jattn.ring_attention(q, k, v, axis_name="seq"),
+  f = jax.shard_map(lambda q, k, v: jattn.ring_attention(q, k, v, axis_name="seq",
+                                                         is_causal=True),
                     mesh=_mesh1(), in_specs=(spec,) * 3, out_specs=spec)
-  with pytest.raises(NotImplementedError, match="check_vma=False"):
-    f(q, k, v)
+  want = jattn.dot_product_attention(q, k, v, is_causal=True, implementation="chunked")
+  np.testing.assert_allclose(f(q, k, v), want, rtol=1e-5, atol=1e-5)
+  g = jax.grad(lambda q: f(q, k, v).sum())(q)
+  g_want = jax.grad(lambda q: jattn.dot_product_attention(q, k, v, is_causal=True).sum())(q)
+  np.testing.assert_allclose(g, g_want, rtol=1e-4, atol=1e-5)
 
 
 # --------------------------------------------------------------------------------------------
