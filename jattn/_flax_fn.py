@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from flax.nnx.nn import dtypes as _flax_dtypes
 
 from jattn import _validation
+from jattn import masks as _masks
 from jattn._attention import dot_product_attention
 
 _PRECISION_NAMES = {
@@ -58,7 +59,8 @@ def make_attention_fn(
   What the returned function does with flax's arguments:
     * ``mask``: flax's boolean or 0/1 float mask, broadcastable to [batch..., N, T, S]
       (``make_causal_mask``, ``make_attention_mask``, ``combine_masks``, the decode cache mask);
-      nonzero = attend, as ``jnp.where(mask, ...)`` reads it in flax.
+      nonzero = attend, as ``jnp.where(mask, ...)`` reads it in flax. A :mod:`jattn.masks`
+      object is passed through as is (when calling the function directly).
     * ``bias``: added to the scaled logits, as in flax.
     * ``dropout_rate``, ``dropout_rng``, ``deterministic``: dropout only when
       ``not deterministic and dropout_rate > 0``; the kept weights are scaled by 1 / (1 - rate),
@@ -124,7 +126,7 @@ def make_attention_fn(
     nb = math.prod(batch)
     q4, k4, v4 = (x.reshape((nb,) + x.shape[-3:]) for x in (query, key, value))
 
-    if mask is not None:
+    if mask is not None and not isinstance(mask, _masks.Mask):
       mask = jnp.asarray(mask)
       # flax reads its masks as jnp.where(mask, ...): any nonzero entry attends.
       mask = _flatten_batch("mask", mask if mask.dtype == jnp.bool_ else mask != 0, batch)

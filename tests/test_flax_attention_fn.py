@@ -216,6 +216,8 @@ def test_is_causal_option_and_unsupported_arguments():
   causal = jattn.make_attention_fn(is_causal=True)
   np.testing.assert_allclose(causal(q, k, v), nn.dot_product_attention(
       q, k, v, mask=nn.make_causal_mask(jnp.ones((1, 5)))), atol=2e-6)
+  np.testing.assert_allclose(jattn.make_attention_fn()(q, k, v, mask=jattn.masks.causal()),
+                             causal(q, k, v), atol=0, rtol=0)  # a jattn mask passes through
   with pytest.raises(ValueError, match="conflicts"):
     jattn.make_attention_fn(is_causal="bottom_right")(q, k[:, :4], v[:, :4], is_causal=True)
   with pytest.raises(NotImplementedError, match="sow_weights"):

@@ -198,3 +198,14 @@ def test_module_errors():
   drop = jattn.nnx.MultiHeadAttention(4, 16, dropout_rate=0.1, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="deterministic"):
     drop(_x())
+
+
+def test_flax_layer_weights_load_unchanged():
+  """flax's own MultiHeadDotProductAttention parameters drive jattn.linen's module as they are."""
+  import flax.linen as nn
+  x = _x(10)
+  params = nn.MultiHeadDotProductAttention(num_heads=N).init(jax.random.key(0), x)
+  ref = nn.MultiHeadDotProductAttention(num_heads=N).apply(params, x,
+                                                            mask=nn.make_causal_mask(x[..., 0]))
+  got = jattn.linen.MultiHeadAttention(num_heads=N, is_causal=True).apply(params, x)
+  np.testing.assert_allclose(got, ref, atol=2e-6, rtol=0)
