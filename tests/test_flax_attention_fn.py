@@ -230,3 +230,21 @@ def test_is_causal_option_and_unsupported_arguments():
     jattn.make_attention_fn(block_q=0)
   with pytest.raises(ValueError, match="mask of shape"):
     jattn.make_attention_fn()(q, k, v, mask=jnp.ones((1, 1, 1, 1, 5, 5), bool))
+
+
+def test_broadcast_dropout_gradients_dense_equal_chunked():
+  """The shared (T, S) mask is regenerated identically in the chunked backward pass."""
+  ks = jax.random.split(jax.random.key(3), 3)
+  q = jax.random.normal(ks[0], (2, 12, 4, 8), jnp.float32)
+  k = jax.random.normal(ks[1], (2, 12, 2, 8), jnp.float32)
+  v = jax.random.normal(ks[2], (2, 12, 2, 8), jnp.float32)
+
+  def loss(impl, q, k, v):
+    fn = jattn.make_attention_fn(**impl)
+    out = fn(q, k, v, dropout_rate=0.4, dropout_rng=jax.random.key(5), broadcast_dropout=True)
+    return (out * out).sum()
+
+  g_dense = jax.grad(loss, argnums=(1, 2, 3))(IMPLS[0], q, k, v)
+  g_chunk = jax.grad(loss, argnums=(1, 2, 3))(IMPLS[1], q, k, v)
+  for a, b in zip(g_dense, g_chunk):
+    np.testing.assert_allclose(b, a, atol=2e-5, rtol=1e-5)
