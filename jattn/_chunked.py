@@ -102,6 +102,10 @@ def _varying_axes(x) -> frozenset:
   return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
 
 
+def _varying_tree(tree, *like):
+  return jax.tree.map(lambda x: _varying(x, *like), tree)
+
+
 def _positions(i, block):
   return i * block + jnp.arange(block, dtype=jnp.int32)
 
@@ -201,8 +205,14 @@ def _backward(cc: ChunkedConfig, q, k, v, bias, mask, states, seed, score_args, 
     kv_pos = _positions(j, bk)
     kb0, vb0 = _slice(k, j * bk, bk, 2), _slice(v, j * bk, bk, 2)
 
+    # The (B, K, G, Tp, H) dQ and a full-size dBias stay outside the switch: a conditional that
+    # threads a large array through its branches can copy it on every tile. The branches return
+    # this tile's block contributions instead, added in place after the switch.
+    dbias_block_shape = None if bias is None else _bias_contribution_shape(bias.shape, B, K, G,
+                                                                           bq, bk)
+
     def tile(i, inner, masked: bool):
-      dk, dv, dq, dbias, dargs = inner
+      dk, dv, dargs = inner
       q_pos = _positions(i, bq)
       qb, kb, vb = _slice(q, i * bq, bq, 3), kb0, vb0
       dob = _slice(dout, i * bq, bq, 3)
@@ -238,24 +248,32 @@ def _backward(cc: ChunkedConfig, q, k, v, bias, mask, states, seed, score_args, 
       if cfg.score_mod is not None:
         ds, dargs_b = mod_vjp(ds)
         dargs = jax.tree.map(jnp.add, dargs, dargs_b)
-      if dbias is not None:
-        dbias = _accumulate_bias(dbias, ds, i, j, grid)
+      dbias_b = None if bias is None else _bias_contribution(ds, dbias_block_shape)
       if t is not None:
         ds = ds * (1.0 - t * t)
-      ds = ds * jnp.asarray(cfg.scale, sd)
+      # The logit scale is applied once to the finished dQ and dK, not to every (tq, tk) tile.
       dsc = ds.astype(q.dtype)
       dk = dk + jnp.einsum("bkgqs,bkgqh->bksh", dsc, qb, preferred_element_type=sd)
       dq_b = jnp.einsum("bkgqs,bksh->bkgqh", dsc, kb, preferred_element_type=sd)
+      _hook("bwd", i, j, jnp.int8(PARTIAL if masked else FULL))
+      return (dk, dv, dargs), (dq_b, dbias_b)
+
+    def skip(i, inner):
+      zeros = (jnp.zeros((B, K, G, bq, H), sd),
+               None if bias is None else jnp.zeros(dbias_block_shape, sd))
+      return inner, _varying_tree(zeros, q, k, v, dout, states)
+
+    def body(i, carry):
+      dk, dv, dq, dbias, dargs = carry
+      (dk, dv, dargs), (dq_b, dbias_b) = jax.lax.switch(
+          states[i, j].astype(jnp.int32),
+          [skip, functools.partial(tile, masked=True), functools.partial(tile, masked=False)],
+          i, (dk, dv, dargs))
       dq = jax.lax.dynamic_update_slice_in_dim(
           dq, _slice(dq, i * bq, bq, 3) + dq_b, i * bq, axis=3)
-      _hook("bwd", i, j, jnp.int8(PARTIAL if masked else FULL))
+      if dbias is not None:
+        dbias = _accumulate_bias(dbias, dbias_b, i, j, grid)
       return dk, dv, dq, dbias, dargs
-
-    def body(i, inner):
-      return jax.lax.switch(
-          states[i, j].astype(jnp.int32),
-          [lambda i, c: c, functools.partial(tile, masked=True),
-           functools.partial(tile, masked=False)], i, inner)
 
     dk0 = jnp.zeros((B, K, bk, H), sd)
     dv0 = jnp.zeros((B, K, bk, Hv), sd)
@@ -270,7 +288,9 @@ def _backward(cc: ChunkedConfig, q, k, v, bias, mask, states, seed, score_args, 
   dq0, dbias0 = (None if x is None else _varying(x, q, k, v, dout, states) for x in (dq0, dbias0))
   (dq, dbias, dargs), (dks, dvs) = jax.lax.scan(
       kv_block, (dq0, dbias0, dargs0), jnp.arange(grid.num_kv_blocks, dtype=jnp.int32))
-  dk = jnp.moveaxis(dks, 0, 2).reshape(B, K, cc.Sp, H)
+  scale = jnp.asarray(cfg.scale, sd)
+  dq = dq * scale
+  dk = jnp.moveaxis(dks, 0, 2).reshape(B, K, cc.Sp, H) * scale
   dv = jnp.moveaxis(dvs, 0, 2).reshape(B, K, cc.Sp, Hv)
   dsink = None
   if sink is not None:
@@ -283,16 +303,22 @@ def _backward(cc: ChunkedConfig, q, k, v, bias, mask, states, seed, score_args, 
           None if dbias is None else dbias.astype(bias.dtype), dargs, dsink)
 
 
-def _accumulate_bias(dbias, ds, i, j, grid):
-  """Add a tile's dS into the bias gradient, summed over the bias's broadcast dimensions."""
-  axes = tuple(a for a in range(3) if dbias.shape[a] == 1 and ds.shape[a] != 1)
-  t_full, s_full = dbias.shape[3] != 1, dbias.shape[4] != 1
-  if not t_full:
-    axes += (3,)
-  if not s_full:
-    axes += (4,)
-  contrib = ds.sum(axis=axes, keepdims=True) if axes else ds
-  start = (0, 0, 0, i * grid.block_q if t_full else 0, j * grid.block_kv if s_full else 0)
+def _bias_contribution_shape(bias_shape, B, K, G, bq, bk):
+  """Shape of one tile's dBias block: the tile's (B, K, G, bq, bk), 1 where the bias broadcasts."""
+  tile = (B, K, G, bq, bk)
+  return tuple(1 if bias_shape[a] == 1 else tile[a] for a in range(5))
+
+
+def _bias_contribution(ds, shape):
+  """A tile's dS summed over the bias's broadcast dimensions."""
+  axes = tuple(a for a in range(5) if shape[a] == 1 and ds.shape[a] != 1)
+  return ds.sum(axis=axes, keepdims=True) if axes else ds
+
+
+def _accumulate_bias(dbias, contrib, i, j, grid):
+  """Add a tile's dBias block at its place in the (B|1,K|1,G|1,Tp|1,Sp|1) gradient."""
+  start = (0, 0, 0, i * grid.block_q if dbias.shape[3] != 1 else 0,
+           j * grid.block_kv if dbias.shape[4] != 1 else 0)
   cur = jax.lax.dynamic_slice(dbias, start, contrib.shape)
   return jax.lax.dynamic_update_slice(dbias, cur + contrib.astype(dbias.dtype), start)
 
