@@ -140,14 +140,28 @@ def _common(opts: Options, rate, rng):
               implementation=opts.implementation, block_q=opts.block_q, block_kv=opts.block_kv)
 
 
+def _attention(opts: Options, q, k, v, collect, rate, rng, **masking):
+  """The attention call both paths end in; ``collect`` (or None) receives a thunk computing the
+  softmax statistics of exactly this call (`jattn.diagnostics`), evaluated only if it stores."""
+  if collect is not None:
+    from jattn import diagnostics  # only modules that collect statistics need it
+
+    collect(lambda: diagnostics.attention_stats(
+        q, k, scale=opts.scale, logits_soft_cap=opts.logits_soft_cap,
+        implementation=opts.implementation, block_q=opts.block_q, block_kv=opts.block_kv,
+        **masking))
+  return dot_product_attention(q, k, v, **masking, **_common(opts, rate, rng))
+
+
 def attend(opts: Options, q, k, v, *, self_attention: bool, mask=None, positions=None,
            kv_positions=None, query_seq_lengths=None, key_value_seq_lengths=None,
            q_segment_ids=None, kv_segment_ids=None, deterministic: bool = True,
-           dropout_rng=None):
+           dropout_rng=None, collect=None):
   """Attention without a cache. q (B, T, N, H), k and v (B, S, K, H) -> (B, T, N, H).
 
   RoPE positions: ``positions`` for the queries (default arange(T)); ``kv_positions`` for the
-  keys (default: the query positions in self-attention, arange(S) otherwise).
+  keys (default: the query positions in self-attention, arange(S) otherwise). ``collect``: see
+  `_attention`.
   """
   B, T = q.shape[:2]
   S = k.shape[1]
@@ -159,15 +173,16 @@ def attend(opts: Options, q, k, v, *, self_attention: bool, mask=None, positions
       kp = _positions("kv_positions", kv_positions, B, S)
     q, k = rope(q, qp, opts.rope_base), rope(k, kp, opts.rope_base)
   rate, rng = _dropout(opts, deterministic, dropout_rng)
-  return dot_product_attention(
-      q, k, v, mask=mask, is_causal=opts.is_causal or False, local_window_size=opts.window,
-      query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
-      q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, **_common(opts, rate, rng))
+  return _attention(
+      opts, q, k, v, collect, rate, rng, mask=mask, is_causal=opts.is_causal or False,
+      local_window_size=opts.window, query_seq_lengths=query_seq_lengths,
+      key_value_seq_lengths=key_value_seq_lengths, q_segment_ids=q_segment_ids,
+      kv_segment_ids=kv_segment_ids)
 
 
 def attend_cached(opts: Options, q, k, v, cached_key, cached_value, cache_index, *, mask=None,
                   positions=None, query_seq_lengths=None, deterministic: bool = True,
-                  dropout_rng=None):
+                  dropout_rng=None, collect=None):
   """One decoding step: append T new keys/values to the cache, attend over the cache.
 
   q (B, T, N, H); k, v (B, T, K, H); cached_key, cached_value (B, S_max, K, H); cache_index
@@ -221,5 +236,5 @@ def attend_cached(opts: Options, q, k, v, cached_key, cached_value, cache_index,
   if mask is not None:
     m = m & (mask if isinstance(mask, _masks.Mask) else _masks.from_array(mask))
   rate, rng = _dropout(opts, deterministic, dropout_rng)
-  out = dot_product_attention(q, cached_key, cached_value, mask=m, **_common(opts, rate, rng))
+  out = _attention(opts, q, cached_key, cached_value, collect, rate, rng, mask=m)
   return out, cached_key, cached_value, valid

@@ -45,6 +45,9 @@ class MultiHeadAttention(nn.Module):
       (B,)); then each ``apply(..., mutable=['cache'])`` on (B, T, D) appends T tokens (a
       prompt prefill, or one or a few generated tokens) and attends causally over the filled
       cache. Needs ``is_causal``.
+    collect_stats: sow the softmax statistics of every call (`jattn.diagnostics.AttentionStats`)
+      into ``'intermediates'`` under ``attention_stats`` when that collection is mutable
+      (``apply(..., mutable=['intermediates'])``). Off by default, and then nothing is computed.
   """
 
   num_heads: int
@@ -69,6 +72,7 @@ class MultiHeadAttention(nn.Module):
   rope: bool = False
   rope_base: float = 10000.0
   decode: bool = False
+  collect_stats: bool = False
 
   @nn.compact
   def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, mask=None, positions=None,
@@ -120,6 +124,12 @@ class MultiHeadAttention(nn.Module):
     if not m_deterministic and dropout_rng is None:
       dropout_rng = self.make_rng("dropout")
 
+    # Softmax statistics into 'intermediates' (jattn.diagnostics); nothing is traced when off.
+    collect = None
+    if self.collect_stats:
+      from jattn import diagnostics
+      collect = lambda stats: diagnostics.sow_linen(self, stats)
+
     decoding = self.decode and self.has_variable("cache", "cached_key")
     if self.decode:
       # As in flax: the first (init) call sizes the cache from its input, (B, S_max, ...).
@@ -139,7 +149,7 @@ class MultiHeadAttention(nn.Module):
       x, ck, cv, idx = _mha.attend_cached(
           opts, q, k, v, cached_key.value, cached_value.value, cache_index.value, mask=mask,
           positions=positions, query_seq_lengths=query_seq_lengths,
-          deterministic=m_deterministic, dropout_rng=dropout_rng)
+          deterministic=m_deterministic, dropout_rng=dropout_rng, collect=collect)
       cached_key.value, cached_value.value, cache_index.value = ck, cv, idx
     else:
       x = _mha.attend(
@@ -147,7 +157,7 @@ class MultiHeadAttention(nn.Module):
           kv_positions=kv_positions, query_seq_lengths=query_seq_lengths,
           key_value_seq_lengths=key_value_seq_lengths, q_segment_ids=q_segment_ids,
           kv_segment_ids=kv_segment_ids, deterministic=m_deterministic,
-          dropout_rng=dropout_rng)
+          dropout_rng=dropout_rng, collect=collect)
 
     return nn.DenseGeneral(
         features=self.out_features or D, axis=(-2, -1), dtype=self.dtype,

@@ -11,7 +11,7 @@ from typing import Any, Callable
 import jax.numpy as jnp
 from flax import nnx
 
-from jattn import _mha
+from jattn import _mha, _validation
 
 __all__ = ["MultiHeadAttention"]
 
@@ -44,6 +44,9 @@ class MultiHeadAttention(nnx.Module):
     rope_base: RoPE base (theta).
     decode: default for the call's ``decode``: append to the KV cache made by
       :meth:`init_cache` and attend over it.
+    collect_stats: store the softmax statistics of every call (`jattn.diagnostics.AttentionStats`)
+      as an ``nnx.Intermediate`` named ``attention_stats``; read them with
+      ``nnx.capture(nnx.Intermediate)``. Off by default, and then nothing is computed.
     rngs: parameter initialisation, and the dropout stream (kept when dropout_rate > 0).
   """
 
@@ -74,6 +77,7 @@ class MultiHeadAttention(nnx.Module):
       rope: bool = False,
       rope_base: float = 10000.0,
       decode: bool = False,
+      collect_stats: bool = False,
       rngs: nnx.Rngs,
   ):
     self.opts = _mha.options(
@@ -90,6 +94,7 @@ class MultiHeadAttention(nnx.Module):
     self.param_dtype = param_dtype
     self.deterministic = deterministic
     self.decode = decode
+    self.collect_stats = _validation.flag("collect_stats", collect_stats)
     in_kv = in_features if in_kv_features is None else in_kv_features
     linear = lambda fin, heads: nnx.LinearGeneral(
         fin, (heads, o.head_dim), dtype=dtype, param_dtype=param_dtype, use_bias=use_bias,
@@ -168,6 +173,12 @@ class MultiHeadAttention(nnx.Module):
         raise ValueError("dropout needs rngs: pass rngs= at the call")
       dropout_rng = stream()
 
+    # Softmax statistics as an nnx.Intermediate (jattn.diagnostics); nothing traced when off.
+    collect = None
+    if self.collect_stats:
+      from jattn import diagnostics
+      collect = lambda stats: diagnostics.sow_nnx(self, stats)
+
     decode = self.decode if decode is None else decode
     if decode:
       if self.cached_key is None:
@@ -184,7 +195,7 @@ class MultiHeadAttention(nnx.Module):
       x, ck, cv, idx = _mha.attend_cached(
           o, q, k, v, self.cached_key[...], self.cached_value[...], self.cache_index[...],
           mask=mask, positions=positions, query_seq_lengths=query_seq_lengths,
-          deterministic=det, dropout_rng=dropout_rng)
+          deterministic=det, dropout_rng=dropout_rng, collect=collect)
       self.cached_key[...] = ck
       self.cached_value[...] = cv
       self.cache_index[...] = idx
@@ -193,5 +204,6 @@ class MultiHeadAttention(nnx.Module):
           o, q, k, v, self_attention=self_attention, mask=mask, positions=positions,
           kv_positions=kv_positions, query_seq_lengths=query_seq_lengths,
           key_value_seq_lengths=key_value_seq_lengths, q_segment_ids=q_segment_ids,
-          kv_segment_ids=kv_segment_ids, deterministic=det, dropout_rng=dropout_rng)
+          kv_segment_ids=kv_segment_ids, deterministic=det, dropout_rng=dropout_rng,
+          collect=collect)
     return self.out(x)

@@ -327,3 +327,43 @@ def test_sow_nnx_collects():
   (stats,) = inter[diagnostics.COLLECTION_NAME]
   want = diagnostics.attention_stats(q, k, is_causal=True)
   np.testing.assert_array_equal(stats.max_prob, want.max_prob)
+
+
+def test_modules_collect_stats_of_their_own_attention():
+  """jattn.linen / jattn.nnx MultiHeadAttention(collect_stats=True) record the statistics of the
+  attention they compute (checked against attention_stats on their own projected q and k), and
+  record nothing when off."""
+  import flax.linen as nn
+  from flax import nnx
+
+  x = jax.random.normal(jax.random.key(0), (2, 24, 16))
+  seg = jnp.asarray(np.repeat([[0] * 10 + [1] * 14], 2, axis=0), jnp.int32)
+  kw = dict(num_heads=4, num_kv_heads=2, is_causal=True, logits_soft_cap=30.0)
+  lin = jattn.linen.MultiHeadAttention(**kw, collect_stats=True)
+  params = lin.init(jax.random.key(1), x)
+  _, state = lin.apply(params, x, q_segment_ids=seg, kv_segment_ids=seg,
+                       mutable=["intermediates"])
+  (got,) = state["intermediates"][diagnostics.COLLECTION_NAME]
+  p = params["params"]
+  q = jnp.einsum("btd,dnh->btnh", x, p["query"]["kernel"]) + p["query"]["bias"][None, None]
+  k = jnp.einsum("btd,dnh->btnh", x, p["key"]["kernel"]) + p["key"]["bias"][None, None]
+  want = diagnostics.attention_stats(q, k, is_causal=True, logits_soft_cap=30.0,
+                                     q_segment_ids=seg, kv_segment_ids=seg)
+  for a, b in zip(got, want):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  # Off: no collection is created even when 'intermediates' is mutable.
+  off = jattn.linen.MultiHeadAttention(**kw)
+  _, state = off.apply(params, x, mutable=["intermediates"])
+  assert not state.get("intermediates")
+
+  mod = jattn.nnx.MultiHeadAttention(num_heads=4, in_features=16, num_kv_heads=2,
+                                     is_causal=True, logits_soft_cap=30.0, collect_stats=True,
+                                     rngs=nnx.Rngs(0))
+  forward = nnx.capture(nnx.Intermediate)(lambda m, x: m(x))
+  _, inter = forward(mod, x)
+  (got,) = inter[diagnostics.COLLECTION_NAME]
+  q = mod.query(x)
+  k = mod.key(x)
+  want = diagnostics.attention_stats(q, k, is_causal=True, logits_soft_cap=30.0)
+  for a, b in zip(got, want):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
