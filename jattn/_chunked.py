@@ -102,6 +102,14 @@ def _varying_axes(x) -> frozenset:
   return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
 
 
+def _matmul_t(a, b, out_dtype):
+  """(B,K,G,tq,tk)^T (B,K,G,tq,x) -> (B,K,tk,x), summing the G heads of a group (dK, dV)."""
+  B, K, G, t = a.shape[:4]
+  a2 = a.reshape(B, K, G * t, a.shape[-1])
+  b2 = b.reshape(B, K, G * t, b.shape[-1])
+  return jnp.einsum("bkqs,bkqh->bksh", a2, b2, preferred_element_type=out_dtype)
+
+
 def _varying_tree(tree, *like):
   return jax.tree.map(lambda x: _varying(x, *like), tree)
 
@@ -233,15 +241,14 @@ def _backward(cc: ChunkedConfig, q, k, v, bias, mask, states, seed, score_args, 
       p = jnp.exp(s - lse_b[..., None])
       if vis is not None:
         p = jnp.where(vis, p, jnp.zeros((), sd))
-      dp = jnp.einsum("bkgqh,bksh->bkgqs", dob, vb, preferred_element_type=sd)
+      dp = _tile.matmul(dob, vb, "qh,sh->qs", sd)
       if cfg.dropout_rate > 0:
         kept = _tile.keep(cfg, seed, q_pos, kv_pos)
         pd = jnp.where(kept, p, jnp.zeros((), sd)) * jnp.asarray(keep_scale, sd)
         dp = jnp.where(kept, dp, jnp.zeros((), sd)) * jnp.asarray(keep_scale, sd)
       else:
         pd = p
-      dv = dv + jnp.einsum("bkgqs,bkgqh->bksh", pd.astype(dob.dtype), dob,
-                           preferred_element_type=sd)
+      dv = dv + _matmul_t(pd.astype(dob.dtype), dob, sd)
       ds = p * (dp - delta_b[..., None])  # d loss / d (post-bias, post-score_mod) logits
       if vis is not None:
         ds = jnp.where(vis, ds, jnp.zeros((), sd))
@@ -253,8 +260,8 @@ def _backward(cc: ChunkedConfig, q, k, v, bias, mask, states, seed, score_args, 
         ds = ds * (1.0 - t * t)
       # The logit scale is applied once to the finished dQ and dK, not to every (tq, tk) tile.
       dsc = ds.astype(q.dtype)
-      dk = dk + jnp.einsum("bkgqs,bkgqh->bksh", dsc, qb, preferred_element_type=sd)
-      dq_b = jnp.einsum("bkgqs,bksh->bkgqh", dsc, kb, preferred_element_type=sd)
+      dk = dk + _matmul_t(dsc, qb, sd)
+      dq_b = _tile.matmul(dsc, kb, "qs,sh->qh", sd)
       _hook("bwd", i, j, jnp.int8(PARTIAL if masked else FULL))
       return (dk, dv, dargs), (dq_b, dbias_b)
 

@@ -54,6 +54,25 @@ def stat_dtype(dtype) -> Any:
   return jnp.dtype(jnp.float64) if jnp.dtype(dtype) == jnp.float64 else jnp.dtype(jnp.float32)
 
 
+def matmul(a, b, spec: str, out_dtype):
+  """A per-(batch, kv-head) matmul with the G query heads of a group stacked as extra rows.
+
+  ``a`` is (B, K, G, t, x) and ``b`` (B, K, y, z); ``spec`` names the contraction of the last two
+  axes of each (e.g. "qh,sh->qs"); when the output has the row axis q, the result is
+  (B, K, G, t, .) (else G is contracted away with q, as in dK = dS^T Q). Folding G into the row
+  axis keeps every operand and result in plain row-major order: with a separate, often size-1,
+  G axis XLA's CPU backend copies the (t, s) result to a new layout on every tile.
+  """
+  B, K, G, t = a.shape[:4]
+  a2 = a.reshape(B, K, G * t, a.shape[-1])
+  lhs, out = spec.split("->")
+  la, lb = lhs.split(",")
+  out2 = jnp.einsum(f"bk{la},bk{lb}->bk{out}", a2, b, preferred_element_type=out_dtype)
+  if out[0] == la[0]:
+    return out2.reshape(B, K, G, t, out2.shape[-1])
+  return out2
+
+
 def group_heads(x, K: int, G: int):
   """(B|1, N|1, t, s) -> (B|1, K|1, G|1, t, s), following query head n = k * G + g."""
   b, n, t, s = x.shape
@@ -69,7 +88,7 @@ def logits(cfg: Config, q, k, bias, q_pos, kv_pos, score_args=()):
   Returns (scores, tanh_or_None); the tanh is kept for the soft-cap derivative.
   """
   sd = stat_dtype(q.dtype)
-  s = jnp.einsum("bkgqh,bksh->bkgqs", q, k, preferred_element_type=sd)
+  s = matmul(q, k, "qh,sh->qs", sd)
   s = s * jnp.asarray(cfg.scale, sd)
   t = None
   if cfg.logits_soft_cap is not None:
@@ -142,8 +161,7 @@ def keep(cfg: Config, seed, q_pos, kv_pos):
 
 def pv(p, v):
   """(B,K,G,tq,tk) weights times (B,K,tk,H) values; weights in the value dtype, fp32 accumulate."""
-  return jnp.einsum("bkgqs,bksh->bkgqh", p.astype(v.dtype), v,
-                    preferred_element_type=stat_dtype(v.dtype))
+  return matmul(p.astype(v.dtype), v, "qs,sh->qh", stat_dtype(v.dtype))
 
 
 def safe_lse(m, l):
