@@ -150,9 +150,10 @@ def _forward(cc: ChunkedConfig, q, k, v, bias, mask, states, seed, score_args, s
       if vis is not None:
         s = jnp.where(vis, s, jnp.asarray(_tile.NEG, sd))
       m_new = jnp.maximum(m, s.max(axis=-1))
+      # Masked entries give exact zeros once the row has seen a visible key; before that
+      # (m_new = NEG) they add junk that corr = exp(NEG - m) = 0 wipes when a visible key comes,
+      # and safe_normalize discards if none ever does.
       p = jnp.exp(s - m_new[..., None])
-      if vis is not None:
-        p = jnp.where(vis, p, jnp.zeros((), sd))
       corr = jnp.exp(m - m_new)
       l = l * corr + p.sum(axis=-1)
       if cfg.dropout_rate > 0:
@@ -177,7 +178,7 @@ def _forward(cc: ChunkedConfig, q, k, v, bias, mask, states, seed, score_args, s
     acc0 = jnp.zeros((B, K, G, bq, Hv), sd)
     m0, l0, acc0 = (_varying(x, q, k, v, states) for x in (m0, l0, acc0))
     m, l, acc = jax.lax.fori_loop(lo[i], hi[i], body, (m0, l0, acc0))
-    out = _tile.safe_normalize(acc, l, cfg.dropout_rate).astype(q.dtype)
+    out = _tile.safe_normalize(acc, l, m, cfg.dropout_rate).astype(q.dtype)
     return out, _tile.safe_lse(m, l)
 
   outs, lses = jax.lax.map(q_block, jnp.arange(grid.num_q_blocks, dtype=jnp.int32))
@@ -204,6 +205,7 @@ def _backward(cc: ChunkedConfig, q, k, v, bias, mask, states, seed, score_args, 
   # rowsum(dO * O) = rowsum(P * dP): the softmax Jacobian's correction term, one per query.
   delta = jnp.einsum("bkgqh,bkgqh->bkgq", dout.astype(sd), out.astype(sd))
   keep_scale = 1.0 / (1.0 - cfg.dropout_rate) if cfg.dropout_rate > 0 else None
+  lse_r = _tile.lse_for_recompute(lse)
 
   # The score_mod is applied separately so its VJP gives d(logits) and d(closed-over arrays).
   cfg_nomod = dataclasses.replace(cfg, score_mod=None)
@@ -224,7 +226,7 @@ def _backward(cc: ChunkedConfig, q, k, v, bias, mask, states, seed, score_args, 
       q_pos = _positions(i, bq)
       qb, kb, vb = _slice(q, i * bq, bq, 3), kb0, vb0
       dob = _slice(dout, i * bq, bq, 3)
-      lse_b = _slice(lse, i * bq, bq, 3)
+      lse_b = _slice(lse_r, i * bq, bq, 3)
       delta_b = _slice(delta, i * bq, bq, 3)
       vis = None
       if masked:
@@ -238,9 +240,7 @@ def _backward(cc: ChunkedConfig, q, k, v, bias, mask, states, seed, score_args, 
             lambda s_, a_: _tile.apply_score_mod(cfg, s_, q_pos, kv_pos, a_), s, score_args)
       if vis is not None:
         s = jnp.where(vis, s, jnp.asarray(_tile.NEG, sd))
-      p = jnp.exp(s - lse_b[..., None])
-      if vis is not None:
-        p = jnp.where(vis, p, jnp.zeros((), sd))
+      p = jnp.exp(s - lse_b[..., None])  # exact 0 where masked, and in empty rows (lse = inf)
       dp = _tile.matmul(dob, vb, "qh,sh->qs", sd)
       if cfg.dropout_rate > 0:
         kept = _tile.keep(cfg, seed, q_pos, kv_pos)
@@ -249,9 +249,8 @@ def _backward(cc: ChunkedConfig, q, k, v, bias, mask, states, seed, score_args, 
       else:
         pd = p
       dv = dv + _matmul_t(pd.astype(dob.dtype), dob, sd)
-      ds = p * (dp - delta_b[..., None])  # d loss / d (post-bias, post-score_mod) logits
-      if vis is not None:
-        ds = jnp.where(vis, ds, jnp.zeros((), sd))
+      # d loss / d (post-bias, post-score_mod) logits; 0 where p is (dp is finite: sanitized).
+      ds = p * (dp - delta_b[..., None])
       if cfg.score_mod is not None:
         ds, dargs_b = mod_vjp(ds)
         dargs = jax.tree.map(jnp.add, dargs, dargs_b)

@@ -35,14 +35,14 @@ def dense_attention(cfg: Config, q, k, v, bias, mask, seed, score_args=(), sink=
   m = jax.lax.stop_gradient(jnp.maximum(s.max(axis=-1), neg))  # (B,K,G,T)
   if sink is not None:
     m = jnp.maximum(m, jax.lax.stop_gradient(sink))
+  # Masked logits are NEG, so exp(s - m) is an exact 0 there -- except in rows where everything
+  # is masked (m = NEG), which safe_normalize and safe_lse set to 0 and NEG.
   p = jnp.exp(s - m[..., None])
-  if vis is not None:
-    p = jnp.where(vis, p, jnp.zeros((), sd))
   l = p.sum(axis=-1)
   if sink is not None:
     l = l + jnp.exp(sink - m)
   if cfg.dropout_rate > 0:
     p = jnp.where(_tile.keep(cfg, seed, q_pos, kv_pos), p, jnp.zeros((), sd))
-  out = _tile.safe_normalize(_tile.pv(p, v), l, cfg.dropout_rate)
+  out = _tile.safe_normalize(_tile.pv(p, v), l, m, cfg.dropout_rate)
   lse = jax.lax.stop_gradient(_tile.safe_lse(m, l))
   return out.astype(q.dtype), lse

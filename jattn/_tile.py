@@ -164,16 +164,33 @@ def pv(p, v):
   return matmul(p.astype(v.dtype), v, "qs,sh->qh", stat_dtype(v.dtype))
 
 
+def empty_rows(m):
+  """Rows whose running max is still NEG saw no visible key (every logit was set to NEG).
+
+  For such a row exp(s - m) = exp(NEG - NEG) = 1 on its masked entries, so its sum and
+  accumulator hold junk; they are discarded here instead of zeroing every masked probability
+  with a second select over the (tq, tk) tile. For any other row exp(NEG - m) is an exact 0.
+  """
+  return m <= jnp.asarray(NEG, m.dtype)
+
+
 def safe_lse(m, l):
   """log-sum-exp of a row from its max and sum; NEG for a row with nothing to attend to."""
-  ok = l > 0
+  ok = (l > 0) & ~empty_rows(m)
   return jnp.where(ok, m + jnp.log(jnp.where(ok, l, jnp.ones((), l.dtype))),
                    jnp.asarray(NEG, m.dtype))
 
 
-def safe_normalize(acc, l, dropout_rate: float):
-  """acc / l with 0 (not NaN) for empty rows; dropout's 1 / (1 - rate) folded in."""
-  denom = jnp.where(l > 0, l, jnp.ones((), l.dtype))
+def safe_normalize(acc, l, m, dropout_rate: float):
+  """acc / l with exact 0 (not NaN, not junk) for empty rows; dropout's 1 / (1 - rate) folded in."""
+  ok = (l > 0) & ~empty_rows(m)
+  denom = jnp.where(ok, l, jnp.ones((), l.dtype))
   if dropout_rate > 0:
     denom = denom * jnp.asarray(1.0 - dropout_rate, l.dtype)
-  return acc / denom[..., None]
+  return jnp.where(ok[..., None], acc / denom[..., None], jnp.zeros((), acc.dtype))
+
+
+def lse_for_recompute(lse):
+  """The log-sum-exp the backward pass divides by: +inf for empty rows, so that their recomputed
+  probabilities exp(s - lse) are exact zeros without a select over the tile."""
+  return jnp.where(lse <= jnp.asarray(NEG, lse.dtype), jnp.asarray(jnp.inf, lse.dtype), lse)
