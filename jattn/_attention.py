@@ -188,8 +188,8 @@ def _attention(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_s
     out, lse = _dense.dense_attention(cfg, q, k, v, bias5, combined, seed, score_args, sink)
   else:
     grid = _masks.BlockGrid(T, S, bq, bk)
-    states = block_map(combined, grid, shape)
-    cc = _chunked.ChunkedConfig(cfg, grid)
+    states, kinds = block_map_and_kinds(combined, grid, shape)
+    cc = _chunked.ChunkedConfig(cfg, grid, kinds)
     out, lse = _chunked.chunked_attention(cc, q, k, v, bias5, combined, states, seed, score_args,
                                           sink)
 
@@ -236,6 +236,15 @@ def build_mask(shape, mask=None, causal=None, window=None, *, q_lengths=None, kv
 
 def block_map(mask, grid: _masks.BlockGrid, shape):
   """The (nq, nk) EMPTY/PARTIAL/FULL map the chunked kernel runs on (a jax int8 array)."""
+  return block_map_and_kinds(mask, grid, shape)[0]
+
+
+def block_map_and_kinds(mask, grid: _masks.BlockGrid, shape):
+  """The block map, and the tuple of states that can occur in it (known at trace time).
+
+  A static map tells exactly which states occur, so the kernels compile only those tile
+  variants (an unmasked call compiles one, with no switch at all); a run-time map may hold any.
+  """
   if mask is None:
     states = np.full((grid.num_q_blocks, grid.num_kv_blocks), _masks.FULL, np.int8)
   else:
@@ -248,7 +257,11 @@ def block_map(mask, grid: _masks.BlockGrid, shape):
     xp = np if isinstance(states, np.ndarray) else jnp
     last = xp.minimum(states[:, -1:], _masks.PARTIAL).astype(xp.int8)
     states = xp.concatenate([states[:, :-1], last], axis=1)
-  return jnp.asarray(states, jnp.int8)
+  if isinstance(states, np.ndarray):
+    kinds = tuple(int(x) for x in np.unique(states))
+  else:
+    kinds = (_masks.EMPTY, _masks.PARTIAL, _masks.FULL)
+  return jnp.asarray(states, jnp.int8), kinds
 
 
 def _closure_convert_score_mod(score_mod, tile_shape, dtype):

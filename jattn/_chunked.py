@@ -42,6 +42,8 @@ _BLOCK_HOOK = None
 class ChunkedConfig:
   cfg: Config
   grid: BlockGrid  # over the true (T, S)
+  # The block states that can occur (static); only their tile variants are compiled.
+  kinds: tuple[int, ...] = (EMPTY, PARTIAL, FULL)
 
   @property
   def Tp(self):
@@ -110,6 +112,18 @@ def _matmul_t(a, b, out_dtype):
   return jnp.einsum("bkqs,bkqh->bksh", a2, b2, preferred_element_type=out_dtype)
 
 
+def _dispatch(kinds, state, branches, *args):
+  """Run ``branches[state]`` ({EMPTY: f, PARTIAL: f, FULL: f}) for a traced block state,
+  compiling only the states in ``kinds``: a direct call when there is one, else a switch."""
+  if len(kinds) == 1:
+    return branches[kinds[0]](*args)
+  table = np.zeros(3, np.int32)
+  for pos, kind in enumerate(kinds):
+    table[kind] = pos
+  index = jnp.asarray(table)[state.astype(jnp.int32)]
+  return jax.lax.switch(index, [branches[kind] for kind in kinds], *args)
+
+
 def _varying_tree(tree, *like):
   return jax.tree.map(lambda x: _varying(x, *like), tree)
 
@@ -163,10 +177,9 @@ def _forward(cc: ChunkedConfig, q, k, v, bias, mask, states, seed, score_args, s
       return m_new, l, acc
 
     def body(j, carry):
-      return jax.lax.switch(
-          states[i, j].astype(jnp.int32),
-          [lambda j, c: c, functools.partial(tile, masked=True),
-           functools.partial(tile, masked=False)], j, carry)
+      return _dispatch(cc.kinds, states[i, j],
+                       {EMPTY: lambda j, c: c, PARTIAL: functools.partial(tile, masked=True),
+                        FULL: functools.partial(tile, masked=False)}, j, carry)
 
     m0 = jnp.full((B, K, G, bq), _tile.NEG, sd)
     l0 = jnp.zeros((B, K, G, bq), sd)
@@ -271,10 +284,10 @@ def _backward(cc: ChunkedConfig, q, k, v, bias, mask, states, seed, score_args, 
 
     def body(i, carry):
       dk, dv, dq, dbias, dargs = carry
-      (dk, dv, dargs), (dq_b, dbias_b) = jax.lax.switch(
-          states[i, j].astype(jnp.int32),
-          [skip, functools.partial(tile, masked=True), functools.partial(tile, masked=False)],
-          i, (dk, dv, dargs))
+      (dk, dv, dargs), (dq_b, dbias_b) = _dispatch(
+          cc.kinds, states[i, j],
+          {EMPTY: skip, PARTIAL: functools.partial(tile, masked=True),
+           FULL: functools.partial(tile, masked=False)}, i, (dk, dv, dargs))
       dq = jax.lax.dynamic_update_slice_in_dim(
           dq, _slice(dq, i * bq, bq, 3) + dq_b, i * bq, axis=3)
       if dbias is not None:
