@@ -137,10 +137,14 @@ class Config:
 
 
 def configs_dir() -> Path:
-  """Where the shipped configs live: ./configs, else the repository checkout beside this package."""
+  """Where the shipped configs live: ./configs, else the copy installed inside this package (a
+  wheel), else the repository checkout beside this package."""
   here = Path.cwd() / "configs"
   if here.is_dir():
     return here
+  installed = Path(__file__).resolve().parent / "configs"
+  if installed.is_dir():
+    return installed
   return Path(__file__).resolve().parent.parent / "configs"
 
 
