@@ -35,6 +35,8 @@ def scale(value):
 
 
 def causal(value):
+  if isinstance(value, np.bool_):
+    value = bool(value)
   if value is False or value is None:
     return None
   if value is True:
