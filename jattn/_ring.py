@@ -445,7 +445,7 @@ def ring_attention(
     layout: ``"contiguous"`` (device d holds positions [d * Ts, (d + 1) * Ts)) or ``"zigzag"``
       (the sequence in 2P chunks, device d holding chunks d and 2P-1-d: balanced under a causal
       mask; permute with `zigzag_permute` first). Ts and Ss must be even for zigzag.
-    block_q, block_kv: kernel block sizes within a shard (default 512, at most the shard, and for
+    block_q, block_kv: kernel block sizes within a shard (default 512 and 256, at most the shard, and for
       zigzag at most one chunk, so that no block straddles two chunks).
     return_residual: also return this device's log-sum-exp (B, Ts, N), without gradient.
 

@@ -129,7 +129,7 @@ def attention_stats(
     implementation: ``None`` (dense below ~1M scores per head, else chunked, the rule of
       `jattn.dot_product_attention`), ``"dense"`` or ``"chunked"`` (no (T, S) array; memory
       O(B N block_q block_kv)).
-    block_q, block_kv: chunked block sizes (default 512, clipped to T and S).
+    block_q, block_kv: chunked block sizes (default 512 and 256, clipped to T and S).
     per_query: return (B, N, T) per-query statistics instead of (B, N) per head.
     saturation_threshold: in (0, 1]; a row is saturated when max_prob > it.
 
