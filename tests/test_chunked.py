@@ -139,3 +139,20 @@ def test_cost_analysis_has_no_dense_score_matrix():
   fd = dense.lower(*args).compile().cost_analysis()["flops"]
   fc = chunk.lower(*args).compile().cost_analysis()["flops"]
   assert fc < fd / 8
+
+
+def test_memory_at_16k_is_a_few_inputs_and_a_tenth_of_dense():
+  # The figure: T = S = 16384, B=1, N=8, H=64, float32, forward+backward, default blocks.
+  # Compiling is enough: XLA's memory analysis reads the buffer assignment, nothing is allocated.
+  T = 16384
+  args = (jax.ShapeDtypeStruct((1, T, 8, 64), jnp.float32),) * 3
+
+  def fwd_bwd(impl):
+    f = lambda q, k, v: jattn.dot_product_attention(q, k, v, implementation=impl)
+    return jax.grad(lambda q, k, v: f(q, k, v).sum(), argnums=(0, 1, 2))
+
+  chunked = _compiled_temp_bytes(fwd_bwd("chunked"), *args)
+  dense = _compiled_temp_bytes(fwd_bwd("dense"), *args)
+  one_input = T * 8 * 64 * 4
+  assert chunked < 8 * one_input, chunked / one_input
+  assert chunked < dense / 10, (chunked, dense)
