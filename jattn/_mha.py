@@ -180,6 +180,16 @@ def attend(opts: Options, q, k, v, *, self_attention: bool, mask=None, positions
       kv_segment_ids=kv_segment_ids)
 
 
+def check_decode_call(self_attention: bool, **cache_set):
+  """A decoding call takes its keys, their positions and lengths from the cache."""
+  if not self_attention:
+    raise NotImplementedError("decode=True caches self-attention keys; inputs_k/inputs_v "
+                              "(cross-attention) while decoding is not supported")
+  for name, val in cache_set.items():
+    if val is not None:
+      raise ValueError(f"{name} is set by the cache while decoding; got a value")
+
+
 def attend_cached(opts: Options, q, k, v, cached_key, cached_value, cache_index, *, mask=None,
                   positions=None, query_seq_lengths=None, deterministic: bool = True,
                   dropout_rng=None, collect=None):

@@ -138,14 +138,9 @@ class MultiHeadAttention(nn.Module):
       cache_index = self.variable("cache", "cache_index",
                                   lambda: jnp.zeros((k.shape[0],), jnp.int32))
     if decoding:
-      if not self_attention:
-        raise NotImplementedError("decode=True caches self-attention keys; inputs_k/inputs_v "
-                                  "(cross-attention) while decoding is not supported")
-      for name, val in (("kv_positions", kv_positions),
-                        ("key_value_seq_lengths", key_value_seq_lengths),
-                        ("q_segment_ids", q_segment_ids), ("kv_segment_ids", kv_segment_ids)):
-        if val is not None:
-          raise ValueError(f"{name} is set by the cache while decoding; got a value")
+      _mha.check_decode_call(self_attention, kv_positions=kv_positions,
+                             key_value_seq_lengths=key_value_seq_lengths,
+                             q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
       x, ck, cv, idx = _mha.attend_cached(
           opts, q, k, v, cached_key.value, cached_value.value, cache_index.value, mask=mask,
           positions=positions, query_seq_lengths=query_seq_lengths,

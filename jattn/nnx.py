@@ -184,14 +184,9 @@ class MultiHeadAttention(nnx.Module):
       if self.cached_key is None:
         raise ValueError("decode=True but the KV cache is not initialized: call "
                          "init_cache(batch_size, max_length) first")
-      if not self_attention:
-        raise NotImplementedError("decode=True caches self-attention keys; inputs_k/inputs_v "
-                                  "(cross-attention) while decoding is not supported")
-      for name, val in (("kv_positions", kv_positions),
-                        ("key_value_seq_lengths", key_value_seq_lengths),
-                        ("q_segment_ids", q_segment_ids), ("kv_segment_ids", kv_segment_ids)):
-        if val is not None:
-          raise ValueError(f"{name} is set by the cache while decoding; got a value")
+      _mha.check_decode_call(self_attention, kv_positions=kv_positions,
+                             key_value_seq_lengths=key_value_seq_lengths,
+                             q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
       x, ck, cv, idx = _mha.attend_cached(
           o, q, k, v, self.cached_key[...], self.cached_value[...], self.cache_index[...],
           mask=mask, positions=positions, query_seq_lengths=query_seq_lengths,
