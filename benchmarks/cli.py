@@ -125,6 +125,19 @@ def _groups(cases, compares) -> list[list[tuple[int, _config.Case]]]:
   return list(groups.values())
 
 
+def _is_ring_config(path) -> bool:
+  """configs/ring.toml has the ring benchmark's schema (a device count), not a sweep's."""
+  try:
+    import tomllib
+  except ModuleNotFoundError:  # Python 3.10
+    return False
+  try:
+    with open(path, "rb") as f:
+      return "devices" in tomllib.load(f)
+  except (OSError, tomllib.TOMLDecodeError):
+    return False
+
+
 def main(argv: list[str] | None = None) -> int:
   args = build_parser().parse_args(argv)
   argv = list(sys.argv[1:] if argv is None else argv)
@@ -147,6 +160,10 @@ def main(argv: list[str] | None = None) -> int:
     return 2
   try:
     path = _config.resolve_path("quick" if args.quick else (args.config or args.config_pos))
+    if _is_ring_config(path):
+      # Ring attention needs several (host) devices, set up before JAX starts: its own runner.
+      from benchmarks import ring_bench
+      return ring_bench.main([str(path)])
     cfg = _config.load(path)
   except _config.ConfigError as e:
     print(f"jattn-bench: {e}", file=sys.stderr)
