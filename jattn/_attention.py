@@ -120,7 +120,7 @@ def dot_product_attention(
       take no value (attention sinks); they receive gradients.
 
   Returns:
-    The output, shaped like ``query`` with value's head dim, in the query dtype; with
+    The output, shaped like ``query`` (value has key's shape), in the query dtype; with
     ``return_residual`` a tuple (output, lse).
 
   Differences from jax.nn: a query row with nothing to attend to returns 0 (jax.nn returns the

@@ -450,7 +450,7 @@ def ring_attention(
     return_residual: also return this device's log-sum-exp (B, Ts, N), without gradient.
 
   Returns:
-    This device's output shard, shaped like ``query`` with value's head dim (and with
+    This device's output shard, shaped like ``query`` (and with
     ``return_residual``, (output, lse)).
 
   Call it inside ``jax.shard_map`` (``check_vma`` either way), or use `ring_attention_sharded`.

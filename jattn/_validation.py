@@ -80,7 +80,23 @@ def dropout(rate, rng):
     raise ValueError(f"dropout_rate must be in [0, 1), got {rate}")
   if rate > 0 and rng is None:
     raise ValueError(f"dropout_rate={rate} needs dropout_rng (a PRNG key), got None")
+  if rate > 0:
+    _prng_key("dropout_rng", rng)
   return rate
+
+
+def _prng_key(name, key):
+  """One PRNG key: a typed key of shape (), or a raw uint32 key (jax.random.PRNGKey) of rank 1."""
+  shape, dtype = getattr(key, "shape", None), getattr(key, "dtype", None)
+  if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+    if shape != ():
+      raise ValueError(f"{name} must be a single PRNG key, got a key array of shape {shape} "
+                       f"(split keys are for several calls)")
+    return
+  if dtype != jnp.uint32 or shape is None or len(shape) != 1:
+    raise TypeError(f"{name} must be a PRNG key (jax.random.key(...), or a raw uint32 "
+                    f"jax.random.PRNGKey(...)), got "
+                    f"{type(key).__name__ if dtype is None else f'{dtype}{tuple(shape)}'}")
 
 
 def implementation(value):
