@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import os
 import sys
 
 from benchmarks import config as _config

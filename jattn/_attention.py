@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import numbers
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 

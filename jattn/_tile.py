@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 

@@ -28,11 +28,6 @@ def _inputs(B=2, T=37, S=45, N=4, K=2, H=16, dtype=jnp.float32, seed=0):
   return q, k, v, do
 
 
-def _vjp(f, *args):
-  out, pull = jax.vjp(f, *args)
-  return out, pull
-
-
 def _check(impl, *, B=2, T=37, S=45, N=4, K=2, H=16, mask=None, bias=None, causal=None,
            window=None, q_lengths=None, kv_lengths=None, segs=None, soft_cap=None, scale=None,
            sinks=None, rtol=2e-5, atol=2e-5):
@@ -374,7 +369,7 @@ def test_dropout_same_entries_for_every_implementation_and_block():
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_dropout_against_reference_with_grads(impl):
-  B, T, S, N, K, H = 2, 37, 45, 4, 2, 16
+  B, T, S, N = 2, 37, 45, 4
   q, k, v, do = _inputs()
   rate, rng = 0.25, jax.random.key(3)
   seed = _dropout.seed_words(rng)

@@ -333,7 +333,6 @@ def test_modules_collect_stats_of_their_own_attention():
   """jattn.linen / jattn.nnx MultiHeadAttention(collect_stats=True) record the statistics of the
   attention they compute (checked against attention_stats on their own projected q and k), and
   record nothing when off."""
-  import flax.linen as nn
   from flax import nnx
 
   x = jax.random.normal(jax.random.key(0), (2, 24, 16))
