@@ -174,10 +174,6 @@ def _attention(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_s
                dropout_rate=opts.dropout_rate, score_mod=score_mod,
                dropout_broadcast=opts.dropout_broadcast)
 
-  # Head-major, GQA-grouped layout inside the kernels: (B, T, N, H) -> (B, K, G, T, H).
-  q = jnp.transpose(query, (0, 2, 1, 3)).reshape(B, K, G, T, H)
-  k = jnp.transpose(key, (0, 2, 1, 3))
-  v = jnp.transpose(value, (0, 2, 1, 3))
   bias5 = None if args.bias is None else _tile.group_heads(args.bias, K, G)
   sink = (None if args.sinks is None
           else args.sinks.astype(_tile.stat_dtype(query.dtype)).reshape(1, K, G, 1))
@@ -185,20 +181,25 @@ def _attention(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_s
           else jnp.zeros((2,), jnp.uint32))
 
   if impl == "dense":
+    # Head-major, GQA-grouped: (B, T, N, H) -> (B, K, G, T, H), one (T, S) matmul per head.
+    q = jnp.transpose(query, (0, 2, 1, 3)).reshape(B, K, G, T, H)
+    k = jnp.transpose(key, (0, 2, 1, 3))
+    v = jnp.transpose(value, (0, 2, 1, 3))
     out, lse = _dense.dense_attention(cfg, q, k, v, bias5, combined, seed, score_args, sink)
+    out = jnp.transpose(out.reshape(B, N, T, Hv), (0, 2, 1, 3))
+    lse = jnp.transpose(lse.reshape(B, N, T), (0, 2, 1))
   else:
+    # The chunked kernel reads blocks of the (B, T, N, H) arrays as they are (see _chunked).
     grid = _masks.BlockGrid(T, S, bq, bk)
     states, kinds = block_map_and_kinds(combined, grid, shape)
     cc = _chunked.ChunkedConfig(cfg, grid, kinds)
-    out, lse = _chunked.chunked_attention(cc, q, k, v, bias5, combined, states, seed, score_args,
-                                          sink)
+    out, lse = _chunked.chunked_attention(cc, query, key, value, bias5, combined, states, seed,
+                                          score_args, sink)
 
-  out = jnp.transpose(out.reshape(B, N, T, Hv), (0, 2, 1, 3))
   if args.unbatched:
     out = out[0]
   if not opts.return_residual:
     return out
-  lse = jnp.transpose(lse.reshape(B, N, T), (0, 2, 1))
   # Keep the "nothing to attend to" value finite in the output dtype (float16's range is small).
   lse = jnp.maximum(lse, jnp.asarray(jnp.finfo(query.dtype).min, lse.dtype)).astype(query.dtype)
   if args.unbatched:

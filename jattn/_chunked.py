@@ -15,7 +15,12 @@ Block skipping: a (num_q_blocks, num_kv_blocks) int8 map of EMPTY / PARTIAL / FU
 `jattn.masks`) drives both loops. Each loop only runs over the range of non-empty blocks, a switch
 skips any EMPTY block inside that range, and FULL blocks take a branch without mask arithmetic.
 
-Shapes inside: q (B,K,G,Tp,H), k/v (B,K,Sp,H), with Tp, Sp padded up to whole blocks.
+Layout: the kernels take and return arrays sequence-major, as callers hold them -- q and out
+(B, Tp, N, H), k/v (B, Sp, K, H), lse (B, Tp, N), with Tp, Sp padded up to whole blocks -- and
+transpose one block at a time to the head-major tiles of `jattn._tile` ((B, K, G, bq, H) and
+(B, K, bk, H)). Transposing whole arrays up front instead costs a copy of each input and output
+per call; on a CPU those copies are fresh allocations whose page faults showed up as a 20-30%
+slowdown whenever another large computation had just returned its memory to the system.
 """
 
 from __future__ import annotations
@@ -131,28 +136,61 @@ def _positions(i, block):
   return i * block + jnp.arange(block, dtype=jnp.int32)
 
 
+def _q_tile(x, i, bq, K, G):
+  """Query block i of a (B, Tp, N, X) array as a (B, K, G, bq, X) tile (head n = k * G + g)."""
+  b = _slice(x, i * bq, bq, 1)
+  return jnp.transpose(b.reshape(b.shape[0], bq, K, G, b.shape[-1]), (0, 2, 3, 1, 4))
+
+
+def _kv_tile(x, j, bk):
+  """Key/value block j of a (B, Sp, K, X) array as a (B, K, bk, X) tile."""
+  return jnp.transpose(_slice(x, j * bk, bk, 1), (0, 2, 1, 3))
+
+
+def _row_tile(x, i, bq, K, G):
+  """Block i of per-query statistics (B, Tp, N) as (B, K, G, bq)."""
+  b = _slice(x, i * bq, bq, 1)
+  return jnp.transpose(b.reshape(b.shape[0], bq, K, G), (0, 2, 3, 1))
+
+
+def _put_q_tile(x, tile, i, bq):
+  """Write a (B, K, G, bq) or (B, K, G, bq, X) tile back as block i of (B, Tp, N[, X])."""
+  perm = (0, 3, 1, 2) + tuple(range(4, tile.ndim))
+  rows = jnp.transpose(tile, perm)
+  rows = rows.reshape(rows.shape[:2] + (-1,) + rows.shape[4:])
+  return jax.lax.dynamic_update_slice_in_dim(x, rows.astype(x.dtype), i * bq, axis=1)
+
+
+def _put_kv_tile(x, tile, j, bk):
+  """Write a (B, K, bk, X) tile back as block j of a (B, Sp, K, X) array."""
+  return jax.lax.dynamic_update_slice_in_dim(x, jnp.transpose(tile, (0, 2, 1, 3)).astype(x.dtype),
+                                             j * bk, axis=1)
+
+
 # --------------------------------------------------------------------------------------------
 # Forward.
 # --------------------------------------------------------------------------------------------
 
 
 def _forward(cc: ChunkedConfig, q, k, v, bias, mask, states, seed, score_args, sink):
+  """q (B,Tp,N,H), k/v (B,Sp,K,H) -> out (B,Tp,N,Hv) in q's dtype, lse (B,Tp,N)."""
   cfg, grid = cc.cfg, cc.grid
-  B, K, G, _, H = q.shape
+  B, K, G = cfg.B, cfg.K, cfg.G
   bq, bk = grid.block_q, grid.block_kv
   sd = _tile.stat_dtype(q.dtype)
   ragged = cfg.S % bk != 0
   lo, hi = _nonempty_range(states)
   Hv = v.shape[-1]
 
-  def q_block(i):
+  def q_block(i, carry):
+    out, lse = carry
     q_pos = _positions(i, bq)
-    qb = _slice(q, i * bq, bq, 3)
+    qb = _q_tile(q, i, bq, K, G)
 
     def tile(j, carry, masked: bool):
       m, l, acc = carry
       kv_pos = _positions(j, bk)
-      kb, vb = _slice(k, j * bk, bk, 2), _slice(v, j * bk, bk, 2)
+      kb, vb = _kv_tile(k, j, bk), _kv_tile(v, j, bk)
       qt = qb
       vis = None
       if masked:
@@ -190,14 +228,16 @@ def _forward(cc: ChunkedConfig, q, k, v, bias, mask, states, seed, score_args, s
     acc0 = jnp.zeros((B, K, G, bq, Hv), sd)
     m0, l0, acc0 = (_varying(x, q, k, v, states) for x in (m0, l0, acc0))
     m, l, acc = jax.lax.fori_loop(lo[i], hi[i], body, (m0, l0, acc0))
-    out = _tile.safe_normalize(acc, l, m, cfg.dropout_rate).astype(q.dtype)
-    return out, _tile.safe_lse(m, l)
+    out = _put_q_tile(out, _tile.safe_normalize(acc, l, m, cfg.dropout_rate), i, bq)
+    lse = _put_q_tile(lse, _tile.safe_lse(m, l), i, bq)
+    return out, lse
 
-  outs, lses = jax.lax.map(q_block, jnp.arange(grid.num_q_blocks, dtype=jnp.int32))
-  # (nq, B, K, G, bq, .) -> (B, K, G, nq * bq, .)
-  out = jnp.moveaxis(outs, 0, 3).reshape(B, K, G, cc.Tp, Hv)
-  lse = jnp.moveaxis(lses, 0, 3).reshape(B, K, G, cc.Tp)
-  return out, lse
+  # Each query block writes its rows of the output in place: stacking per-block results (as
+  # lax.map does) would need another full-size copy to put them back in sequence order.
+  out0 = jnp.zeros((B, cc.Tp, K * G, Hv), q.dtype)
+  lse0 = jnp.zeros((B, cc.Tp, K * G), sd)
+  out0, lse0 = (_varying(x, q, k, v, states) for x in (out0, lse0))
+  return jax.lax.fori_loop(0, grid.num_q_blocks, q_block, (out0, lse0))
 
 
 # --------------------------------------------------------------------------------------------
@@ -207,39 +247,42 @@ def _forward(cc: ChunkedConfig, q, k, v, bias, mask, states, seed, score_args, s
 
 def _backward(cc: ChunkedConfig, q, k, v, bias, mask, states, seed, score_args, sink, out, lse,
               dout):
+  """Gradients for q, k, v (and bias, score_mod arrays, sinks), in the layout of `_forward`."""
   cfg, grid = cc.cfg, cc.grid
-  B, K, G, Tp, H = q.shape
+  B, K, G, H = cfg.B, cfg.K, cfg.G, q.shape[-1]
   bq, bk = grid.block_q, grid.block_kv
   sd = _tile.stat_dtype(q.dtype)
   ragged = cfg.S % bk != 0
   lo, hi = _nonempty_range(states.T)
   Hv = v.shape[-1]
   # rowsum(dO * O) = rowsum(P * dP): the softmax Jacobian's correction term, one per query.
-  delta = jnp.einsum("bkgqh,bkgqh->bkgq", dout.astype(sd), out.astype(sd))
+  delta = jnp.einsum("btnh,btnh->btn", dout.astype(sd), out.astype(sd))
   keep_scale = 1.0 / (1.0 - cfg.dropout_rate) if cfg.dropout_rate > 0 else None
   lse_r = _tile.lse_for_recompute(lse)
+  # The logit scale is applied to each finished dQ, dK block, not to every (tq, tk) tile.
+  scale = jnp.asarray(cfg.scale, sd)
 
   # The score_mod is applied separately so its VJP gives d(logits) and d(closed-over arrays).
   cfg_nomod = dataclasses.replace(cfg, score_mod=None)
 
-  def kv_block(carry, j):
-    dq, dbias, dargs = carry
+  def kv_block(j, carry):
+    dq, dk, dv, dbias, dargs = carry
     kv_pos = _positions(j, bk)
-    kb0, vb0 = _slice(k, j * bk, bk, 2), _slice(v, j * bk, bk, 2)
+    kb0, vb0 = _kv_tile(k, j, bk), _kv_tile(v, j, bk)
 
-    # The (B, K, G, Tp, H) dQ and a full-size dBias stay outside the switch: a conditional that
+    # The (B, Tp, N, H) dQ and a full-size dBias stay outside the switch: a conditional that
     # threads a large array through its branches can copy it on every tile. The branches return
     # this tile's block contributions instead, added in place after the switch.
     dbias_block_shape = None if bias is None else _bias_contribution_shape(bias.shape, B, K, G,
                                                                            bq, bk)
 
     def tile(i, inner, masked: bool):
-      dk, dv, dargs = inner
+      dkb, dvb, dargs = inner
       q_pos = _positions(i, bq)
-      qb, kb, vb = _slice(q, i * bq, bq, 3), kb0, vb0
-      dob = _slice(dout, i * bq, bq, 3)
-      lse_b = _slice(lse_r, i * bq, bq, 3)
-      delta_b = _slice(delta, i * bq, bq, 3)
+      qb, kb, vb = _q_tile(q, i, bq, K, G), kb0, vb0
+      dob = _q_tile(dout, i, bq, K, G)
+      lse_b = _row_tile(lse_r, i, bq, K, G)
+      delta_b = _row_tile(delta, i, bq, K, G)
       vis = None
       if masked:
         vis = _tile.visible(cfg, mask, q_pos, kv_pos, ragged_kv=ragged)
@@ -260,7 +303,7 @@ def _backward(cc: ChunkedConfig, q, k, v, bias, mask, states, seed, score_args, 
         dp = jnp.where(kept, dp, jnp.zeros((), sd)) * jnp.asarray(keep_scale, sd)
       else:
         pd = p
-      dv = dv + _matmul_t(pd.astype(dob.dtype), dob, sd)
+      dvb = dvb + _matmul_t(pd.astype(dob.dtype), dob, sd)
       # d loss / d (post-bias, post-score_mod) logits; 0 where p is (dp is finite: sanitized).
       ds = p * (dp - delta_b[..., None])
       if cfg.score_mod is not None:
@@ -269,12 +312,11 @@ def _backward(cc: ChunkedConfig, q, k, v, bias, mask, states, seed, score_args, 
       dbias_b = None if bias is None else _bias_contribution(ds, dbias_block_shape)
       if t is not None:
         ds = ds * (1.0 - t * t)
-      # The logit scale is applied once to the finished dQ and dK, not to every (tq, tk) tile.
       dsc = ds.astype(q.dtype)
-      dk = dk + _matmul_t(dsc, qb, sd)
+      dkb = dkb + _matmul_t(dsc, qb, sd)
       dq_b = _tile.matmul(dsc, kb, "qs,sh->qh", sd)
       _hook("bwd", i, j, jnp.int8(PARTIAL if masked else FULL))
-      return (dk, dv, dargs), (dq_b, dbias_b)
+      return (dkb, dvb, dargs), (dq_b, dbias_b)
 
     def skip(i, inner):
       zeros = (jnp.zeros((B, K, G, bq, H), sd),
@@ -282,43 +324,44 @@ def _backward(cc: ChunkedConfig, q, k, v, bias, mask, states, seed, score_args, 
       return inner, _varying_tree(zeros, q, k, v, dout, states)
 
     def body(i, carry):
-      dk, dv, dq, dbias, dargs = carry
-      (dk, dv, dargs), (dq_b, dbias_b) = _dispatch(
+      dkb, dvb, dq, dbias, dargs = carry
+      (dkb, dvb, dargs), (dq_b, dbias_b) = _dispatch(
           cc.kinds, states[i, j],
           {EMPTY: skip, PARTIAL: functools.partial(tile, masked=True),
-           FULL: functools.partial(tile, masked=False)}, i, (dk, dv, dargs))
-      dq = jax.lax.dynamic_update_slice_in_dim(
-          dq, _slice(dq, i * bq, bq, 3) + dq_b, i * bq, axis=3)
+           FULL: functools.partial(tile, masked=False)}, i, (dkb, dvb, dargs))
+      dq = _put_q_tile(dq, _q_tile(dq, i, bq, K, G) + dq_b * scale, i, bq)
       if dbias is not None:
         dbias = _accumulate_bias(dbias, dbias_b, i, j, grid)
-      return dk, dv, dq, dbias, dargs
+      return dkb, dvb, dq, dbias, dargs
 
-    dk0 = jnp.zeros((B, K, bk, H), sd)
-    dv0 = jnp.zeros((B, K, bk, Hv), sd)
-    dk0, dv0 = (_varying(x, q, k, v, dout, states) for x in (dk0, dv0))
-    dk, dv, dq, dbias, dargs = jax.lax.fori_loop(lo[j], hi[j], body,
-                                                 (dk0, dv0, dq, dbias, dargs))
-    return (dq, dbias, dargs), (dk, dv)
+    dkb0 = jnp.zeros((B, K, bk, H), sd)
+    dvb0 = jnp.zeros((B, K, bk, Hv), sd)
+    dkb0, dvb0 = (_varying(x, q, k, v, dout, states) for x in (dkb0, dvb0))
+    dkb, dvb, dq, dbias, dargs = jax.lax.fori_loop(lo[j], hi[j], body,
+                                                   (dkb0, dvb0, dq, dbias, dargs))
+    # Every key block is finished here, so dK and dV are written once, in their own dtype.
+    dk = _put_kv_tile(dk, dkb * scale, j, bk)
+    dv = _put_kv_tile(dv, dvb, j, bk)
+    return dq, dk, dv, dbias, dargs
 
   dq0 = jnp.zeros(q.shape, sd)
+  dk0 = jnp.zeros(k.shape, k.dtype)
+  dv0 = jnp.zeros(v.shape, v.dtype)
   dbias0 = None if bias is None else jnp.zeros(bias.shape, _tile.stat_dtype(bias.dtype))
   dargs0 = jax.tree.map(jnp.zeros_like, score_args)
-  dq0, dbias0 = (None if x is None else _varying(x, q, k, v, dout, states) for x in (dq0, dbias0))
-  (dq, dbias, dargs), (dks, dvs) = jax.lax.scan(
-      kv_block, (dq0, dbias0, dargs0), jnp.arange(grid.num_kv_blocks, dtype=jnp.int32))
-  scale = jnp.asarray(cfg.scale, sd)
-  dq = dq * scale
-  dk = jnp.moveaxis(dks, 0, 2).reshape(B, K, cc.Sp, H) * scale
-  dv = jnp.moveaxis(dvs, 0, 2).reshape(B, K, cc.Sp, Hv)
+  dq0, dk0, dv0, dbias0 = (None if x is None else _varying(x, q, k, v, dout, states)
+                           for x in (dq0, dk0, dv0, dbias0))
+  dq, dk, dv, dbias, dargs = jax.lax.fori_loop(0, grid.num_kv_blocks, kv_block,
+                                               (dq0, dk0, dv0, dbias0, dargs0))
   dsink = None
   if sink is not None:
     # d out / d sink = -p_sink * out, so d loss / d sink = -sum_rows exp(sink - lse) * delta.
     # Padded query rows have delta = 0.
-    p_sink = jnp.exp(sink.astype(sd) - lse)
-    dsink = -(p_sink * delta).sum(axis=(0, 3), keepdims=True).reshape(sink.shape)
+    p_sink = jnp.exp(sink.astype(sd).reshape(1, 1, K * G) - lse)
+    dsink = -(p_sink * delta).sum(axis=(0, 1)).reshape(sink.shape)
     dsink = dsink.astype(sink.dtype)
-  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
-          None if dbias is None else dbias.astype(bias.dtype), dargs, dsink)
+  return (dq.astype(q.dtype), dk, dv, None if dbias is None else dbias.astype(bias.dtype), dargs,
+          dsink)
 
 
 def _bias_contribution_shape(bias_shape, B, K, G, bq, bk):
@@ -380,20 +423,23 @@ _chunked.defvjp(_chunked_fwd, _chunked_bwd)
 
 def chunked_attention(cc: ChunkedConfig, q, k, v, bias, mask, states, seed, score_args=(),
                       sink=None):
-  """q (B,K,G,T,H), k/v (B,K,S,H), bias (B|1,K|1,G|1,T|1,S|1), states (nq, nk) int8.
+  """q (B,T,N,H), k/v (B,S,K,H), bias (B|1,K|1,G|1,T|1,S|1), states (nq, nk) int8,
+  sink (1,K,G,1).
 
   Pads T and S to whole blocks, runs the custom-VJP kernel, and slices the padding off.
-  Returns out (B,K,G,T,H) and lse (B,K,G,T).
+  Returns out (B,T,N,H) and lse (B,T,N).
   """
   cfg = cc.cfg
   pt, ps = cc.Tp - cfg.T, cc.Sp - cfg.S
   if pt:
-    q = jnp.pad(q, ((0, 0),) * 3 + ((0, pt), (0, 0)))
+    q = jnp.pad(q, ((0, 0), (0, pt), (0, 0), (0, 0)))
   if ps:
-    k = jnp.pad(k, ((0, 0),) * 2 + ((0, ps), (0, 0)))
-    v = jnp.pad(v, ((0, 0),) * 2 + ((0, ps), (0, 0)))
+    k = jnp.pad(k, ((0, 0), (0, ps), (0, 0), (0, 0)))
+    v = jnp.pad(v, ((0, 0), (0, ps), (0, 0), (0, 0)))
   if bias is not None and (pt or ps):
     bias = jnp.pad(bias, ((0, 0),) * 3 + ((0, pt if bias.shape[3] != 1 else 0),
                                          (0, ps if bias.shape[4] != 1 else 0)))
   out, lse = _chunked(cc, q, k, v, bias, mask, states, seed, score_args, sink)
-  return out[:, :, :, :cfg.T], lse[:, :, :, :cfg.T]
+  if pt:
+    out, lse = out[:, :cfg.T], lse[:, :cfg.T]
+  return out, lse

@@ -286,9 +286,9 @@ def _merge_pair(out_a, lse_a, out_b, lse_b):
 
 
 def _ring_forward(rc: _RingConfig, q, k, v, lengths, segs):
-  """q (B,K,G,Tp,H), k/v (B,K,Sp,H) local shards -> out (B,K,G,Tp,H), lse (B,K,G,Tp)."""
+  """q (B,Tp,N,H), k/v (B,Sp,K,H) local shards -> out (B,Tp,N,H), lse (B,Tp,N)."""
   cc = rc.cc
-  B, K, G, Tp, _ = q.shape
+  B, Tp, N, _ = q.shape
   Hv = v.shape[-1]
   sd = _tile.stat_dtype(q.dtype)
   P = rc.num_devices
@@ -310,8 +310,8 @@ def _ring_forward(rc: _RingConfig, q, k, v, lengths, segs):
     out, lse = _merge_pair(out, lse, o, l)
     return k_next, v_next, seg_next, out, lse
 
-  out0 = _varying(jnp.zeros((B, K, G, Tp, Hv), sd), q, k, v)
-  lse0 = _varying(jnp.full((B, K, G, Tp), NEG, sd), q, k, v)
+  out0 = _varying(jnp.zeros((B, Tp, N, Hv), sd), q, k, v)
+  lse0 = _varying(jnp.full((B, Tp, N), NEG, sd), q, k, v)
   # The P-th send only returns the shards to their owners. Peeling the last step off the loop
   # would save it, but trace and compile the kernel twice; the send overlaps the last step's
   # compute anyway.
@@ -531,24 +531,22 @@ def _ring_attention(query, key, value, q_lengths, kv_lengths, q_seg, kv_seg, *,
   cc = _chunked.ChunkedConfig(cfg, _masks.BlockGrid(Ts, Ss, bq, bk))
   rc = _RingConfig(cc, opts.axis_name, P, opts.layout, lo, hi)
 
-  # Head-major, GQA-grouped, padded to whole blocks: (B, Ts, N, H) -> (B, K, G, Tp, H).
-  q = jnp.transpose(query, (0, 2, 1, 3)).reshape(B, K, G, Ts, H)
-  k = jnp.transpose(key, (0, 2, 1, 3))
-  v = jnp.transpose(value, (0, 2, 1, 3))
+  # Sequence-major as the chunked kernel takes them, padded to whole blocks: (B, Tp, N, H).
+  q, k, v = query, key, value
   pt, ps = cc.Tp - Ts, cc.Sp - Ss
   if pt:
-    q = jnp.pad(q, ((0, 0),) * 3 + ((0, pt), (0, 0)))
+    q = jnp.pad(q, ((0, 0), (0, pt), (0, 0), (0, 0)))
   if ps:
-    k = jnp.pad(k, ((0, 0),) * 2 + ((0, ps), (0, 0)))
-    v = jnp.pad(v, ((0, 0),) * 2 + ((0, ps), (0, 0)))
+    k = jnp.pad(k, ((0, 0), (0, ps), (0, 0), (0, 0)))
+    v = jnp.pad(v, ((0, 0), (0, ps), (0, 0), (0, 0)))
 
   out, lse = _ring(rc, q, k, v, (args.q_lengths, args.kv_lengths), (args.q_seg, args.kv_seg))
-  out = jnp.transpose(out[:, :, :, :Ts].reshape(B, N, Ts, Hv), (0, 2, 1, 3))
+  out = out[:, :Ts]
   if args.unbatched:
     out = out[0]
   if not opts.return_residual:
     return out
-  lse = jnp.transpose(lse[:, :, :, :Ts].reshape(B, N, Ts), (0, 2, 1))
+  lse = lse[:, :Ts]
   lse = jnp.maximum(lse, jnp.asarray(jnp.finfo(query.dtype).min, lse.dtype)).astype(query.dtype)
   if args.unbatched:
     lse = lse[0]

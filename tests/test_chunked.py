@@ -30,15 +30,16 @@ def test_memory_grows_linearly(backward):
           q, k, v)
     return f
 
-  temps = {impl: [_compiled_temp_bytes(make(impl), *_shapes(T)) for T in (1024, 2048, 4096)]
+  # From T = 2048: below it XLA's buffer reuse shifts the constant and hides the slope.
+  temps = {impl: [_compiled_temp_bytes(make(impl), *_shapes(T)) for T in (2048, 4096, 8192)]
            for impl in ("chunked", "dense")}
   ch, de = temps["chunked"], temps["dense"]
   # Doubling T doubles chunked memory (plus a constant), and quadruples dense's.
   assert ch[2] - ch[1] <= 2.2 * (ch[1] - ch[0]) + 4096, ch
   assert ch[2] <= 2.3 * ch[1], ch
   assert de[2] >= 3.5 * de[1], de
-  # At T = 4096 (N=2, H=16) chunked needs a small multiple of one (B, T, N, H) input.
-  one_input = 4096 * 2 * 16 * 4
+  # At T = 8192 (N=2, H=16) chunked needs a small multiple of one (B, T, N, H) input.
+  one_input = 8192 * 2 * 16 * 4
   assert ch[2] <= 12 * one_input, (ch[2], one_input)
   assert ch[2] * 10 < de[2]
 
