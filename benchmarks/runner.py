@@ -6,8 +6,9 @@ call of each is checked against the reference implementation's output (max |diff
 the output and, forward+backward, the three gradients). Then ``warmup`` untimed calls each, and
 ``repeats`` rounds in which every implementation runs once, in turn (A B A B ...), so that a
 slow period of a shared machine hits all of them alike; cases that a ``[[compare]]`` puts side by
-side run in the same rounds too. Each call ends in ``block_until_ready``. A failure (out of
-memory, unsupported, any error) becomes the row's status and the sweep goes on.
+side run in the same rounds too. Each call ends in ``block_until_ready``, and each timed call
+starts only once the process is idle again (`settle`). A failure (out of memory, unsupported,
+any error) becomes the row's status and the sweep goes on.
 """
 
 from __future__ import annotations
@@ -40,6 +41,25 @@ ROW_FIELDS = (
 STATUSES = ("ok", "compiled", "skipped", "unsupported", "oom", "error")
 
 
+def settle(max_wait_s: float = 3.0, interval_s: float = 0.02, busy_s: float = 0.002) -> None:
+  """Wait until this process has stopped using CPU time.
+
+  XLA hands a call's large buffers back to the system after ``block_until_ready`` has returned:
+  measured here, jax.nn's 4 GiB of (T, S) scores at T = 8192 take about 0.3 s of munmap in a
+  background thread. Without this wait that work lands in the time of whichever implementation
+  runs next (in a round, the one after the baseline). It is then billed to no one, which favours
+  the implementations that allocate most -- the conservative direction for jattn's ratios.
+  """
+  deadline = time.perf_counter() + max_wait_s
+  last = time.process_time()
+  while time.perf_counter() < deadline:
+    time.sleep(interval_s)
+    now = time.process_time()
+    if now - last < busy_s:
+      return
+    last = now
+
+
 @dataclasses.dataclass
 class Context:
   """What every case of a sweep shares."""
@@ -66,6 +86,7 @@ def measure_matmul_peak(dtype: str, n: int, repeats: int = 5) -> dict[str, Any]:
   jax.block_until_ready(compiled(a, b))
   samples = []
   for _ in range(repeats):
+    settle()
     start = time.perf_counter()
     jax.block_until_ready(compiled(a, b))
     samples.append(time.perf_counter() - start)
@@ -238,6 +259,7 @@ def run_group(cases: list[Case], indices: list[int], ctx: Context) -> list[list[
         still.append(e)
         continue
       try:
+        settle()
         if rep == 0 and e.case.warmup == 0:
           checked_call(e, timed=True)
         else:

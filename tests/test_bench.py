@@ -103,6 +103,28 @@ def test_torch_peer_that_cannot_start_is_recorded():
   assert row["time_median_s"] is None
 
 
+def test_settle_waits_for_background_cpu_work():
+  import threading
+  import time
+
+  def burn(seconds):
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+      pass
+
+  start = time.perf_counter()
+  runner.settle()
+  assert time.perf_counter() - start < 1.0  # an idle process returns at once
+
+  worker = threading.Thread(target=burn, args=(0.5,))
+  worker.start()
+  start = time.perf_counter()
+  runner.settle(max_wait_s=5.0)
+  waited = time.perf_counter() - start
+  worker.join()
+  assert waited >= 0.4, waited  # not timed until the background work is done
+
+
 def test_quick_writes_csv_markdown_and_plots(quick):
   result, out, plots = quick
   (csv_path,) = out.glob("*.csv")
