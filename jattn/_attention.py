@@ -193,6 +193,10 @@ def _attention(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_s
     grid = _masks.BlockGrid(T, S, bq, bk)
     states, kinds = block_map_and_kinds(combined, grid, shape)
     cc = _chunked.ChunkedConfig(cfg, grid, kinds)
+    if isinstance(states, np.ndarray):
+      cc = dataclasses.replace(cc, q_ranges=_chunked.static_ranges(states),
+                               kv_ranges=_chunked.static_ranges(states.T))
+    states = jnp.asarray(states, jnp.int8)
     out, lse = _chunked.chunked_attention(cc, query, key, value, bias5, combined, states, seed,
                                           score_args, sink)
 
@@ -237,11 +241,12 @@ def build_mask(shape, mask=None, causal=None, window=None, *, q_lengths=None, kv
 
 def block_map(mask, grid: _masks.BlockGrid, shape):
   """The (nq, nk) EMPTY/PARTIAL/FULL map the chunked kernel runs on (a jax int8 array)."""
-  return block_map_and_kinds(mask, grid, shape)[0]
+  return jnp.asarray(block_map_and_kinds(mask, grid, shape)[0], jnp.int8)
 
 
 def block_map_and_kinds(mask, grid: _masks.BlockGrid, shape):
-  """The block map, and the tuple of states that can occur in it (known at trace time).
+  """The block map (a NumPy array when known at trace time, else a jax array), and the tuple of
+  states that can occur in it.
 
   A static map tells exactly which states occur, so the kernels compile only those tile
   variants (an unmasked call compiles one, with no switch at all); a run-time map may hold any.
@@ -262,7 +267,7 @@ def block_map_and_kinds(mask, grid: _masks.BlockGrid, shape):
     kinds = tuple(int(x) for x in np.unique(states))
   else:
     kinds = (_masks.EMPTY, _masks.PARTIAL, _masks.FULL)
-  return jnp.asarray(states, jnp.int8), kinds
+  return states, kinds
 
 
 def _closure_convert_score_mod(score_mod, tile_shape, dtype):

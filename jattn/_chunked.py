@@ -48,6 +48,11 @@ class ChunkedConfig:
   grid: BlockGrid  # over the true (T, S)
   # The block states that can occur (static); only their tile variants are compiled.
   kinds: tuple[int, ...] = (EMPTY, PARTIAL, FULL)
+  # For a block map known at trace time, `static_ranges` of it and of its transpose: the loops
+  # then run between constants (Python ints when every row has the same range) instead of
+  # bounds computed from the map at run time.
+  q_ranges: tuple[tuple[int, int], ...] | None = None
+  kv_ranges: tuple[tuple[int, int], ...] | None = None
 
   @property
   def Tp(self):
@@ -67,6 +72,27 @@ def _nonempty_range(states):
   last = (C - jnp.argmax(ne[:, ::-1], axis=1)).astype(jnp.int32)
   zero = jnp.zeros((), jnp.int32)
   return jnp.where(has, first, zero), jnp.where(has, last, zero)
+
+
+def static_ranges(states: np.ndarray) -> tuple[tuple[int, int], ...]:
+  """`_nonempty_range` of a map known at trace time, as a hashable tuple of (first, last + 1)."""
+  ne = states != EMPTY
+  C = states.shape[1]
+  first = np.where(ne.any(axis=1), np.argmax(ne, axis=1), 0)
+  last = np.where(ne.any(axis=1), C - np.argmax(ne[:, ::-1], axis=1), 0)
+  return tuple((int(a), int(b)) for a, b in zip(first, last))
+
+
+def _loop_bounds(ranges, states):
+  """Functions i -> first and i -> last + 1 non-empty block of row i of ``states``."""
+  if ranges is None:
+    lo, hi = _nonempty_range(states)
+    return (lambda i: lo[i]), (lambda i: hi[i])
+  if len(set(ranges)) == 1:
+    first, last = ranges[0]
+    return (lambda i: first), (lambda i: last)
+  lo, hi = (jnp.asarray(np.array(col, np.int32)) for col in zip(*ranges))
+  return (lambda i: lo[i]), (lambda i: hi[i])
 
 
 def _hook(pass_name, i, j, state):
@@ -138,8 +164,10 @@ def _positions(i, block):
 
 def _q_tile(x, i, bq, K, G):
   """Query block i of a (B, Tp, N, X) array as a (B, K, G, bq, X) tile (head n = k * G + g)."""
-  b = _slice(x, i * bq, bq, 1)
-  return jnp.transpose(b.reshape(b.shape[0], bq, K, G, b.shape[-1]), (0, 2, 3, 1, 4))
+  # Transposing the 4-D block and then splitting N keeps to standard layouts; transposing after
+  # the split makes XLA's CPU backend copy the tile twice.
+  b = jnp.transpose(_slice(x, i * bq, bq, 1), (0, 2, 1, 3))
+  return b.reshape(b.shape[0], K, G, bq, b.shape[-1])
 
 
 def _kv_tile(x, j, bk):
@@ -149,15 +177,15 @@ def _kv_tile(x, j, bk):
 
 def _row_tile(x, i, bq, K, G):
   """Block i of per-query statistics (B, Tp, N) as (B, K, G, bq)."""
-  b = _slice(x, i * bq, bq, 1)
-  return jnp.transpose(b.reshape(b.shape[0], bq, K, G), (0, 2, 3, 1))
+  b = jnp.transpose(_slice(x, i * bq, bq, 1), (0, 2, 1))
+  return b.reshape(b.shape[0], K, G, bq)
 
 
 def _put_q_tile(x, tile, i, bq):
   """Write a (B, K, G, bq) or (B, K, G, bq, X) tile back as block i of (B, Tp, N[, X])."""
-  perm = (0, 3, 1, 2) + tuple(range(4, tile.ndim))
-  rows = jnp.transpose(tile, perm)
-  rows = rows.reshape(rows.shape[:2] + (-1,) + rows.shape[4:])
+  B, K, G = tile.shape[:3]
+  rows = tile.reshape((B, K * G) + tile.shape[3:])
+  rows = jnp.transpose(rows, (0, 2, 1) + tuple(range(3, rows.ndim)))
   return jax.lax.dynamic_update_slice_in_dim(x, rows.astype(x.dtype), i * bq, axis=1)
 
 
@@ -179,7 +207,7 @@ def _forward(cc: ChunkedConfig, q, k, v, bias, mask, states, seed, score_args, s
   bq, bk = grid.block_q, grid.block_kv
   sd = _tile.stat_dtype(q.dtype)
   ragged = cfg.S % bk != 0
-  lo, hi = _nonempty_range(states)
+  lo, hi = _loop_bounds(cc.q_ranges, states)
   Hv = v.shape[-1]
 
   def q_block(i, carry):
@@ -227,7 +255,7 @@ def _forward(cc: ChunkedConfig, q, k, v, bias, mask, states, seed, score_args, s
       l0 = jnp.ones((B, K, G, bq), sd)
     acc0 = jnp.zeros((B, K, G, bq, Hv), sd)
     m0, l0, acc0 = (_varying(x, q, k, v, states) for x in (m0, l0, acc0))
-    m, l, acc = jax.lax.fori_loop(lo[i], hi[i], body, (m0, l0, acc0))
+    m, l, acc = jax.lax.fori_loop(lo(i), hi(i), body, (m0, l0, acc0))
     out = _put_q_tile(out, _tile.safe_normalize(acc, l, m, cfg.dropout_rate), i, bq)
     lse = _put_q_tile(lse, _tile.safe_lse(m, l), i, bq)
     return out, lse
@@ -253,7 +281,7 @@ def _backward(cc: ChunkedConfig, q, k, v, bias, mask, states, seed, score_args, 
   bq, bk = grid.block_q, grid.block_kv
   sd = _tile.stat_dtype(q.dtype)
   ragged = cfg.S % bk != 0
-  lo, hi = _nonempty_range(states.T)
+  lo, hi = _loop_bounds(cc.kv_ranges, states.T)
   Hv = v.shape[-1]
   # rowsum(dO * O) = rowsum(P * dP): the softmax Jacobian's correction term, one per query.
   delta = jnp.einsum("btnh,btnh->btn", dout.astype(sd), out.astype(sd))
@@ -337,7 +365,7 @@ def _backward(cc: ChunkedConfig, q, k, v, bias, mask, states, seed, score_args, 
     dkb0 = jnp.zeros((B, K, bk, H), sd)
     dvb0 = jnp.zeros((B, K, bk, Hv), sd)
     dkb0, dvb0 = (_varying(x, q, k, v, dout, states) for x in (dkb0, dvb0))
-    dkb, dvb, dq, dbias, dargs = jax.lax.fori_loop(lo[j], hi[j], body,
+    dkb, dvb, dq, dbias, dargs = jax.lax.fori_loop(lo(j), hi(j), body,
                                                    (dkb0, dvb0, dq, dbias, dargs))
     # Every key block is finished here, so dK and dV are written once, in their own dtype.
     dk = _put_kv_tile(dk, dkb * scale, j, bk)
