@@ -86,18 +86,23 @@ def logits(cfg: Config, q, k, bias, q_pos, kv_pos, score_args=()):
   Order: scale * q.k, then soft-cap (cap * tanh(x / cap)), then + bias, then score_mod.
   Returns (scores, tanh_or_None); the tanh is kept for the soft-cap derivative.
   """
-  sd = stat_dtype(q.dtype)
-  s = matmul(q, k, "qh,sh->qs", sd)
-  s = s * jnp.asarray(cfg.scale, sd)
+  s, t = scale_cap_bias(cfg, matmul(q, k, "qh,sh->qs", stat_dtype(q.dtype)), bias)
+  if cfg.score_mod is not None:
+    s = apply_score_mod(cfg, s, q_pos, kv_pos, score_args)
+  return s, t
+
+
+def scale_cap_bias(cfg: Config, s, bias):
+  """The steps of `logits` after the matmul and before score_mod, on raw q.k scores in the
+  statistics dtype, in any layout that ``bias`` broadcasts against. Returns (scores, tanh|None)."""
+  s = s * jnp.asarray(cfg.scale, s.dtype)
   t = None
   if cfg.logits_soft_cap is not None:
-    cap = jnp.asarray(cfg.logits_soft_cap, sd)
+    cap = jnp.asarray(cfg.logits_soft_cap, s.dtype)
     t = jnp.tanh(s / cap)
     s = cap * t
   if bias is not None:
-    s = s + bias.astype(sd)
-  if cfg.score_mod is not None:
-    s = apply_score_mod(cfg, s, q_pos, kv_pos, score_args)
+    s = s + bias.astype(s.dtype)
   return s, t
 
 
