@@ -119,6 +119,19 @@ def test_packed_segments_blocks_skipped():
   assert blocks["bwd"] == blocks["fwd"]
 
 
+def test_static_loop_bounds_match_the_run_time_ones():
+  # A block map known at trace time gives the loops constant bounds (_chunked.static_ranges);
+  # they must be the bounds the run-time path computes from the same map, empty rows included.
+  rng = np.random.default_rng(0)
+  for _ in range(20):
+    states = rng.choice([M.EMPTY, M.PARTIAL, M.FULL], size=(5, 7), p=[0.6, 0.2, 0.2])
+    states = states.astype(np.int8)
+    states[rng.integers(5)] = M.EMPTY  # at least one empty row
+    lo, hi = _chunked._nonempty_range(jnp.asarray(states))
+    assert _chunked.static_ranges(states) == tuple(zip(np.asarray(lo).tolist(),
+                                                       np.asarray(hi).tolist()))
+
+
 def test_unsorted_segments_stay_correct_and_skip_nothing_wrongly():
   rng = np.random.default_rng(0)
   ids = rng.integers(0, 3, (2, 40))
