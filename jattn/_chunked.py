@@ -64,23 +64,24 @@ class ChunkedConfig:
 
 
 def _nonempty_range(states):
-  """Per row of a (R, C) state map: [first, last + 1) of its non-empty columns (0, 0 if none)."""
+  """Per row of a (R, C) state map: [first, last + 1) of its non-empty columns (0, 0 if none).
+
+  NumPy in, NumPy out (a map known at trace time); jax in, jax out.
+  """
+  xp = np if isinstance(states, np.ndarray) else jnp
   ne = states != EMPTY
   has = ne.any(axis=1)
   C = states.shape[1]
-  first = jnp.argmax(ne, axis=1).astype(jnp.int32)
-  last = (C - jnp.argmax(ne[:, ::-1], axis=1)).astype(jnp.int32)
-  zero = jnp.zeros((), jnp.int32)
-  return jnp.where(has, first, zero), jnp.where(has, last, zero)
+  first = xp.argmax(ne, axis=1).astype(np.int32)
+  last = (C - xp.argmax(ne[:, ::-1], axis=1)).astype(np.int32)
+  zero = np.int32(0)
+  return xp.where(has, first, zero), xp.where(has, last, zero)
 
 
 def static_ranges(states: np.ndarray) -> tuple[tuple[int, int], ...]:
   """`_nonempty_range` of a map known at trace time, as a hashable tuple of (first, last + 1)."""
-  ne = states != EMPTY
-  C = states.shape[1]
-  first = np.where(ne.any(axis=1), np.argmax(ne, axis=1), 0)
-  last = np.where(ne.any(axis=1), C - np.argmax(ne[:, ::-1], axis=1), 0)
-  return tuple((int(a), int(b)) for a, b in zip(first, last))
+  first, last = _nonempty_range(states)
+  return tuple(zip(first.tolist(), last.tolist()))
 
 
 def _loop_bounds(ranges, states):
