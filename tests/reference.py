@@ -1,11 +1,17 @@
-"""A float64 NumPy reference for attention, written plainly: the definition the tests pin down.
+"""A float64 reference for attention, written plainly: the definition the tests pin down.
 
 Shapes: q (B,T,N,H), k/v (B,S,K,H), visible (B,N,T,S) boolean (True = attend), bias broadcastable
 to (B,N,T,S). Heads: query head n uses key/value head n // G (G = N // K), as jax.nn.
+
+`attention` and `grads` are NumPy with the backward pass written out by hand. `attention_vjp` is
+the same definition in float64 jax.numpy, differentiated by `jax.vjp`: it covers what a hand-written
+backward cannot (an arbitrary score_mod and the arrays it closes over). None of this imports jattn.
 """
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -53,7 +59,7 @@ def attention(q, k, v, *, visible=None, bias=None, scale=None, soft_cap=None, ke
   if bias is not None:
     logits = logits + np.asarray(bias, np.float64)
   if score_mod is not None:
-    logits = score_mod(logits)
+    logits = score_mod(logits)  # a NumPy function of the (B,N,T,S) logits; no gradient (see grads)
   vis = np.ones((B, N, T, S), bool) if visible is None else visible
   masked = np.where(vis, logits, -np.inf)
   m = masked.max(axis=-1, keepdims=True)
@@ -72,12 +78,15 @@ def attention(q, k, v, *, visible=None, bias=None, scale=None, soft_cap=None, ke
     pd = np.where(keep, p, 0.0) / (1.0 - dropout_rate)
   out = np.einsum("bnts,bsnh->btnh", pd, vr)
   cache = dict(q=q, kr=kr, vr=vr, p=p, pd=pd, tanh=tanh, scale=scale, G=G, K=K, keep=keep,
-               rate=dropout_rate, vis=vis, sinks=sinks, m=m, denom=denom)
+               rate=dropout_rate, vis=vis, sinks=sinks, m=m, denom=denom,
+               score_mod=score_mod)
   return out, lse.transpose(0, 2, 1), cache
 
 
 def grads(cache, dout, bias_shape=None):
   """Backward pass of `attention` for a cotangent dout (B,T,N,H): (dq, dk, dv, dbias, dsinks)."""
+  if cache["score_mod"] is not None:
+    raise NotImplementedError("grads has no score_mod derivative: use attention_vjp")
   dout = np.asarray(dout, np.float64)
   q, kr, vr, p, pd = cache["q"], cache["kr"], cache["vr"], cache["p"], cache["pd"]
   B, T, N, H = q.shape
@@ -108,3 +117,64 @@ def grads(cache, dout, bias_shape=None):
   dk = dkr.reshape(B, -1, K, G, H).sum(3)
   dv = dvr.reshape(B, -1, K, G, H).sum(3)
   return dq, dk, dv, dbias, dsinks
+
+
+def attention_vjp(q, k, v, dout, *, visible=None, bias=None, scale=None, soft_cap=None,
+                  keep=None, dropout_rate=0.0, sinks=None, make_score_mod=None, score_args=()):
+  """The definition in float64 jax.numpy, forward and reverse by autodiff.
+
+  ``make_score_mod(args)`` returns ``f(score, b, h, q_index, kv_index)`` on the (B,N,T,S) logits
+  (after soft cap and bias, before masking), with int32 index arrays (B,1,1,1), (1,N,1,1),
+  (1,1,T,1), (1,1,1,S); ``score_args`` is the pytree of arrays it closes over (their gradients are
+  returned). ``keep`` is the (B|1,N|1,T,S) dropout keep-mask.
+
+  Returns (out (B,T,N,H), lse (B,T,N), grads) with grads a dict of dq, dk, dv, dbias, dsinks,
+  dargs (None where the input is None), all NumPy float64.
+  """
+  with jax.enable_x64(True):
+    f64 = lambda x: None if x is None else jnp.asarray(np.asarray(x, np.float64))
+    q, k, v, dout, bias, sinks = (f64(x) for x in (q, k, v, dout, bias, sinks))
+    args = jax.tree.map(f64, score_args)
+    B, T, N, H = q.shape
+    S, K = k.shape[1], k.shape[2]
+    G = N // K
+    sc = 1.0 / np.sqrt(H) if scale is None else float(scale)
+    vis = jnp.asarray(np.ones((B, N, T, S), bool) if visible is None else visible)
+
+    def forward(q, k, v, bias, sinks, args):
+      kr = jnp.repeat(k, G, axis=2)  # (B,S,N,H)
+      vr = jnp.repeat(v, G, axis=2)
+      s = jnp.einsum("btnh,bsnh->bnts", q, kr) * sc
+      if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
+      if bias is not None:
+        s = s + bias.reshape((1,) * (4 - bias.ndim) + bias.shape)
+      if make_score_mod is not None:
+        idx = (jnp.arange(B, dtype=jnp.int32).reshape(B, 1, 1, 1),
+               jnp.arange(N, dtype=jnp.int32).reshape(1, N, 1, 1),
+               jnp.arange(T, dtype=jnp.int32).reshape(1, 1, T, 1),
+               jnp.arange(S, dtype=jnp.int32).reshape(1, 1, 1, S))
+        s = make_score_mod(args)(s, *idx)
+      logits = jnp.where(vis, s, -jnp.inf)
+      m = logits.max(axis=-1, keepdims=True)
+      if sinks is not None:
+        m = jnp.maximum(m, sinks[None, :, None, None])
+      m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
+      e = jnp.where(vis, jnp.exp(logits - m), 0.0)
+      denom = e.sum(-1, keepdims=True)
+      if sinks is not None:
+        denom = denom + jnp.exp(sinks[None, :, None, None] - m)
+      ok = denom > 0
+      p = jnp.where(ok, e / jnp.where(ok, denom, 1.0), 0.0)  # empty rows -> 0
+      lse = jnp.where(ok, jnp.log(jnp.where(ok, denom, 1.0)) + m, -jnp.inf)[..., 0]
+      if keep is not None and dropout_rate > 0:
+        p = jnp.where(jnp.asarray(keep), p, 0.0) / (1.0 - dropout_rate)
+      out = jnp.einsum("bnts,bsnh->btnh", p, vr)
+      return out, jnp.transpose(lse, (0, 2, 1))
+
+    (out, lse), pull = jax.vjp(forward, q, k, v, bias, sinks, args)
+    dq, dk, dv, dbias, dsinks, dargs = pull((dout, jnp.zeros_like(lse)))
+    to_np = lambda x: None if x is None else np.asarray(x)
+    grads = dict(dq=to_np(dq), dk=to_np(dk), dv=to_np(dv), dbias=to_np(dbias),
+                 dsinks=to_np(dsinks), dargs=jax.tree.map(to_np, dargs))
+    return np.asarray(out), np.asarray(lse), grads

@@ -8,6 +8,7 @@ import pytest
 import jattn
 from jattn import _chunked
 from jattn import masks as M
+import reference as ref
 
 
 def _compiled_temp_bytes(fn, *args):
@@ -119,27 +120,43 @@ def test_packed_segments_blocks_skipped():
   assert blocks["bwd"] == blocks["fwd"]
 
 
-def test_static_loop_bounds_match_the_run_time_ones():
-  # A block map known at trace time gives the loops constant bounds (_chunked.static_ranges);
-  # they must be the bounds the run-time path computes from the same map, empty rows included.
+def _ranges_by_hand(states):
+  """[first, last + 1) of each row's non-EMPTY columns, (0, 0) for an all-EMPTY row."""
+  out = []
+  for row in states:
+    cols = [j for j, x in enumerate(row) if x != M.EMPTY]
+    out.append((cols[0], cols[-1] + 1) if cols else (0, 0))
+  return tuple(out)
+
+
+def test_loop_bounds_static_and_run_time_equal_a_hand_count():
+  # A block map known at trace time gives the loops constant bounds; a run-time map computes
+  # them in the program. Both must be each row's first and last non-empty block, empty rows
+  # (and a map with no non-empty block at all) included.
   rng = np.random.default_rng(0)
-  for _ in range(20):
-    states = rng.choice([M.EMPTY, M.PARTIAL, M.FULL], size=(5, 7), p=[0.6, 0.2, 0.2])
-    states = states.astype(np.int8)
-    states[rng.integers(5)] = M.EMPTY  # at least one empty row
+  maps = [rng.choice([M.EMPTY, M.PARTIAL, M.FULL], size=(5, 7), p=[0.6, 0.2, 0.2])
+          for _ in range(20)]
+  maps += [np.full((3, 4), M.EMPTY), np.full((1, 1), M.FULL), np.eye(4) * M.FULL]
+  for states in maps:
+    states = np.asarray(states, np.int8)
+    want = _ranges_by_hand(states)
+    assert _chunked.static_ranges(states) == want
     lo, hi = _chunked._nonempty_range(jnp.asarray(states))
-    assert _chunked.static_ranges(states) == tuple(zip(np.asarray(lo).tolist(),
-                                                       np.asarray(hi).tolist()))
+    assert tuple(zip(np.asarray(lo).tolist(), np.asarray(hi).tolist())) == want
 
 
-def test_unsorted_segments_stay_correct_and_skip_nothing_wrongly():
+def test_unsorted_segments_against_reference_and_blocks():
   rng = np.random.default_rng(0)
   ids = rng.integers(0, 3, (2, 40))
   q = jax.random.normal(jax.random.key(0), (2, 40, 2, 8))
   kw = dict(q_segment_ids=jnp.asarray(ids, jnp.int32), kv_segment_ids=jnp.asarray(ids, jnp.int32))
-  a = jattn.dot_product_attention(q, q, q, implementation="chunked", block_q=8, block_kv=8, **kw)
-  b = jattn.dot_product_attention(q, q, q, implementation="dense", **kw)
-  np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+  got = jattn.dot_product_attention(q, q, q, implementation="chunked", block_q=8, block_kv=8, **kw)
+  want, _, _ = ref.attention(q, q, q, visible=ref.visible_mask(2, 2, 40, 40, q_seg=ids,
+                                                               kv_seg=ids))
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  # Unsorted ids make every block PARTIAL (never FULL, never skipped): no block is run as FULL.
+  blocks = _run_recorded(40, 40, 8, 8, **kw)
+  assert blocks["fwd"] == _expected_blocks(_dense_vis(40, 40, q_seg=ids, kv_seg=ids), 8, 8)
 
 
 def test_cost_analysis_has_no_dense_score_matrix():

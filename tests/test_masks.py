@@ -195,11 +195,19 @@ def test_alibi_and_temperature(impl):
   np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
 
 
-def test_soft_cap_via_score_mod_equals_the_option():
-  q, k, v, _ = _qkv()
+@pytest.mark.parametrize("impl", ["dense", "chunked"])
+def test_soft_cap_via_score_mod_against_reference(impl):
+  # The option and the same function as a score_mod are one definition: both equal the float64
+  # reference's soft cap, forward and gradients.
+  q, k, v, do = _qkv()
   cap = 3.0
-  a = jattn.dot_product_attention(q, k, v, logits_soft_cap=cap, implementation="chunked",
-                                  block_q=8, block_kv=16)
-  b = jattn.dot_product_attention(q, k, v, score_mod=lambda s, *_: cap * jnp.tanh(s / cap),
-                                  implementation="chunked", block_q=8, block_kv=16)
-  np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+  vis = ref.visible_mask(B, N, T, S, causal="top_left")
+  want, _, cache = ref.attention(q, k, v, visible=vis, soft_cap=cap)
+  want_grads = ref.grads(cache, do)[:3]
+  for kw in (dict(logits_soft_cap=cap), dict(score_mod=lambda s, *_: cap * jnp.tanh(s / cap))):
+    f = lambda q, k, v: jattn.dot_product_attention(q, k, v, is_causal=True, implementation=impl,
+                                                    block_q=8, block_kv=16, **kw)
+    out, pull = jax.vjp(f, q, k, v)
+    np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5, err_msg=str(kw))
+    for got, w in zip(pull(do), want_grads):
+      np.testing.assert_allclose(got, w, rtol=2e-4, atol=1e-4, err_msg=str(kw))

@@ -1,0 +1,227 @@
+"""Guarantees the README makes that the per-feature tests do not reach: the automatic choice at its
+boundary with the default blocks, dtypes at the edges, lse without gradient, garbage hidden by
+every kind of mask, and the 16-bit rule with every feature that changes the logits.
+
+Every check is against the float64 reference of tests/reference.py (or jax.nn), never jattn
+against itself.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jattn
+from jattn import _dropout
+import reference as ref
+from test_attention import IMPLS, _inputs
+
+
+def _uses_loop(f, *args) -> bool:
+  """Whether the traced program has a while loop: the chunked kernels do, dense attention not."""
+  return "while" in str(jax.make_jaxpr(f)(*args))
+
+
+@pytest.mark.parametrize("T,S,chosen", [(1024, 1024, "chunked"), (1023, 1025, "dense"),
+                                        (1000, 1100, "chunked")])
+def test_automatic_choice_at_its_boundary_with_default_blocks(T, S, chosen):
+  # implementation=None switches to chunked at T*S >= 2^20 scores per head. These calls run the
+  # default 512 x 256 blocks (ragged at 1000 x 1100) against the float64 reference.
+  B, N, K, H = 1, 2, 1, 8
+  q, k, v, do = _inputs(B=B, T=T, S=S, N=N, K=K, H=H, seed=1)
+  lens = jnp.asarray([S - 77], jnp.int32)
+  f = lambda q, k, v: jattn.dot_product_attention(q, k, v, is_causal="bottom_right",
+                                                  key_value_seq_lengths=lens)
+  assert _uses_loop(f, q, k, v) == (chosen == "chunked")
+  out, pull = jax.vjp(f, q, k, v)
+  vis = ref.visible_mask(B, N, T, S, causal="bottom_right", kv_lengths=[S - 77])
+  want, _, cache = ref.attention(q, k, v, visible=vis)
+  np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5)
+  for got, w in zip(pull(do), ref.grads(cache, do)[:3]):
+    np.testing.assert_allclose(got, w, rtol=2e-4, atol=1e-4)
+
+
+def test_xla_alias_is_dense():
+  q, k, v, _ = _inputs()
+  a = jattn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+  b = jattn.dot_product_attention(q, k, v, is_causal=True, implementation="dense")
+  np.testing.assert_array_equal(a, b)
+  want = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+  np.testing.assert_allclose(a, want, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_float64_inputs_stay_float64(impl):
+  with jax.enable_x64(True):
+    q, k, v, do = (jnp.asarray(np.asarray(x, np.float64)) for x in _inputs())
+    lens = jnp.asarray([30, 0], jnp.int32)
+    f = lambda q, k, v: jattn.dot_product_attention(q, k, v, is_causal=True,
+                                                    key_value_seq_lengths=lens,
+                                                    return_residual=True, **IMPLS[impl])
+    (out, lse), pull = jax.vjp(f, q, k, v)
+    assert out.dtype == jnp.float64 and lse.dtype == jnp.float64
+    grads = pull((do, jnp.zeros_like(lse)))
+  vis = ref.visible_mask(2, 4, 37, 45, causal="top_left", kv_lengths=[30, 0])
+  want, r_lse, cache = ref.attention(q, k, v, visible=vis)
+  # Float64 statistics: agreement far beyond float32's precision.
+  np.testing.assert_allclose(out, want, rtol=1e-12, atol=1e-12)
+  rows = np.isfinite(r_lse)
+  np.testing.assert_allclose(np.asarray(lse)[rows], r_lse[rows], rtol=1e-12, atol=1e-12)
+  for got, w in zip(grads, ref.grads(cache, do)[:3]):
+    assert got.dtype == jnp.float64
+    np.testing.assert_allclose(got, w, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_float16_lse_of_empty_rows_is_finite(impl):
+  q, k, v, _ = _inputs(dtype=jnp.float16)
+  lens = jnp.asarray([0, 20], jnp.int32)
+  out, lse = jattn.dot_product_attention(q, k, v, key_value_seq_lengths=lens,
+                                         return_residual=True, **IMPLS[impl])
+  assert lse.dtype == jnp.float16
+  lse = np.asarray(lse, np.float64)
+  assert np.all(lse[0] == float(jnp.finfo(jnp.float16).min))  # batch 0 sees no key at all
+  vis = ref.visible_mask(2, 4, 37, 45, kv_lengths=[0, 20])
+  want, r_lse, _ = ref.attention(*(np.asarray(x, np.float64) for x in (q, k, v)), visible=vis)
+  np.testing.assert_allclose(lse[1], r_lse[1], rtol=2e-3, atol=2e-3)
+  assert np.all(np.asarray(out)[0] == 0)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_lse_has_no_gradient(impl):
+  q, k, v, _ = _inputs()
+  f = lambda q, k, v: jattn.dot_product_attention(q, k, v, return_residual=True,
+                                                  **IMPLS[impl])[1].sum()
+  for g in jax.grad(f, argnums=(0, 1, 2))(q, k, v):
+    assert np.all(np.asarray(g) == 0)
+
+
+def _garbage(x, where):
+  """Put NaN and +-inf at the True entries of ``where`` (broadcast along x's trailing axes)."""
+  pattern = jnp.asarray([jnp.nan, jnp.inf, -jnp.inf], x.dtype)
+  fill = jnp.resize(pattern, x.shape)
+  return jnp.where(where, fill, x)
+
+
+# Each case hides some query rows and key columns from everything, by a different mechanism.
+def _segments():
+  q_seg = np.zeros((2, 37), np.int32)
+  q_seg[0, 30:] = 7  # no key has segment 7: these queries see nothing
+  kv_seg = np.zeros((2, 45), np.int32)
+  kv_seg[1, :9] = 9  # no query has segment 9: these keys are seen by no one
+  kw = dict(q_segment_ids=jnp.asarray(q_seg), kv_segment_ids=jnp.asarray(kv_seg))
+  vis = ref.visible_mask(2, 4, 37, 45, q_seg=q_seg, kv_seg=kv_seg)
+  return kw, vis
+
+
+def _array():
+  m = np.random.default_rng(9).random((2, 1, 37, 45)) > 0.3
+  m[:, :, 5] = False
+  m[0, :, :, 40:] = False
+  m[1, :, :, :3] = False
+  return dict(mask=jnp.asarray(m)), ref.visible_mask(2, 4, 37, 45, mask=m)
+
+
+def _window():
+  # Bottom-right causal band of width 6 with T < S: keys before S - T - 6 are outside every window.
+  kw = dict(is_causal="bottom_right", local_window_size=(6, 0))
+  return kw, ref.visible_mask(2, 4, 37, 45, causal="bottom_right", window=(6, 0))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("case", [_segments, _array, _window])
+def test_garbage_hidden_by_any_mask_never_leaks(impl, case):
+  kw, vis = case()
+  q, k, v, do = _inputs()
+  row_hidden = ~vis.any(axis=(1, 3))  # (B, T): hidden from every head
+  col_hidden = ~vis.any(axis=(1, 2))  # (B, S)
+  assert row_hidden.any() or col_hidden.any()
+  qg = _garbage(q, row_hidden[:, :, None, None])
+  kg = _garbage(k, col_hidden[:, :, None, None])
+  vg = _garbage(v, col_hidden[:, :, None, None])
+  f = lambda q, k, v: jattn.dot_product_attention(q, k, v, **kw, **IMPLS[impl])
+  out, pull = jax.vjp(f, qg, kg, vg)
+  want, _, cache = ref.attention(q, k, v, visible=vis)
+  np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5)
+  for got, w in zip(pull(do), ref.grads(cache, do)[:3]):
+    np.testing.assert_allclose(got, w, rtol=2e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_masks_full_is_no_mask(impl):
+  q, k, v, do = _inputs()
+  f = lambda q, k, v: jattn.dot_product_attention(q, k, v, mask=jattn.masks.full(),
+                                                  **IMPLS[impl])
+  out, pull = jax.vjp(f, q, k, v)
+  want, _, cache = ref.attention(q, k, v)
+  np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5)
+  for got, w in zip(pull(do), ref.grads(cache, do)[:3]):
+    np.testing.assert_allclose(got, w, rtol=2e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_broadcast_dropout_against_reference(impl):
+  # flax's broadcast_dropout: one (T, S) keep-mask, that of batch 0 and head 0, for every head.
+  B, T, S, N = 2, 37, 45, 4
+  q, k, v, do = _inputs()
+  rate, rng = 0.3, jax.random.key(11)
+  seed = _dropout.seed_words(rng)
+  zero = jnp.zeros((1, 1, 1, 1), jnp.int32)
+  keep = np.asarray(_dropout.keep_mask(seed, rate, zero, zero, jnp.arange(T).reshape(1, 1, T, 1),
+                                       jnp.arange(S).reshape(1, 1, 1, S)))
+  assert keep.shape == (1, 1, T, S)
+  f = lambda q, k, v: jattn.dot_product_attention(q, k, v, dropout_rate=rate, dropout_rng=rng,
+                                                  dropout_broadcast=True, **IMPLS[impl])
+  out, pull = jax.vjp(f, q, k, v)
+  want, _, cache = ref.attention(q, k, v, keep=keep, dropout_rate=rate)
+  np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5)
+  for got, w in zip(pull(do), ref.grads(cache, do)[:3]):
+    np.testing.assert_allclose(got, w, rtol=2e-4, atol=1e-4)
+
+
+# --------------------------------------------------------------------------------------------
+# The FlashAttention rule for 16-bit inputs, with bias, boolean mask, sinks and soft cap.
+# --------------------------------------------------------------------------------------------
+
+
+def _plain_16bit(q, k, v, bias, sinks, vis, cap):
+  """Everything in the input dtype (logits, soft cap, softmax): the baseline a kernel must beat."""
+  dt = q.dtype
+  G = q.shape[2] // k.shape[2]
+  kr, vr = jnp.repeat(k, G, axis=2), jnp.repeat(v, G, axis=2)
+  s = jnp.einsum("btnh,bsnh->bnts", q, kr) * jnp.asarray(1 / np.sqrt(q.shape[-1]), dt)
+  s = jnp.asarray(cap, dt) * jnp.tanh(s / jnp.asarray(cap, dt))
+  s = jnp.where(vis, s + bias.astype(dt), jnp.asarray(-1e4, dt))
+  B, N, T, _ = s.shape
+  sink_col = jnp.broadcast_to(sinks.astype(dt)[None, :, None, None], (B, N, T, 1))
+  p = jax.nn.softmax(jnp.concatenate([s, sink_col], axis=-1), axis=-1)[..., :-1]
+  return jnp.einsum("bnts,bsnh->btnh", p, vr)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_low_precision_rule_with_bias_mask_sinks_soft_cap(impl, dtype):
+  B, T, S, N, K, H = 2, 48, 80, 4, 2, 32
+  q, k, v, do = (x.astype(dtype) for x in _inputs(B=B, T=T, S=S, N=N, K=K, H=H, seed=3))
+  rng = np.random.default_rng(12)
+  bias = jnp.asarray(rng.normal(size=(1, N, T, S)), dtype)
+  sinks = jnp.asarray(rng.normal(size=(N,)), dtype)
+  mask = rng.random((B, 1, T, S)) > 0.25
+  vis = ref.visible_mask(B, N, T, S, mask=mask, causal="top_left")
+  cap = 4.0
+  f = lambda q, k, v, bias, sinks: jattn.dot_product_attention(
+      q, k, v, bias, jnp.asarray(mask), is_causal=True, sinks=sinks, logits_soft_cap=cap,
+      **IMPLS[impl])
+  g = lambda q, k, v, bias, sinks: _plain_16bit(q, k, v, bias, sinks, jnp.asarray(vis), cap)
+  out, pull = jax.vjp(f, q, k, v, bias, sinks)
+  base, pull_base = jax.vjp(g, q, k, v, bias, sinks)
+  assert out.dtype == dtype
+  f64 = lambda x: np.asarray(x, np.float64)
+  want, _, cache = ref.attention(f64(q), f64(k), f64(v), visible=vis, bias=f64(bias),
+                                 soft_cap=cap, sinks=f64(sinks))
+  want_grads = ref.grads(cache, f64(do), bias.shape)
+  err = lambda a, b: float(np.max(np.abs(f64(a) - b)))
+  assert err(out, want) <= 2 * err(base, want) + 1e-3
+  names = ("dq", "dk", "dv", "dbias", "dsinks")
+  for name, got, plain, w in zip(names, pull(do), pull_base(do), want_grads):
+    assert err(got, w) <= 2 * err(plain, w) + 1e-3, name
