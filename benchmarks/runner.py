@@ -41,23 +41,31 @@ ROW_FIELDS = (
 STATUSES = ("ok", "compiled", "skipped", "unsupported", "oom", "error")
 
 
-def settle(max_wait_s: float = 3.0, interval_s: float = 0.02, busy_s: float = 0.002) -> None:
-  """Wait until this process has stopped using CPU time.
+def settle(max_wait_s: float = 3.0, interval_s: float = 0.02, busy_s: float = 0.002, *,
+           cpu_time: Callable[[], float] = time.process_time,
+           clock: Callable[[], float] = time.perf_counter,
+           sleep: Callable[[float], None] = time.sleep) -> bool:
+  """Wait until this process has stopped using CPU time; True once idle, False at the deadline.
 
   XLA hands a call's large buffers back to the system after ``block_until_ready`` has returned:
   measured here, jax.nn's 4 GiB of (T, S) scores at T = 8192 take about 0.3 s of munmap in a
   background thread. Without this wait that work lands in the time of whichever implementation
   runs next (in a round, the one after the baseline). It is then billed to no one, which favours
   the implementations that allocate most -- the conservative direction for jattn's ratios.
+
+  Idle means: less than ``busy_s`` of CPU time over one ``interval_s`` sleep. ``cpu_time`` must
+  count every thread of the process (``time.process_time``: the freeing runs in a background
+  thread); ``cpu_time``, ``clock`` and ``sleep`` are parameters so tests can drive it with fakes.
   """
-  deadline = time.perf_counter() + max_wait_s
-  last = time.process_time()
-  while time.perf_counter() < deadline:
-    time.sleep(interval_s)
-    now = time.process_time()
+  deadline = clock() + max_wait_s
+  last = cpu_time()
+  while clock() < deadline:
+    sleep(interval_s)
+    now = cpu_time()
     if now - last < busy_s:
-      return
+      return True
     last = now
+  return False
 
 
 @dataclasses.dataclass
@@ -118,6 +126,20 @@ def classify(error: BaseException) -> tuple[str, str]:
   return "error", text
 
 
+def compiled_memory(compiled) -> dict[str, int] | None:
+  """XLA's memory analysis of a compiled function: temp_bytes (the intermediates), argument_bytes
+  and output_bytes; None where the backend does not implement it."""
+  try:
+    stats = compiled.memory_analysis()
+  except Exception:  # noqa: BLE001 - some backends do not implement it; the fields stay None
+    return None
+  if stats is None:
+    return None
+  return {"temp_bytes": int(stats.temp_size_in_bytes),
+          "argument_bytes": int(stats.argument_size_in_bytes),
+          "output_bytes": int(stats.output_size_in_bytes)}
+
+
 class _JaxRunner:
   def __init__(self, impl: Impl, case: Case, args: tuple, row: dict):
     self.impl, self.case, self.args, self.row = impl, case, args, row
@@ -131,15 +153,9 @@ class _JaxRunner:
     with _impls.trace_context(self.impl):
       self.compiled = jax.jit(fn).lower(*self.args).compile()
     self.row["compile_s"] = time.perf_counter() - start
-    stats = None
-    try:
-      stats = self.compiled.memory_analysis()
-    except Exception:  # noqa: BLE001 - some backends do not implement it; the fields stay None
-      pass
-    if stats is not None:
-      self.row.update(temp_bytes=int(stats.temp_size_in_bytes),
-                      argument_bytes=int(stats.argument_size_in_bytes),
-                      output_bytes=int(stats.output_size_in_bytes))
+    memory = compiled_memory(self.compiled)
+    if memory is not None:
+      self.row.update(memory)
 
   def measured_bytes(self) -> int | None:
     if self.row["temp_bytes"] is None:
@@ -281,7 +297,10 @@ def run_group(cases: list[Case], indices: list[int], ctx: Context) -> list[list[
   result = []
   for case in cases:
     rows = {e.impl: e.row for e in entries if e.case is case}
-    _ratios(list(rows.values()), ctx.baseline)
+    # The baseline is named as in the config ("jattn-chunked"), rows by label
+    # ("jattn-chunked-512x512"): match the implementation's name; the first such entry.
+    base = next((row for impl, row in rows.items() if impl.name == ctx.baseline), None)
+    _ratios(list(rows.values()), base)
     result.append([rows[impl] for impl in case.impls])
   return result
 
@@ -328,12 +347,13 @@ def _stats(samples: list[float]) -> dict[str, Any]:
           "spread_pct": 100.0 * (max(samples) - min(samples)) / median, "times_s": samples}
 
 
-def _ratios(rows: list[dict], baseline: str):
-  """speedup_vs_baseline = baseline median / row median (> 1: faster than the baseline)."""
-  base = next((r for r in rows if r["impl"] == baseline), None)
+def _ratios(rows: list[dict], base: dict | None):
+  """speedup_vs_baseline = baseline median / row median (> 1: faster than the baseline) and
+  temp_vs_baseline = row temp / baseline temp, for the rows of one case; ``base`` is the
+  baseline's row (None when the case has none)."""
+  if base is None:
+    return
   for r in rows:
-    if base is None:
-      continue
     if r["status"] == "ok" and base["status"] == "ok":
       r["speedup_vs_baseline"] = base["time_median_s"] / r["time_median_s"]
     if r["temp_bytes"] is not None and base["temp_bytes"]:

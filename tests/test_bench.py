@@ -1,14 +1,18 @@
 """The benchmark CLI: tiny sweeps end to end, FLOP counts against hand counts, the memory guard."""
 
 import csv
+import inspect
 import json
 import math
+import re
+import time
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from benchmarks import cli, config, flops, masks, runner, torch_peer
+from benchmarks import cli, config, flops, masks, report, ring_bench, runner, torch_peer
 
 _JAX_IMPLS = {"jattn-dense", "jattn-chunked-32x32", "jax-nn", "flax"}
 
@@ -52,8 +56,11 @@ def test_quick_rows_have_every_field_with_sane_values(quick):
     assert r["time_min_s"] <= r["time_p25_s"] <= r["time_median_s"] <= r["time_p75_s"] \
         <= r["time_max_s"]
     assert r["time_median_s"] == pytest.approx(float(np.median(times)))
-    assert r["flops"] == pytest.approx(flops.attention_flops(
-        1, 4, r["T"], r["T"], 16, masks.parse("causal"), r["pass"]))
+    # Hand count: B=1, N=4 query heads (not K=2), H=16, causal T=S: T(T+1)/2 pairs, 2 matmuls of
+    # 2 FLOPs per multiply-add forward; 3.5x that forward+backward.
+    pairs = r["T"] * (r["T"] + 1) // 2
+    forward = 4 * 1 * 4 * 16 * pairs
+    assert r["flops"] == (forward if r["pass"] == "forward" else 3.5 * forward)
     assert r["flops_per_s"] == pytest.approx(r["flops"] / r["time_median_s"])
     assert r["peak_fraction"] == pytest.approx(
         r["flops_per_s"] / result["peak"]["float32"]["flops_per_s"])
@@ -61,15 +68,29 @@ def test_quick_rows_have_every_field_with_sane_values(quick):
     if r["impl"] in _JAX_IMPLS:
       for key in ("temp_bytes", "argument_bytes", "output_bytes"):
         assert isinstance(r[key], int) and r[key] >= 0
-      assert r["argument_bytes"] > 0
+      # float32 q (T, 4, 16) + k, v (T, 2, 16) [+ dout (T, 4, 16)]; out [+ dq, dk, dv].
+      T, f32 = r["T"], 4
+      fwd = r["pass"] == "forward"
+      assert r["argument_bytes"] == T * (64 + 32 + 32 + (0 if fwd else 64)) * f32, r
+      # (out, dq, dk, dv) is a tuple: XLA counts its table of 4 pointers with the outputs.
+      tuple_table = 0 if fwd else 4 * 8
+      assert r["output_bytes"] == T * (64 if fwd else 64 + 64 + 32 + 32) * f32 + tuple_table, r
     if r["impl"] in ("jax-nn", "torch"):
       assert r["max_abs_diff"] is None  # jax-nn is the reference; torch outputs stay in its process
     else:
       assert r["diff_reference"] == "jax-nn"
       assert 0 <= r["max_abs_diff"] < 1e-5, r
+  base = {(r["pass"], r["T"]): r for r in rows if r["impl"] == "jax-nn"}
   for r in rows:
+    b = base[r["pass"], r["T"]]
+    # docs/benchmarks.md: vs_jax-nn = jax-nn's median / this row's median (2.00x = twice as fast).
+    assert r["speedup_vs_baseline"] == pytest.approx(b["time_median_s"] / r["time_median_s"])
+    if r["temp_bytes"] is not None:
+      assert r["temp_vs_baseline"] == pytest.approx(r["temp_bytes"] / b["temp_bytes"])
     if r["impl"] == "jax-nn":
       assert r["speedup_vs_baseline"] == 1.0
+      # jax.nn's XLA path materialises the fp32 (B, N, T, S) scores.
+      assert r["temp_bytes"] >= 1 * 4 * r["T"] * r["T"] * 4, r
     if r["impl"] == "flax":
       assert "repeated 2x" in r["note"]  # GQA (N=4, K=2): flax needs k/v heads repeated
 
@@ -103,26 +124,57 @@ def test_torch_peer_that_cannot_start_is_recorded():
   assert row["time_median_s"] is None
 
 
+class _FakeProcess:
+  """A clock, a CPU-time reader and a sleep for runner.settle: each sleep advances the clock by
+  its argument and the process's CPU time by the next entry of ``busy`` (then by 0: idle)."""
+
+  def __init__(self, busy=()):
+    self.busy = list(busy)
+    self.now = 100.0
+    self.cpu = 5.0
+    self.sleeps = 0
+
+  def clock(self):
+    return self.now
+
+  def cpu_time(self):
+    return self.cpu
+
+  def sleep(self, seconds):
+    self.sleeps += 1
+    self.now += seconds
+    self.cpu += self.busy.pop(0) if self.busy else 0.0
+
+  def settle(self, **kw):
+    return runner.settle(cpu_time=self.cpu_time, clock=self.clock, sleep=self.sleep, **kw)
+
+
 def test_settle_waits_for_background_cpu_work():
-  import threading
-  import time
+  # Driven by a fake clock and CPU-time reader: no wall-clock bound, nothing machine load can move.
+  idle = _FakeProcess()
+  assert idle.settle() is True and idle.sleeps == 1  # an idle process returns after one interval
 
-  def burn(seconds):
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-      pass
+  # Background work (XLA freeing buffers in another thread) uses CPU for 5 intervals: settle
+  # returns at the first interval without it, and only then.
+  busy = _FakeProcess(busy=[0.01] * 5)
+  assert busy.settle(interval_s=0.02, busy_s=0.002) is True
+  assert busy.sleeps == 6 and busy.busy == []
 
-  start = time.perf_counter()
-  runner.settle()
-  assert time.perf_counter() - start < 1.0  # an idle process returns at once
+  # CPU time under busy_s per interval is idle (the sampling loop's own cost).
+  light = _FakeProcess(busy=[0.001] * 5)
+  assert light.settle(interval_s=0.02, busy_s=0.002) is True and light.sleeps == 1
 
-  worker = threading.Thread(target=burn, args=(0.5,))
-  worker.start()
-  start = time.perf_counter()
-  runner.settle(max_wait_s=5.0)
-  waited = time.perf_counter() - start
-  worker.join()
-  assert waited >= 0.4, waited  # not timed until the background work is done
+  # A process that never goes idle: settle gives up at max_wait_s of the (fake) clock.
+  never = _FakeProcess(busy=[0.01] * 1000)
+  assert never.settle(max_wait_s=1.0, interval_s=0.25) is False
+  assert never.sleeps == 4 and never.now == 101.0
+
+  # The real readers: process-wide CPU time (the freeing runs in a background thread, which
+  # time.thread_time would not see) against a monotonic clock.
+  params = inspect.signature(runner.settle).parameters
+  assert params["cpu_time"].default is time.process_time
+  assert params["clock"].default is time.perf_counter
+  assert params["sleep"].default is time.sleep
 
 
 def test_quick_writes_csv_markdown_and_plots(quick):
@@ -140,6 +192,263 @@ def test_quick_writes_csv_markdown_and_plots(quick):
   pngs = sorted(plots.glob("*.png"))
   assert len(pngs) == 2  # one figure per (pass, dtype, mask, shape) group
   assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
+
+
+# The report's table columns and the JSON row field each shows (with the rounding it prints).
+_MD_CASE_COLUMNS = ["pass", "mask", "dtype", "B", "N", "K", "H", "T", "S"]
+_TABLE_COLUMNS = ["impl", "compile_s", "median_s", "min..max_s", "temp_MiB", "GFLOP/s", "%peak",
+                  "vs jax-nn", "max abs diff", "status"]
+
+
+def _check_cell(column, cell, row):
+  def number(value, rel=0.0, abs_=0.0):
+    if value is None:
+      assert cell == "-", (column, cell, row)
+    else:
+      assert float(cell) == pytest.approx(value, rel=rel, abs=abs_), (column, cell, row)
+
+  if column in _MD_CASE_COLUMNS or column == "impl":
+    assert cell == str(row[column]), (column, cell)
+  elif column == "compile_s":
+    number(row["compile_s"], rel=6e-3)                                  # .3g
+  elif column == "median_s":
+    number(row["time_median_s"], rel=6e-3)
+  elif column == "min..max_s":
+    lo, hi = cell.split("..")
+    assert float(lo) == pytest.approx(row["time_min_s"], rel=6e-3), (cell, row)
+    assert float(hi) == pytest.approx(row["time_max_s"], rel=6e-3), (cell, row)
+  elif column == "temp_MiB":
+    number(None if row["temp_bytes"] is None else row["temp_bytes"] / 2 ** 20, rel=6e-4)  # .4g
+  elif column == "GFLOP/s":
+    number(row["flops_per_s"] / 1e9, rel=6e-3)
+  elif column == "%peak":
+    number(100 * row["peak_fraction"], abs_=0.51)                       # .0f
+  elif column in ("vs jax-nn", "vs_jax-nn"):
+    assert cell.endswith("x"), cell
+    assert float(cell[:-1]) == pytest.approx(row["speedup_vs_baseline"], abs=0.0051), (cell, row)
+  elif column in ("max abs diff", "max|diff|"):
+    number(row["max_abs_diff"], rel=0.051)                              # .1e
+  elif column == "status":
+    assert cell == row["status"], (cell, row)
+  else:
+    raise AssertionError(f"unexpected column {column!r}")
+
+
+def test_quick_markdown_cells_match_the_json_rows(quick):
+  result, out, _ = quick
+  (md,) = out.glob("*.md")
+  lines = md.read_text().splitlines()
+  assert lines[0].startswith("<!-- jattn-bench quick")
+  header = [c.strip() for c in lines[1].strip("|").split("|")]
+  assert header == _MD_CASE_COLUMNS + _TABLE_COLUMNS
+  assert set(lines[2]) == {"|", "-"}
+  body = lines[3:]
+  assert len(body) == len(result["rows"])
+  for line, row in zip(body, result["rows"], strict=True):
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert len(cells) == len(header), line
+    for column, cell in zip(header, cells):
+      _check_cell(column, cell, row)
+
+
+def test_quick_terminal_table_matches_the_json_rows(quick):
+  result, _, _ = quick
+  rows = [r for r in result["rows"] if r["pass"] == "forward" and r["T"] == 128]
+  text = report.format_case(rows, "jax-nn").splitlines()
+  assert text[0] == report.case_header(rows[0])
+  assert "T=128 S=128" in text[0] and f"({rows[0]['flops'] / 1e9:.4g} GFLOP per call)" in text[0]
+  header = text[1].split()
+  assert header == ["impl", "compile_s", "median_s", "min..max_s", "temp_MiB", "GFLOP/s", "%peak",
+                    "vs_jax-nn", "max|diff|", "status"]
+  for line, row in zip(text[2:], rows, strict=True):
+    cells = line.split()
+    assert len(cells) == len(header), line
+    for column, cell in zip(header, cells):
+      _check_cell(column, cell, row)
+
+
+def test_quick_csv_matches_the_json_rows(quick):
+  result, out, _ = quick
+  (csv_path,) = out.glob("*.csv")
+  with open(csv_path, newline="") as f:
+    table = list(csv.DictReader(f))
+  assert len(table) == len(result["rows"])
+  for line, row in zip(table, result["rows"], strict=True):
+    for key in runner.ROW_FIELDS:
+      value, cell = row[key], line[key]
+      if value is None:
+        assert cell == "", (key, cell)
+      elif key == "times_s":
+        assert [float(x) for x in cell.split(";")] == pytest.approx(value, rel=1e-5)
+      elif isinstance(value, float):
+        assert float(cell) == value, key  # repr round-trips
+      else:
+        assert cell == str(value), key
+
+
+# ------------------------------------------------------------ speed-up and temp ratios, synthetic
+
+def _row(impl, status="ok", time_s=None, temp=None):
+  row = dict.fromkeys(runner.ROW_FIELDS)
+  row.update(impl=impl, status=status, time_median_s=time_s, time_min_s=time_s,
+             time_max_s=time_s, temp_bytes=temp, baseline="jax-nn")
+  return row
+
+
+def test_speedup_is_baseline_time_over_row_time():
+  # docs/benchmarks.md: "jax-nn's median / this row's median: 2.00x = twice as fast as jax.nn".
+  base = _row("jax-nn", time_s=2.0, temp=4096)
+  fast = _row("jattn-chunked-32x32", time_s=1.0, temp=1024)
+  slow = _row("jattn-dense", time_s=4.0, temp=8192)
+  failed = _row("flax", status="error", temp=None)
+  runner._ratios([base, fast, slow, failed], base)
+  assert fast["speedup_vs_baseline"] == 2.0 and slow["speedup_vs_baseline"] == 0.5
+  assert base["speedup_vs_baseline"] == 1.0 and failed["speedup_vs_baseline"] is None
+  assert fast["temp_vs_baseline"] == 0.25 and slow["temp_vs_baseline"] == 2.0
+  assert base["temp_vs_baseline"] == 1.0 and failed["temp_vs_baseline"] is None
+  column = report._COLUMNS.index("vs_base")
+  assert report._cells(fast)[column] == "2.00x" and report._cells(slow)[column] == "0.50x"
+  # No baseline row (or a baseline that did not run): no ratios, not a made-up one.
+  lone = _row("jattn-dense", time_s=1.0, temp=10)
+  runner._ratios([lone], None)
+  assert lone["speedup_vs_baseline"] is None and lone["temp_vs_baseline"] is None
+  skipped, ran = _row("jax-nn", status="skipped"), _row("jattn-dense", time_s=1.0, temp=10)
+  runner._ratios([skipped, ran], skipped)
+  assert ran["speedup_vs_baseline"] is None and ran["temp_vs_baseline"] is None
+
+
+def test_a_chunked_baseline_is_found_by_name():
+  # Rows are labelled "jattn-chunked-8x8"; a config's baseline names "jattn-chunked".
+  (case,) = config.parse({"T": [16], "heads": [1], "head_dim": [8], "passes": ["forward"],
+                          "implementations": ["jattn-dense", "jattn-chunked"],
+                          "block_sizes": [[8, 8]], "repeats": 1, "warmup": 0,
+                          "baseline": "jattn-chunked"}).cases
+  ctx = runner.Context(max_memory_bytes=2 ** 30, baseline="jattn-chunked", seed=0, backend="cpu",
+                       peak_flops={})
+  dense, chunked = runner.run_case(case, 0, ctx)
+  assert dense["status"] == chunked["status"] == "ok"
+  assert chunked["impl"] == "jattn-chunked-8x8" and chunked["speedup_vs_baseline"] == 1.0
+  assert dense["speedup_vs_baseline"] == pytest.approx(
+      chunked["time_median_s"] / dense["time_median_s"])
+  assert dense["diff_reference"] == "jattn-chunked-8x8"  # the baseline runs first: the reference
+
+
+# ------------------------------------------------------------------------------ compiled memory
+
+def test_compiled_memory_reads_temp_of_a_known_program():
+  # Sorting a (n, n) outer product needs all of it at once: n*n float32 temporaries that XLA
+  # cannot elide, from an argument of n floats and an output of n / 4.
+  n = 512
+
+  def f(x):
+    return jnp.sort(jnp.outer(x, x).ravel())[::4 * n]
+
+  x = jnp.ones((n,), jnp.float32)
+  memory = runner.compiled_memory(jax.jit(f).lower(x).compile())
+  assert set(memory) == {"temp_bytes", "argument_bytes", "output_bytes"}
+  assert n * n * 4 <= memory["temp_bytes"] <= 4 * n * n * 4, memory
+  assert memory["argument_bytes"] == n * 4 and memory["output_bytes"] == n // 4 * 4, memory
+
+  class NoAnalysis:
+    def memory_analysis(self):
+      raise NotImplementedError
+
+  assert runner.compiled_memory(NoAnalysis()) is None
+
+
+# ------------------------------------------------------------------------------ --compile-only
+
+def test_compile_only_records_compile_time_and_memory_and_runs_nothing(tmp_path, monkeypatch):
+  def no_call(self, keep):
+    raise AssertionError("--compile-only called a compiled function")
+
+  monkeypatch.setattr(runner._JaxRunner, "call", no_call)
+  path = _write_config(tmp_path, """
+repeats = 3
+peak_matmul_size = 64
+implementations = ["jattn-dense", "jattn-chunked", "jax-nn"]
+block_sizes = [[16, 16]]
+passes = ["forward"]
+heads = [2]
+head_dim = [8]
+T = [32]
+masks = ["causal"]
+""")
+  result, out = _run(tmp_path, path, "--compile-only")
+  assert result["compile_only"] is True and "--compile-only" in result["argv"]
+  rows = result["rows"]
+  assert [r["impl"] for r in rows] == ["jattn-dense", "jattn-chunked-16x16", "jax-nn"]
+  base = rows[2]
+  for r in rows:
+    assert r["status"] == "compiled" and r["reason"] is None, r
+    assert isinstance(r["compile_s"], float) and r["compile_s"] > 0
+    assert r["argument_bytes"] == 32 * 2 * 8 * 4 * 3 and r["output_bytes"] == 32 * 2 * 8 * 4
+    assert isinstance(r["temp_bytes"], int) and r["temp_bytes"] >= 0
+    assert r["temp_vs_baseline"] == pytest.approx(r["temp_bytes"] / base["temp_bytes"])
+    assert r["flops"] == 4 * 2 * 8 * (32 * 33 // 2)  # the case's, whether it runs or not
+    for key in ("time_median_s", "time_min_s", "time_max_s", "time_p25_s", "time_p75_s",
+                "spread_pct", "times_s", "flops_per_s", "peak_fraction", "speedup_vs_baseline",
+                "max_abs_diff", "diff_reference"):
+      assert r[key] is None, (key, r)
+  (md,) = out.glob("*.md")
+  body = md.read_text().splitlines()[3:]
+  assert len(body) == 3
+  for line, row in zip(body, rows, strict=True):
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    for column, cell in zip(_MD_CASE_COLUMNS + _TABLE_COLUMNS, cells):
+      if column in ("median_s", "min..max_s", "GFLOP/s", "%peak", "vs jax-nn", "max abs diff"):
+        assert cell == "-", (column, line)
+      else:
+        _check_cell(column, cell, row)
+
+
+# ------------------------------------------------------------------------------ the ring benchmark
+
+def test_ring_bench_runs_on_four_host_devices(tmp_path, capsys):
+  # T = 64 over P = 4 devices: shards of Ts = 16; block 16 is one block per contiguous shard and
+  # is clipped to a zigzag chunk (8). GQA (N=2, K=1) so the step bytes count K, the FLOPs N.
+  path = _write_config(tmp_path, """
+name = "tiny-ring"
+description = "a test"
+devices = 4
+repeats = 1
+warmup = 0
+batch = 1
+heads = 2
+kv_heads = 1
+head_dim = 8
+T = [64]
+block = 16
+layouts = ["contiguous", "zigzag"]
+masks = ["causal"]
+passes = ["forward", "forward+backward"]
+""")
+  assert cli._is_ring_config(path)  # `jattn-bench <ring config>` hands it to ring_bench
+  out = tmp_path / "ring.json"
+  assert ring_bench.main([path, "--json", str(out)]) == 0
+  printed = capsys.readouterr().out
+  result = json.loads(out.read_text())
+  assert result["config"]["devices"] == 4
+  rows = result["rows"]
+  assert [(r["layout"], r["passes"]) for r in rows] == [
+      ("contiguous", "forward"), ("zigzag", "forward"),
+      ("contiguous", "forward+backward"), ("zigzag", "forward+backward")]
+  # Tiles per device (causal, by hand): contiguous, one 16-block per shard: device d computes
+  # d full tiles and its diagonal one. Zigzag, 8-blocks: the 8 x 8 global grid's 36 lower
+  # tiles, 9 per device.
+  tiles = {"contiguous": (16, 4, 1), "zigzag": (8, 9, 9)}
+  for r in rows:
+    assert r["case"] == "T=64 B=1 N=2 K=1 H=8 float32 causal" and r["devices"] == 4
+    assert (r["block"], r["tiles_max"], r["tiles_min"]) == tiles[r["layout"]], r
+    for key in ("one_s", "ring_s", "compile_one_s", "compile_ring_s"):
+      assert isinstance(r[key], float) and 0 < r[key] < 120, (key, r)
+    assert r["ratio"] == pytest.approx(r["ring_s"] / r["one_s"])
+    assert r["step_bytes"] == 2 * 1 * 16 * 1 * 8 * 4     # K and V shards, float32
+    assert r["step_flops"] == 4 * 1 * 2 * 16 * 16 * 8    # one (query, key) shard pair, forward
+  table = [ln for ln in printed.splitlines() if ln.startswith("T=64")]
+  assert len(table) == 4 and "tiny-ring: a test" in printed
+  for line, r in zip(table, rows, strict=True):
+    assert line.split()[7:10] == [r["layout"], r["passes"], f"{r['one_s']:.3f}"]
 
 
 # ------------------------------------------------- masks through every implementation, compared
@@ -252,6 +561,27 @@ def test_attention_flops_convention():
       == 3.5 * full  # seven matmuls with the recomputed P
   causal = flops.attention_flops(B, N, 16, 16, H, masks.parse("causal"), "forward")
   assert causal == 4 * B * N * H * (16 * 17 // 2)
+  assert flops.attention_flops(B, N, 16, 16, H, masks.parse("causal"), "forward+backward") \
+      == 3.5 * causal
+  # T != S: top-left, query i sees keys 0..i; bottom-right, keys 0..i + S - T.
+  assert flops.attention_flops(B, N, 4, 6, H, masks.parse("causal"), "forward") \
+      == 4 * B * N * H * (1 + 2 + 3 + 4)
+  assert flops.attention_flops(B, N, 6, 4, H, masks.parse("causal"), "forward") \
+      == 4 * B * N * H * (1 + 2 + 3 + 4 + 4 + 4)
+  assert flops.attention_flops(B, N, 4, 6, H, masks.parse("causal:bottom_right"), "forward") \
+      == 4 * B * N * H * (3 + 4 + 5 + 6)
+  assert flops.attention_flops(B, N, 6, 4, H, masks.parse("causal:bottom_right"), "forward") \
+      == 4 * B * N * H * (0 + 0 + 1 + 2 + 3 + 4)
+  # A causal window of 3 (the query and 3 keys back): rows see 1, 2, 3, then 4 keys.
+  assert flops.attention_flops(B, N, 16, 16, H, masks.parse("causal+window:3"), "forward") \
+      == 4 * B * N * H * (1 + 2 + 3 + 4 * 13)
+  # value head dim Hv != H: Q K^T costs 2 H, P V costs 2 Hv per pair.
+  assert flops.attention_flops(B, N, T, S, H, masks.parse("full"), "forward", Hv=4) \
+      == 2 * B * N * T * S * (H + 4)
+  # GQA: the query heads N count, not the key/value heads K (keys are shared, not arithmetic).
+  gqa = config.parse({"T": [16], "heads": [8], "kv_heads": [2], "head_dim": [8],
+                      "masks": ["causal"], "passes": ["forward"]}).cases[0]
+  assert gqa.flops == 4 * 1 * 8 * 8 * (16 * 17 // 2)
   assert flops.dense_memory_estimate(B, N, T, S, "forward+backward") == B * N * T * S * 4 * 4
   with pytest.raises(ValueError, match="pass must be one of"):
     flops.attention_flops(B, N, T, S, H, masks.parse("full"), "backward")
