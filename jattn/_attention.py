@@ -50,6 +50,8 @@ class _Options:
   block_kv: int | None
   return_residual: bool
   score_mod: Callable | None
+  # Return the (B, N, T, S) softmax weights instead of the output (for flax's sow_weights).
+  return_weights: bool = False
 
 
 def dot_product_attention(
@@ -76,6 +78,7 @@ def dot_product_attention(
     return_residual: bool = False,
     score_mod: Callable | None = None,
     sinks=None,
+    _return_weights: bool = False,
 ):
   r"""Scaled dot-product attention, numerically stable, dense or chunked.
 
@@ -92,7 +95,10 @@ def dot_product_attention(
       costs its own O(T x S) memory.
     mask: boolean array of rank <= 4 broadcastable to (B, N, T, S), True = attend; or a
       :mod:`jattn.masks` object (``masks.causal() & masks.local_window(128)`` ...).
-    scale: logit scale; default ``1 / sqrt(H)``.
+    scale: logit scale; default ``1 / sqrt(H)``. A Python or NumPy number is a compile-time
+      constant applied to the float32 logits; a jax array scalar (e.g. traced under ``jit``, or
+      a learned temperature) is an operand that multiplies the query in its dtype and receives
+      a gradient.
     is_causal: ``False``, ``True`` / ``"top_left"`` (query i sees keys <= i, as jax.nn), or
       ``"bottom_right"`` (query i sees keys <= i + S - T: the last query aligns with the last
       key, as when decoding with a KV cache or prefilling in chunks). The alignment also sets
@@ -128,8 +134,9 @@ def dot_product_attention(
   Differences from jax.nn: a query row with nothing to attend to returns 0 (jax.nn returns the
   mean of V); its gradients are 0; masked positions never contribute inf or NaN.
   """
+  static_scale, scale_operand = _validation.scale_operand(scale)
   opts = _Options(
-      scale=_validation.scale(scale),
+      scale=static_scale,
       causal=_validation.causal(is_causal),
       window=_validation.window(local_window_size),
       logits_soft_cap=_validation.soft_cap(logits_soft_cap),
@@ -140,30 +147,39 @@ def dot_product_attention(
       block_kv=_validation.block("block_kv", block_kv),
       return_residual=_validation.flag("return_residual", return_residual),
       score_mod=_validation.callable_or_none("score_mod", score_mod),
+      return_weights=bool(_return_weights),
   )
   if opts.dropout_rate == 0.0:
     dropout_rng = None
   return _attention(query, key, value, bias, mask, query_seq_lengths, key_value_seq_lengths,
-                    q_segment_ids, kv_segment_ids, dropout_rng, sinks, opts=opts)
+                    q_segment_ids, kv_segment_ids, dropout_rng, sinks, scale_operand, opts=opts)
 
 
 @functools.partial(jax.jit, static_argnames=("opts",))
 def _attention(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_seg, dropout_rng,
-               sinks, *, opts: _Options):
+               sinks, scale_operand, *, opts: _Options):
   args = _validation.arrays(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_seg,
                             sinks)
   query, key, value = args.query, args.key, args.value
+  if scale_operand is not None:
+    # A scale given as an array (traced under jit) is an operand, not a compile-time constant:
+    # it scales the query (in its dtype, as splash attention folds its scale), q.k * s = (s q).k,
+    # and autodiff through this product gives its gradient. The kernels then scale by 1.
+    query = query * scale_operand.astype(query.dtype)
   B, T, N, H = query.shape
   _, S, K, Hv = value.shape
   G = N // K
-  scale = opts.scale if opts.scale is not None else 1.0 / float(np.sqrt(H))
+  if scale_operand is not None:
+    scale = 1.0
+  else:
+    scale = opts.scale if opts.scale is not None else 1.0 / float(np.sqrt(H))
   shape = (B, N, T, S)
 
   combined = build_mask(shape, args.mask, opts.causal, opts.window, q_lengths=args.q_lengths,
                         kv_lengths=args.kv_lengths, q_segment_ids=args.q_seg,
                         kv_segment_ids=args.kv_seg)
 
-  impl = opts.implementation or choose_implementation(T, S)
+  impl = "dense" if opts.return_weights else opts.implementation or choose_implementation(T, S)
   bq = min(opts.block_q or DEFAULT_BLOCK_Q, T)
   bk = min(opts.block_kv or DEFAULT_BLOCK_KV, S)
   tile_shape = (B, N, T, S) if impl == "dense" else (B, N, bq, bk)
@@ -183,6 +199,12 @@ def _attention(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_s
   seed = (_dropout.seed_words(dropout_rng) if opts.dropout_rate > 0
           else jnp.zeros((2,), jnp.uint32))
 
+  if opts.return_weights:
+    q = jnp.transpose(query, (0, 2, 1, 3)).reshape(B, K, G, T, H)
+    k = jnp.transpose(key, (0, 2, 1, 3))
+    w = _dense.attention_weights(cfg, q, k, bias5, combined, score_args, sink)
+    w = w.reshape(B, N, T, S)
+    return w[0] if args.unbatched else w
   if impl == "dense":
     # Head-major, GQA-grouped: (B, T, N, H) -> (B, K, G, T, H), one (T, S) matmul per head.
     q = jnp.transpose(query, (0, 2, 1, 3)).reshape(B, K, G, T, H)
@@ -212,6 +234,20 @@ def _attention(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_s
   if args.unbatched:
     lse = lse[0]
   return out, jax.lax.stop_gradient(lse)
+
+
+def attention_weights(query, key, value, bias=None, mask=None, **kwargs):
+  """The (B, N, T, S) softmax weights (float32 for 16-bit inputs) that
+  :func:`dot_product_attention` with the same arguments applies to ``value``, before dropout.
+
+  Rows with nothing to attend to are 0. O(T x S) memory by nature: for inspecting weights
+  (flax's ``sow_weights``), not for computing attention. ``value`` is checked against the others
+  but not used; dropout and ``return_residual`` do not apply.
+  """
+  for name in ("dropout_rate", "dropout_rng", "dropout_broadcast", "return_residual",
+               "implementation", "block_q", "block_kv"):
+    kwargs.pop(name, None)
+  return dot_product_attention(query, key, value, bias, mask, _return_weights=True, **kwargs)
 
 
 def choose_implementation(T: int, S: int) -> str:
@@ -282,5 +318,14 @@ def _closure_convert_score_mod(score_mod, tile_shape, dtype):
         jax.ShapeDtypeStruct((1, N, 1, 1), jnp.int32),
         jax.ShapeDtypeStruct((1, 1, tq, 1), jnp.int32),
         jax.ShapeDtypeStruct((1, 1, 1, tk), jnp.int32))
+  out = jax.eval_shape(score_mod, *ex)
+  if not hasattr(out, "shape") or tuple(out.shape) != (B, N, tq, tk):
+    raise ValueError(
+        f"score_mod must return an array of the score's shape (B, N, tq, tk)={(B, N, tq, tk)} "
+        f"(it is applied tile by tile, so a broadcast result would differ between "
+        f"implementations), got {getattr(out, 'shape', type(out).__name__)}")
+  if not jnp.issubdtype(out.dtype, jnp.floating):
+    raise TypeError(f"score_mod must return floating scores, got dtype {out.dtype} "
+                    f"(to hide positions, use a mask: jattn.masks.from_function)")
   converted, consts = jax.closure_convert(score_mod, *ex)
   return converted, tuple(consts)

@@ -20,11 +20,36 @@ def dense_attention(cfg: Config, q, k, v, bias, mask, seed, score_args=(), sink=
 
   Returns out (B,K,G,T,H) in q's dtype and lse (B,K,G,T) in the statistics dtype.
   """
-  q_pos = jnp.arange(cfg.T, dtype=jnp.int32)
-  kv_pos = jnp.arange(cfg.S, dtype=jnp.int32)
-  vis = _tile.visible(cfg, mask, q_pos, kv_pos, ragged_kv=False)
+  q_pos, kv_pos, vis = _positions_and_visibility(cfg, mask)
   if vis is not None:
     q, k, v = _tile.sanitize(vis, q, k, v)
+  p, l, m = _exp_scores(cfg, q, k, bias, vis, q_pos, kv_pos, score_args, sink)
+  if cfg.dropout_rate > 0:
+    p = jnp.where(_tile.keep(cfg, seed, q_pos, kv_pos), p, jnp.zeros((), p.dtype))
+  out = _tile.safe_normalize(_tile.pv(p, v), l, m, cfg.dropout_rate)
+  lse = jax.lax.stop_gradient(_tile.safe_lse(m, l))
+  return out.astype(q.dtype), lse
+
+
+def attention_weights(cfg: Config, q, k, bias, mask, score_args=(), sink=None):
+  """The softmax weights (B,K,G,T,S) in the statistics dtype, before dropout; rows with nothing
+  to attend to are 0. O(T x S) by nature: for looking at the weights, not for computing with."""
+  q_pos, kv_pos, vis = _positions_and_visibility(cfg, mask)
+  if vis is not None:
+    q, k, _ = _tile.sanitize(vis, q, k, k)
+  p, l, m = _exp_scores(cfg, q, k, bias, vis, q_pos, kv_pos, score_args, sink)
+  return _tile.safe_normalize(p, l, m, 0.0)
+
+
+def _positions_and_visibility(cfg: Config, mask):
+  q_pos = jnp.arange(cfg.T, dtype=jnp.int32)
+  kv_pos = jnp.arange(cfg.S, dtype=jnp.int32)
+  return q_pos, kv_pos, _tile.visible(cfg, mask, q_pos, kv_pos, ragged_kv=False)
+
+
+def _exp_scores(cfg: Config, q, k, bias, vis, q_pos, kv_pos, score_args, sink):
+  """exp(s - m) of the whole (T, S) score matrix, with its row max m and row sum l (the sink's
+  term included): the softmax before its division."""
   s, _ = _tile.logits(cfg, q, k, bias, q_pos, kv_pos, score_args)  # (B,K,G,T,S)
   sd = s.dtype
   neg = jnp.asarray(_tile.NEG, sd)
@@ -41,8 +66,4 @@ def dense_attention(cfg: Config, q, k, v, bias, mask, seed, score_args=(), sink=
   l = p.sum(axis=-1)
   if sink is not None:
     l = l + jnp.exp(sink - m)
-  if cfg.dropout_rate > 0:
-    p = jnp.where(_tile.keep(cfg, seed, q_pos, kv_pos), p, jnp.zeros((), sd))
-  out = _tile.safe_normalize(_tile.pv(p, v), l, m, cfg.dropout_rate)
-  lse = jax.lax.stop_gradient(_tile.safe_lse(m, l))
-  return out.astype(q.dtype), lse
+  return p, l, m

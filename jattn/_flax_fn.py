@@ -22,7 +22,7 @@ from flax.nnx.nn import dtypes as _flax_dtypes
 
 from jattn import _validation
 from jattn import masks as _masks
-from jattn._attention import dot_product_attention
+from jattn._attention import attention_weights, dot_product_attention
 
 _PRECISION_NAMES = {
     jax.lax.Precision.DEFAULT: "default",
@@ -72,8 +72,12 @@ def make_attention_fn(
       flax's), the output has it. jattn's softmax statistics are float32 regardless, so
       ``force_fp32_for_softmax`` is always satisfied.
     * ``precision``: applied as ``jax.default_matmul_precision`` around the call.
-    * ``module`` (``sow_weights=True``) and the einsum overrides raise NotImplementedError:
-      jattn never forms the (T, S) weights.
+    * ``module`` (``sow_weights=True``): the (batch..., N, T, S) softmax weights, before
+      dropout, are formed (O(T x S) memory, by nature) and sown where flax sows them
+      (linen: ``'intermediates'``, nnx: ``nnx.Intermediate``, name ``'attention_weights'``),
+      in the computation dtype; rows with nothing to attend to are 0. The output is still
+      jattn's own computation.
+    * The einsum overrides raise NotImplementedError.
 
   Differences from flax: a query row with nothing to attend to (fully masked) gives 0, where
   flax's softmax over all-equal masked logits gives the mean of V.
@@ -100,11 +104,6 @@ def make_attention_fn(
     Returns [batch..., T, N, H] in the computation dtype.
     """
     del force_fp32_for_softmax  # jattn's softmax statistics are always float32 or wider.
-    if module is not None:
-      raise NotImplementedError(
-          "jattn.make_attention_fn: sow_weights=True (module=...) needs the (B, N, T, S) "
-          "attention weights, which jattn never forms; use flax's own dot_product_attention for "
-          "the layer whose weights you inspect")
     for name, v in (("einsum_dot_general", einsum_dot_general),
                     ("qk_attn_weights_einsum", qk_attn_weights_einsum),
                     ("attn_weights_value_einsum", attn_weights_value_einsum)):
@@ -143,6 +142,11 @@ def make_attention_fn(
 
     drop = (not deterministic) and dropout_rate > 0.0
     with _precision_context(precision):
+      if module is not None:
+        # The layer asked for its weights (sow_weights=True): form them (O(T x S), by nature),
+        # and sow them where flax's own dot_product_attention does, under its name.
+        w = attention_weights(q4, k4, v4, bias, mask, is_causal=causal or False, **opts)
+        _sow_weights(module, w.astype(query.dtype).reshape(batch + w.shape[1:]))
       out = dot_product_attention(
           q4, k4, v4, bias, mask, is_causal=causal or False,
           dropout_rate=dropout_rate if drop else 0.0,
@@ -151,6 +155,21 @@ def make_attention_fn(
     return out.reshape(query.shape[:-1] + (value.shape[-1],))
 
   return attention_fn
+
+
+def _sow_weights(module, weights):
+  """Sow as flax's linen and nnx ``dot_product_attention`` do for their ``module`` argument."""
+  from flax import nnx  # flax is imported by this module already; nnx only when sowing
+
+  from flax import linen
+
+  if isinstance(module, nnx.Module):
+    module.sow(nnx.Intermediate, "attention_weights", weights)
+  elif isinstance(module, linen.Module):
+    module.sow("intermediates", "attention_weights", weights)
+  else:
+    raise TypeError(f"module (flax's sow_weights=True) must be the flax linen or nnx Module that "
+                    f"sows the attention weights, got {type(module).__name__}")
 
 
 def _flatten_batch(name, x, batch):

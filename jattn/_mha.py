@@ -17,7 +17,7 @@ import numpy as np
 
 from jattn import _validation
 from jattn import masks as _masks
-from jattn._attention import dot_product_attention
+from jattn._attention import attention_weights, dot_product_attention
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -138,9 +138,14 @@ def _common(opts: Options, rate, rng):
               implementation=opts.implementation, block_q=opts.block_q, block_kv=opts.block_kv)
 
 
-def _attention(opts: Options, q, k, v, collect, rate, rng, **masking):
+def _attention(opts: Options, q, k, v, collect, rate, rng, sow=None, **masking):
   """The attention call both paths end in; ``collect`` (or None) receives a thunk computing the
-  softmax statistics of exactly this call (`jattn.diagnostics`), evaluated only if it stores."""
+  softmax statistics of exactly this call (`jattn.diagnostics`), evaluated only if it stores.
+  ``sow`` (or None) receives the (B, N, T, S) softmax weights of this call, before dropout
+  (flax's ``sow_weights``)."""
+  if sow is not None:
+    sow(attention_weights(q, k, v, scale=opts.scale, logits_soft_cap=opts.logits_soft_cap,
+                          **masking).astype(q.dtype))
   if collect is not None:
     from jattn import diagnostics  # only modules that collect statistics need it
 
@@ -154,7 +159,7 @@ def _attention(opts: Options, q, k, v, collect, rate, rng, **masking):
 def attend(opts: Options, q, k, v, *, self_attention: bool, mask=None, positions=None,
            kv_positions=None, query_seq_lengths=None, key_value_seq_lengths=None,
            q_segment_ids=None, kv_segment_ids=None, deterministic: bool = True,
-           dropout_rng=None, collect=None):
+           dropout_rng=None, collect=None, sow=None):
   """Attention without a cache. q (B, T, N, H), k and v (B, S, K, H) -> (B, T, N, H).
 
   RoPE positions: ``positions`` for the queries (default arange(T)); ``kv_positions`` for the
@@ -172,7 +177,7 @@ def attend(opts: Options, q, k, v, *, self_attention: bool, mask=None, positions
     q, k = rope(q, qp, opts.rope_base), rope(k, kp, opts.rope_base)
   rate, rng = _dropout(opts, deterministic, dropout_rng)
   return _attention(
-      opts, q, k, v, collect, rate, rng, mask=mask, is_causal=opts.is_causal or False,
+      opts, q, k, v, collect, rate, rng, sow, mask=mask, is_causal=opts.is_causal or False,
       local_window_size=opts.window, query_seq_lengths=query_seq_lengths,
       key_value_seq_lengths=key_value_seq_lengths, q_segment_ids=q_segment_ids,
       kv_segment_ids=kv_segment_ids)
@@ -190,7 +195,7 @@ def check_decode_call(self_attention: bool, **cache_set):
 
 def attend_cached(opts: Options, q, k, v, cached_key, cached_value, cache_index, *, mask=None,
                   positions=None, query_seq_lengths=None, deterministic: bool = True,
-                  dropout_rng=None, collect=None):
+                  dropout_rng=None, collect=None, sow=None):
   """One decoding step: append T new keys/values to the cache, attend over the cache.
 
   q (B, T, N, H); k, v (B, T, K, H); cached_key, cached_value (B, S_max, K, H); cache_index
@@ -237,12 +242,12 @@ def attend_cached(opts: Options, q, k, v, cached_key, cached_value, cache_index,
   # The causal diagonal alone already hides every slot past the fill level from the valid
   # queries; the lengths mask adds the same bound for padded queries and zeroes their rows.
   m = _masks.causal(offset=index)
-  if opts.window is not None:
+  if opts.window is not None and opts.window[0] is not None:
     # Keys k >= q + index - left: the complement of causal at offset index - left - 1.
     m = m & ~_masks.causal(offset=index - (opts.window[0] + 1))
   m = m & _masks.lengths(None if query_seq_lengths is None else new, valid)
   if mask is not None:
     m = m & (mask if isinstance(mask, _masks.Mask) else _masks.from_array(mask))
   rate, rng = _dropout(opts, deterministic, dropout_rng)
-  out = _attention(opts, q, cached_key, cached_value, collect, rate, rng, mask=m)
+  out = _attention(opts, q, cached_key, cached_value, collect, rate, rng, sow, mask=m)
   return out, cached_key, cached_value, valid

@@ -520,8 +520,9 @@ def _ring_attention(query, key, value, q_lengths, kv_lengths, q_seg, kv_seg, *,
     hi = offset
   if opts.window is not None:
     left, right = opts.window
-    lo = offset - left
-    hi = offset + right if hi is None else min(hi, offset + right)
+    lo = None if left is None else offset - left
+    if right is not None:
+      hi = offset + right if hi is None else min(hi, offset + right)
 
   cap_q, cap_kv = (Ts // 2, Ss // 2) if zigzag else (Ts, Ss)
   bq = min(opts.block_q or min(DEFAULT_BLOCK_Q, cap_q), Ts)

@@ -125,9 +125,9 @@ def apply_score_mod(cfg: Config, s, q_pos, kv_pos, score_args):
   h = jnp.arange(cfg.N, dtype=jnp.int32).reshape(1, cfg.N, 1, 1)
   q = q_pos.astype(jnp.int32).reshape(1, 1, -1, 1)
   k = kv_pos.astype(jnp.int32).reshape(1, 1, 1, -1)
+  # The shape and dtype of the result were checked when the call was traced.
   out = cfg.score_mod(s4, b, h, q, k, *score_args)
-  out = jnp.broadcast_to(jnp.asarray(out).astype(s.dtype), s4.shape)
-  return out.reshape(shape5)
+  return out.astype(s.dtype).reshape(shape5)
 
 
 def visible(cfg: Config, mask, q_pos, kv_pos, *, ragged_kv: bool):
@@ -168,26 +168,32 @@ def pv(p, v):
   return matmul(p.astype(v.dtype), v, "qs,sh->qh", stat_dtype(v.dtype))
 
 
-def empty_rows(m):
-  """Rows whose running max is still NEG saw no visible key (every logit was set to NEG).
+def empty_rows(m, l):
+  """Rows that saw no visible key: their running max m is still NEG (every logit was set to NEG).
 
   For such a row exp(s - m) = exp(NEG - NEG) = 1 on its masked entries, so its sum and
   accumulator hold junk; they are discarded here instead of zeroing every masked probability
   with a second select over the (tq, tk) tile. For any other row exp(NEG - m) is an exact 0.
+
+  Only the mask can leave a row's max at NEG, so emptiness is never read from the sum: a NaN or
+  +inf logit at a visible position must propagate to the output as in jax.nn, not pass for an
+  empty row and become 0. XLA's max reductions may drop a NaN (CPU's vector max does), leaving
+  m at NEG; the sum of such a row is NaN, while an empty row's sum counts its masked entries,
+  so ``l`` tells the two apart. A row that is not empty has l >= 1 (its max term).
   """
-  return m <= jnp.asarray(NEG, m.dtype)
+  return (m <= jnp.asarray(NEG, m.dtype)) & ~jnp.isnan(l)
 
 
 def safe_lse(m, l):
   """log-sum-exp of a row from its max and sum; NEG for a row with nothing to attend to."""
-  ok = (l > 0) & ~empty_rows(m)
+  ok = ~empty_rows(m, l)
   return jnp.where(ok, m + jnp.log(jnp.where(ok, l, jnp.ones((), l.dtype))),
                    jnp.asarray(NEG, m.dtype))
 
 
 def safe_normalize(acc, l, m, dropout_rate: float):
   """acc / l with exact 0 (not NaN, not junk) for empty rows; dropout's 1 / (1 - rate) folded in."""
-  ok = (l > 0) & ~empty_rows(m)
+  ok = ~empty_rows(m, l)
   denom = jnp.where(ok, l, jnp.ones((), l.dtype))
   if dropout_rate > 0:
     denom = denom * jnp.asarray(1.0 - dropout_rate, l.dtype)

@@ -27,11 +27,28 @@ def scale(value):
   if value is None:
     return None
   if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
-    raise TypeError(f"scale must be a Python float or None, got {type(value).__name__} {value!r}")
+    raise TypeError(f"scale must be a real number or None, got {type(value).__name__} {value!r}")
   value = float(value)
   if not np.isfinite(value):
     raise ValueError(f"scale must be finite, got {value}")
   return value
+
+
+def scale_operand(value):
+  """``scale`` of the public function: (static float or None, jax scalar operand or None).
+
+  Python and NumPy numbers are static (part of the jit cache key, applied to the float32
+  logits); a jax array, concrete or traced, is an operand (jax.nn accepts both).
+  """
+  if isinstance(value, jax.Array) or isinstance(value, jax.core.Tracer):
+    if value.shape != ():
+      raise ValueError(f"scale must be a scalar, got an array of shape {value.shape}")
+    if not (jnp.issubdtype(value.dtype, jnp.floating) or jnp.issubdtype(value.dtype, jnp.integer)):
+      raise TypeError(f"scale must be a real number, got dtype {value.dtype}")
+    return 1.0, value
+  if isinstance(value, np.ndarray) and value.shape == ():
+    value = value[()]
+  return scale(value), None
 
 
 def causal(value):
@@ -48,18 +65,20 @@ def causal(value):
 
 
 def window(value):
+  """``local_window_size``: ``w`` means ``(w, w)`` as in jax.nn; ``None`` on a side: unbounded."""
   if value is None:
     return None
-  if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+  is_int = lambda v: isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+  if is_int(value):
     value = (int(value), int(value))
   if (not isinstance(value, (tuple, list)) or len(value) != 2
-      or not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in value)):
-    raise ValueError(
-        f"local_window_size must be an int or a (left, right) pair of ints, got {value!r}")
-  left, right = int(value[0]), int(value[1])
-  if left < 0 or right < 0:
+      or not all(v is None or is_int(v) for v in value)):
+    raise ValueError(f"local_window_size must be an int or a (left, right) pair of ints or "
+                     f"None, got {value!r}")
+  if any(v is not None and v < 0 for v in value):
     raise ValueError(f"local_window_size must be non-negative, got {value!r}")
-  return (left, right)
+  left, right = (None if v is None else int(v) for v in value)
+  return None if (left, right) == (None, None) else (left, right)
 
 
 def soft_cap(value):
@@ -164,7 +183,7 @@ def _float_array(name, x):
   return x
 
 
-def _broadcastable(name, x, shape, letters):
+def broadcastable(name, x, shape, letters):
   """Rank <= 4, each dim either 1 or the full size (no silent broadcasting of other sizes)."""
   chex.assert_rank(x, {0, 1, 2, 3, 4}, exception_type=ValueError,
                    custom_message=f"{name} must have rank <= 4, broadcastable to {letters}={shape}")
@@ -177,26 +196,30 @@ def _broadcastable(name, x, shape, letters):
   return x4
 
 
-def _int_vector(name, x, B):
+def int_vector(name, x, B, *, checked=False):
+  """An int (B,) array as int32. ``checked``: only check (mask objects keep their own arrays);
+  None passes."""
+  if x is None:
+    return None
   x = jnp.asarray(x)
   if not jnp.issubdtype(x.dtype, jnp.integer):
     raise TypeError(f"{name} must be an integer array of shape (B,)=({B},), got dtype {x.dtype}")
   chex.assert_shape(x, (B,), exception_type=ValueError,
                     custom_message=f"{name} must have shape (B,)=({B},), got {x.shape}")
-  return x.astype(jnp.int32)
+  return x if checked else x.astype(jnp.int32)
 
 
-def _segment_ids(name, x, B, L, letter):
+def segment_ids(name, x, B, L, letter, *, checked=False):
   x = jnp.asarray(x)
   if not jnp.issubdtype(x.dtype, jnp.integer):
     raise TypeError(f"{name} must be an integer array of shape (B, {letter})=({B}, {L}), "
                     f"got dtype {x.dtype}")
-  if x.ndim == 1 and B == 1:
+  if x.ndim == 1 and B == 1 and not checked:
     x = x[None]
   chex.assert_shape(x, (B, L), exception_type=ValueError,
                     custom_message=f"{name} must have shape (B, {letter})=({B}, {L}), "
                     f"got {x.shape}")
-  return x.astype(jnp.int32)
+  return x if checked else x.astype(jnp.int32)
 
 
 def arrays(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_seg, sinks) -> Arrays:
@@ -234,23 +257,25 @@ def arrays(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_seg, 
 
   if bias is not None:
     bias = _float_array("bias", bias)
-    bias = _broadcastable("bias", bias, full, "(B, N, T, S)")
-  if mask is not None and not isinstance(mask, _masks.Mask):
+    bias = broadcastable("bias", bias, full, "(B, N, T, S)")
+  if isinstance(mask, _masks.Mask):
+    mask.validate(full)
+  elif mask is not None:
     mask = jnp.asarray(mask)
     if mask.dtype != jnp.bool_:
       raise TypeError(f"mask must be a boolean array (True = attend) or a jattn.masks object, "
                       f"got dtype {mask.dtype}; pass additive masks as bias")
-    mask = _broadcastable("mask", mask, full, "(B, N, T, S)")
+    mask = broadcastable("mask", mask, full, "(B, N, T, S)")
   if q_lengths is not None:
-    q_lengths = _int_vector("query_seq_lengths", q_lengths, B)
+    q_lengths = int_vector("query_seq_lengths", q_lengths, B)
   if kv_lengths is not None:
-    kv_lengths = _int_vector("key_value_seq_lengths", kv_lengths, B)
+    kv_lengths = int_vector("key_value_seq_lengths", kv_lengths, B)
   if (q_seg is None) != (kv_seg is None):
     raise ValueError("q_segment_ids and kv_segment_ids must be given together, got only "
                      + ("q_segment_ids" if kv_seg is None else "kv_segment_ids"))
   if q_seg is not None:
-    q_seg = _segment_ids("q_segment_ids", q_seg, B, T, "T")
-    kv_seg = _segment_ids("kv_segment_ids", kv_seg, B, S, "S")
+    q_seg = segment_ids("q_segment_ids", q_seg, B, T, "T")
+    kv_seg = segment_ids("kv_segment_ids", kv_seg, B, S, "S")
   if sinks is not None:
     sinks = _float_array("sinks", sinks)
     chex.assert_shape(sinks, (N,), exception_type=ValueError,

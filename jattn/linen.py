@@ -78,7 +78,7 @@ class MultiHeadAttention(nn.Module):
   def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, mask=None, positions=None,
                kv_positions=None, query_seq_lengths=None, key_value_seq_lengths=None,
                q_segment_ids=None, kv_segment_ids=None, deterministic: bool | None = None,
-               dropout_rng=None):
+               dropout_rng=None, sow_weights: bool = False):
     """inputs_q (B, T, D); inputs_k, inputs_v (B, S, D_kv) (default: self-attention).
 
     Args:
@@ -90,6 +90,9 @@ class MultiHeadAttention(nn.Module):
       q_segment_ids, kv_segment_ids: int (B, T), (B, S) packed-document ids.
       deterministic: no dropout (overrides the attribute).
       dropout_rng: PRNG key for dropout (default: ``self.make_rng('dropout')``).
+      sow_weights: as flax's: sow the (B, N, T, S) softmax weights (before dropout; 0 on rows
+        with nothing to attend to) into ``'intermediates'`` under ``attention_weights``. They
+        cost O(T x S) memory by nature.
 
     Returns:
       (B, T, out_features).
@@ -129,6 +132,7 @@ class MultiHeadAttention(nn.Module):
     if self.collect_stats:
       from jattn import diagnostics
       collect = lambda stats: diagnostics.sow_linen(self, stats)
+    sow = (lambda w: self.sow("intermediates", "attention_weights", w)) if sow_weights else None
 
     decoding = self.decode and self.has_variable("cache", "cached_key")
     if self.decode:
@@ -144,7 +148,7 @@ class MultiHeadAttention(nn.Module):
       x, ck, cv, idx = _mha.attend_cached(
           opts, q, k, v, cached_key.value, cached_value.value, cache_index.value, mask=mask,
           positions=positions, query_seq_lengths=query_seq_lengths,
-          deterministic=m_deterministic, dropout_rng=dropout_rng, collect=collect)
+          deterministic=m_deterministic, dropout_rng=dropout_rng, collect=collect, sow=sow)
       cached_key.value, cached_value.value, cache_index.value = ck, cv, idx
     else:
       x = _mha.attend(
@@ -152,7 +156,7 @@ class MultiHeadAttention(nn.Module):
           kv_positions=kv_positions, query_seq_lengths=query_seq_lengths,
           key_value_seq_lengths=key_value_seq_lengths, q_segment_ids=q_segment_ids,
           kv_segment_ids=kv_segment_ids, deterministic=m_deterministic,
-          dropout_rng=dropout_rng, collect=collect)
+          dropout_rng=dropout_rng, collect=collect, sow=sow)
 
     return nn.DenseGeneral(
         features=self.out_features or D, axis=(-2, -1), dtype=self.dtype,

@@ -77,10 +77,16 @@ class Mask:
       shape = (B, N, T, S) is the full problem.
     block_states(grid, shape): int8 array broadcastable to (B, N, nq, nk); a NumPy array when
       the summary is known at trace time, a jax array otherwise.
+    validate(shape): raise ValueError/TypeError, at trace time, if the mask's arrays do not fit
+      the call's (B, N, T, S) (same messages as the keyword arguments); masks without arrays
+      fit every call.
   """
 
   def evaluate(self, q_pos, kv_pos, shape):  # pragma: no cover - abstract
     raise NotImplementedError
+
+  def validate(self, shape) -> None:
+    del shape
 
   def block_states(self, grid: BlockGrid, shape):  # pragma: no cover - abstract
     raise NotImplementedError
@@ -212,6 +218,12 @@ class _DynamicCausal(Mask):
 
   offset: Any  # int32 (B,) or ()
 
+  def validate(self, shape):
+    B = shape[0]
+    if self.offset.ndim == 1 and self.offset.shape[0] not in (1, B):
+      raise ValueError(f"masks.causal: offset must be an int or an int array of shape () or "
+                       f"(B,)=({B},), got shape {self.offset.shape}")
+
   def evaluate(self, q_pos, kv_pos, shape):
     off = jnp.reshape(self.offset, (-1, 1, 1)).astype(jnp.int32)
     return (kv_pos[None, None, :] <= q_pos[None, :, None] + off)[:, None]
@@ -228,14 +240,21 @@ class _DynamicCausal(Mask):
 _register(_DynamicCausal, data_fields=("offset",))
 
 
-def local_window(left: int | None, right: int | None = 0, *, offset: int = 0) -> Mask:
+_SAME = object()
+
+
+def local_window(left: int | None, right: int | None = _SAME, *, offset: int = 0) -> Mask:
   """Sliding window: query q sees keys with ``q + offset - left <= k <= q + offset + right``.
 
-  ``None`` on a side means unbounded. ``local_window(3, 2)`` is jax.nn's
-  ``local_window_size=(3, 2)``; ``local_window(w, 0)`` is causal sliding-window attention.
+  One int means the same on both sides, as jax.nn's ``local_window_size=w``:
+  ``local_window(w)`` is ``local_window(w, w)`` and equals ``local_window_size=w``;
+  ``local_window(3, 2)`` is ``local_window_size=(3, 2)``. ``None`` on a side means unbounded.
+  Causal sliding-window attention is ``local_window(w, 0)`` (or ``causal() & local_window(w)``).
   """
+  if right is _SAME:
+    right = left
   for name, v in (("left", left), ("right", right)):
-    if v is not None and (not isinstance(v, (int, np.integer)) or v < 0):
+    if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0):
       raise ValueError(f"local_window: {name} must be a non-negative int or None, got {v!r}")
   return _Band(None if left is None else offset - int(left),
                None if right is None else offset + int(right))
@@ -340,6 +359,11 @@ class _Lengths(Mask):
   q_lengths: Any
   kv_lengths: Any
 
+  def validate(self, shape):
+    from jattn import _validation  # imports this module
+    _validation.int_vector("masks.lengths: q_lengths", self.q_lengths, shape[0], checked=True)
+    _validation.int_vector("masks.lengths: kv_lengths", self.kv_lengths, shape[0], checked=True)
+
   def evaluate(self, q_pos, kv_pos, shape):
     ok = jnp.ones((1, q_pos.shape[0], kv_pos.shape[0]), bool)
     if self.q_lengths is not None:
@@ -370,8 +394,18 @@ _register(_Lengths, data_fields=("q_lengths", "kv_lengths"))
 
 def lengths(q_lengths=None, kv_lengths=None) -> Mask:
   """Padding mask from per-example valid lengths, int arrays of shape (B)."""
-  return _Lengths(None if q_lengths is None else jnp.asarray(q_lengths),
-                  None if kv_lengths is None else jnp.asarray(kv_lengths))
+  return _Lengths(_int_array("masks.lengths: q_lengths", q_lengths),
+                  _int_array("masks.lengths: kv_lengths", kv_lengths))
+
+
+def _int_array(name, x):
+  """An integer array (or None); floats are refused here, where the mask is built."""
+  if x is None:
+    return None
+  x = jnp.asarray(x)
+  if not jnp.issubdtype(x.dtype, jnp.integer):
+    raise TypeError(f"{name} must be an integer array, got dtype {x.dtype}")
+  return x
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
@@ -380,6 +414,13 @@ class _Segments(Mask):
 
   q_ids: Any
   kv_ids: Any
+
+  def validate(self, shape):
+    from jattn import _validation  # imports this module
+    B, _, T, S = shape
+    _validation.segment_ids("masks.segments: q_segment_ids", self.q_ids, B, T, "T", checked=True)
+    _validation.segment_ids("masks.segments: kv_segment_ids", self.kv_ids, B, S, "S",
+                            checked=True)
 
   def evaluate(self, q_pos, kv_pos, shape):
     qi = jnp.take(self.q_ids, q_pos, axis=1, mode="fill", fill_value=-1)
@@ -411,8 +452,9 @@ _register(_Segments, data_fields=("q_ids", "kv_ids"))
 
 def segments(q_segment_ids, kv_segment_ids=None) -> Mask:
   """Packed-document mask from integer segment ids, q (B, T) and kv (B, S)."""
-  q = jnp.asarray(q_segment_ids)
-  kv = q if kv_segment_ids is None else jnp.asarray(kv_segment_ids)
+  q = _int_array("masks.segments: q_segment_ids", q_segment_ids)
+  kv = q if kv_segment_ids is None else _int_array("masks.segments: kv_segment_ids",
+                                                   kv_segment_ids)
   return _Segments(q, kv)
 
 
@@ -421,6 +463,10 @@ class _ArrayMask(Mask):
   """A boolean array broadcastable to (B, N, T, S), as jax.nn's ``mask`` argument."""
 
   array: Any
+
+  def validate(self, shape):
+    from jattn import _validation  # imports this module
+    _validation.broadcastable("masks.from_array: mask", self.array, shape, "(B, N, T, S)")
 
   def evaluate(self, q_pos, kv_pos, shape):
     a = self.array
@@ -524,6 +570,10 @@ class _And(Mask):
   a: Mask
   b: Mask
 
+  def validate(self, shape):
+    self.a.validate(shape)
+    self.b.validate(shape)
+
   def evaluate(self, q_pos, kv_pos, shape):
     return self.a.evaluate(q_pos, kv_pos, shape) & self.b.evaluate(q_pos, kv_pos, shape)
 
@@ -539,6 +589,10 @@ class _Or(Mask):
   a: Mask
   b: Mask
 
+  def validate(self, shape):
+    self.a.validate(shape)
+    self.b.validate(shape)
+
   def evaluate(self, q_pos, kv_pos, shape):
     return self.a.evaluate(q_pos, kv_pos, shape) | self.b.evaluate(q_pos, kv_pos, shape)
 
@@ -552,6 +606,9 @@ class _Or(Mask):
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
 class _Not(Mask):
   a: Mask
+
+  def validate(self, shape):
+    self.a.validate(shape)
 
   def evaluate(self, q_pos, kv_pos, shape):
     return ~self.a.evaluate(q_pos, kv_pos, shape)

@@ -125,7 +125,8 @@ class MultiHeadAttention(nnx.Module):
   def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, mask=None, positions=None,
                kv_positions=None, query_seq_lengths=None, key_value_seq_lengths=None,
                q_segment_ids=None, kv_segment_ids=None, deterministic: bool | None = None,
-               decode: bool | None = None, rngs: nnx.Rngs | nnx.RngStream | None = None):
+               decode: bool | None = None, rngs: nnx.Rngs | nnx.RngStream | None = None,
+               sow_weights: bool = False):
     """inputs_q (B, T, D); inputs_k, inputs_v (B, S, D_kv) (default: self-attention).
 
     Args:
@@ -138,6 +139,9 @@ class MultiHeadAttention(nnx.Module):
       deterministic: no dropout (overrides the attribute).
       decode: append to the cache and attend over it (overrides the attribute).
       rngs: dropout randomness (overrides the stream kept at construction).
+      sow_weights: as flax's: store the (B, N, T, S) softmax weights (before dropout; 0 on rows
+        with nothing to attend to) as an ``nnx.Intermediate`` named ``attention_weights``. They
+        cost O(T x S) memory by nature.
 
     Returns:
       (B, T, out_features).
@@ -178,6 +182,7 @@ class MultiHeadAttention(nnx.Module):
     if self.collect_stats:
       from jattn import diagnostics
       collect = lambda stats: diagnostics.sow_nnx(self, stats)
+    sow = (lambda w: self.sow(nnx.Intermediate, "attention_weights", w)) if sow_weights else None
 
     decode = self.decode if decode is None else decode
     if decode:
@@ -190,7 +195,7 @@ class MultiHeadAttention(nnx.Module):
       x, ck, cv, idx = _mha.attend_cached(
           o, q, k, v, self.cached_key[...], self.cached_value[...], self.cache_index[...],
           mask=mask, positions=positions, query_seq_lengths=query_seq_lengths,
-          deterministic=det, dropout_rng=dropout_rng, collect=collect)
+          deterministic=det, dropout_rng=dropout_rng, collect=collect, sow=sow)
       self.cached_key[...] = ck
       self.cached_value[...] = cv
       self.cache_index[...] = idx
@@ -200,5 +205,5 @@ class MultiHeadAttention(nnx.Module):
           kv_positions=kv_positions, query_seq_lengths=query_seq_lengths,
           key_value_seq_lengths=key_value_seq_lengths, q_segment_ids=q_segment_ids,
           kv_segment_ids=kv_segment_ids, deterministic=det, dropout_rng=dropout_rng,
-          collect=collect)
+          collect=collect, sow=sow)
     return self.out(x)

@@ -220,7 +220,7 @@ def test_is_causal_option_and_unsupported_arguments():
                              causal(q, k, v), atol=0, rtol=0)  # a jattn mask passes through
   with pytest.raises(ValueError, match="conflicts"):
     jattn.make_attention_fn(is_causal="bottom_right")(q, k[:, :4], v[:, :4], is_causal=True)
-  with pytest.raises(NotImplementedError, match="sow_weights"):
+  with pytest.raises(TypeError, match="module .* must be the flax linen or nnx Module"):
     jattn.make_attention_fn()(q, k, v, module=object())
   with pytest.raises(NotImplementedError, match="qk_attn_weights_einsum"):
     jattn.make_attention_fn()(q, k, v, qk_attn_weights_einsum=jnp.einsum)
