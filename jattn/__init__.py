@@ -1,9 +1,13 @@
-"""jattn: numerically stable scaled dot-product attention for JAX, dense and chunked."""
+"""jattn: numerically stable scaled dot-product attention for JAX, dense and chunked.
+
+``jattn.linen`` and ``jattn.nnx`` (the Flax modules) are imported on first use, as
+``flax.linen``/``flax.nnx`` are, so ``import jattn`` does not import flax.
+"""
+
+import importlib as _importlib
 
 from jattn import diagnostics as diagnostics
-from jattn import linen as linen
 from jattn import masks as masks
-from jattn import nnx as nnx
 from jattn._attention import dot_product_attention as dot_product_attention
 from jattn._flax_fn import make_attention_fn as make_attention_fn
 from jattn._ring import merge_attention as merge_attention
@@ -13,3 +17,17 @@ from jattn._ring import zigzag_permute as zigzag_permute
 from jattn._ring import zigzag_unpermute as zigzag_unpermute
 
 __version__ = "0.1.0"
+
+_LAZY_SUBMODULES = ("linen", "nnx")
+
+
+def __getattr__(name):
+  if name in _LAZY_SUBMODULES:
+    module = _importlib.import_module(f"jattn.{name}")
+    globals()[name] = module
+    return module
+  raise AttributeError(f"module 'jattn' has no attribute {name!r}")
+
+
+def __dir__():
+  return sorted(set(globals()) | set(_LAZY_SUBMODULES))

@@ -18,7 +18,6 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-from flax.nnx.nn import dtypes as _flax_dtypes
 
 from jattn import _validation
 from jattn import masks as _masks
@@ -112,7 +111,11 @@ def make_attention_fn(
             f"jattn.make_attention_fn: {name} (a custom einsum, e.g. quantized) is not "
             f"supported; jattn computes q.k and p.v with its own float32-accumulating einsums")
 
-    promote = _flax_dtypes.promote_dtype if promote_dtype is None else promote_dtype
+    if promote_dtype is None:
+      from flax.nnx.nn import dtypes as _flax_dtypes  # flax's own callers have it imported
+
+      promote_dtype = _flax_dtypes.promote_dtype
+    promote = promote_dtype
     query, key, value = promote((query, key, value), dtype=dtype)
     if query.ndim < 3 or key.ndim != query.ndim or value.ndim != query.ndim:
       raise ValueError(

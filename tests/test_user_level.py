@@ -117,3 +117,14 @@ def test_dot_product_attention_itself_is_not_a_flax_attention_fn():
   np.testing.assert_allclose(layer.apply(params, x), ref_layer.apply(params, x), atol=2e-6)
   with pytest.raises(TypeError, match="mask"):
     layer.apply(params, x, mask=nn.make_causal_mask(jnp.ones((B, 6))))
+
+
+def test_import_jattn_does_not_import_flax():
+  # jattn.linen / jattn.nnx load on first use, as flax.linen / flax.nnx do.
+  import subprocess
+  import sys
+  code = ("import sys, jattn; assert 'flax' not in sys.modules, sorted(m for m in sys.modules "
+          "if m.startswith('flax')); jattn.nnx; assert 'flax.nnx' in sys.modules; "
+          "assert 'linen' in dir(jattn)")
+  r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+  assert r.returncode == 0, r.stderr
