@@ -102,7 +102,8 @@ def make_attention_fn(
 
     Returns [batch..., T, N, H] in the computation dtype.
     """
-    del force_fp32_for_softmax  # jattn's softmax statistics are always float32 or wider.
+    # jattn's softmax statistics are always float32 or wider; the flag only decides, as in
+    # flax, that sown weights stay float32 for a 16-bit computation dtype.
     for name, v in (("einsum_dot_general", einsum_dot_general),
                     ("qk_attn_weights_einsum", qk_attn_weights_einsum),
                     ("attn_weights_value_einsum", attn_weights_value_einsum)):
@@ -149,7 +150,8 @@ def make_attention_fn(
         # The layer asked for its weights (sow_weights=True): form them (O(T x S), by nature),
         # and sow them where flax's own dot_product_attention does, under its name.
         w = attention_weights(q4, k4, v4, bias, mask, is_causal=causal or False, **opts)
-        _sow_weights(module, w.astype(query.dtype).reshape(batch + w.shape[1:]))
+        w_dtype = jnp.float32 if force_fp32_for_softmax else query.dtype
+        _sow_weights(module, w.astype(w_dtype).reshape(batch + w.shape[1:]))
       out = dot_product_attention(
           q4, k4, v4, bias, mask, is_causal=causal or False,
           dropout_rate=dropout_rate if drop else 0.0,
