@@ -1,14 +1,20 @@
-"""jattn.linen / jattn.nnx MultiHeadAttention: agreement with each other, with a float64 NumPy
-reference built from the same weights, and KV-cache decoding against the full forward pass."""
+"""jattn.linen / jattn.nnx MultiHeadAttention: agreement with each other, with the float64 NumPy
+layer of tests/reference_modules.py built from the same weights (projections, RoPE, GQA, masks,
+scale, padding, cross-attention, dropout with jattn's keep mask, bf16 by the FlashAttention rule),
+and KV-cache decoding against the reference's decoding loop and the full forward pass at every
+position; the errors of the decoding path."""
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
+from flax import linen as nn
 from flax import nnx
 
 import jattn
-from jattn import masks
+from jattn import _dropout, masks
+import reference_modules as rm
 
 B, T, D, N, K = 2, 8, 16, 4, 2
 H = D // N
@@ -36,53 +42,6 @@ def _linen_pair(seed=0, **kw):
   return lin, params, mod
 
 
-# ---- the float64 reference -----------------------------------------------------------------
-
-
-def _rope64(x, pos, base=10000.0):
-  h = x.shape[-1] // 2
-  ang = pos[:, :, None].astype(np.float64) * base ** (-2.0 * np.arange(h) / x.shape[-1])
-  c, s = np.cos(ang)[:, :, None], np.sin(ang)[:, :, None]
-  x1, x2 = x[..., :h], x[..., h:]
-  return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
-
-
-def _reference(params, x, *, causal=False, rope=False, window=None, q_seg=None, kv_lengths=None,
-               cap=None):
-  """Multi-head attention written out in float64 NumPy from the parameter dict."""
-  p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
-  x = np.asarray(x, np.float64)
-  q = np.einsum("btd,dnh->btnh", x, p["query"]["kernel"]) + p["query"]["bias"]
-  k = np.einsum("btd,dkh->btkh", x, p["key"]["kernel"]) + p["key"]["bias"]
-  v = np.einsum("btd,dkh->btkh", x, p["value"]["kernel"]) + p["value"]["bias"]
-  b, t = x.shape[:2]
-  if rope:
-    pos = np.broadcast_to(np.arange(t), (b, t))
-    q, k = _rope64(q, pos), _rope64(k, pos)
-  g = q.shape[2] // k.shape[2]
-  k, v = np.repeat(k, g, axis=2), np.repeat(v, g, axis=2)  # query head n uses kv head n // g
-  s = np.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(q.shape[-1])
-  if cap is not None:
-    s = cap * np.tanh(s / cap)
-  i, j = np.arange(t)[:, None], np.arange(t)[None, :]
-  ok = np.ones((b, 1, t, t), bool)
-  if causal:
-    ok &= j <= i
-  if window is not None:
-    ok &= (j >= i - window[0]) & (j <= i + window[1])
-  if q_seg is not None:
-    ok &= (q_seg[:, :, None] == q_seg[:, None, :])[:, None]
-  if kv_lengths is not None:
-    ok &= (np.arange(t)[None, :] < kv_lengths[:, None])[:, None, None, :]
-  s = np.where(ok, s, -np.inf)
-  m = np.max(s, axis=-1, keepdims=True)
-  e = np.where(ok, np.exp(s - np.where(np.isfinite(m), m, 0.0)), 0.0)
-  l = e.sum(-1, keepdims=True)
-  w = np.where(l > 0, e / np.where(l > 0, l, 1.0), 0.0)  # an empty row attends to nothing: 0
-  o = np.einsum("bnts,bsnh->btnh", w, v)
-  return np.einsum("btnh,nho->bto", o, p["out"]["kernel"]) + p["out"]["bias"]
-
-
 @pytest.mark.parametrize("impl", IMPLS, ids=IMPL_IDS)
 def test_linen_nnx_and_reference_agree(impl):
   x = _x(1)
@@ -90,18 +49,19 @@ def test_linen_nnx_and_reference_agree(impl):
   kv_len = np.array([8, 5], np.int32)
   cases = [
       (dict(), dict(), dict()),
-      (dict(is_causal=True, rope=True), dict(), dict(causal=True, rope=True)),
+      (dict(is_causal=True, rope=True), dict(), dict(causal="top_left", rope_base=10000.0)),
       (dict(is_causal=True, local_window_size=(2, 0), logits_soft_cap=2.0), dict(),
-       dict(causal=True, window=(2, 0), cap=2.0)),
+       dict(causal="top_left", window=(2, 0), soft_cap=2.0)),
       (dict(rope=True), dict(q_segment_ids=seg, kv_segment_ids=seg, key_value_seq_lengths=kv_len),
-       dict(rope=True, q_seg=seg, kv_lengths=kv_len)),
+       dict(rope_base=10000.0, q_seg=seg, kv_seg=seg, kv_lengths=kv_len)),
   ]
   for ctor, call, ref in cases:
     lin, params, mod = _linen_pair(**ctor, **impl)
     a = lin.apply({"params": params}, x, **call)
     b = mod(x, **call)
     np.testing.assert_array_equal(a, b)  # same weights, same numbers
-    np.testing.assert_allclose(a, _reference(params, x, **ref), atol=2e-5, rtol=0,
+    np.testing.assert_allclose(a, rm.mha(rm.params_from_linen(params), x, **ref),
+                               atol=2e-5, rtol=0,
                                err_msg=str(ctor))
 
 
@@ -209,3 +169,384 @@ def test_flax_layer_weights_load_unchanged():
                                                             mask=nn.make_causal_mask(x[..., 0]))
   got = jattn.linen.MultiHeadAttention(num_heads=N, is_causal=True).apply(params, x)
   np.testing.assert_allclose(got, ref, atol=2e-6, rtol=0)
+
+
+# ---- against the float64 layer of tests/reference_modules.py -------------------------------
+#
+# Shapes ragged against the chunked blocks of 8: T2 = 13 queries, S2 = 11 cross-attention keys;
+# N = 4 query heads over K = 2 key/value heads of H = 8 features. Every check runs both modules
+# on the same weights (identical numbers expected) and compares each with the float64 layer
+# built from its own parameters (linen's params tree, nnx's variables).
+
+T2, S2, D2, DKV = 13, 11, 32, 24
+IMPLS2 = [dict(implementation="dense"), dict(implementation="chunked", block_q=8, block_kv=8)]
+ATOL = 2e-5  # float32 module against the float64 layer, outputs of order 1
+
+
+def _pair(seed, *, kv_features=None, **kw):
+  """linen and nnx modules with the same random weights (nonzero biases), for queries of D2
+  features and (with ``kv_features``) cross-attention inputs of that many features."""
+  x = jnp.zeros((B, T2, D2))
+  kv = None if kv_features is None else jnp.zeros((B, S2, kv_features))
+  lin = jattn.linen.MultiHeadAttention(num_heads=N, num_kv_heads=K, **kw)
+  params = lin.init(jax.random.key(seed), x, kv, deterministic=True)["params"]
+  keys = jax.random.split(jax.random.key(seed + 100), len(NAMES))
+  params = {n: dict(params[n], bias=0.1 * jax.random.normal(kk, params[n]["bias"].shape))
+            for n, kk in zip(NAMES, keys)}
+  mod = jattn.nnx.MultiHeadAttention(N, D2, num_kv_heads=K, in_kv_features=kv_features,
+                                     rngs=nnx.Rngs(params=0, dropout=7), **kw)
+  for n in NAMES:
+    getattr(mod, n).kernel[...] = params[n]["kernel"]
+    getattr(mod, n).bias[...] = params[n]["bias"]
+  return lin, params, mod
+
+
+def _vs_ref(out, p, args, ref_kw, atol=ATOL):
+  """A module's output against the float64 layer with parameters p on the same inputs."""
+  x_q, x_kv = args[0], (args[1] if len(args) > 1 else None)
+  np.testing.assert_allclose(out, rm.mha(p, x_q, x_kv, **ref_kw), atol=atol, rtol=0)
+
+
+def _check(lin, params, mod, args, ref_kw, *, call=None):
+  """linen == nnx exactly, and both equal the float64 layer read from their own parameters
+  (linen's params tree, nnx's variables). ``call``: keyword arguments of both calls."""
+  call = call or {}
+  a = lin.apply({"params": params}, *args, **call)
+  b = mod(*args, **call)
+  np.testing.assert_array_equal(a, b)
+  _vs_ref(a, rm.params_from_linen(params), args, ref_kw)
+  _vs_ref(b, rm.params_from_nnx(mod), args, ref_kw)
+  return a
+
+
+def _keep(rng, rate, shape, broadcast=False):
+  """The dropout keep mask (B, N, T, S) that jattn draws from ``rng``: its counter-based hash of
+  (batch, query head, query index, key index), as in tests/test_attention.py (batch and head 0
+  for every entry with broadcast dropout)."""
+  Bs, Ns, Ts, Ss = shape
+  b = jnp.arange(Bs).reshape(Bs, 1, 1, 1)
+  h = jnp.arange(Ns).reshape(1, Ns, 1, 1)
+  if broadcast:
+    b, h = jnp.zeros_like(b[:1]), jnp.zeros_like(h[:, :1])
+  t = jnp.arange(Ts).reshape(1, 1, Ts, 1)
+  s = jnp.arange(Ss).reshape(1, 1, 1, Ss)
+  keep = _dropout.keep_mask(_dropout.seed_words(rng), rate, b, h, t, s)
+  return np.broadcast_to(np.asarray(keep), shape)
+
+
+def test_reference_layer_is_self_consistent():
+  """The float64 layer's own pieces agree: its RoPE is the rotate-half formula written out with
+  sin and cos, and its decoding loop reproduces its causal forward pass at every position."""
+  rng = np.random.default_rng(0)
+  hd = 8  # head dim: feature i < 4 pairs with i + 4, frequency 10000 ** (-2 i / 8)
+  x = rng.normal(size=(B, T2, N, hd))
+  pos = rng.integers(0, 50, size=(B, T2))
+  h = hd // 2
+  ang = pos[:, :, None, None] * 10000.0 ** (-2.0 * np.arange(h) / hd)
+  x1, x2 = x[..., :h], x[..., h:]
+  np.testing.assert_allclose(
+      rm.rope(x, pos), np.concatenate([x1 * np.cos(ang) - x2 * np.sin(ang),
+                                       x2 * np.cos(ang) + x1 * np.sin(ang)], -1), atol=1e-12)
+  shapes = [((D2, N, 8), (N, 8)), ((D2, K, 8), (K, 8)), ((D2, K, 8), (K, 8)), ((N, 8, D2), (D2,))]
+  params = {n: {"kernel": rng.normal(size=ks) / 4, "bias": rng.normal(size=bs) / 10}
+            for n, (ks, bs) in zip(NAMES, shapes)}
+  xs = rng.normal(size=(B, T2, D2))
+  kw = dict(window=(3, 0), scale=0.4, rope_base=500.0)
+  full = rm.mha(params, xs, causal="top_left", **kw)
+  outs = rm.decode(params, [(xs[:, a:b], None) for a, b in [(0, 4), (4, 5), (5, 8), (8, 13)]],
+                   **kw)
+  np.testing.assert_allclose(np.concatenate(outs, 1), full, atol=1e-12)
+
+
+@pytest.mark.parametrize("impl", IMPLS2, ids=IMPL_IDS)
+def test_cross_attention_against_reference(impl):
+  """Separate key/value inputs of another length (S2 != T2) and width (DKV != D2), GQA, RoPE with
+  the default positions (queries arange(T2), keys arange(S2)), padding of the keys and an
+  output width of its own."""
+  lin, params, mod = _pair(20, kv_features=DKV, rope=True, out_features=12, **impl)
+  x, kv = _x(21, (B, T2, D2)), _x(22, (B, S2, DKV))
+  kv_len = np.array([S2, 6], np.int32)
+  out = _check(lin, params, mod, (x, kv), dict(rope_base=10000.0, kv_lengths=kv_len),
+               call=dict(key_value_seq_lengths=jnp.asarray(kv_len)))
+  assert out.shape == (B, T2, 12)
+
+
+@pytest.mark.parametrize("impl", IMPLS2, ids=IMPL_IDS)
+def test_mask_objects_against_reference(impl):
+  """jattn.masks objects, combined with & and |, against boolean visibilities written out from
+  their definitions; self-attention and cross-attention."""
+  lin, params, mod = _pair(23, kv_features=DKV, **impl)
+  x, kv = _x(24, (B, T2, D2)), _x(25, (B, S2, DKV))
+  t, s = np.arange(T2)[:, None], np.arange(S2)[None, :]
+  # cross-attention, with &, | and ~: keys k <= q - 2 except q - 5 <= k <= q - 4, or the two
+  # keys q + 8 and q + 9
+  m = (masks.causal(offset=-2) & ~masks.local_window(1, 0, offset=-4)) | masks.local_window(
+      0, 1, offset=8)
+  want = ((s <= t - 2) & ~((s >= t - 5) & (s <= t - 4))) | ((s >= t + 8) & (s <= t + 9))
+  _check(lin, params, mod, (x, kv), dict(mask=want), call=dict(mask=m))
+  lin, params, mod = _pair(26, **impl)
+  x = _x(27, (B, T2, D2))
+  t, s = np.arange(T2)[:, None], np.arange(T2)[None, :]
+  _check(lin, params, mod, (x,), dict(mask=(s <= t) & (s >= t - 3)),
+         call=dict(mask=masks.causal() & masks.local_window(3, 0)))
+  arr = np.random.default_rng(1).random((B, 1, T2, T2)) < 0.6  # a boolean array mask
+  _check(lin, params, mod, (x,), dict(mask=arr & ((s // 4) == (t // 4))),
+         call=dict(mask=masks.from_array(jnp.asarray(arr)) & masks.chunked_local(4)))
+
+
+@pytest.mark.parametrize("impl", IMPLS2, ids=IMPL_IDS)
+def test_rope_positions_against_reference(impl):
+  """Explicit RoPE positions: (B, T) query positions with (T,) key positions, (T,) positions
+  that the keys follow in self-attention, and (B, S) key positions in cross-attention."""
+  lin, params, mod = _pair(50, is_causal=True, rope=True, rope_base=500.0, **impl)
+  x = _x(51, (B, T2, D2))
+  rng = np.random.default_rng(2)
+  pos = rng.integers(0, 40, (B, T2)).astype(np.int32)  # arbitrary, not monotone
+  kvp = rng.integers(0, 40, (T2,)).astype(np.int32)
+  ref = dict(causal="top_left", rope_base=500.0)
+  _check(lin, params, mod, (x,), dict(ref, positions=pos, kv_positions=kvp),
+         call=dict(positions=jnp.asarray(pos), kv_positions=jnp.asarray(kvp)))
+  p1 = (3 * np.arange(T2) + 7).astype(np.int32)
+  _check(lin, params, mod, (x,), dict(ref, positions=p1), call=dict(positions=jnp.asarray(p1)))
+  lin, params, mod = _pair(20, kv_features=DKV, rope=True, out_features=12, **impl)
+  kv = _x(52, (B, S2, DKV))
+  kvp = rng.integers(0, 40, (B, S2)).astype(np.int32)
+  _check(lin, params, mod, (x, kv), dict(rope_base=10000.0, positions=p1, kv_positions=kvp),
+         call=dict(positions=jnp.asarray(p1), kv_positions=jnp.asarray(kvp)))
+
+
+@pytest.mark.parametrize("impl", IMPLS2, ids=IMPL_IDS)
+def test_scale_bottom_right_cross_attention_against_reference(impl):
+  """A non-default scale (0.9, against the default 1 / sqrt(8)) with bottom-right causal
+  cross-attention (T2 = 13 queries over S2 = 11 keys: the first two queries see nothing)."""
+  lin, params, mod = _pair(60, kv_features=DKV, scale=0.9, is_causal="bottom_right", **impl)
+  x, kv = _x(61, (B, T2, D2)), _x(62, (B, S2, DKV))
+  out = _check(lin, params, mod, (x, kv), dict(scale=0.9, causal="bottom_right"))
+  np.testing.assert_allclose(out[:, :2], np.broadcast_to(params["out"]["bias"], (B, 2, D2)),
+                             atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", IMPLS2, ids=IMPL_IDS)
+def test_query_seq_lengths_against_reference(impl):
+  """Padding of queries and keys: rows past query_seq_lengths attend to nothing (the output is
+  the out projection's bias), keys past key_value_seq_lengths are invisible."""
+  lin, params, mod = _pair(70, is_causal=True, rope=True, **impl)
+  x = _x(71, (B, T2, D2))
+  ql, kvl = np.array([T2, 6], np.int32), np.array([12, 9], np.int32)
+  out = _check(lin, params, mod, (x,),
+               dict(causal="top_left", rope_base=10000.0, q_lengths=ql, kv_lengths=kvl),
+               call=dict(query_seq_lengths=jnp.asarray(ql), key_value_seq_lengths=jnp.asarray(kvl)))
+  np.testing.assert_allclose(out[1, 6:], np.broadcast_to(params["out"]["bias"], (T2 - 6, D2)),
+                             atol=1e-6)
+
+
+def _plain_bf16_mha(params, x, *, rope_base):
+  """Causal GQA attention in which every tensor is rounded to bfloat16 (inputs, weights,
+  projections, rotary tables, logits, softmax, output), each operation computed in float32 from
+  bf16 operands as 16-bit hardware does: the error budget of a plain 16-bit implementation."""
+  r = lambda a: np.asarray(a, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
+  P = {n: {w: r(a) for w, a in params[n].items()} for n in NAMES}
+  xb = r(x)
+  proj = lambda n, spec: r(r(np.einsum(spec, xb, P[n]["kernel"])) + P[n]["bias"])
+  q, k, v = (proj(n, "btd,dnh->btnh") for n in ("query", "key", "value"))
+  Tn, h = x.shape[1], q.shape[-1] // 2
+  ang = np.arange(Tn, dtype=np.float32)[:, None, None] * np.float32(rope_base) ** (
+      np.float32(-2.0) * np.arange(h, dtype=np.float32) / np.float32(2 * h))
+  cos, sin = r(np.cos(ang)), r(np.sin(ang))
+  rot = lambda z: np.concatenate([r(r(z[..., :h] * cos) - r(z[..., h:] * sin)),
+                                  r(r(z[..., h:] * cos) + r(z[..., :h] * sin))], -1)
+  q, k = rot(q), rot(k)
+  k, v = (np.repeat(a, q.shape[2] // a.shape[2], axis=2) for a in (k, v))
+  s = r(r(np.einsum("btnh,bsnh->bnts", q, k)) * r(1.0 / np.sqrt(q.shape[-1])))
+  s = np.where(np.tril(np.ones((Tn, Tn), bool)), s, -np.inf)
+  e = r(np.exp(r(s - s.max(-1, keepdims=True))))
+  p = r(e / r(e.sum(-1, keepdims=True)))
+  o = r(np.einsum("bnts,bsnh->btnh", p, v))
+  return r(r(np.einsum("btnh,nho->bto", o, P["out"]["kernel"])) + P["out"]["bias"])
+
+
+@pytest.mark.parametrize("impl", IMPLS2, ids=IMPL_IDS)
+def test_bf16_against_reference_flash_attention_rule(impl):
+  """bfloat16 computation (float32 parameters), causal, RoPE, GQA: the max error against the
+  float64 layer is at most twice that of a plain all-bf16 layer, plus 1e-3 (the README's rule)."""
+  lin, params, mod = _pair(40, dtype=jnp.bfloat16, is_causal=True, rope=True, **impl)
+  x = _x(41, (B, T2, D2))
+  a = lin.apply({"params": params}, x)
+  assert a.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(a, mod(x))
+  want = rm.mha(rm.params_from_linen(params), x, causal="top_left", rope_base=10000.0)
+  err = np.abs(np.asarray(a, np.float64) - want).max()
+  err_plain = np.abs(np.asarray(_plain_bf16_mha(params, x, rope_base=10000.0), np.float64)
+                     - want).max()
+  assert 0 < err <= 2 * err_plain + 1e-3, (err, err_plain)
+
+
+@pytest.mark.parametrize("impl", IMPLS2, ids=IMPL_IDS)
+def test_dropout_against_reference_with_the_modules_rng(impl):
+  """Attention dropout against the float64 layer given jattn's keep mask for the key each module
+  draws: linen's dropout_rng= and its 'dropout' rng stream (make_rng), nnx's call-time rngs and
+  the stream kept at construction; independent masks per batch element and head, and
+  broadcast_dropout's single (T, S) mask."""
+  rate = 0.3
+  lin, params, mod = _pair(30, dropout_rate=rate, is_causal=True, **impl)
+  x = _x(31, (B, T2, D2))
+  shape = (B, N, T2, T2)
+  pl, pn = rm.params_from_linen(params), rm.params_from_nnx(mod)
+  ref = lambda key, bc=False: dict(causal="top_left", dropout_rate=rate,
+                                   keep=_keep(key, rate, shape, bc))
+  key = jax.random.key(5)
+  out = lin.apply({"params": params}, x, deterministic=False, dropout_rng=key)
+  _vs_ref(out, pl, (x,), ref(key))
+  # The same key through nnx's call-time rngs: the same numbers.
+  np.testing.assert_array_equal(mod(x, deterministic=False, rngs=nnx.Rngs(dropout=5)),
+                                lin.apply({"params": params}, x, deterministic=False,
+                                          dropout_rng=nnx.Rngs(dropout=5).dropout()))
+  _vs_ref(mod(x, deterministic=False, rngs=nnx.Rngs(dropout=5)), pn, (x,),
+          ref(nnx.Rngs(dropout=5).dropout()))
+
+  class Probe(nn.Module):  # the key a top-level linen module's make_rng('dropout') returns
+
+    @nn.compact
+    def __call__(self):
+      return self.make_rng("dropout")
+
+  rngs = {"dropout": jax.random.key(9)}
+  _vs_ref(lin.apply({"params": params}, x, deterministic=False, rngs=rngs), pl, (x,),
+          ref(Probe().apply({}, rngs=rngs)))
+  # nnx's own stream: Rngs(params=0, dropout=7).dropout.fork() at construction (see _pair).
+  _vs_ref(mod(x, deterministic=False), pn, (x,),
+          ref(nnx.Rngs(params=0, dropout=7).dropout.fork()()))
+  # deterministic: no dropout
+  _vs_ref(mod(x, deterministic=True), pn, (x,), dict(causal="top_left"))
+
+  lin, params, mod = _pair(32, dropout_rate=rate, broadcast_dropout=True, is_causal=True, **impl)
+  out = lin.apply({"params": params}, x, deterministic=False, dropout_rng=key)
+  _vs_ref(out, rm.params_from_linen(params), (x,), ref(key, True))
+
+
+# ---- decoding against the float64 decoding loop ----------------------------------------------
+
+
+@pytest.mark.parametrize("impl", IMPLS2, ids=IMPL_IDS)
+def test_decode_window_padded_prompts_every_position(impl):
+  """A right-padded batch of prompts (lengths 3 and 1) prefilled together, then steps of 1, 3,
+  1, 3, 1 tokens; causal sliding window (3, 0), RoPE, GQA, scale 0.5. Every decoded position
+  (not only the last) equals the float64 decoding loop and the module's own full forward pass
+  over each example's sequence; padded prefill rows give the bias; the fill levels advance per
+  example."""
+  kw = dict(is_causal=True, rope=True, local_window_size=(3, 0), scale=0.5, **impl)
+  lin, params, mod = _pair(80, **kw)
+  lengths, n_gen = np.array([3, 1], np.int32), 9
+  prompt, gen = _x(81, (B, 3, D2)), _x(82, (B, n_gen, D2))
+  bounds = [(0, 1), (1, 4), (4, 5), (5, 8), (8, 9)]
+  steps = [(prompt, lengths)] + [(gen[:, a:b], None) for a, b in bounds]
+  want = rm.decode(rm.params_from_linen(params), [(np.asarray(s), n) for s, n in steps],
+                   window=(3, 0), scale=0.5, rope_base=10000.0)
+  S_max = T2  # the cache's init pass and the full pass below reuse _pair's compiled attention
+  call = lambda n: {} if n is None else dict(query_seq_lengths=jnp.asarray(n))
+
+  dec = lin.clone(decode=True)
+  cache = dec.init(jax.random.key(0), jnp.zeros((B, S_max, D2)))["cache"]
+  lin_outs = []
+  for s, n in steps:
+    o, upd = dec.apply({"params": params, "cache": cache}, s, mutable=["cache"], **call(n))
+    cache = upd["cache"]
+    lin_outs.append(o)
+  np.testing.assert_array_equal(cache["cache_index"], lengths + n_gen)
+
+  mod.init_cache(B, S_max)
+  nnx_outs = [mod(s, decode=True, **call(n)) for s, n in steps]
+  np.testing.assert_array_equal(mod.cache_index[...], lengths + n_gen)
+
+  for i, (a, b, w) in enumerate(zip(lin_outs, nnx_outs, want)):
+    np.testing.assert_array_equal(a, b)
+    np.testing.assert_allclose(a, w, atol=ATOL, rtol=0, err_msg=f"step {i}")
+  np.testing.assert_allclose(lin_outs[0][1, 1:], np.broadcast_to(params["out"]["bias"], (2, D2)),
+                             atol=1e-6)
+  # The full forward pass over each example's own sequence, at every position: one batch, the
+  # sequences right-padded with zeros to T2 (causal, so padding after them changes nothing).
+  seqs = [jnp.concatenate([prompt[b, :lengths[b]], gen[b],
+                           jnp.zeros((T2 - n_gen - lengths[b], D2))]) for b in range(B)]
+  full = lin.apply({"params": params}, jnp.stack(seqs))
+  for b in range(B):
+    got = jnp.concatenate([lin_outs[0][b, :lengths[b]]] + [o[b] for o in lin_outs[1:]])
+    np.testing.assert_allclose(got, full[b, :lengths[b] + n_gen], atol=2e-6, rtol=0)
+
+
+def test_decode_errors_name_the_argument():
+  """What the decoding path validates raises the documented error, naming the argument, and a
+  rejected call leaves the cache as it was."""
+  mod = jattn.nnx.MultiHeadAttention(N, D2, num_kv_heads=K, is_causal=True, rope=True,
+                                     implementation="dense", rngs=nnx.Rngs(0))
+  x = _x(90, (B, 2, D2))
+  with pytest.raises(ValueError, match=r"init_cache"):
+    mod(x, decode=True)
+  mod.init_cache(B, 4)
+  with pytest.raises(ValueError, match=r"T=5 tokens does not fit the cache of S_max=4"):
+    mod(_x(91, (B, 5, D2)), decode=True)
+  with pytest.raises(NotImplementedError, match=r"inputs_k/inputs_v"):
+    mod(x, x, decode=True)
+  for name, val in [("kv_positions", jnp.arange(2)),
+                    ("key_value_seq_lengths", jnp.array([1, 1])),
+                    ("q_segment_ids", jnp.zeros((B, 2), jnp.int32)),
+                    ("kv_segment_ids", jnp.zeros((B, 2), jnp.int32))]:
+    with pytest.raises(ValueError, match=rf"{name} is set by the cache"):
+      mod(x, decode=True, **{name: val})
+  with pytest.raises(ValueError, match=r"query_seq_lengths must be an int array of shape"):
+    mod(x, decode=True, query_seq_lengths=jnp.array([1, 2, 3]))
+  with pytest.raises(ValueError, match=r"query_seq_lengths must be an int array"):
+    mod(x, decode=True, query_seq_lengths=jnp.array([1.0, 2.0]))
+  with pytest.raises(ValueError, match=r"positions must have shape \(L,\)=\(2,\)"):
+    mod(x, decode=True, positions=jnp.arange(3))
+  with pytest.raises(TypeError, match=r"positions must be an integer array"):
+    mod(x, decode=True, positions=jnp.arange(2.0))
+  np.testing.assert_array_equal(mod.cache_index[...], [0, 0])
+  mod.init_cache(B + 1, 4)
+  with pytest.raises(ValueError, match=r"cache of shape \(3, 4, 2, 8\)"):
+    mod(x, decode=True)
+  mod.init_cache(B, 4, dtype=jnp.bfloat16)
+  with pytest.raises(TypeError, match=r"must have the cache's dtype \(bfloat16\)"):
+    mod(x, decode=True)
+  free = jattn.nnx.MultiHeadAttention(N, D2, num_kv_heads=K, rngs=nnx.Rngs(0))
+  free.init_cache(B, 4)
+  with pytest.raises(ValueError, match=r"decode=True needs is_causal"):
+    free(x, decode=True)
+  # linen: the same checks through its cache collection
+  dec = jattn.linen.MultiHeadAttention(num_heads=N, num_kv_heads=K, is_causal=True, decode=True,
+                                       implementation="dense")
+  variables = dec.init(jax.random.key(0), jnp.zeros((B, 4, D2)))
+  with pytest.raises(ValueError, match=r"T=5 tokens does not fit the cache of S_max=4"):
+    dec.apply(variables, _x(91, (B, 5, D2)), mutable=["cache"])
+  with pytest.raises(NotImplementedError, match=r"inputs_k/inputs_v"):
+    dec.apply(variables, x, x, mutable=["cache"])
+  with pytest.raises(ValueError, match=r"kv_segment_ids is set by the cache"):
+    dec.apply(variables, x, kv_segment_ids=jnp.zeros((B, 2), jnp.int32), mutable=["cache"])
+  with pytest.raises(ValueError, match=r"decode=True needs is_causal"):
+    dec.clone(is_causal=False).apply(variables, x, mutable=["cache"])
+  # Outside decoding, RoPE positions of the wrong shape or dtype.
+  lin = jattn.linen.MultiHeadAttention(num_heads=N, num_kv_heads=K, rope=True)
+  params = lin.init(jax.random.key(0), x)
+  with pytest.raises(ValueError, match=r"kv_positions must have shape \(L,\)=\(3,\)"):
+    lin.apply(params, x, _x(92, (B, 3, D2)), kv_positions=jnp.arange(2))
+  with pytest.raises(TypeError, match=r"positions must be an integer array"):
+    lin.apply(params, x, positions=jnp.arange(2.0))
+
+
+def test_decode_past_the_cache_drops_the_writes():
+  """Documented: a step past S_max cannot raise under jit; its writes are dropped, never clamped
+  onto the last valid slots. Step by step, a cache of 4 holds exactly the first 4 slots of what a
+  cache of 8 holds, through a step that crosses the end and one entirely past it."""
+  mod = jattn.nnx.MultiHeadAttention(N, D2, num_kv_heads=K, is_causal=True,
+                                     implementation="dense", rngs=nnx.Rngs(0))
+  steps = [_x(93, (B, 3, D2)), _x(94, (B, 2, D2)), _x(95, (B, 1, D2))]  # slots 0-2, 3-4, 5
+  caches = {}
+  for S_max in (8, 4):
+    mod.init_cache(B, S_max)
+    caches[S_max] = []
+    for s in steps:
+      mod(s, decode=True)
+      caches[S_max].append((np.asarray(mod.cached_key[...]), np.asarray(mod.cached_value[...])))
+    np.testing.assert_array_equal(mod.cache_index[...], [6, 6])
+  for (k8, v8), (k4, v4) in zip(caches[8], caches[4]):
+    np.testing.assert_array_equal(k4, k8[:, :4])
+    np.testing.assert_array_equal(v4, v8[:, :4])
