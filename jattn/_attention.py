@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn import _chunked, _dense, _dropout, _tile, _validation
+from jattn import _chunked, _dense, _dropout, _sharding, _tile, _validation
 from jattn import masks as _masks
 from jattn._tile import Config
 
@@ -161,6 +161,14 @@ def _attention(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_s
   args = _validation.arrays(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_seg,
                             sinks)
   query, key, value = args.query, args.key, args.value
+  seq_spec = None
+  if _sharding.explicit_mesh():
+    # Sequence-sharded inputs under an Explicit mesh: every query needs every key, so K and V
+    # are gathered along S (as jax.nn's XLA path does). The chunked kernels slice query blocks
+    # out of Q as well, so there Q is gathered along T and the output given back the query's
+    # sharding. Batch- and head-sharded inputs pass unchanged.
+    key, value = _sharding.unshard_axis(key, 1), _sharding.unshard_axis(value, 1)
+    seq_spec = _sharding.spec_of(query)
   if scale_operand is not None:
     # A scale given as an array (traced under jit) is an operand, not a compile-time constant:
     # it scales the query (in its dtype, as splash attention folds its scale), q.k * s = (s q).k,
@@ -222,8 +230,12 @@ def _attention(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_s
       cc = dataclasses.replace(cc, q_ranges=_chunked.static_ranges(states),
                                kv_ranges=_chunked.static_ranges(states.T))
     states = jnp.asarray(states, jnp.int8)
+    if seq_spec is not None:
+      query = _sharding.unshard_axis(query, 1)
     out, lse = _chunked.chunked_attention(cc, query, key, value, bias5, combined, states, seed,
                                           score_args, sink)
+    if seq_spec is not None and _sharding.spec_of(out) != seq_spec:
+      out = jax.sharding.reshard(out, seq_spec)
 
   if args.unbatched:
     out = out[0]

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn import _tile
+from jattn import _sharding, _tile
 from jattn._tile import Config
 from jattn.masks import EMPTY, FULL, PARTIAL, BlockGrid
 
@@ -124,7 +124,8 @@ def _varying(x, *like):
   constant but becomes device-dependent in the loop body would change type; this declares it
   device-dependent from the start. Outside shard_map it returns ``x`` unchanged.
   """
-  axes = set().union(*(_varying_axes(a) for a in like))
+  # Only the axes x does not vary over yet: a carry made from an input already varies.
+  axes = set().union(*(_varying_axes(a) for a in like)) - _varying_axes(x)
   return jax.lax.pcast(x, tuple(sorted(axes, key=str)), to="varying") if axes else x
 
 
@@ -169,7 +170,13 @@ def _dispatch(kinds, state, branches, *args):
   for pos, kind in enumerate(kinds):
     table[kind] = pos
   index = jnp.asarray(table)[state.astype(jnp.int32)]
-  return jax.lax.switch(index, [branches[kind] for kind in kinds], *args)
+  fns = [branches[kind] for kind in kinds]
+  if _sharding.explicit_mesh():
+    # Branches that pass a carry through or return fresh zeros must return the sharding the
+    # computing branch (the last: PARTIAL or FULL) gives its results.
+    want = jax.eval_shape(fns[-1], *args)
+    fns = [lambda *a, f=f: _sharding.reshard_like(f(*a), want) for f in fns]
+  return jax.lax.switch(index, fns, *args)
 
 
 def _varying_tree(tree, *like):
@@ -264,14 +271,17 @@ def _forward(cc: ChunkedConfig, q, k, v, bias, mask, states, seed, score_args, s
                        {EMPTY: lambda j, c: c, PARTIAL: functools.partial(tile, masked=True),
                         FULL: functools.partial(tile, masked=False)}, j, carry)
 
-    m0 = jnp.full((B, K, G, bq), _tile.NEG, sd)
-    l0 = jnp.zeros((B, K, G, bq), sd)
+    # Carries are made from the tiles they accumulate, so they share the inputs' sharding when
+    # that is part of the type (an Explicit-axis mesh): a fresh jnp.zeros would be replicated.
+    row0 = jnp.zeros_like(qb[..., 0], dtype=sd)  # (B, K, G, bq)
+    m0 = row0 + jnp.asarray(_tile.NEG, sd)
+    l0 = row0
     if sink is not None:
       # The sink is one more logit in every row, with no value: it starts the running max and
       # contributes exp(sink - m) to the sum.
-      m0 = jnp.broadcast_to(sink.astype(sd), (B, K, G, bq))
-      l0 = jnp.ones((B, K, G, bq), sd)
-    acc0 = jnp.zeros((B, K, G, bq, Hv), sd)
+      m0 = row0 + sink.astype(sd)  # (1, K, G, 1) -> (B, K, G, bq)
+      l0 = row0 + jnp.ones((), sd)
+    acc0 = jnp.zeros_like(qb, dtype=sd)  # (B, K, G, bq, Hv): Hv = H (value has key's shape)
     m0, l0, acc0 = (_varying(x, q, k, v, states) for x in (m0, l0, acc0))
     m, l, acc = jax.lax.fori_loop(lo(i), hi(i), body, (m0, l0, acc0))
     out = _put_q_tile(out, _tile.safe_normalize(acc, l, m, cfg.dropout_rate), i, bq)
@@ -280,8 +290,8 @@ def _forward(cc: ChunkedConfig, q, k, v, bias, mask, states, seed, score_args, s
 
   # Each query block writes its rows of the output in place: stacking per-block results (as
   # lax.map does) would need another full-size copy to put them back in sequence order.
-  out0 = jnp.zeros((B, cc.Tp, K * G, Hv), q.dtype)
-  lse0 = jnp.zeros((B, cc.Tp, K * G), sd)
+  out0 = jnp.zeros_like(q)  # (B, Tp, N, Hv)
+  lse0 = jnp.zeros_like(q[..., 0], dtype=sd)
   out0, lse0 = (_varying(x, q, k, v, states) for x in (out0, lse0))
   return jax.lax.fori_loop(0, grid.num_q_blocks, q_block, (out0, lse0))
 
@@ -389,8 +399,8 @@ def _backward(cc: ChunkedConfig, q, k, v, bias, mask, states, seed, score_args, 
         dbias = _accumulate_bias(dbias, dbias_b, i, j, grid)
       return dkb, dvb, dq, dbias, dargs
 
-    dkb0 = jnp.zeros((B, K, bk, H), sd)
-    dvb0 = jnp.zeros((B, K, bk, Hv), sd)
+    dkb0 = jnp.zeros_like(kb0, dtype=sd)  # (B, K, bk, H), typed like the inputs (see _forward)
+    dvb0 = jnp.zeros_like(vb0, dtype=sd)
     dkb0, dvb0 = (_varying(x, q, k, v, dout, states) for x in (dkb0, dvb0))
     dkb, dvb, dq, dbias, dargs = jax.lax.fori_loop(lo(j), hi(j), body,
                                                    (dkb0, dvb0, dq, dbias, dargs))
@@ -399,10 +409,10 @@ def _backward(cc: ChunkedConfig, q, k, v, bias, mask, states, seed, score_args, 
     dv = _put_kv_tile(dv, dvb, j, bk)
     return dq, dk, dv, dbias, dargs
 
-  dq0 = jnp.zeros(q.shape, sd)
-  dk0 = jnp.zeros(k.shape, k.dtype)
-  dv0 = jnp.zeros(v.shape, v.dtype)
-  dbias0 = None if bias is None else jnp.zeros(bias.shape, _tile.stat_dtype(bias.dtype))
+  dq0 = jnp.zeros_like(q, dtype=sd)
+  dk0 = jnp.zeros_like(k)
+  dv0 = jnp.zeros_like(v)
+  dbias0 = None if bias is None else jnp.zeros_like(bias, dtype=_tile.stat_dtype(bias.dtype))
   dargs0 = jax.tree.map(jnp.zeros_like, score_args)
   dq0, dk0, dv0, dbias0 = (None if x is None else _varying(x, q, k, v, dout, states)
                            for x in (dq0, dk0, dv0, dbias0))

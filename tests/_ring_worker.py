@@ -9,11 +9,18 @@ For every case it runs ring attention forward and backward (value_and_grad of su
 w.r.t. the global query, key and value, so zigzag permutations are inside the differentiated
 function) and prints one JSON line {case: {"out": err, "lse": err, "dq": err, ...}} with
 scale-relative max errors against tests/reference.py (float64 NumPy) and, for cases marked
-``single``, against single-device jattn.dot_product_attention. A case that raises reports
-{"error": traceback}.
+``single``, against single-device jattn.dot_product_attention. Cases with ``dtype="bfloat16"``
+run on bfloat16 inputs and also report ``plain_*``: the errors of a plain bfloat16 dense
+computation (`_plain_fn`: every op's result rounded to bfloat16) against the same reference, for
+the FlashAttention rule "ring error <= 2 x plain bfloat16 error + 1e-3". A case that raises
+reports {"error": traceback}. With 4 devices (and no case names) it also runs the split-KV
+decoding recipe of docs/ring.md, executed from the page's own code block, and reports its errors
+as "split_kv_recipe".
 
-``--distributed PROCESS_ID PORT`` instead runs one process of a 2-process jax.distributed job on
-127.0.0.1 (2 local devices each, gloo CPU collectives) and reports the errors of its own shards.
+``--distributed PROCESS_ID ADDRESS`` instead runs one process of a 2-process jax.distributed job
+(2 local devices each, gloo CPU collectives over TCP on this host), the coordinator at ADDRESS
+(tests/test_ring.py passes ``unix:<fresh temporary directory>/coordinator``), and reports the
+errors of its own shards.
 """
 
 from __future__ import annotations
@@ -54,6 +61,22 @@ CASES = {
         devices=8, mesh=(2, 4), names=("data", "seq"), seq="seq", batch="data", T=32, S=48,
         N=4, K=1, layout="contiguous", block_q=3, block_kv=5,
         kw=dict(is_causal="bottom_right"), q_lengths=(32, 19), kv_lengths=(41, 48)),
+    # Bottom-right causal in the zigzag layout, T < S (offset S - T = 32 in global positions;
+    # the chunk lengths of queries (2) and keys (4) differ).
+    "p8_zigzag_bottom_right_T_lt_S_gqa": dict(
+        devices=8, mesh=(8,), names=("seq",), seq="seq", T=32, S=64, N=4, K=2,
+        layout="zigzag", block_q=2, block_kv=3, kw=dict(is_causal="bottom_right")),
+    # A window in the contiguous layout, measured from the bottom-right diagonal, T < S, with
+    # blocks that do not divide the shards.
+    "p8_contiguous_bottom_right_window_lengths": dict(
+        devices=8, mesh=(8,), names=("seq",), seq="seq", T=32, S=64, N=4, K=2,
+        layout="contiguous", block_q=3, block_kv=5,
+        kw=dict(is_causal="bottom_right", local_window_size=(13, 2)), kv_lengths=(64, 45)),
+    # bfloat16 over 8 ring steps that all compute (no causal mask): the running output and lse
+    # of the merge must stay float32.
+    "p8_contiguous_full_gqa_bf16": dict(
+        devices=8, mesh=(8,), names=("seq",), seq="seq", T=64, S=64, N=4, K=2,
+        layout="contiguous", block_q=4, block_kv=4, kw=dict(), dtype="bfloat16"),
     "p8_seq4_heads2_zigzag_causal_segments": dict(
         devices=8, mesh=(4, 2), names=("seq", "heads"), seq="seq", head="heads", T=32, S=32,
         N=4, K=2, layout="zigzag", kw=dict(is_causal=True), segments=((0, 9, 20), (0, 16))),
@@ -73,6 +96,21 @@ CASES = {
         devices=4, mesh=(4,), names=("seq",), seq="seq", T=32, S=32, N=4, K=2,
         layout="zigzag", block_q=2, block_kv=4, kw=dict(local_window_size=(9, 4)),
         kv_lengths=(32, 27)),
+    # The same window, contiguous layout (window edges cross shard boundaries).
+    "p4_contiguous_full_gqa_window_lengths": dict(
+        devices=4, mesh=(4,), names=("seq",), seq="seq", T=32, S=32, N=4, K=2,
+        layout="contiguous", block_q=2, block_kv=4, kw=dict(local_window_size=(9, 4)),
+        q_lengths=(29, 32), kv_lengths=(32, 27)),
+    # Bottom-right causal, zigzag, T > S: the first T - S = 32 queries see no key at all.
+    "p4_zigzag_bottom_right_T_gt_S_lengths": dict(
+        devices=4, mesh=(4,), names=("seq",), seq="seq", T=64, S=32, N=4, K=2,
+        layout="zigzag", block_q=4, block_kv=2, kw=dict(is_causal="bottom_right"),
+        q_lengths=(64, 50), kv_lengths=(32, 21)),
+    "p4_zigzag_bottom_right_window_softcap_bf16": dict(
+        devices=4, mesh=(4,), names=("seq",), seq="seq", T=32, S=48, N=4, K=1,
+        layout="zigzag", block_q=2, block_kv=3,
+        kw=dict(is_causal="bottom_right", local_window_size=(20, 0), logits_soft_cap=5.0),
+        dtype="bfloat16"),
 }
 
 
@@ -93,6 +131,10 @@ def _inputs(c, seed=0):
   k = rng.standard_normal((B, c["S"], c["K"], H)).astype(np.float32)
   v = rng.standard_normal((B, c["S"], c["K"], H)).astype(np.float32)
   do = rng.standard_normal((B, c["T"], c["N"], H)).astype(np.float32)
+  if c.get("dtype", "float32") != "float32":
+    import jax.numpy as jnp
+    # The reference sees the same rounded values, upcast.
+    q, k, v, do = (x.astype(jnp.dtype(c["dtype"])) for x in (q, k, v, do))
   extra = {}
   if "q_lengths" in c:
     extra["query_seq_lengths"] = np.asarray(c["q_lengths"], np.int32)
@@ -120,7 +162,44 @@ def _reference(c, q, k, v, do, extra):
   out, lse, cache = ref.attention(q, k, v, visible=vis, scale=kw.get("scale"),
                                   soft_cap=kw.get("logits_soft_cap"))
   dq, dk, dv, _, _ = ref.grads(cache, do)
-  return dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv)
+  return dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv), vis
+
+
+def _plain_fn(c, vis):
+  """Plain dense attention in the input dtype, the baseline of the 16-bit error rule, as
+  FlashAttention's reference without upcasting (PyTorch ops on bfloat16 tensors): every op's
+  result is rounded to the input dtype -- the scores, the soft cap, the probabilities, the lse, the
+  output -- while each op computes internally in float32 (matmuls accumulate in float32; the
+  softmax is one op, like torch.softmax, and so is its backward). Empty rows: out 0, lse -inf."""
+  import jax
+  import jax.numpy as jnp
+  kw = c["kw"]
+  G = c["N"] // c["K"]
+  cap = kw.get("logits_soft_cap")
+  vis = jnp.asarray(vis)
+
+  def softmax_and_lse(s):  # (B, N, T, S) scores in float32
+    s = jnp.where(vis, s, -jnp.inf)
+    m = jax.lax.stop_gradient(s.max(axis=-1, keepdims=True))
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    e = jnp.where(vis, jnp.exp(s - m), 0.0)
+    den = e.sum(axis=-1, keepdims=True)
+    ok = den > 0
+    p = jnp.where(ok, e / jnp.where(ok, den, 1.0), 0.0)
+    return p, jnp.where(ok, jnp.log(jnp.where(ok, den, 1.0)) + m, -jnp.inf)[..., 0]
+
+  def f(q, k, v):
+    dt = q.dtype
+    scale = kw.get("scale", 1.0 / float(q.shape[-1]) ** 0.5)
+    kr, vr = jnp.repeat(k, G, axis=2), jnp.repeat(v, G, axis=2)
+    s = jnp.einsum("btnh,bsnh->bnts", q, kr) * scale
+    if cap is not None:
+      s = cap * jnp.tanh(s / cap)
+    p, lse = softmax_and_lse(s.astype(jnp.float32))
+    p, lse = p.astype(dt), lse.astype(dt)
+    return jnp.einsum("bnts,bsnh->btnh", p, vr), jnp.transpose(lse, (0, 2, 1))
+
+  return f
 
 
 def _err(got, want):
@@ -203,9 +282,14 @@ def run_case(name):
   import jattn
   c = CASES[name]
   q, k, v, do, extra = _inputs(c)
-  want = _reference(c, q, k, v, do, extra)
+  want, vis = _reference(c, q, k, v, do, extra)
   got = _value_and_grads(_ring_fn(c, _mesh(c), extra), q, k, v, do)
   res = {key: (_lse_err if key == "lse" else _err)(got[key], want[key]) for key in want}
+  if c.get("dtype", "float32") != "float32":
+    assert all(got[key].dtype == q.dtype for key in want), {k: got[k].dtype for k in want}
+    plain = _value_and_grads(_plain_fn(c, vis), q, k, v, do)
+    for key in want:
+      res["plain_" + key] = (_lse_err if key == "lse" else _err)(plain[key], want[key])
   if c.get("single"):
     blocks = {n: c[n] for n in ("block_q", "block_kv") if n in c}
     single = lambda q, k, v: jattn.dot_product_attention(
@@ -240,6 +324,50 @@ def memory_by_ring_size(Ts=16, sizes=(4, 8)):
   return res
 
 
+def _doc_code_block(path, marker):
+  """The ```python block of a Markdown page that contains ``marker``."""
+  import re
+  with open(path) as f:
+    blocks = re.findall(r"```python\n(.*?)```", f.read(), flags=re.S)
+  found = [b for b in blocks if marker in b]
+  assert len(found) == 1, f"{path}: expected one python block with {marker!r}, found {len(found)}"
+  return found[0]
+
+
+def split_kv_recipe(P=4):
+  """Split-KV decoding exactly as docs/ring.md writes it (its code block, executed), against the
+  float64 reference: one query per sequence, a GQA cache of S = 32 sharded over P devices, and
+  cache lengths that end inside a shard, on a shard boundary, fill the cache, hold a single
+  position, or are 0 (nothing to attend to anywhere)."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import jattn
+  import reference as ref
+  B, S, N, K, H = 5, 32, 4, 2, 8
+  L = S // P
+  rng = np.random.default_rng(1)
+  q = rng.standard_normal((B, 1, N, H)).astype(np.float32)
+  k = rng.standard_normal((B, S, K, H)).astype(np.float32)
+  v = rng.standard_normal((B, S, K, H)).astype(np.float32)
+  lengths = np.asarray([13, S, 2 * L, 0, 1], np.int32)
+  # Garbage past each length (an uninitialised cache): the recipe must never look there.
+  k_cache, v_cache = k.copy(), v.copy()
+  for b, n in enumerate(lengths):
+    k_cache[b, n:] = np.nan
+    v_cache[b, n:] = np.inf
+  mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:P]), ("kv",))
+  code = _doc_code_block(os.path.join(os.path.dirname(HERE), "docs", "ring.md"), "def decode(")
+  namespace = dict(jax=jax, jnp=jnp, jattn=jattn, mesh=mesh, L=L)
+  exec(compile(code, "docs/ring.md (split-KV block)", "exec"), namespace)
+  out, lse = namespace["decode"](q, k_cache, v_cache, lengths)
+  vis = ref.visible_mask(B, N, 1, S, kv_lengths=lengths)
+  want, want_lse, _ = ref.attention(q, k, v, visible=vis)
+  return dict(out=_err(out, want), lse=_lse_err(lse, want_lse),
+              empty_row_zero=bool(np.all(np.asarray(out)[3] == 0.0)),
+              finite=bool(np.isfinite(np.asarray(out)).all()))
+
+
 def main_cases(devices, names):
   _setup(devices)
   import jax
@@ -259,10 +387,15 @@ def main_cases(devices, names):
       results["memory"] = memory_by_ring_size()
     except Exception:
       results["memory"] = {"error": traceback.format_exc()}
+  if devices == 4 and not names:
+    try:
+      results["split_kv_recipe"] = split_kv_recipe()
+    except Exception:
+      results["split_kv_recipe"] = {"error": traceback.format_exc()}
   print("RESULTS " + json.dumps(results), flush=True)
 
 
-def main_distributed(process_id, port):
+def main_distributed(process_id, address):
   """One of two processes, 2 CPU devices each: ring over the 4 devices of both."""
   _setup(2)
   import jax
@@ -270,13 +403,14 @@ def main_distributed(process_id, port):
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.config.update("jax_numpy_dtype_promotion", "strict")
   jax.config.update("jax_numpy_rank_promotion", "raise")
-  jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
-                             process_id=process_id, initialization_timeout=60)
+  # The coordinator (process 0) listens on ADDRESS itself, not on jax's default "[::]:port".
+  jax.distributed.initialize(coordinator_address=address, coordinator_bind_address=address,
+                             num_processes=2, process_id=process_id, initialization_timeout=60)
   try:
     import jattn
     c = dict(T=32, S=32, N=4, K=2, kw=dict(is_causal=True), segments=((0, 7, 20), (0, 25)))
     q, k, v, do, extra = _inputs(c)
-    want = _reference(c, q, k, v, do, extra)
+    want, _ = _reference(c, q, k, v, do, extra)
     mesh = jax.sharding.Mesh(np.asarray(jax.devices()), ("seq",))
     PS = jax.sharding.PartitionSpec
     glob = lambda x, spec: jax.make_array_from_callback(
@@ -309,10 +443,10 @@ def main_distributed(process_id, port):
 if __name__ == "__main__":
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--devices", type=int, default=8)
-  parser.add_argument("--distributed", nargs=2, type=int, metavar=("PROCESS_ID", "PORT"))
+  parser.add_argument("--distributed", nargs=2, metavar=("PROCESS_ID", "ADDRESS"))
   parser.add_argument("cases", nargs="*")
   a = parser.parse_args()
   if a.distributed:
-    main_distributed(*a.distributed)
+    main_distributed(int(a.distributed[0]), a.distributed[1])
   else:
     main_cases(a.devices, a.cases)
