@@ -29,8 +29,8 @@ def _nan_cases():
       "key": (q, k.at[0, 7, 1, 3].set(jnp.nan), v, None),
       "query": (q.at[1, 4, 2, 0].set(jnp.nan), k, v, None),
       "value_inf": (q, k, v.at[0, 9, 0, 1].set(jnp.inf), None),
-      "bias_nan": (q, k, v, zero_bias.at[0, 1, 20, 3].set(jnp.nan)),
-      "bias_inf": (q, k, v, zero_bias.at[0, 1, 20, 3].set(jnp.inf)),
+      "bias_nan_inf": (q, k, v, zero_bias.at[0, 1, 20, 3].set(jnp.nan)
+                       .at[1, 2, 30, 7].set(jnp.inf)),
   }
 
 

@@ -258,6 +258,27 @@ def test_ring_on_one_device_equals_attention():
   np.testing.assert_allclose(out, want, atol=2e-6, rtol=2e-6)
 
 
+def test_ring_nan_at_visible_positions_propagates_hidden_never_leaks():
+  # As dot_product_attention: a NaN key seen by some rows makes exactly those rows NaN (as in
+  # jax.nn); NaN/inf past the key length (hidden from everyone) never reach the output.
+  q, k, v = _qkv()
+  ring = jax.jit(lambda q, k, v, lens: jattn.ring_attention_sharded(
+      q, k, v, mesh=_mesh1(), seq_axis="seq", is_causal=True, key_value_seq_lengths=lens,
+      block_q=2, block_kv=2))
+  full = jnp.asarray([8], jnp.int32)
+  kn = k.at[0, 3, 0, 1].set(jnp.nan)
+  out = ring(q, kn, v, full)
+  want = jax.nn.dot_product_attention(q, kn, v, is_causal=True)
+  np.testing.assert_array_equal(np.isnan(out), np.isnan(want))
+  assert np.isnan(out).any()
+  garbage_k = k.at[0, 6:].set(jnp.nan)
+  garbage_v = v.at[0, 6:].set(jnp.inf)
+  out = ring(q, garbage_k, garbage_v, jnp.asarray([6], jnp.int32))
+  want, _, _ = ref.attention(q, k, v, visible=ref.visible_mask(1, 2, 8, 8, causal="top_left",
+                                                               kv_lengths=[6]))
+  np.testing.assert_allclose(out, want, atol=2e-6, rtol=2e-6)
+
+
 @pytest.mark.parametrize("kw,name", [
     (dict(bias=jnp.zeros((8, 8))), "bias"),
     (dict(mask=jmasks.causal()), "mask"),

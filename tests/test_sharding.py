@@ -17,11 +17,13 @@ WORKER = textwrap.dedent('''
     mesh = jax.make_mesh((4,), ("x",), axis_types=(AxisType.Explicit,))
     failures = []
     # implementation=None at T = S = 1024 takes the chunked path with its default blocks.
-    cases = [(where, spec, impl, causal, T)
-             for where, spec in (("batch", P("x")), ("heads", P(None, None, "x")),
-                                 ("sequence", P(None, "x")))
+    # Every implementation batch-sharded, causal and not; head and sequence sharding causal.
+    cases = [("batch", P("x"), impl, causal, T)
              for impl, T in (("dense", 96), ("chunked", 96), (None, 1024))
              for causal in (False, True)]
+    cases += [(where, spec, impl, True, 96)
+              for where, spec in (("heads", P(None, None, "x")), ("sequence", P(None, "x")))
+              for impl in ("dense", "chunked")]
     for where, spec, impl, causal, T in cases:
           S = T
           ks = jax.random.split(jax.random.key(0), 3)
