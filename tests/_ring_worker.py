@@ -147,7 +147,6 @@ def _inputs(c, seed=0):
 
 
 def _reference(c, q, k, v, do, extra):
-  import numpy as np
   import reference as ref
   B, T, N, _ = q.shape
   S = k.shape[1]
@@ -278,7 +277,6 @@ def _value_and_grads(f, q, k, v, do):
 
 
 def run_case(name):
-  import jax
   import jattn
   c = CASES[name]
   q, k, v, do, extra = _inputs(c)

@@ -268,6 +268,15 @@ def test_matches_jax_nn(impl, case, K):
                              atol=1e-5)
 
 
+def keep_mask(rng, rate, B, N, T, S, broadcast=False):
+  """The (B, N, T, S) dropout keep-mask jattn draws for ``rng`` ((1, 1, T, S) when broadcast
+  over batch and heads): a pure function of the indices, given to the reference."""
+  b = jnp.arange(1 if broadcast else B).reshape(-1, 1, 1, 1)
+  h = jnp.arange(1 if broadcast else N).reshape(1, -1, 1, 1)
+  t, s = jnp.arange(T).reshape(1, 1, T, 1), jnp.arange(S).reshape(1, 1, 1, S)
+  return np.asarray(_dropout.keep_mask(_dropout.seed_words(rng), rate, b, h, t, s))
+
+
 def _pair(w):
   return (w, w) if isinstance(w, int) else w
 
@@ -425,12 +434,7 @@ def test_dropout_against_reference_with_grads(impl):
   B, T, S, N = 2, 37, 45, 4
   q, k, v, do = _inputs()
   rate, rng = 0.25, jax.random.key(3)
-  seed = _dropout.seed_words(rng)
-  b = jnp.arange(B).reshape(B, 1, 1, 1)
-  h = jnp.arange(N).reshape(1, N, 1, 1)
-  t = jnp.arange(T).reshape(1, 1, T, 1)
-  s = jnp.arange(S).reshape(1, 1, 1, S)
-  keep = np.asarray(_dropout.keep_mask(seed, rate, b, h, t, s))
+  keep = keep_mask(rng, rate, B, N, T, S)
   f = lambda q, k, v: jattn.dot_product_attention(q, k, v, dropout_rate=rate, dropout_rng=rng,
                                                   is_causal=True, **IMPLS[impl])
   out, pull = jax.vjp(f, q, k, v)

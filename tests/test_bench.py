@@ -4,7 +4,6 @@ import csv
 import inspect
 import json
 import math
-import re
 import time
 
 import jax

@@ -12,9 +12,8 @@ import numpy as np
 import pytest
 
 import jattn
-from jattn import _dropout
 import reference as ref
-from test_attention import IMPLS, _inputs
+from test_attention import IMPLS, _inputs, keep_mask
 
 
 def _uses_loop(f, *args) -> bool:
@@ -165,10 +164,7 @@ def test_broadcast_dropout_against_reference(impl):
   B, T, S, N = 2, 37, 45, 4
   q, k, v, do = _inputs()
   rate, rng = 0.3, jax.random.key(11)
-  seed = _dropout.seed_words(rng)
-  zero = jnp.zeros((1, 1, 1, 1), jnp.int32)
-  keep = np.asarray(_dropout.keep_mask(seed, rate, zero, zero, jnp.arange(T).reshape(1, 1, T, 1),
-                                       jnp.arange(S).reshape(1, 1, 1, S)))
+  keep = keep_mask(rng, rate, B, N, T, S, broadcast=True)
   assert keep.shape == (1, 1, T, S)
   f = lambda q, k, v: jattn.dot_product_attention(q, k, v, dropout_rate=rate, dropout_rng=rng,
                                                   dropout_broadcast=True, **IMPLS[impl])

@@ -120,16 +120,17 @@ def _jattn_parts(q, k, v, vis):
                                       return_residual=True) for a, b in RANGES]
 
 
+def _merged_jattn_parts(q, k, v, vis):
+  parts = _jattn_parts(q, k, v, vis)
+  return jattn.merge_attention([p[0] for p in parts], [p[1] for p in parts])[0]
+
+
 def test_merge_of_jattn_parts_forward_and_dv():
   """Parts from dot_product_attention(return_residual=True): forward and dv through the merge
   equal the reference (dv does not depend on the parts' lse)."""
   q, k, v, do, vis = _inputs()
 
-  def merged(q, k, v):
-    parts = _jattn_parts(q, k, v, vis)
-    return jattn.merge_attention([p[0] for p in parts], [p[1] for p in parts])[0]
-
-  out, pull = jax.vjp(merged, q, k, v)
+  out, pull = jax.vjp(lambda q, k, v: _merged_jattn_parts(q, k, v, vis), q, k, v)
   _, _, dv = pull(jnp.asarray(do))
   want, _, cache = ref.attention(q, k, v, visible=vis)
   _close("out", out, want)
@@ -143,11 +144,7 @@ def test_merge_of_jattn_parts_forward_and_dv():
 def test_merge_of_jattn_parts_dq_dk():
   q, k, v, do, vis = _inputs()
 
-  def merged(q, k, v):
-    parts = _jattn_parts(q, k, v, vis)
-    return jattn.merge_attention([p[0] for p in parts], [p[1] for p in parts])[0]
-
-  _, pull = jax.vjp(merged, q, k, v)
+  _, pull = jax.vjp(lambda q, k, v: _merged_jattn_parts(q, k, v, vis), q, k, v)
   dq, dk, _ = pull(jnp.asarray(do))
   _, _, cache = ref.attention(q, k, v, visible=vis)
   wdq, wdk, _, _, _ = ref.grads(cache, do)

@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import jattn
-from jattn import _dropout
 import reference as ref
+from test_attention import keep_mask
 
 
 # Score functions with closed-over arrays (their gradients are compared too). Defined once at
@@ -97,9 +97,7 @@ def test_random_problems_match_reference(p):
   if p["dropout"] > 0:
     rng_key = jax.random.key(p["seed"])
     kw.update(dropout_rate=p["dropout"], dropout_rng=rng_key)
-    idx = (jnp.arange(B).reshape(B, 1, 1, 1), jnp.arange(N).reshape(1, N, 1, 1),
-           jnp.arange(T).reshape(1, 1, T, 1), jnp.arange(S).reshape(1, 1, 1, S))
-    keep = np.asarray(_dropout.keep_mask(_dropout.seed_words(rng_key), p["dropout"], *idx))
+    keep = keep_mask(rng_key, p["dropout"], B, N, T, S)
 
   vis = ref.visible_mask(B, N, T, S, mask=mask, causal=p["causal"], window=p["window"],
                          q_lengths=p["q_lengths"], kv_lengths=p["kv_lengths"], q_seg=q_seg,
