@@ -60,7 +60,7 @@ _ONE = dict(B=1, K=1, G=1, T=1, S=1, H=4, causal=None, window=None, q_lengths=No
             dropout=0.0, score_mod=None, soft_cap=None, block_q=1, block_kv=1, seed=0)
 
 
-@settings(max_examples=9, deadline=None, derandomize=True, database=None,
+@settings(max_examples=7, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow])
 @given(problems())
 @example(_ONE)
