@@ -207,16 +207,14 @@ def _attention(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_s
   seed = (_dropout.seed_words(dropout_rng) if opts.dropout_rate > 0
           else jnp.zeros((2,), jnp.uint32))
 
-  if opts.return_weights:
-    q = jnp.transpose(query, (0, 2, 1, 3)).reshape(B, K, G, T, H)
-    k = jnp.transpose(key, (0, 2, 1, 3))
-    w = _dense.attention_weights(cfg, q, k, bias5, combined, score_args, sink)
-    w = w.reshape(B, N, T, S)
-    return w[0] if args.unbatched else w
   if impl == "dense":
     # Head-major, GQA-grouped: (B, T, N, H) -> (B, K, G, T, H), one (T, S) matmul per head.
     q = jnp.transpose(query, (0, 2, 1, 3)).reshape(B, K, G, T, H)
     k = jnp.transpose(key, (0, 2, 1, 3))
+    if opts.return_weights:
+      w = _dense.attention_weights(cfg, q, k, bias5, combined, score_args, sink)
+      w = w.reshape(B, N, T, S)
+      return w[0] if args.unbatched else w
     v = jnp.transpose(value, (0, 2, 1, 3))
     out, lse = _dense.dense_attention(cfg, q, k, v, bias5, combined, seed, score_args, sink)
     out = jnp.transpose(out.reshape(B, N, T, Hv), (0, 2, 1, 3))

@@ -40,7 +40,7 @@ def scale_operand(value):
   Python and NumPy numbers are static (part of the jit cache key, applied to the float32
   logits); a jax array, concrete or traced, is an operand (jax.nn accepts both).
   """
-  if isinstance(value, jax.Array) or isinstance(value, jax.core.Tracer):
+  if isinstance(value, jax.Array):  # tracers are jax.Arrays too
     if value.shape != ():
       raise ValueError(f"scale must be a scalar, got an array of shape {value.shape}")
     if not (jnp.issubdtype(value.dtype, jnp.floating) or jnp.issubdtype(value.dtype, jnp.integer)):
