@@ -9,7 +9,7 @@ with bf16 compute and fp32 parameters) from the same seed, prints the final loss
 each, how far the dense and chunked loss curves are apart (they coincide to float tolerance:
 same initialisation, same batches, same dropout masks), and writes the curves as a PNG.
 
-  python examples/train_recall.py [--config configs/train.toml] [--steps N] [--out DIR]
+  python examples/train_recall.py [--config examples/train_recall.toml] [--steps N] [--out DIR]
 
 Shapes: B batch, L sequence length (2P + 2), D model width, V vocabulary.
 """
@@ -33,8 +33,7 @@ from flax import nnx
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import jattn  # noqa: E402
 
-DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs",
-                              "train.toml")
+DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train_recall.toml")
 
 
 # ---- the task ------------------------------------------------------------------------------
@@ -224,7 +223,8 @@ def _plot(results: dict, path: str):
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  p.add_argument("--config", default=DEFAULT_CONFIG)
+  p.add_argument("--config", default=DEFAULT_CONFIG,
+                 help="TOML config (default: examples/train_recall.toml, beside this script)")
   p.add_argument("--steps", type=int, default=None, help="override [train] steps")
   p.add_argument("--out", default="results/train_recall", help="folder for the PNG and JSON")
   args = p.parse_args(argv)

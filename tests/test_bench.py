@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from benchmarks import cli, config, flops, masks, report, ring_bench, runner, torch_peer
+from jattn.bench import cli, config, flops, masks, report, ring_bench, runner, torch_peer
 
 _JAX_IMPLS = {"jattn-dense", "jattn-chunked-32x32", "jax-nn", "flax"}
 

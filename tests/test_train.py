@@ -16,7 +16,7 @@ _spec.loader.exec_module(train_recall)
 
 
 def _config(**model):
-  cfg = train_recall.load_config(os.path.join(_ROOT, "configs", "train.toml"))
+  cfg = train_recall.load_config(os.path.join(_ROOT, "examples", "train_recall.toml"))
   cfg["train"].update(batch_size=32, eval_every=1000, eval_batch=64)
   cfg["model"].update(dict(num_layers=1), **model)  # one layer: the pipeline, compiled faster
   return cfg

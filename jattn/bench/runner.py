@@ -22,10 +22,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import impls as _impls
-from benchmarks import masks as _masks
-from benchmarks import torch_peer as _torch_peer
-from benchmarks.config import Case, Impl
+from jattn.bench import impls as _impls
+from jattn.bench import masks as _masks
+from jattn.bench import torch_peer as _torch_peer
+from jattn.bench.config import Case, Impl
 
 GIB = 1024 ** 3
 

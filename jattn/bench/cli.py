@@ -12,10 +12,10 @@ import dataclasses
 import datetime
 import sys
 
-from benchmarks import config as _config
-from benchmarks import flops as _flops
-from benchmarks import report as _report
-from benchmarks import torch_peer as _torch_peer
+from jattn.bench import config as _config
+from jattn.bench import flops as _flops
+from jattn.bench import report as _report
+from jattn.bench import torch_peer as _torch_peer
 
 _EPILOG = """\
 examples:
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     path = _config.resolve_path("quick" if args.quick else (args.config or args.config_pos))
     if _is_ring_config(path):
       # Ring attention needs several (host) devices, set up before JAX starts: its own runner.
-      from benchmarks import ring_bench
+      from jattn.bench import ring_bench
       return ring_bench.main([str(path)])
     cfg = _config.load(path)
   except _config.ConfigError as e:
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(cfg, cases, notes, args, argv, max_memory_gib) -> int:
-  from benchmarks import runner as _runner  # imports jax, flax, jattn: after argument errors
+  from jattn.bench import runner as _runner  # the implementations: after argument errors
 
   progress = _report.Progress(len(cases), enabled=not args.quiet)
   machine = _report.machine_info()
@@ -278,7 +278,7 @@ def _run(cfg, cases, notes, args, argv, max_memory_gib) -> int:
     paths = _report.write_results(args.out, stem, result)
     print("\nresults: " + ", ".join(str(p) for p in paths.values()))
   if args.plot:
-    from benchmarks import plots as _plots
+    from jattn.bench import plots as _plots
     written = _plots.write_plots(rows, args.plot, stem)
     print(f"plots: {len(written)} PNG in {args.plot}")
   return 130 if interrupted else 0

@@ -16,7 +16,7 @@ scaling and masking (O(T*S) elementwise work) are not counted.
 
 from __future__ import annotations
 
-from benchmarks import masks as _masks
+from jattn.bench import masks as _masks
 
 FORWARD = "forward"
 FORWARD_BACKWARD = "forward+backward"

@@ -7,7 +7,7 @@ call per request, so torch's calls interleave with JAX's (A B A B ...) like any 
 worker gets ``OMP_WAIT_POLICY=PASSIVE`` (its threads sleep while JAX runs) and as many threads as
 the JAX process may use. torch is never a dependency: without it the peer is dropped with a note.
 
-The worker file imports nothing from the benchmarks package, so it runs wherever torch does.
+The worker file imports nothing from the jattn.bench package, so it runs wherever torch does.
 """
 
 from __future__ import annotations
@@ -157,7 +157,7 @@ class _Case:
       ok &= (k >= q + d - window[0]) & (k <= q + d + window[1])
     ok = ok[None, None]
     if segments is not None:
-      # Equal packed documents, as benchmarks.masks.segment_ids: position i is in i*M // length.
+      # Equal packed documents, as jattn.bench.masks.segment_ids: position i is in i*M // length.
       qs = torch.arange(T, device=self.device) * segments // T
       ks = torch.arange(S, device=self.device) * segments // S
       ok = ok & (qs[:, None] == ks[None, :])[None, None]

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
-from benchmarks.runner import ROW_FIELDS
+from jattn.bench.runner import ROW_FIELDS
 
 # Environment variables that change what is measured: allocator, threads, XLA and JAX settings.
 _ENV_PREFIXES = ("XLA_", "JAX_", "TF_CPP_", "OMP_", "MKL_", "OPENBLAS_", "CUDA_", "NVIDIA_TF32")

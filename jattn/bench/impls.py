@@ -19,9 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import jattn
-from benchmarks import flops as _flops
-from benchmarks import masks as _masks
-from benchmarks.config import Case, Impl
+from jattn.bench import flops as _flops
+from jattn.bench import masks as _masks
+from jattn.bench.config import Case, Impl
 
 
 class Unsupported(Exception):

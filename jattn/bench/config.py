@@ -17,7 +17,7 @@ whose keys override the top level (each sweep is the cartesian product of its ax
   batch, heads, kv_heads, head_dim       B, N, K (default K = N), H [1, 8, = heads, 64]
   T, S                                   query / key lengths; S defaults to S = T [required]
   dtypes                                 "float32", "bfloat16", "float16" [["float32"]]
-  masks                                  mask specs (see benchmarks.masks) [["full"]]
+  masks                                  mask specs (see jattn.bench.masks) [["full"]]
   [[compare]] field, values              print and store time ratios between cases that differ
                                          only in ``field`` (e.g. mask "causal" vs "full")
 """
@@ -25,14 +25,15 @@ whose keys override the top level (each sweep is the cartesian product of its ax
 from __future__ import annotations
 
 import dataclasses
+import importlib.resources
 import itertools
 import os
 import sys
 from pathlib import Path
 from typing import Any
 
-from benchmarks import flops as _flops
-from benchmarks import masks as _masks
+from jattn.bench import flops as _flops
+from jattn.bench import masks as _masks
 
 if sys.version_info >= (3, 11):
   import tomllib as _toml
@@ -137,19 +138,18 @@ class Config:
 
 
 def configs_dir() -> Path:
-  """Where the shipped configs live: ./configs, else the copy installed inside this package (a
-  wheel), else the repository checkout beside this package."""
-  here = Path.cwd() / "configs"
-  if here.is_dir():
-    return here
-  installed = Path(__file__).resolve().parent / "configs"
-  if installed.is_dir():
+  """Where the shipped configs live: ``jattn/bench/configs`` inside the installed package (a wheel
+  ships the repository's ``configs/`` there), else the checkout's ``configs/`` beside the
+  ``jattn/`` directory (an editable install or a bare checkout)."""
+  installed = importlib.resources.files("jattn.bench") / "configs"
+  if isinstance(installed, Path) and installed.is_dir():
     return installed
-  return Path(__file__).resolve().parent.parent / "configs"
+  return Path(__file__).resolve().parent.parent.parent / "configs"
 
 
 def resolve_path(arg: str | None) -> Path:
-  """A config argument -> a file: a path, or a bare name like ``quick`` for configs/quick.toml."""
+  """A config argument -> a file: a path, or a bare name like ``quick`` for the shipped
+  configs/quick.toml (see configs_dir)."""
   if arg is None:
     arg = "default"
   path = Path(arg)
@@ -159,7 +159,8 @@ def resolve_path(arg: str | None) -> Path:
     candidate = configs_dir() / f"{arg}.toml"
     if candidate.is_file():
       return candidate
-  raise ConfigError(f"config {arg!r}: no such file (also looked for {configs_dir()}/{arg}.toml)")
+    raise ConfigError(f"config {arg!r}: no such file (also looked for {candidate})")
+  raise ConfigError(f"config {arg!r}: no such file")
 
 
 def load(path: str | os.PathLike) -> Config:
