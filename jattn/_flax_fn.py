@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jattn import _validation
 from jattn import masks as _masks
 from jattn._attention import attention_weights, dot_product_attention
+from jattn._types import ArrayLike, Implementation, IsCausal, LocalWindowSize
 
 _PRECISION_NAMES = {
     jax.lax.Precision.DEFAULT: "default",
@@ -32,11 +33,11 @@ _PRECISION_NAMES = {
 
 def make_attention_fn(
     *,
-    implementation: str | None = None,
+    implementation: Implementation | None = None,
     block_q: int | None = None,
     block_kv: int | None = None,
-    is_causal: bool | str = False,
-    local_window_size: int | tuple[int, int] | None = None,
+    is_causal: IsCausal = False,
+    local_window_size: LocalWindowSize | None = None,
     logits_soft_cap: float | None = None,
     scale: float | None = None,
     score_mod: Callable | None = None,
@@ -92,12 +93,13 @@ def make_attention_fn(
   )
   causal_option = _validation.causal(is_causal)
 
-  def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout: bool = True,
-                   dropout_rng=None, dropout_rate: float = 0.0, deterministic: bool = False,
-                   dtype=None, precision=None, module=None, promote_dtype=None,
-                   is_causal: bool = False, *, force_fp32_for_softmax: bool = False,
-                   einsum_dot_general=None, qk_attn_weights_einsum=None,
-                   attn_weights_value_einsum=None):
+  def attention_fn(query: ArrayLike, key: ArrayLike, value: ArrayLike,
+                   bias: ArrayLike | None = None, mask: _masks.Mask | ArrayLike | None = None,
+                   broadcast_dropout: bool = True, dropout_rng: ArrayLike | None = None,
+                   dropout_rate: float = 0.0, deterministic: bool = False, dtype=None,
+                   precision=None, module=None, promote_dtype=None, is_causal: bool = False, *,
+                   force_fp32_for_softmax: bool = False, einsum_dot_general=None,
+                   qk_attn_weights_einsum=None, attn_weights_value_einsum=None):
     """flax's ``dot_product_attention`` signature (linen's and nnx's keywords), run by jattn.
 
     Returns [batch..., T, N, H] in the computation dtype.
@@ -112,11 +114,14 @@ def make_attention_fn(
             f"jattn.make_attention_fn: {name} (a custom einsum, e.g. quantized) is not "
             f"supported; jattn computes q.k and p.v with its own float32-accumulating einsums")
 
+    dropout_rate = _validation.real("dropout_rate", dropout_rate, at_least=0, below=1)
+    is_causal = _validation.flag("is_causal", is_causal)
+    force_fp32_for_softmax = _validation.flag("force_fp32_for_softmax", force_fp32_for_softmax)
     if promote_dtype is None:
       from flax.nnx.nn import dtypes as _flax_dtypes  # flax's own callers have it imported
 
       promote_dtype = _flax_dtypes.promote_dtype
-    promote = promote_dtype
+    promote = _validation.function("promote_dtype", promote_dtype)
     query, key, value = promote((query, key, value), dtype=dtype)
     if query.ndim < 3 or key.ndim != query.ndim or value.ndim != query.ndim:
       raise ValueError(

@@ -10,14 +10,13 @@ heads (K divides N: GQA / MQA), H head dim, D model features.
 from __future__ import annotations
 
 import dataclasses
-import numbers
 
 import jax.numpy as jnp
-import numpy as np
 
 from jattn import _validation
 from jattn import masks as _masks
 from jattn._attention import attention_weights, dot_product_attention
+from jattn._types import CausalAlignment
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -27,7 +26,7 @@ class Options:
   num_heads: int
   num_kv_heads: int
   head_dim: int
-  is_causal: str | None
+  is_causal: CausalAlignment | None
   window: tuple[int, int] | None
   logits_soft_cap: float | None
   scale: float | None
@@ -43,30 +42,26 @@ class Options:
 def options(*, num_heads, num_kv_heads, qkv_features, is_causal, local_window_size,
             logits_soft_cap, scale, implementation, block_q, block_kv, rope, rope_base,
             dropout_rate, broadcast_dropout) -> Options:
-  """Check a module's constructor arguments; errors name the argument."""
-  for name, v in (("num_heads", num_heads), ("qkv_features", qkv_features)):
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
-      raise ValueError(f"{name} must be a positive int, got {v!r}")
+  """Check a module's constructor arguments (the `jattn._validation` policy: TypeError for a
+  wrong type, ValueError for a wrong value); errors name the argument."""
+  num_heads = _validation.positive_int("num_heads", num_heads)
+  qkv_features = _validation.positive_int("qkv_features", qkv_features)
+  num_kv_heads = _validation.positive_int("num_kv_heads", num_kv_heads, optional=True)
   if num_kv_heads is None:
     num_kv_heads = num_heads
-  if (isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, (int, np.integer))
-      or num_kv_heads <= 0 or num_heads % num_kv_heads):
-    raise ValueError(f"num_kv_heads must be a positive int dividing num_heads={num_heads}, got "
-                     f"{num_kv_heads!r}")
+  if num_heads % num_kv_heads:
+    raise ValueError(f"num_kv_heads={num_kv_heads} must divide num_heads={num_heads} (each "
+                     f"key/value head serves num_heads // num_kv_heads query heads)")
   if qkv_features % num_heads:
-    raise ValueError(f"qkv_features={qkv_features} must be divisible by num_heads={num_heads}")
-  head_dim = int(qkv_features) // int(num_heads)
+    raise ValueError(f"qkv_features={qkv_features} must be divisible by num_heads={num_heads} "
+                     f"(the head dim is qkv_features // num_heads)")
+  head_dim = qkv_features // num_heads
   rope = _validation.flag("rope", rope)
   if rope and head_dim % 2:
     raise ValueError(f"rope=True rotates pairs of features: the head dim qkv_features // "
                      f"num_heads = {head_dim} must be even")
-  if isinstance(rope_base, bool) or not isinstance(rope_base, numbers.Real) or not rope_base > 1:
-    raise ValueError(f"rope_base must be a number > 1, got {rope_base!r}")
-  if isinstance(dropout_rate, bool) or not isinstance(dropout_rate, numbers.Real) or not (
-      0.0 <= dropout_rate < 1.0):
-    raise ValueError(f"dropout_rate must be a float in [0, 1), got {dropout_rate!r}")
   return Options(
-      num_heads=int(num_heads), num_kv_heads=int(num_kv_heads), head_dim=head_dim,
+      num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
       is_causal=_validation.causal(is_causal),
       window=_validation.window(local_window_size),
       logits_soft_cap=_validation.soft_cap(logits_soft_cap),
@@ -74,7 +69,8 @@ def options(*, num_heads, num_kv_heads, qkv_features, is_causal, local_window_si
       implementation=_validation.implementation(implementation),
       block_q=_validation.block("block_q", block_q),
       block_kv=_validation.block("block_kv", block_kv),
-      rope=rope, rope_base=float(rope_base), dropout_rate=float(dropout_rate),
+      rope=rope, rope_base=_validation.real("rope_base", rope_base, above=1),
+      dropout_rate=_validation.real("dropout_rate", dropout_rate, at_least=0, below=1),
       broadcast_dropout=_validation.flag("broadcast_dropout", broadcast_dropout))
 
 
@@ -105,9 +101,7 @@ def _positions(name, positions, B, L, offset=None):
     if offset is not None:
       p = offset.astype(jnp.int32)[:, None] + p
     return jnp.broadcast_to(p, (B, L))
-  positions = jnp.asarray(positions)
-  if not jnp.issubdtype(positions.dtype, jnp.integer):
-    raise TypeError(f"{name} must be an integer array, got dtype {positions.dtype}")
+  positions = _validation.int_array(name, positions)
   if positions.shape not in ((L,), (B, L)):
     raise ValueError(f"{name} must have shape (L,)=({L},) or (B, L)=({B}, {L}), got "
                      f"{positions.shape}")
@@ -115,10 +109,9 @@ def _positions(name, positions, B, L, offset=None):
 
 
 def _lengths(name, x, B):
-  x = jnp.asarray(x)
-  if not jnp.issubdtype(x.dtype, jnp.integer) or x.shape != (B,):
-    raise ValueError(f"{name} must be an int array of shape (B,)=({B},), got "
-                     f"{x.dtype}{x.shape}")
+  x = _validation.int_array(name, x)
+  if x.shape != (B,):
+    raise ValueError(f"{name} must be an int array of shape (B,)=({B},), got shape {x.shape}")
   return x.astype(jnp.int32)
 
 

@@ -1,37 +1,256 @@
-"""Argument checks. Every malformed call fails here, at trace time, naming the argument.
+"""Argument checks, and the one error policy of jattn.
 
-ValueError for bad shapes and values, TypeError for bad dtypes and types, NotImplementedError for
-valid requests jattn does not support. Nothing here runs inside the custom-VJP kernels.
+Every malformed call fails at trace time, before any kernel runs, with an error that names the
+argument, shows what was passed (its type and value, or an array's dtype and shape) and says what
+was expected. The exception type says what kind of mistake it is:
+
+  TypeError            the argument has the wrong type or dtype: a float or a str where an int is
+                       needed, an int array where a floating one is, a non-callable where a
+                       function is, a non-bool flag. Bools are never ints or numbers here; NumPy
+                       integer and real scalars are accepted wherever Python ones are.
+  ValueError           the type is right but the value or shape is not: a negative or zero size,
+                       a rate outside its range, an unknown option string, an array of the wrong
+                       shape or rank, arrays that disagree with each other.
+  NotImplementedError  a valid request that jattn does not support (``implementation='cudnn'``,
+                       a bias array in ring attention, ...).
+
+When arrays disagree, the argument named is the one that is wrong: query is the reference, key is
+checked against query (rank, dtype, batch, head dim, heads), value against key, and masks,
+lengths, segment ids, bias and sinks against the (B, N, T, S) that query and key imply.
+
+Checks use the named checkers below (`integer`, `positive_int`, `non_negative_int`, `real`,
+`flag`, `one_of`, `function`, `instance`, `hashable`, `axis`, `float_array`, `int_array`,
+`bool_array`) rather than open-coded ``isinstance`` tests, so the policy and its messages stay
+one. The option checks (`scale`, `causal`, `window`, `soft_cap`, `dropout`, `implementation`,
+`block`) return the normalised value. Nothing here runs inside the custom-VJP kernels.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import numbers
+import typing
 from typing import Any
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jattn import _types
 from jattn import masks as _masks
 
 IMPLEMENTATIONS = ("dense", "chunked")
+CAUSAL_ALIGNMENTS = typing.get_args(_types.CausalAlignment)  # ("top_left", "bottom_right")
+LAYOUTS = typing.get_args(_types.Layout)  # ("contiguous", "zigzag")
+
+
+# ---- the named checkers --------------------------------------------------------------------
+
+
+def describe(value) -> str:
+  """What was passed, for a message: ``str '3'``, ``float 2.5``, ``Array of dtype float32 and
+  shape (2, 3)``."""
+  kind = "jax.Array" if isinstance(value, jax.Array) else type(value).__name__
+  shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+  if shape is not None and dtype is not None and getattr(value, "ndim", 0) != 0:
+    return f"{kind} of dtype {dtype} and shape {tuple(shape)}"
+  text = repr(value)
+  if len(text) > 80:
+    text = text[:77] + "..."
+  return f"{kind} {text}"
+
+
+def is_int(value) -> bool:
+  """A Python or NumPy integer scalar, not a bool."""
+  return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def is_real(value) -> bool:
+  """A Python or NumPy real scalar (ints included), not a bool."""
+  return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+
+
+def _or_none(optional):
+  return " or None" if optional else ""
+
+
+def _int_text(minimum):
+  if minimum is None:
+    return "an int"
+  if minimum == 1:
+    return "a positive int"
+  if minimum == 0:
+    return "a non-negative int"
+  return f"an int >= {minimum}"
+
+
+def integer(name: str, value, *, minimum: int | None = None, optional: bool = False):
+  """An int (``>= minimum`` if given) as a Python int; ``optional``: None passes as None.
+
+  TypeError for a non-int (a bool, float or str included), ValueError below ``minimum``.
+  """
+  if value is None and optional:
+    return None
+  if not is_int(value):
+    raise TypeError(f"{name} must be {_int_text(minimum)}{_or_none(optional)}, got "
+                    f"{describe(value)}")
+  if minimum is not None and value < minimum:
+    raise ValueError(f"{name} must be {_int_text(minimum)}{_or_none(optional)}, got {int(value)}")
+  return int(value)
+
+
+def positive_int(name: str, value, *, optional: bool = False):
+  """An int >= 1 (see `integer`)."""
+  return integer(name, value, minimum=1, optional=optional)
+
+
+def non_negative_int(name: str, value, *, optional: bool = False):
+  """An int >= 0 (see `integer`)."""
+  return integer(name, value, minimum=0, optional=optional)
+
+
+def _range_text(above, at_least, below, at_most):
+  lo = (f"({above}" if above is not None else f"[{at_least}" if at_least is not None else None)
+  hi = (f"{below})" if below is not None else f"{at_most}]" if at_most is not None else None)
+  if lo is not None and hi is not None:
+    return f" in {lo}, {hi}"
+  if lo is not None:
+    return f" > {above}" if above is not None else f" >= {at_least}"
+  if hi is not None:
+    return f" < {below}" if below is not None else f" <= {at_most}"
+  return ""
+
+
+def real(name: str, value, *, optional: bool = False, finite: bool = True,
+         positive: bool = False, above=None, at_least=None, below=None, at_most=None):
+  """A real number (Python or NumPy, ints included, bools not) as a Python float.
+
+  ``positive`` is ``above=0``; ``above`` / ``at_least`` / ``below`` / ``at_most`` bound it
+  (exclusive / inclusive); ``finite`` refuses inf and NaN (NaN fails every bound too).
+  ``optional``: None passes as None. TypeError for a non-number, ValueError out of range.
+  """
+  if value is None and optional:
+    return None
+  if positive and above is None:
+    above = 0
+  bounds = f"{_range_text(above, at_least, below, at_most)}{_or_none(optional)}"
+  if not is_real(value):
+    raise TypeError(f"{name} must be a real number{bounds}, got {describe(value)}")
+  expected = f"a {'finite ' if finite else ''}real number{bounds}"
+  x = float(value)
+  ok = not (finite and not np.isfinite(x))
+  ok = ok and (above is None or x > above) and (at_least is None or x >= at_least)
+  ok = ok and (below is None or x < below) and (at_most is None or x <= at_most)
+  if not ok:
+    raise ValueError(f"{name} must be {expected}, got {value!r}")
+  return x
+
+
+def flag(name: str, value, *, optional: bool = False):
+  """A Python or NumPy bool as a Python bool (ints are not bools); ``optional``: None passes."""
+  if value is None and optional:
+    return None
+  if not isinstance(value, (bool, np.bool_)):
+    raise TypeError(f"{name} must be a bool{_or_none(optional)}, got {describe(value)}")
+  return bool(value)
+
+
+def one_of(name: str, value, choices, *, expected: str | None = None):
+  """One of ``choices`` (strings, or None). TypeError when ``value`` does not even have the
+  choices' type, ValueError for a value of the right type that is not among them. ``expected``
+  overrides the "one of ..." text of the message."""
+  kinds = tuple({type(c) for c in choices if c is not None})
+  if value is None and None in choices:
+    return None
+  expected = expected or f"one of {', '.join(repr(c) for c in choices)}"
+  if not isinstance(value, kinds):
+    raise TypeError(f"{name} must be {expected}, got {describe(value)}")
+  if value not in choices:
+    raise ValueError(f"{name} must be {expected}, got {value!r}")
+  return value
+
+
+def function(name: str, value, *, optional: bool = False):
+  """A callable (``optional``: or None), else TypeError."""
+  if value is None and optional:
+    return None
+  if not callable(value):
+    raise TypeError(f"{name} must be callable{_or_none(optional)}, got {describe(value)}")
+  return value
+
+
+def callable_or_none(name: str, value):
+  return function(name, value, optional=True)
+
+
+def instance(name: str, value, types, expected: str):
+  """``isinstance(value, types)``, else TypeError ("{name} must be {expected}, got ...")."""
+  if not isinstance(value, types):
+    raise TypeError(f"{name} must be {expected}, got {describe(value)}")
+  return value
+
+
+def hashable(name: str, value, expected: str = "hashable"):
+  """A hashable value (a mesh axis name, a static option), else TypeError."""
+  try:
+    hash(value)
+  except TypeError:
+    raise TypeError(f"{name} must be {expected}, got {describe(value)}") from None
+  return value
+
+
+def axis(name: str, value, shape) -> int:
+  """An axis index into an array of ``shape`` (negative counts from the end), normalised to
+  0 .. ndim-1. TypeError for a non-int, ValueError out of range."""
+  ndim = len(shape)
+  value = integer(name, value)
+  if not -ndim <= value < ndim:
+    raise ValueError(f"{name}={value} is out of range for an array of rank {ndim} (shape "
+                     f"{tuple(shape)})")
+  return value % ndim
+
+
+def _asarray(name, x, expected):
+  if hasattr(x, "dtype") and hasattr(x, "shape"):
+    return x
+  try:
+    return jnp.asarray(x)
+  except (TypeError, ValueError):
+    raise TypeError(f"{name} must be {expected}, got {describe(x)}") from None
+
+
+def float_array(name: str, x):
+  """An array (or array-like) with a floating dtype, else TypeError."""
+  x = _asarray(name, x, "a floating array")
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise TypeError(f"{name} must have a floating dtype, got {name}.dtype={x.dtype}")
+  return x
+
+
+def int_array(name: str, x, *, optional: bool = False):
+  """An array (or array-like) with an integer dtype (bool is not one), else TypeError;
+  ``optional``: None passes. Shapes are the caller's to check (ValueError)."""
+  if x is None and optional:
+    return None
+  x = _asarray(name, x, "an integer array")
+  if not jnp.issubdtype(x.dtype, jnp.integer):
+    raise TypeError(f"{name} must be an integer array, got dtype {x.dtype}")
+  return jnp.asarray(x)
+
+
+def bool_array(name: str, x, expected: str = "a boolean array"):
+  """An array (or array-like) of dtype bool, else TypeError ("{name} must be {expected}")."""
+  x = _asarray(name, x, expected)
+  if x.dtype != jnp.bool_:
+    raise TypeError(f"{name} must be {expected}, got dtype {x.dtype}")
+  return jnp.asarray(x)
 
 
 # ---- static options ------------------------------------------------------------------------
 
 
 def scale(value):
-  if value is None:
-    return None
-  if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
-    raise TypeError(f"scale must be a real number or None, got {type(value).__name__} {value!r}")
-  value = float(value)
-  if not np.isfinite(value):
-    raise ValueError(f"scale must be finite, got {value}")
-  return value
+  return real("scale", value, optional=True)
 
 
 def scale_operand(value):
@@ -52,51 +271,40 @@ def scale_operand(value):
 
 
 def causal(value):
-  if isinstance(value, np.bool_):
-    value = bool(value)
-  if value is False or value is None:
+  """``is_causal``: False/None -> None, True -> "top_left", or an alignment string."""
+  if isinstance(value, (bool, np.bool_)):
+    return "top_left" if value else None
+  if value is None:
     return None
-  if value is True:
-    return "top_left"
-  if isinstance(value, str) and value in ("top_left", "bottom_right"):
-    return value
-  raise ValueError(
-      f"is_causal must be a bool, 'top_left' or 'bottom_right', got {value!r}")
+  return one_of("is_causal", value, CAUSAL_ALIGNMENTS,
+                expected="a bool, 'top_left' or 'bottom_right'")
 
 
 def window(value):
   """``local_window_size``: ``w`` means ``(w, w)`` as in jax.nn; ``None`` on a side: unbounded."""
+  name = "local_window_size"
   if value is None:
     return None
-  is_int = lambda v: isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
   if is_int(value):
-    value = (int(value), int(value))
-  if (not isinstance(value, (tuple, list)) or len(value) != 2
-      or not all(v is None or is_int(v) for v in value)):
-    raise ValueError(f"local_window_size must be an int or a (left, right) pair of ints or "
-                     f"None, got {value!r}")
-  if any(v is not None and v < 0 for v in value):
-    raise ValueError(f"local_window_size must be non-negative, got {value!r}")
-  left, right = (None if v is None else int(v) for v in value)
+    w = non_negative_int(name, value)
+    return (w, w)
+  if not isinstance(value, (tuple, list)):
+    raise TypeError(f"{name} must be None, an int or a (left, right) pair of ints (None on a "
+                    f"side: unbounded), got {describe(value)}")
+  if len(value) != 2:
+    raise ValueError(f"{name} must be an int or a (left, right) pair, got {len(value)} values "
+                     f"{tuple(value)!r}")
+  left, right = (non_negative_int(f"{name}[{i}] ({side})", v, optional=True)
+                 for i, (side, v) in enumerate(zip(("left", "right"), value)))
   return None if (left, right) == (None, None) else (left, right)
 
 
 def soft_cap(value):
-  if value is None:
-    return None
-  if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
-    raise TypeError(f"logits_soft_cap must be a float or None, got {type(value).__name__}")
-  if not (float(value) > 0 and np.isfinite(float(value))):
-    raise ValueError(f"logits_soft_cap must be a positive finite number, got {value!r}")
-  return float(value)
+  return real("logits_soft_cap", value, optional=True, positive=True)
 
 
 def dropout(rate, rng):
-  if isinstance(rate, (bool, np.bool_)) or not isinstance(rate, numbers.Real):
-    raise TypeError(f"dropout_rate must be a float in [0, 1), got {type(rate).__name__}")
-  rate = float(rate)
-  if not 0.0 <= rate < 1.0:
-    raise ValueError(f"dropout_rate must be in [0, 1), got {rate}")
+  rate = real("dropout_rate", rate, at_least=0, below=1)
   if rate > 0 and rng is None:
     raise ValueError(f"dropout_rate={rate} needs dropout_rng (a PRNG key), got None")
   if rate > 0:
@@ -119,40 +327,20 @@ def _prng_key(name, key):
 
 
 def implementation(value):
+  """None, "dense" (or jax.nn's name "xla") or "chunked"; "cudnn" is NotImplementedError."""
   if value is None:
     return None
-  if value == "xla":
-    return "dense"
-  if value == "cudnn":
+  if isinstance(value, str) and value == "cudnn":
     raise NotImplementedError(
         "implementation='cudnn' is jax.nn's cuDNN kernel; jattn is pure JAX/XLA. Use "
         "jax.nn.dot_product_attention(implementation='cudnn') for it.")
-  if value not in IMPLEMENTATIONS:
-    raise ValueError(
-        f"implementation must be None, 'dense' (or 'xla') or 'chunked', got {value!r}")
-  return value
+  value = one_of("implementation", value, typing.get_args(_types.Implementation),
+                 expected="None, 'dense' (or 'xla') or 'chunked'")
+  return "dense" if value == "xla" else value
 
 
 def block(name, value):
-  if value is None:
-    return None
-  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-    raise TypeError(f"{name} must be a positive int or None, got {type(value).__name__} {value!r}")
-  if value <= 0:
-    raise ValueError(f"{name} must be a positive int, got {value}")
-  return int(value)
-
-
-def flag(name, value):
-  if not isinstance(value, (bool, np.bool_)):
-    raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
-  return bool(value)
-
-
-def callable_or_none(name, value):
-  if value is not None and not callable(value):
-    raise TypeError(f"{name} must be callable or None, got {type(value).__name__}")
-  return value
+  return positive_int(name, value, optional=True)
 
 
 # ---- arrays --------------------------------------------------------------------------------
@@ -175,18 +363,14 @@ class Arrays:
   unbatched: bool
 
 
-def _float_array(name, x):
-  if not hasattr(x, "dtype") or not hasattr(x, "shape"):
-    x = jnp.asarray(x)
-  if not jnp.issubdtype(x.dtype, jnp.floating):
-    raise TypeError(f"{name} must have a floating dtype, got {name}.dtype={x.dtype}")
-  return x
+_float_array = float_array  # the older private name
 
 
 def broadcastable(name, x, shape, letters):
   """Rank <= 4, each dim either 1 or the full size (no silent broadcasting of other sizes)."""
-  chex.assert_rank(x, {0, 1, 2, 3, 4}, exception_type=ValueError,
-                   custom_message=f"{name} must have rank <= 4, broadcastable to {letters}={shape}")
+  if x.ndim > 4:
+    raise ValueError(f"{name} must have rank <= 4, broadcastable to {letters}={shape}, got "
+                     f"shape {tuple(x.shape)}")
   x4 = x.reshape((1,) * (4 - x.ndim) + tuple(x.shape))
   for got, want in zip(x4.shape, shape):
     if got not in (1, want):
@@ -201,70 +385,86 @@ def int_vector(name, x, B, *, checked=False):
   None passes."""
   if x is None:
     return None
-  x = jnp.asarray(x)
+  x = _asarray(name, x, f"an integer array of shape (B,)=({B},)")
   if not jnp.issubdtype(x.dtype, jnp.integer):
     raise TypeError(f"{name} must be an integer array of shape (B,)=({B},), got dtype {x.dtype}")
-  chex.assert_shape(x, (B,), exception_type=ValueError,
-                    custom_message=f"{name} must have shape (B,)=({B},), got {x.shape}")
+  x = jnp.asarray(x)
+  if x.shape != (B,):
+    raise ValueError(f"{name} must have shape (B,)=({B},), got {x.shape}")
   return x if checked else x.astype(jnp.int32)
 
 
 def segment_ids(name, x, B, L, letter, *, checked=False):
-  x = jnp.asarray(x)
+  x = _asarray(name, x, f"an integer array of shape (B, {letter})=({B}, {L})")
   if not jnp.issubdtype(x.dtype, jnp.integer):
     raise TypeError(f"{name} must be an integer array of shape (B, {letter})=({B}, {L}), "
                     f"got dtype {x.dtype}")
+  x = jnp.asarray(x)
   if x.ndim == 1 and B == 1 and not checked:
     x = x[None]
-  chex.assert_shape(x, (B, L), exception_type=ValueError,
-                    custom_message=f"{name} must have shape (B, {letter})=({B}, {L}), "
-                    f"got {x.shape}")
+  if x.shape != (B, L):
+    raise ValueError(f"{name} must have shape (B, {letter})=({B}, {L}), got {x.shape}")
   return x if checked else x.astype(jnp.int32)
 
 
-def arrays(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_seg, sinks) -> Arrays:
-  query = _float_array("query", query)
-  key = _float_array("key", key)
-  value = _float_array("value", value)
-  chex.assert_rank(query, {3, 4}, exception_type=ValueError,
-                   custom_message=f"query must be (B, T, N, H) or (T, N, H), got {query.shape}")
-  chex.assert_rank(key, query.ndim, exception_type=ValueError,
-                   custom_message=f"key must have the rank of query ({query.ndim}): "
-                   f"query.shape={query.shape}, key.shape={key.shape}")
-  if key.dtype != query.dtype or value.dtype != query.dtype:
-    raise TypeError(f"query, key and value must share a dtype, got query.dtype={query.dtype}, "
-                    f"key.dtype={key.dtype}, value.dtype={value.dtype}")
+def _qkv(query, key, value):
+  """query, key and value checked in the order that names the wrong one: query alone, key
+  against query, value against key."""
+  query = float_array("query", query)
+  if query.ndim not in (3, 4):
+    raise ValueError(f"query must be (B, T, N, H) or (T, N, H), got shape {query.shape}")
+  key = float_array("key", key)
+  shapes = f"query.shape={query.shape}, key.shape={key.shape}"
+  if key.ndim != query.ndim:
+    raise ValueError(f"key must have the rank of query ({query.ndim}): {shapes}")
+  if key.dtype != query.dtype:
+    raise TypeError(f"key must have the dtype of query: query.dtype={query.dtype}, "
+                    f"key.dtype={key.dtype}")
+  batched = query.ndim == 4
+  if batched and key.shape[0] != query.shape[0]:
+    raise ValueError(f"key must have the batch size B of query (B={query.shape[0]}), got "
+                     f"B={key.shape[0]}: {shapes}")
+  H, Hk = query.shape[-1], key.shape[-1]
+  if Hk != H:
+    raise ValueError(f"key must have the head dim H of query (H={H}), got H={Hk}: {shapes}")
+  N, K = query.shape[-2], key.shape[-2]
+  if K == 0 or N % K:
+    raise ValueError(f"the number of query heads N={N} must be a multiple of the number of "
+                     f"key/value heads K={K} ({shapes})")
+  value = float_array("value", value)
+  kv = f"key.shape={key.shape}, value.shape={value.shape}"
+  if value.ndim != key.ndim:
+    raise ValueError(f"value must have the rank of key ({key.ndim}): {kv}")
+  if value.dtype != key.dtype:
+    raise TypeError(f"value must have the dtype of key (and query): key.dtype={key.dtype}, "
+                    f"value.dtype={value.dtype}")
   if value.shape != key.shape:
-    raise ValueError(f"value must have the shape of key (B, S, K, H): key.shape={key.shape}, "
-                     f"value.shape={value.shape}")
+    raise ValueError(f"value must have the shape of key (B, S, K, H): {kv}")
+  return query, key, value
+
+
+def arrays(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_seg, sinks) -> Arrays:
+  query, key, value = _qkv(query, key, value)
   unbatched = query.ndim == 3
   if unbatched:
     query, key, value = query[None], key[None], value[None]
   B, T, N, H = query.shape
-  Bk, S, K, Hk = key.shape
-  if Bk != B:
-    raise ValueError(f"query and key must have the same batch size B: query.shape={query.shape}, "
-                     f"key.shape={key.shape}")
-  if Hk != H:
-    raise ValueError(f"query and key must have the same head dim H: query.shape={query.shape}, "
-                     f"key.shape={key.shape}")
-  if K == 0 or N % K:
-    raise ValueError(f"the number of query heads N={N} must be a multiple of the number of "
-                     f"key/value heads K={K} (query.shape={query.shape}, key.shape={key.shape})")
+  S = key.shape[1]
   if min(T, S, H) == 0:
     raise ValueError(f"empty attention: T={T}, S={S}, H={H} must all be positive")
   full = (B, N, T, S)
 
   if bias is not None:
-    bias = _float_array("bias", bias)
+    bias = float_array("bias", bias)
     bias = broadcastable("bias", bias, full, "(B, N, T, S)")
   if isinstance(mask, _masks.Mask):
     mask.validate(full)
   elif mask is not None:
-    mask = jnp.asarray(mask)
+    mask = _asarray("mask", mask, "a boolean array or a jattn.masks object")
     if mask.dtype != jnp.bool_:
       raise TypeError(f"mask must be a boolean array (True = attend) or a jattn.masks object, "
                       f"got dtype {mask.dtype}; pass additive masks as bias")
+    mask = jnp.asarray(mask)
     mask = broadcastable("mask", mask, full, "(B, N, T, S)")
   if q_lengths is not None:
     q_lengths = int_vector("query_seq_lengths", q_lengths, B)
@@ -277,8 +477,8 @@ def arrays(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_seg, 
     q_seg = segment_ids("q_segment_ids", q_seg, B, T, "T")
     kv_seg = segment_ids("kv_segment_ids", kv_seg, B, S, "S")
   if sinks is not None:
-    sinks = _float_array("sinks", sinks)
-    chex.assert_shape(sinks, (N,), exception_type=ValueError,
-                      custom_message=f"sinks must have shape (N,)=({N},), got {sinks.shape}")
+    sinks = float_array("sinks", sinks)
+    if sinks.shape != (N,):
+      raise ValueError(f"sinks must have shape (N,)=({N},), got {sinks.shape}")
   return Arrays(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_seg, sinks,
                 unbatched)

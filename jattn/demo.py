@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jattn
-from jattn import diagnostics
+from jattn import _validation, diagnostics
 
 EXPERIMENTS = ("sharpness", "overflow", "masked", "precision")
 DTYPES = {"float16": jnp.float16, "bfloat16": jnp.bfloat16, "float32": jnp.float32}
@@ -80,6 +80,10 @@ def sharpness(dims: Sequence[int] = (32, 64, 128, 512), num_keys: int = 8, seeds
   Probabilities, entropy and the Jacobian norm are computed in float64 NumPy; the entropy fraction
   and saturation come from `jattn.diagnostics.attention_stats` on the same float32 q and k.
   """
+  dims = _int_list("dims", dims)
+  num_keys = _validation.positive_int("num_keys", num_keys)
+  seeds = _validation.positive_int("seeds", seeds)
+  seed = _validation.non_negative_int("seed", seed)
   rows = []
   rng = np.random.default_rng(seed)
   for d in dims:
@@ -157,7 +161,13 @@ def overflow(magnitudes: Sequence[float] = (1, 10, 100, 1e3, 1e4, 1e5), num_keys
   (logits and statistics in float32). The reference is the float64 softmax of the exact products
   of the rounded inputs.
   """
-  S = num_keys
+  magnitudes = [_validation.real(f"magnitudes[{i}]", m, at_least=0)
+                for i, m in enumerate(_sequence("magnitudes", magnitudes))]
+  S = _validation.positive_int("num_keys", num_keys)
+  dtypes = [_validation.one_of(f"dtypes[{i}]", d, tuple(DTYPES))
+            for i, d in enumerate(_sequence("dtypes", dtypes))]
+  patterns = [_validation.one_of(f"patterns[{i}]", p, tuple(PATTERNS))
+              for i, p in enumerate(_sequence("patterns", patterns))]
   rows = []
   for name in dtypes:
     dtype = DTYPES[name]
@@ -234,7 +244,11 @@ _MASKED_FNS = {"naive -inf": _with_grad(_naive_masked_attention),
 def masked_row(T: int = 4, S: int = 6, H: int = 8, masked_query: int = 1,
                seed: int = 0) -> list[MaskedRowResult]:
   """Attention in float32 with a mask that hides every key from query ``masked_query``."""
-  rng = np.random.default_rng(seed)
+  T, S, H = (_validation.positive_int(n, x) for n, x in (("T", T), ("S", S), ("H", H)))
+  masked_query = _validation.non_negative_int("masked_query", masked_query)
+  if masked_query >= T:
+    raise ValueError(f"masked_query must be a query index in [0, T={T}), got {masked_query}")
+  rng = np.random.default_rng(_validation.non_negative_int("seed", seed))
   q, k, v = (rng.standard_normal((1, L, 1, H)).astype(np.float32) for L in (T, S, S))
   vis = np.ones((1, 1, T, S), bool)
   vis[0, 0, masked_query] = False
@@ -300,7 +314,10 @@ def precision(lengths: Sequence[int] = (128, 256, 512, 1024, 2048), heads: int =
   """Self-attention (T = S), q, k, v ~ N(0, 1) rounded to bfloat16 so every dtype sees the same
   values; errors against the float64 attention of those values. Chunked uses block x block tiles.
   """
-  rng = np.random.default_rng(seed)
+  lengths = _int_list("lengths", lengths)
+  heads, head_dim, block = (_validation.positive_int(n, x) for n, x in (
+      ("heads", heads), ("head_dim", head_dim), ("block", block)))
+  rng = np.random.default_rng(_validation.non_negative_int("seed", seed))
   rows = []
   impls = {"dense": dict(implementation="dense"),
            "chunked": dict(implementation="chunked", block_q=block, block_kv=block)}
@@ -497,12 +514,54 @@ def plot_precision(rows, path):
 # --------------------------------------------------------------------------------------------
 
 
+def _sequence(name, values):
+  """A list or tuple (a lone str or number is refused: TypeError)."""
+  return list(_validation.instance(name, values, (list, tuple), "a list or tuple"))
+
+
+def _int_list(name, values):
+  return [_validation.positive_int(f"{name}[{i}]", v)
+          for i, v in enumerate(_sequence(name, values))]
+
+
+# Command-line types: argparse turns their ArgumentTypeError into "argument --keys: ..." (exit 2).
+
+
+def _int(text, minimum):
+  try:
+    value = int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected an int, got {text!r}") from None
+  if value < minimum:
+    raise argparse.ArgumentTypeError(f"expected an int >= {minimum}, got {value}")
+  return value
+
+
+def _positive(text):
+  return _int(text, 1)
+
+
+def _non_negative(text):
+  return _int(text, 0)
+
+
 def _ints(text):
-  return tuple(int(t) for t in text.split(",") if t)
+  return tuple(_positive(t) for t in text.split(",") if t)
 
 
 def _floats(text):
-  return tuple(float(t) for t in text.split(",") if t)
+  values = []
+  for t in text.split(","):
+    if not t:
+      continue
+    try:
+      v = float(t)
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"expected a number, got {t!r}") from None
+    if not (math.isfinite(v) and v >= 0):
+      raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {t!r}")
+    values.append(v)
+  return tuple(values)
 
 
 def _experiments(text):
@@ -527,10 +586,10 @@ def build_parser():
   p.add_argument("-e", "--experiments", type=_experiments, default=EXPERIMENTS,
                  help="comma-separated subset of sharpness,overflow,masked,precision (or 1-4); "
                  "default all")
-  p.add_argument("--seed", type=int, default=0, help="base random seed")
-  p.add_argument("--seeds", type=int, default=256,
+  p.add_argument("--seed", type=_non_negative, default=0, help="base random seed")
+  p.add_argument("--seeds", type=_positive, default=256,
                  help="sharpness: independent draws averaged per head dim (default 256)")
-  p.add_argument("--keys", type=int, default=8,
+  p.add_argument("--keys", type=_positive, default=8,
                  help="sharpness and overflow: number of keys S (default 8, as the article)")
   p.add_argument("--dims", type=_ints, default=(32, 64, 128, 512),
                  help="sharpness: head dims (default 32,64,128,512)")
@@ -538,9 +597,10 @@ def build_parser():
                  help="overflow: logit magnitudes M (default 1,10,100,1e3,1e4,1e5)")
   p.add_argument("--lengths", type=_ints, default=(128, 256, 512, 1024, 2048),
                  help="precision: sequence lengths T (default 128,...,2048)")
-  p.add_argument("--heads", type=int, default=2, help="precision: heads N (default 2)")
-  p.add_argument("--head-dim", type=int, default=64, help="precision: head dim H (default 64)")
-  p.add_argument("--block", type=int, default=128,
+  p.add_argument("--heads", type=_positive, default=2, help="precision: heads N (default 2)")
+  p.add_argument("--head-dim", type=_positive, default=64,
+                 help="precision: head dim H (default 64)")
+  p.add_argument("--block", type=_positive, default=128,
                  help="precision: chunked block size (default 128)")
   p.add_argument("--plot", metavar="DIR", default=None,
                  help="also write PNG figures (one per experiment) into DIR")

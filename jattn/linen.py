@@ -11,7 +11,9 @@ from typing import Any, Callable
 import jax.numpy as jnp
 from flax import linen as nn
 
-from jattn import _mha
+from jattn import _mha, _validation
+from jattn import masks as _masks
+from jattn._types import ArrayLike, Implementation, IsCausal, LocalWindowSize
 
 __all__ = ["MultiHeadAttention"]
 
@@ -62,11 +64,11 @@ class MultiHeadAttention(nn.Module):
   use_bias: bool = True
   kernel_init: Callable = nn.initializers.lecun_normal()
   bias_init: Callable = nn.initializers.zeros_init()
-  is_causal: bool | str = False
-  local_window_size: int | tuple[int, int] | None = None
+  is_causal: IsCausal = False
+  local_window_size: LocalWindowSize | None = None
   logits_soft_cap: float | None = None
   scale: float | None = None
-  implementation: str | None = None
+  implementation: Implementation | None = None
   block_q: int | None = None
   block_kv: int | None = None
   rope: bool = False
@@ -75,10 +77,14 @@ class MultiHeadAttention(nn.Module):
   collect_stats: bool = False
 
   @nn.compact
-  def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, mask=None, positions=None,
-               kv_positions=None, query_seq_lengths=None, key_value_seq_lengths=None,
-               q_segment_ids=None, kv_segment_ids=None, deterministic: bool | None = None,
-               dropout_rng=None, sow_weights: bool = False):
+  def __call__(self, inputs_q: ArrayLike, inputs_k: ArrayLike | None = None,
+               inputs_v: ArrayLike | None = None, *, mask: _masks.Mask | ArrayLike | None = None,
+               positions: ArrayLike | None = None, kv_positions: ArrayLike | None = None,
+               query_seq_lengths: ArrayLike | None = None,
+               key_value_seq_lengths: ArrayLike | None = None,
+               q_segment_ids: ArrayLike | None = None, kv_segment_ids: ArrayLike | None = None,
+               deterministic: bool | None = None, dropout_rng: ArrayLike | None = None,
+               sow_weights: bool = False):
     """inputs_q (B, T, D); inputs_k, inputs_v (B, S, D_kv) (default: self-attention).
 
     Args:
@@ -97,14 +103,25 @@ class MultiHeadAttention(nn.Module):
     Returns:
       (B, T, out_features).
     """
+    inputs_q = jnp.asarray(inputs_q)
     D = inputs_q.shape[-1]
     opts = _mha.options(
         num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-        qkv_features=self.qkv_features or D, is_causal=self.is_causal,
+        qkv_features=D if self.qkv_features is None else self.qkv_features,
+        is_causal=self.is_causal,
         local_window_size=self.local_window_size, logits_soft_cap=self.logits_soft_cap,
         scale=self.scale, implementation=self.implementation, block_q=self.block_q,
         block_kv=self.block_kv, rope=self.rope, rope_base=self.rope_base,
         dropout_rate=self.dropout_rate, broadcast_dropout=self.broadcast_dropout)
+    out_features = _validation.positive_int("out_features", self.out_features, optional=True)
+    decode = _validation.flag("decode", self.decode)
+    collect_stats = _validation.flag("collect_stats", self.collect_stats)
+    use_bias = _validation.flag("use_bias", self.use_bias)
+    _validation.flag("deterministic", self.deterministic, optional=True)
+    deterministic = _validation.flag("deterministic", deterministic, optional=True)
+    sow_weights = _validation.flag("sow_weights", sow_weights)
+    _validation.function("kernel_init", self.kernel_init)
+    _validation.function("bias_init", self.bias_init)
     self_attention = inputs_k is None and inputs_v is None
     if inputs_k is None:
       if inputs_v is not None:
@@ -117,25 +134,25 @@ class MultiHeadAttention(nn.Module):
     dense = lambda heads, name: nn.DenseGeneral(
         features=(heads, opts.head_dim), axis=-1, dtype=self.dtype,
         param_dtype=self.param_dtype, kernel_init=self.kernel_init, bias_init=self.bias_init,
-        use_bias=self.use_bias, name=name)
+        use_bias=use_bias, name=name)
     q = dense(opts.num_heads, "query")(inputs_q)  # (B, T, N, H)
     k = dense(opts.num_kv_heads, "key")(inputs_k)  # (B, S, K, H)
     v = dense(opts.num_kv_heads, "value")(inputs_v)
 
     m_deterministic = nn.merge_param("deterministic", self.deterministic, deterministic) if (
-        self.dropout_rate > 0) else True
+        opts.dropout_rate > 0) else True
     if not m_deterministic and dropout_rng is None:
       dropout_rng = self.make_rng("dropout")
 
     # Softmax statistics into 'intermediates' (jattn.diagnostics); nothing is traced when off.
     collect = None
-    if self.collect_stats:
+    if collect_stats:
       from jattn import diagnostics
       collect = lambda stats: diagnostics.sow_linen(self, stats)
     sow = (lambda w: self.sow("intermediates", "attention_weights", w)) if sow_weights else None
 
-    decoding = self.decode and self.has_variable("cache", "cached_key")
-    if self.decode:
+    decoding = decode and self.has_variable("cache", "cached_key")
+    if decode:
       # As in flax: the first (init) call sizes the cache from its input, (B, S_max, ...).
       cached_key = self.variable("cache", "cached_key", jnp.zeros, k.shape, k.dtype)
       cached_value = self.variable("cache", "cached_value", jnp.zeros, v.shape, v.dtype)
@@ -159,6 +176,6 @@ class MultiHeadAttention(nn.Module):
           dropout_rng=dropout_rng, collect=collect, sow=sow)
 
     return nn.DenseGeneral(
-        features=self.out_features or D, axis=(-2, -1), dtype=self.dtype,
+        features=D if out_features is None else out_features, axis=(-2, -1), dtype=self.dtype,
         param_dtype=self.param_dtype, kernel_init=self.kernel_init, bias_init=self.bias_init,
-        use_bias=self.use_bias, name="out")(x)
+        use_bias=use_bias, name="out")(x)

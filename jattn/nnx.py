@@ -12,6 +12,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jattn import _mha, _validation
+from jattn import masks as _masks
+from jattn._types import ArrayLike, Implementation, IsCausal, LocalWindowSize
 
 __all__ = ["MultiHeadAttention"]
 
@@ -67,11 +69,11 @@ class MultiHeadAttention(nnx.Module):
       use_bias: bool = True,
       kernel_init: Callable = nnx.initializers.lecun_normal(),
       bias_init: Callable = nnx.initializers.zeros_init(),
-      is_causal: bool | str = False,
-      local_window_size: int | tuple[int, int] | None = None,
+      is_causal: IsCausal = False,
+      local_window_size: LocalWindowSize | None = None,
       logits_soft_cap: float | None = None,
       scale: float | None = None,
-      implementation: str | None = None,
+      implementation: Implementation | None = None,
       block_q: int | None = None,
       block_kv: int | None = None,
       rope: bool = False,
@@ -80,6 +82,9 @@ class MultiHeadAttention(nnx.Module):
       collect_stats: bool = False,
       rngs: nnx.Rngs,
   ):
+    in_features = _validation.positive_int("in_features", in_features)
+    out_features = _validation.positive_int("out_features", out_features, optional=True)
+    in_kv_features = _validation.positive_int("in_kv_features", in_kv_features, optional=True)
     self.opts = _mha.options(
         num_heads=num_heads, num_kv_heads=num_kv_heads,
         qkv_features=in_features if qkv_features is None else qkv_features,
@@ -92,9 +97,13 @@ class MultiHeadAttention(nnx.Module):
     self.out_features = in_features if out_features is None else out_features
     self.dtype = dtype
     self.param_dtype = param_dtype
-    self.deterministic = deterministic
-    self.decode = decode
+    self.deterministic = _validation.flag("deterministic", deterministic, optional=True)
+    self.decode = _validation.flag("decode", decode)
     self.collect_stats = _validation.flag("collect_stats", collect_stats)
+    use_bias = _validation.flag("use_bias", use_bias)
+    _validation.function("kernel_init", kernel_init)
+    _validation.function("bias_init", bias_init)
+    _validation.instance("rngs", rngs, nnx.Rngs, "an nnx.Rngs")
     in_kv = in_features if in_kv_features is None else in_kv_features
     linear = lambda fin, heads: nnx.LinearGeneral(
         fin, (heads, o.head_dim), dtype=dtype, param_dtype=param_dtype, use_bias=use_bias,
@@ -115,6 +124,8 @@ class MultiHeadAttention(nnx.Module):
     """Create a zero KV cache: ``cached_key``, ``cached_value`` (B, S_max, K, H) and
     ``cache_index`` int32 (B,), as ``nnx.Cache`` variables. ``dtype`` defaults to the
     computation dtype (``dtype``, else ``param_dtype``); it must be the dtype keys come in."""
+    batch_size = _validation.positive_int("batch_size", batch_size)
+    max_length = _validation.positive_int("max_length", max_length)
     if dtype is None:
       dtype = self.dtype if self.dtype is not None else self.param_dtype
     shape = (batch_size, max_length, self.opts.num_kv_heads, self.opts.head_dim)
@@ -122,11 +133,14 @@ class MultiHeadAttention(nnx.Module):
     self.cached_value = nnx.Cache(jnp.zeros(shape, dtype))
     self.cache_index = nnx.Cache(jnp.zeros((batch_size,), jnp.int32))
 
-  def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, mask=None, positions=None,
-               kv_positions=None, query_seq_lengths=None, key_value_seq_lengths=None,
-               q_segment_ids=None, kv_segment_ids=None, deterministic: bool | None = None,
-               decode: bool | None = None, rngs: nnx.Rngs | nnx.RngStream | None = None,
-               sow_weights: bool = False):
+  def __call__(self, inputs_q: ArrayLike, inputs_k: ArrayLike | None = None,
+               inputs_v: ArrayLike | None = None, *, mask: _masks.Mask | ArrayLike | None = None,
+               positions: ArrayLike | None = None, kv_positions: ArrayLike | None = None,
+               query_seq_lengths: ArrayLike | None = None,
+               key_value_seq_lengths: ArrayLike | None = None,
+               q_segment_ids: ArrayLike | None = None, kv_segment_ids: ArrayLike | None = None,
+               deterministic: bool | None = None, decode: bool | None = None,
+               rngs: nnx.Rngs | nnx.RngStream | None = None, sow_weights: bool = False):
     """inputs_q (B, T, D); inputs_k, inputs_v (B, S, D_kv) (default: self-attention).
 
     Args:
@@ -147,6 +161,13 @@ class MultiHeadAttention(nnx.Module):
       (B, T, out_features).
     """
     o = self.opts
+    deterministic = _validation.flag("deterministic", deterministic, optional=True)
+    decode = _validation.flag("decode", decode, optional=True)
+    sow_weights = _validation.flag("sow_weights", sow_weights)
+    if rngs is not None:
+      _validation.instance("rngs", rngs, (nnx.Rngs, nnx.RngStream),
+                           "an nnx.Rngs or nnx.RngStream (or None)")
+    inputs_q = jnp.asarray(inputs_q)
     if inputs_q.shape[-1] != self.in_features:
       raise ValueError(f"inputs_q has {inputs_q.shape[-1]} features, the module expects "
                        f"in_features={self.in_features}")

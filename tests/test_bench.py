@@ -596,10 +596,15 @@ def test_attention_flops_convention():
     ("T = [8]\nblock_sizes = [[0, 8]]", "block_sizes"),
     ("masks = ['full']", "'T'"),
     ("T = 8", "must be a list"),
+    ("T = [8]\nwarmup = 'two'", "'warmup' must be an int"),
+    ("T = [8]\nwarmup = -1", "'warmup' must be an int"),
 ])
 def test_bad_configs_name_the_key(tmp_path, text, message):
-  with pytest.raises(config.ConfigError, match=message):
+  with pytest.raises(config.ConfigError, match=message) as info:
     config.load(_write_config(tmp_path, text))
+  # The error policy: a value of the wrong type is also a TypeError, a bad value is not.
+  wrong_type = text.endswith(("T = 8", "'two'"))
+  assert isinstance(info.value, TypeError) == wrong_type, (text, type(info.value))
 
 
 def test_every_shipped_config_parses():

@@ -494,7 +494,7 @@ def test_decode_errors_name_the_argument():
       mod(x, decode=True, **{name: val})
   with pytest.raises(ValueError, match=r"query_seq_lengths must be an int array of shape"):
     mod(x, decode=True, query_seq_lengths=jnp.array([1, 2, 3]))
-  with pytest.raises(ValueError, match=r"query_seq_lengths must be an int array"):
+  with pytest.raises(TypeError, match=r"query_seq_lengths must be an integer array"):
     mod(x, decode=True, query_seq_lengths=jnp.array([1.0, 2.0]))
   with pytest.raises(ValueError, match=r"positions must have shape \(L,\)=\(2,\)"):
     mod(x, decode=True, positions=jnp.arange(3))

@@ -58,6 +58,11 @@ class ConfigError(ValueError):
   """A config file that cannot be read or has a bad value; the message names the key."""
 
 
+class ConfigTypeError(ConfigError, TypeError):
+  """A config value of the wrong TOML type (jattn's error policy: a wrong type is a TypeError;
+  still a ConfigError, so the CLI reports it the same way)."""
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Impl:
   """One implementation as compared: a name from IMPLEMENTATIONS, and block sizes if chunked."""
@@ -294,25 +299,29 @@ def _compare(c, where):
 
 def _list(v, key, where):
   if not isinstance(v, list):
-    raise ConfigError(f"{where}: {key!r} must be a list, got {v!r}")
+    raise ConfigTypeError(f"{where}: {key!r} must be a list, got {v!r}")
   if not v:
     raise ConfigError(f"{where}: {key!r} must not be empty")
   return v
 
 
 def _int(v, key, where, minimum):
-  if not isinstance(v, int) or isinstance(v, bool) or v < minimum:
+  if not isinstance(v, int) or isinstance(v, bool):
+    raise ConfigTypeError(f"{where}: {key!r} must be an int >= {minimum}, got {v!r}")
+  if v < minimum:
     raise ConfigError(f"{where}: {key!r} must be an int >= {minimum}, got {v!r}")
   return v
 
 
 def _positive(v, key, where):
-  if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
+  if not isinstance(v, (int, float)) or isinstance(v, bool):
+    raise ConfigTypeError(f"{where}: {key!r} must be a positive number, got {v!r}")
+  if v <= 0:
     raise ConfigError(f"{where}: {key!r} must be a positive number, got {v!r}")
   return float(v)
 
 
 def _str(v, key, where):
   if not isinstance(v, str):
-    raise ConfigError(f"{where}: {key!r} must be a string, got {v!r}")
+    raise ConfigTypeError(f"{where}: {key!r} must be a string, got {v!r}")
   return v

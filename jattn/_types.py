@@ -1,0 +1,37 @@
+"""Type aliases that match the docs: the option strings jattn accepts, and array arguments.
+
+They are the annotations of the public functions; `typing.get_args` of a ``Literal`` alias is the
+tuple of accepted strings that `jattn._validation` checks against, so annotation and check cannot
+drift apart.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional, Tuple, Union
+
+import jax
+
+__all__ = ["ArrayLike", "CausalAlignment", "Implementation", "IsCausal", "Layout",
+           "LocalWindowSize"]
+
+# Anything `jnp.asarray` takes: a jax or NumPy array, a NumPy scalar, a Python bool/int/float.
+ArrayLike = jax.typing.ArrayLike
+
+# `implementation=` of dot_product_attention, the modules, make_attention_fn and diagnostics
+# (None: dense or chunked by problem size). "xla" is jax.nn's name for "dense"; "cudnn" is
+# refused with NotImplementedError and deliberately not part of the type.
+Implementation = Literal["dense", "xla", "chunked"]
+
+# Where the causal diagonal sits when T != S: "top_left" (query i sees keys <= i, jax.nn's
+# convention) or "bottom_right" (the last query sees the last key: KV-cache decoding).
+CausalAlignment = Literal["top_left", "bottom_right"]
+
+# `is_causal=`: False, True (= "top_left") or an alignment. `typing.Union` rather than `|` so the
+# alias evaluates on every supported Python (>= 3.10) whatever the operands.
+IsCausal = Union[bool, CausalAlignment]
+
+# How ring attention's sequence shards map to positions (see `jattn.zigzag_permute`).
+Layout = Literal["contiguous", "zigzag"]
+
+# `local_window_size=`: ``w`` (= (w, w)) or (left, right); None on a side: unbounded.
+LocalWindowSize = Union[int, Tuple[Optional[int], Optional[int]]]
