@@ -13,26 +13,12 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from jattn import _chunked, _dense, _dropout, _sharding, _tile, _validation
+from jattn import _chunked, _dense, _dropout, _plan, _sharding, _tile, _validation
+from jattn._plan import DEFAULT_BLOCK_KV, DEFAULT_BLOCK_Q, Operands
 from jattn import masks as _masks
 from jattn._tile import Config
-
-# Default block sizes, measured with jattn-bench on a 2-core AVX2 CPU (B=1, N=8, H=64, float32):
-# 512 x 256 ran forward at 127-130 GFLOP/s (512 x 512: 94-110, 65% vs 47-57% of the matmul peak)
-# and forward+backward ~25% faster than 512 x 512 at T = 4096. 1024 x 128 was as fast unmasked but
-# its taller diagonal tiles made causal forward+backward 0.63x of unmasked, against 0.56x here.
-# Re-measured with the current kernels (T = 4096, one interleaved run each; forward / fwd+bwd):
-# 512x256 0.245 / 0.88 s, 512x512 0.267 / 0.88, 1024x256 0.251 / 0.95, 256x512 0.269 / 0.85,
-# 256x256 0.424 / 1.33.
-DEFAULT_BLOCK_Q = 512
-DEFAULT_BLOCK_KV = 256
-
-# implementation=None picks chunked once the (T, S) score matrix per head reaches this many
-# entries. Below it dense's single fused pass wins; above it dense is limited by the (T, S)
-# temporaries falling out of cache (and by their memory). Measured crossover: see README.
-AUTO_CHUNKED_MIN_SCORES = 1024 * 1024
+from jattn._types import ArrayLike, Implementation, IsCausal, LocalWindowSize
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -55,29 +41,29 @@ class _Options:
 
 
 def dot_product_attention(
-    query,
-    key,
-    value,
-    bias=None,
-    mask=None,
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
+    bias: ArrayLike | None = None,
+    mask: ArrayLike | _masks.Mask | None = None,
     *,
-    scale: float | None = None,
-    is_causal: bool | str = False,
-    query_seq_lengths=None,
-    key_value_seq_lengths=None,
-    local_window_size: int | tuple[int, int] | None = None,
-    q_segment_ids=None,
-    kv_segment_ids=None,
+    scale: float | ArrayLike | None = None,
+    is_causal: IsCausal = False,
+    query_seq_lengths: ArrayLike | None = None,
+    key_value_seq_lengths: ArrayLike | None = None,
+    local_window_size: LocalWindowSize | None = None,
+    q_segment_ids: ArrayLike | None = None,
+    kv_segment_ids: ArrayLike | None = None,
     logits_soft_cap: float | None = None,
     dropout_rate: float = 0.0,
-    dropout_rng=None,
+    dropout_rng: ArrayLike | None = None,
     dropout_broadcast: bool = False,
-    implementation: str | None = None,
+    implementation: Implementation | None = None,
     block_q: int | None = None,
     block_kv: int | None = None,
     return_residual: bool = False,
     score_mod: Callable | None = None,
-    sinks=None,
+    sinks: ArrayLike | None = None,
     _return_weights: bool = False,
 ):
   r"""Scaled dot-product attention, numerically stable, dense or chunked.
@@ -180,22 +166,22 @@ def _attention(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_s
   if scale_operand is not None:
     scale = 1.0
   else:
-    scale = opts.scale if opts.scale is not None else 1.0 / float(np.sqrt(H))
+    scale = opts.scale if opts.scale is not None else _plan.default_scale(H)
   shape = (B, N, T, S)
 
-  combined = build_mask(shape, args.mask, opts.causal, opts.window, q_lengths=args.q_lengths,
-                        kv_lengths=args.kv_lengths, q_segment_ids=args.q_seg,
-                        kv_segment_ids=args.kv_seg)
+  combined = _plan.build_mask(shape, args.mask, opts.causal, opts.window,
+                              q_lengths=args.q_lengths, kv_lengths=args.kv_lengths,
+                              q_segment_ids=args.q_seg, kv_segment_ids=args.kv_seg)
 
-  impl = "dense" if opts.return_weights else opts.implementation or choose_implementation(T, S)
-  bq = min(opts.block_q or DEFAULT_BLOCK_Q, T)
-  bk = min(opts.block_kv or DEFAULT_BLOCK_KV, S)
+  impl = ("dense" if opts.return_weights
+          else opts.implementation or _plan.choose_implementation(T, S))
+  bq, bk = _plan.block_sizes(T, S, opts.block_q, opts.block_kv)
   tile_shape = (B, N, T, S) if impl == "dense" else (B, N, bq, bk)
 
   score_mod, score_args = None, ()
   if opts.score_mod is not None:
-    score_mod, score_args = _closure_convert_score_mod(opts.score_mod, tile_shape,
-                                                       _tile.stat_dtype(query.dtype))
+    score_mod, score_args = _plan.closure_convert_score_mod(opts.score_mod, tile_shape,
+                                                      _tile.stat_dtype(query.dtype))
 
   cfg = Config(B=B, T=T, S=S, K=K, G=G, H=H, scale=scale, logits_soft_cap=opts.logits_soft_cap,
                dropout_rate=opts.dropout_rate, score_mod=score_mod,
@@ -221,17 +207,12 @@ def _attention(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_s
     lse = jnp.transpose(lse.reshape(B, N, T), (0, 2, 1))
   else:
     # The chunked kernel reads blocks of the (B, T, N, H) arrays as they are (see _chunked).
-    grid = _masks.BlockGrid(T, S, bq, bk)
-    states, kinds = block_map_and_kinds(combined, grid, shape)
-    cc = _chunked.ChunkedConfig(cfg, grid, kinds)
-    if isinstance(states, np.ndarray):
-      cc = dataclasses.replace(cc, q_ranges=_chunked.static_ranges(states),
-                               kv_ranges=_chunked.static_ranges(states.T))
-    states = jnp.asarray(states, jnp.int8)
+    plan, states = _plan.make_plan(cfg, combined, bq, bk)
     if seq_spec is not None:
       query = _sharding.unshard_axis(query, 1)
-    out, lse = _chunked.chunked_attention(cc, query, key, value, bias5, combined, states, seed,
-                                          score_args, sink)
+    ops = Operands(q=query, k=key, v=value, bias=bias5, mask=combined, states=states, seed=seed,
+                   score_args=score_args, sink=sink)
+    out, lse = _chunked.chunked_attention(plan, ops)
     if seq_spec is not None and _sharding.spec_of(out) != seq_spec:
       out = jax.sharding.reshard(out, seq_spec)
 
@@ -239,8 +220,7 @@ def _attention(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_s
     out = out[0]
   if not opts.return_residual:
     return out
-  # Keep the "nothing to attend to" value finite in the output dtype (float16's range is small).
-  lse = jnp.maximum(lse, jnp.asarray(jnp.finfo(query.dtype).min, lse.dtype)).astype(query.dtype)
+  lse = _plan.clamp_lse(lse, query.dtype)
   if args.unbatched:
     lse = lse[0]
   return out, jax.lax.stop_gradient(lse)
@@ -258,84 +238,3 @@ def attention_weights(query, key, value, bias=None, mask=None, **kwargs):
                "implementation", "block_q", "block_kv"):
     kwargs.pop(name, None)
   return dot_product_attention(query, key, value, bias, mask, _return_weights=True, **kwargs)
-
-
-def choose_implementation(T: int, S: int) -> str:
-  """The rule behind implementation=None: dense for small score matrices, chunked otherwise."""
-  return "chunked" if T * S >= AUTO_CHUNKED_MIN_SCORES else "dense"
-
-
-def build_mask(shape, mask=None, causal=None, window=None, *, q_lengths=None, kv_lengths=None,
-               q_segment_ids=None, kv_segment_ids=None):
-  """Turn the keyword arguments into one `jattn.masks` object (None when nothing is hidden).
-
-  The keywords are thin ways to build mask objects, so both implementations see one mechanism.
-  """
-  parts = []
-  if mask is not None:
-    parts.append(mask if isinstance(mask, _masks.Mask) else _masks.from_array(mask))
-  offset = 0 if causal in (None, "top_left") else shape[3] - shape[2]
-  if causal is not None:
-    parts.append(_masks.causal(offset=offset))
-  if window is not None:
-    parts.append(_masks.local_window(window[0], window[1], offset=offset))
-  if q_lengths is not None or kv_lengths is not None:
-    parts.append(_masks.lengths(q_lengths, kv_lengths))
-  if q_segment_ids is not None:
-    parts.append(_masks.segments(q_segment_ids, kv_segment_ids))
-  if not parts:
-    return None
-  return functools.reduce(lambda a, b: a & b, parts)
-
-
-def block_map(mask, grid: _masks.BlockGrid, shape):
-  """The (nq, nk) EMPTY/PARTIAL/FULL map the chunked kernel runs on (a jax int8 array)."""
-  return jnp.asarray(block_map_and_kinds(mask, grid, shape)[0], jnp.int8)
-
-
-def block_map_and_kinds(mask, grid: _masks.BlockGrid, shape):
-  """The block map (a NumPy array when known at trace time, else a jax array), and the tuple of
-  states that can occur in it.
-
-  A static map tells exactly which states occur, so the kernels compile only those tile
-  variants (an unmasked call compiles one, with no switch at all); a run-time map may hold any.
-  """
-  if mask is None:
-    states = np.full((grid.num_q_blocks, grid.num_kv_blocks), _masks.FULL, np.int8)
-  else:
-    states = _masks.reduce_states(mask.block_states(grid, shape), shape)
-    # Masks constant along an axis (a (B, N, 1, S) array, say) summarise it as one block.
-    xp = np if isinstance(states, np.ndarray) else jnp
-    states = xp.broadcast_to(states, (grid.num_q_blocks, grid.num_kv_blocks))
-  if grid.S % grid.block_kv:
-    # The last key block is padded: it always needs the (kv < S) mask.
-    xp = np if isinstance(states, np.ndarray) else jnp
-    last = xp.minimum(states[:, -1:], _masks.PARTIAL).astype(xp.int8)
-    states = xp.concatenate([states[:, :-1], last], axis=1)
-  if isinstance(states, np.ndarray):
-    kinds = tuple(int(x) for x in np.unique(states))
-  else:
-    kinds = (_masks.EMPTY, _masks.PARTIAL, _masks.FULL)
-  return states, kinds
-
-
-def _closure_convert_score_mod(score_mod, tile_shape, dtype):
-  """Hoist the arrays a score_mod closes over into explicit arguments, so the chunked custom VJP
-  can return their gradients (a learned relative-position table gets its gradient)."""
-  B, N, tq, tk = tile_shape
-  ex = (jax.ShapeDtypeStruct((B, N, tq, tk), dtype),
-        jax.ShapeDtypeStruct((B, 1, 1, 1), jnp.int32),
-        jax.ShapeDtypeStruct((1, N, 1, 1), jnp.int32),
-        jax.ShapeDtypeStruct((1, 1, tq, 1), jnp.int32),
-        jax.ShapeDtypeStruct((1, 1, 1, tk), jnp.int32))
-  out = jax.eval_shape(score_mod, *ex)
-  if not hasattr(out, "shape") or tuple(out.shape) != (B, N, tq, tk):
-    raise ValueError(
-        f"score_mod must return an array of the score's shape (B, N, tq, tk)={(B, N, tq, tk)} "
-        f"(it is applied tile by tile, so a broadcast result would differ between "
-        f"implementations), got {getattr(out, 'shape', type(out).__name__)}")
-  if not jnp.issubdtype(out.dtype, jnp.floating):
-    raise TypeError(f"score_mod must return floating scores, got dtype {out.dtype} "
-                    f"(to hide positions, use a mask: jattn.masks.from_function)")
-  converted, consts = jax.closure_convert(score_mod, *ex)
-  return converted, tuple(consts)

@@ -25,75 +25,21 @@ The backward keeps its score tiles key-major, (B, K, bk, G, bq): see `_rows_matm
 
 from __future__ import annotations
 
-import dataclasses
 import functools
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn import _sharding, _tile
-from jattn._tile import Config
-from jattn.masks import EMPTY, FULL, PARTIAL, BlockGrid
+from jattn import _plan, _sharding, _tile
+from jattn._plan import Operands, Plan
+from jattn.masks import EMPTY, FULL, PARTIAL
 
 # A test hook: when set (at trace time) to a Python callable, every computed block calls it with
 # (pass, q_block, kv_block, state) through `jax.debug.callback`. It lets tests check that EMPTY
 # blocks are never computed, from the program actually run.
 _BLOCK_HOOK = None
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class ChunkedConfig:
-  cfg: Config
-  grid: BlockGrid  # over the true (T, S)
-  # The block states that can occur (static); only their tile variants are compiled.
-  kinds: tuple[int, ...] = (EMPTY, PARTIAL, FULL)
-  # For a block map known at trace time, `static_ranges` of it and of its transpose: the loops
-  # then run between constants (Python ints when every row has the same range) instead of
-  # bounds computed from the map at run time.
-  q_ranges: tuple[tuple[int, int], ...] | None = None
-  kv_ranges: tuple[tuple[int, int], ...] | None = None
-
-  @property
-  def Tp(self):
-    return self.grid.num_q_blocks * self.grid.block_q
-
-  @property
-  def Sp(self):
-    return self.grid.num_kv_blocks * self.grid.block_kv
-
-
-def _nonempty_range(states):
-  """Per row of a (R, C) state map: [first, last + 1) of its non-empty columns (0, 0 if none).
-
-  NumPy in, NumPy out (a map known at trace time); jax in, jax out.
-  """
-  xp = np if isinstance(states, np.ndarray) else jnp
-  ne = states != EMPTY
-  has = ne.any(axis=1)
-  C = states.shape[1]
-  first = xp.argmax(ne, axis=1).astype(np.int32)
-  last = (C - xp.argmax(ne[:, ::-1], axis=1)).astype(np.int32)
-  zero = np.int32(0)
-  return xp.where(has, first, zero), xp.where(has, last, zero)
-
-
-def static_ranges(states: np.ndarray) -> tuple[tuple[int, int], ...]:
-  """`_nonempty_range` of a map known at trace time, as a hashable tuple of (first, last + 1)."""
-  first, last = _nonempty_range(states)
-  return tuple(zip(first.tolist(), last.tolist()))
-
-
-def _loop_bounds(ranges, states):
-  """Functions i -> first and i -> last + 1 non-empty block of row i of ``states``."""
-  if ranges is None:
-    lo, hi = _nonempty_range(states)
-    return (lambda i: lo[i]), (lambda i: hi[i])
-  if len(set(ranges)) == 1:
-    first, last = ranges[0]
-    return (lambda i: first), (lambda i: last)
-  lo, hi = (jnp.asarray(np.array(col, np.int32)) for col in zip(*ranges))
-  return (lambda i: lo[i]), (lambda i: hi[i])
 
 
 def _hook(pass_name, i, j, state):
@@ -106,34 +52,93 @@ def _slice(x, start, size, axis):
   return jax.lax.dynamic_slice_in_dim(x, start, size, axis=axis)
 
 
-def _bias_block(bias, i, j, grid):
+def _positions(i, block):
+  return i * block + jnp.arange(block, dtype=jnp.int32)
+
+
+def _bias_block(bias, i, j, plan: Plan):
   """Slice a (B|1,K|1,G|1,Tp|1,Sp|1) bias for tile (i, j); broadcast dims stay size 1."""
   if bias is None:
     return None
   if bias.shape[3] != 1:
-    bias = _slice(bias, i * grid.block_q, grid.block_q, 3)
+    bias = _slice(bias, i * plan.grid.block_q, plan.grid.block_q, 3)
   if bias.shape[4] != 1:
-    bias = _slice(bias, j * grid.block_kv, grid.block_kv, 4)
+    bias = _slice(bias, j * plan.grid.block_kv, plan.grid.block_kv, 4)
   return bias
 
 
-def _varying(x, *like):
-  """Type a fresh loop carry as device-varying over the manual mesh axes of ``like``.
+class TileView(NamedTuple):
+  """What every tile function needs to know about tile (i, j) besides the data itself."""
 
-  Inside `jax.shard_map` with ``check_vma=True`` (ring attention), a carry that starts as a
-  constant but becomes device-dependent in the loop body would change type; this declares it
-  device-dependent from the start. Outside shard_map it returns ``x`` unchanged.
+  i: Any  # query block index
+  j: Any  # key/value block index
+  idx: _tile.Index  # the tile's positions (global ones in ring attention)
+  vis: Any  # (B|1, K|1, G|1, tq, tk) bool visibility, or None: nothing hidden in this tile
+  bias: Any  # the tile's (B|1, K|1, G|1, tq|1, tk|1) bias block, or None
+
+
+def tile_view(plan: Plan, ops: Operands, i, j, masked: bool) -> TileView:
+  """Positions, visibility and bias of tile (i, j); ``masked=False`` (a FULL block) skips the
+  mask arithmetic."""
+  bq, bk = plan.grid.block_q, plan.grid.block_kv
+  q_pos, kv_pos = _positions(i, bq), _positions(j, bk)
+  if ops.positions is None:
+    idx = _tile.Index(q_pos, kv_pos)
+  else:
+    pos = ops.positions
+    idx = _tile.Index(_slice(pos.q, i * bq, bq, 0), _slice(pos.kv, j * bk, bk, 0), pos.batch0,
+                      pos.head0)
+  vis = (_tile.visible(plan.cfg, ops.mask, q_pos, kv_pos, ragged_kv=plan.ragged_kv)
+         if masked else None)
+  return TileView(i, j, idx, vis, _bias_block(ops.bias, i, j, plan))
+
+
+def dispatch(kinds, state, branches, *args):
+  """Run ``branches[state]`` ({EMPTY: f, PARTIAL: f, FULL: f}) for a traced block state,
+  compiling only the states in ``kinds``: a direct call when there is one, else a switch."""
+  if len(kinds) == 1:
+    return branches[kinds[0]](*args)
+  table = np.zeros(3, np.int32)
+  for pos, kind in enumerate(kinds):
+    table[kind] = pos
+  index = jnp.asarray(table)[state.astype(jnp.int32)]
+  fns = [branches[kind] for kind in kinds]
+  if _sharding.explicit_mesh():
+    # Branches that pass a carry through or return fresh zeros must return the sharding the
+    # computing branch (the last: PARTIAL or FULL) gives its results.
+    want = jax.eval_shape(fns[-1], *args)
+    fns = [lambda *a, f=f: _sharding.reshard_like(f(*a), want) for f in fns]
+  return jax.lax.switch(index, fns, *args)
+
+
+def walk_rows(plan: Plan, ops: Operands, *, start: Callable, tile: Callable, finish: Callable,
+              outs, name: str):
+  """The query-major walk over the block map, shared by the forward pass and the diagnostics.
+
+  For each query block i: ``ctx, carry = start(i)``; for each non-EMPTY key block j of row i,
+  ``carry = tile(ctx, view, carry)`` with the `TileView` of (i, j) (EMPTY blocks are skipped, FULL
+  ones get no mask arithmetic); then ``outs = finish(i, carry, outs)``. Loops run over each row's
+  range of non-empty blocks (constants when the block map is static).
   """
-  # Only the axes x does not vary over yet: a carry made from an input already varies.
-  axes = set().union(*(_varying_axes(a) for a in like)) - _varying_axes(x)
-  return jax.lax.pcast(x, tuple(sorted(axes, key=str)), to="varying") if axes else x
+  lo, hi = plan.row_bounds(ops.states)
 
+  def q_block(i, outs):
+    ctx, carry0 = start(i)
 
-def _varying_axes(x) -> frozenset:
-  """Manual mesh axes over which ``x`` varies (``typeof(x).mat.varying``; ``.vma`` before)."""
-  aval = jax.typeof(x)
-  mat = getattr(aval, "mat", None)
-  return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
+    def visit(j, carry, masked: bool):
+      carry = tile(ctx, tile_view(plan, ops, i, j, masked), carry)
+      _hook(name, i, j, jnp.int8(PARTIAL if masked else FULL))
+      return carry
+
+    def body(j, carry):
+      return dispatch(plan.kinds, ops.states[i, j],
+                      {EMPTY: lambda j, c: c, PARTIAL: functools.partial(visit, masked=True),
+                       FULL: functools.partial(visit, masked=False)}, j, carry)
+
+    carry = jax.lax.fori_loop(lo(i), hi(i), body, carry0)
+    return finish(i, carry, outs)
+
+  return jax.lax.fori_loop(0, plan.grid.num_q_blocks, q_block, outs)
 
 
 def _kv_rows_matmul(x, rows, out_dtype):
@@ -161,33 +166,7 @@ def _query_major(x):
   return jnp.transpose(x, (0, 1, 3, 4, 2))
 
 
-def _dispatch(kinds, state, branches, *args):
-  """Run ``branches[state]`` ({EMPTY: f, PARTIAL: f, FULL: f}) for a traced block state,
-  compiling only the states in ``kinds``: a direct call when there is one, else a switch."""
-  if len(kinds) == 1:
-    return branches[kinds[0]](*args)
-  table = np.zeros(3, np.int32)
-  for pos, kind in enumerate(kinds):
-    table[kind] = pos
-  index = jnp.asarray(table)[state.astype(jnp.int32)]
-  fns = [branches[kind] for kind in kinds]
-  if _sharding.explicit_mesh():
-    # Branches that pass a carry through or return fresh zeros must return the sharding the
-    # computing branch (the last: PARTIAL or FULL) gives its results.
-    want = jax.eval_shape(fns[-1], *args)
-    fns = [lambda *a, f=f: _sharding.reshard_like(f(*a), want) for f in fns]
-  return jax.lax.switch(index, fns, *args)
-
-
-def _varying_tree(tree, *like):
-  return jax.tree.map(lambda x: _varying(x, *like), tree)
-
-
-def _positions(i, block):
-  return i * block + jnp.arange(block, dtype=jnp.int32)
-
-
-def _q_tile(x, i, bq, K, G):
+def q_tile(x, i, bq, K, G):
   """Query block i of a (B, Tp, N, X) array as a (B, K, G, bq, X) tile (head n = k * G + g)."""
   # Transposing the 4-D block and then splitting N keeps to standard layouts; transposing after
   # the split makes XLA's CPU backend copy the tile twice.
@@ -195,7 +174,7 @@ def _q_tile(x, i, bq, K, G):
   return b.reshape(b.shape[0], K, G, bq, b.shape[-1])
 
 
-def _kv_tile(x, j, bk):
+def kv_tile(x, j, bk):
   """Key/value block j of a (B, Sp, K, X) array as a (B, K, bk, X) tile."""
   return jnp.transpose(_slice(x, j * bk, bk, 1), (0, 2, 1, 3))
 
@@ -206,7 +185,7 @@ def _row_tile(x, i, bq, K, G):
   return b.reshape(b.shape[0], K, G, bq)
 
 
-def _put_q_tile(x, tile, i, bq):
+def put_q_tile(x, tile, i, bq):
   """Write a (B, K, G, bq) or (B, K, G, bq, X) tile back as block i of (B, Tp, N[, X])."""
   B, K, G = tile.shape[:3]
   rows = tile.reshape((B, K * G) + tile.shape[3:])
@@ -225,75 +204,64 @@ def _put_kv_tile(x, tile, j, bk):
 # --------------------------------------------------------------------------------------------
 
 
-def _forward(cc: ChunkedConfig, q, k, v, bias, mask, states, seed, score_args, sink):
+def forward(plan: Plan, ops: Operands):
   """q (B,Tp,N,H), k/v (B,Sp,K,H) -> out (B,Tp,N,Hv) in q's dtype, lse (B,Tp,N)."""
-  cfg, grid = cc.cfg, cc.grid
-  B, K, G = cfg.B, cfg.K, cfg.G
-  bq, bk = grid.block_q, grid.block_kv
+  cfg = plan.cfg
+  K, G = cfg.K, cfg.G
+  bq, bk = plan.grid.block_q, plan.grid.block_kv
+  q, k, v = ops.q, ops.k, ops.v
   sd = _tile.stat_dtype(q.dtype)
-  ragged = cfg.S % bk != 0
-  lo, hi = _loop_bounds(cc.q_ranges, states)
-  Hv = v.shape[-1]
+  inputs = (q, k, v, ops.states)
 
-  def q_block(i, carry):
-    out, lse = carry
-    q_pos = _positions(i, bq)
-    qb = _q_tile(q, i, bq, K, G)
-
-    def tile(j, carry, masked: bool):
-      m, l, acc = carry
-      kv_pos = _positions(j, bk)
-      kb, vb = _kv_tile(k, j, bk), _kv_tile(v, j, bk)
-      qt = qb
-      vis = None
-      if masked:
-        vis = _tile.visible(cfg, mask, q_pos, kv_pos, ragged_kv=ragged)
-        if vis is not None:
-          qt, kb, vb = _tile.sanitize(vis, qb, kb, vb)
-      s, _ = _tile.logits(cfg, qt, kb, _bias_block(bias, i, j, grid), q_pos, kv_pos, score_args)
-      if vis is not None:
-        s = jnp.where(vis, s, jnp.asarray(_tile.NEG, sd))
-      m_new = jnp.maximum(m, s.max(axis=-1))
-      # Masked entries give exact zeros once the row has seen a visible key; before that
-      # (m_new = NEG) they add junk that corr = exp(NEG - m) = 0 wipes when a visible key comes,
-      # and safe_normalize discards if none ever does.
-      p = jnp.exp(s - m_new[..., None])
-      corr = jnp.exp(m - m_new)
-      l = l * corr + p.sum(axis=-1)
-      if cfg.dropout_rate > 0:
-        p = jnp.where(_tile.keep(cfg, seed, q_pos, kv_pos), p, jnp.zeros((), sd))
-      acc = acc * corr[..., None] + _tile.pv(p, vb)
-      _hook("fwd", i, j, jnp.int8(PARTIAL if masked else FULL))
-      return m_new, l, acc
-
-    def body(j, carry):
-      return _dispatch(cc.kinds, states[i, j],
-                       {EMPTY: lambda j, c: c, PARTIAL: functools.partial(tile, masked=True),
-                        FULL: functools.partial(tile, masked=False)}, j, carry)
-
+  def start(i):
+    qb = q_tile(q, i, bq, K, G)
     # Carries are made from the tiles they accumulate, so they share the inputs' sharding when
     # that is part of the type (an Explicit-axis mesh): a fresh jnp.zeros would be replicated.
     row0 = jnp.zeros_like(qb[..., 0], dtype=sd)  # (B, K, G, bq)
     m0 = row0 + jnp.asarray(_tile.NEG, sd)
     l0 = row0
-    if sink is not None:
+    if ops.sink is not None:
       # The sink is one more logit in every row, with no value: it starts the running max and
       # contributes exp(sink - m) to the sum.
-      m0 = row0 + sink.astype(sd)  # (1, K, G, 1) -> (B, K, G, bq)
+      m0 = row0 + ops.sink.astype(sd)  # (1, K, G, 1) -> (B, K, G, bq)
       l0 = row0 + jnp.ones((), sd)
     acc0 = jnp.zeros_like(qb, dtype=sd)  # (B, K, G, bq, Hv): Hv = H (value has key's shape)
-    m0, l0, acc0 = (_varying(x, q, k, v, states) for x in (m0, l0, acc0))
-    m, l, acc = jax.lax.fori_loop(lo(i), hi(i), body, (m0, l0, acc0))
-    out = _put_q_tile(out, _tile.safe_normalize(acc, l, m, cfg.dropout_rate), i, bq)
-    lse = _put_q_tile(lse, _tile.safe_lse(m, l), i, bq)
+    return qb, _sharding.varying_tree((m0, l0, acc0), *inputs)
+
+  def tile(qb, view: TileView, carry):
+    m, l, acc = carry
+    kb, vb = kv_tile(k, view.j, bk), kv_tile(v, view.j, bk)
+    qt = qb
+    if view.vis is not None:
+      qt, kb, vb = _tile.sanitize(view.vis, qb, kb, vb)
+    s, _ = _tile.logits(cfg, qt, kb, view.bias, view.idx, ops.score_args)
+    if view.vis is not None:
+      s = jnp.where(view.vis, s, jnp.asarray(_tile.NEG, sd))
+    m_new = jnp.maximum(m, s.max(axis=-1))
+    # Masked entries give exact zeros once the row has seen a visible key; before that
+    # (m_new = NEG) they add junk that corr = exp(NEG - m) = 0 wipes when a visible key comes,
+    # and safe_normalize discards if none ever does.
+    p = jnp.exp(s - m_new[..., None])
+    corr = jnp.exp(m - m_new)
+    l = l * corr + p.sum(axis=-1)
+    if cfg.dropout_rate > 0:
+      p = jnp.where(_tile.keep(cfg, ops.seed, view.idx), p, jnp.zeros((), sd))
+    acc = acc * corr[..., None] + _tile.pv(p, vb)
+    return m_new, l, acc
+
+  def finish(i, carry, outs):
+    m, l, acc = carry
+    out, lse = outs
+    out = put_q_tile(out, _tile.safe_normalize(acc, l, m, cfg.dropout_rate), i, bq)
+    lse = put_q_tile(lse, _tile.safe_lse(m, l), i, bq)
     return out, lse
 
   # Each query block writes its rows of the output in place: stacking per-block results (as
   # lax.map does) would need another full-size copy to put them back in sequence order.
   out0 = jnp.zeros_like(q)  # (B, Tp, N, Hv)
   lse0 = jnp.zeros_like(q[..., 0], dtype=sd)
-  out0, lse0 = (_varying(x, q, k, v, states) for x in (out0, lse0))
-  return jax.lax.fori_loop(0, grid.num_q_blocks, q_block, (out0, lse0))
+  outs0 = _sharding.varying_tree((out0, lse0), *inputs)
+  return walk_rows(plan, ops, start=start, tile=tile, finish=finish, outs=outs0, name="fwd")
 
 
 # --------------------------------------------------------------------------------------------
@@ -301,64 +269,69 @@ def _forward(cc: ChunkedConfig, q, k, v, bias, mask, states, seed, score_args, s
 # --------------------------------------------------------------------------------------------
 
 
-def _backward(cc: ChunkedConfig, q, k, v, bias, mask, states, seed, score_args, sink, out, lse,
-              dout):
-  """Gradients for q, k, v (and bias, score_mod arrays, sinks), in the layout of `_forward`."""
-  cfg, grid = cc.cfg, cc.grid
+class Residuals(NamedTuple):
+  """What the backward pass keeps from the forward: the operands, the output and its lse."""
+
+  ops: Operands
+  out: Any  # (B, Tp, N, Hv)
+  lse: Any  # (B, Tp, N)
+
+
+def backward(plan: Plan, res: Residuals, dout) -> Operands:
+  """Cotangents of every operand (an `Operands`: dq, dk, dv, dbias, the score_mod arrays' and the
+  sinks' gradients; zeros for the integer and mask operands), in the layout of `forward`."""
+  ops = res.ops
+  cfg, grid = plan.cfg, plan.grid
+  q, k, v, bias = ops.q, ops.k, ops.v, ops.bias
   B, K, G, H = cfg.B, cfg.K, cfg.G, q.shape[-1]
   bq, bk = grid.block_q, grid.block_kv
   sd = _tile.stat_dtype(q.dtype)
-  ragged = cfg.S % bk != 0
-  lo, hi = _loop_bounds(cc.kv_ranges, states.T)
+  lo, hi = plan.column_bounds(ops.states)
   Hv = v.shape[-1]
+  inputs = (q, k, v, dout, ops.states)
   # rowsum(dO * O) = rowsum(P * dP): the softmax Jacobian's correction term, one per query.
-  delta = jnp.einsum("btnh,btnh->btn", dout.astype(sd), out.astype(sd))
+  delta = output_delta(dout, res.out)
   keep_scale = 1.0 / (1.0 - cfg.dropout_rate) if cfg.dropout_rate > 0 else None
-  lse_r = _tile.lse_for_recompute(lse)
+  lse_r = _tile.lse_for_recompute(res.lse)
   # The logit scale is applied to each finished dQ, dK block, not to every (tq, tk) tile.
   scale = jnp.asarray(cfg.scale, sd)
+  # The (B, Tp, N, H) dQ and a full-size dBias stay outside the switch: a conditional that
+  # threads a large array through its branches can copy it on every tile. The branches return
+  # a tile's block contributions instead, added in place after the switch.
+  dbias_block_shape = (None if bias is None
+                       else _bias_contribution_shape(bias.shape, B, K, G, bq, bk))
 
   def kv_block(j, carry):
     dq, dk, dv, dbias, dargs = carry
-    kv_pos = _positions(j, bk)
-    kb0, vb0 = _kv_tile(k, j, bk), _kv_tile(v, j, bk)
-
-    # The (B, Tp, N, H) dQ and a full-size dBias stay outside the switch: a conditional that
-    # threads a large array through its branches can copy it on every tile. The branches return
-    # this tile's block contributions instead, added in place after the switch.
-    dbias_block_shape = None if bias is None else _bias_contribution_shape(bias.shape, B, K, G,
-                                                                           bq, bk)
+    kb0, vb0 = kv_tile(k, j, bk), kv_tile(v, j, bk)
 
     def tile(i, inner, masked: bool):
       dkb, dvb, dargs = inner
-      q_pos = _positions(i, bq)
-      qb, kb, vb = _q_tile(q, i, bq, K, G), kb0, vb0
-      dob = _q_tile(dout, i, bq, K, G)
+      view = tile_view(plan, ops, i, j, masked)
+      qb, kb, vb = q_tile(q, i, bq, K, G), kb0, vb0
+      dob = q_tile(dout, i, bq, K, G)
       # Per-query statistics broadcast along the key axis of the (B, K, bk, G, bq) tiles.
       lse_b = _row_tile(lse_r, i, bq, K, G)[:, :, None]
       delta_b = _row_tile(delta, i, bq, K, G)[:, :, None]
-      vis = None
-      if masked:
-        vis = _tile.visible(cfg, mask, q_pos, kv_pos, ragged_kv=ragged)
-        if vis is not None:
-          qb, kb, vb = _tile.sanitize(vis, qb, kb, vb)
-          vis = _key_major(vis)
+      vis = view.vis
+      if vis is not None:
+        qb, kb, vb = _tile.sanitize(vis, qb, kb, vb)
+        vis = _key_major(vis)
       q2 = qb.reshape(B, K, G * bq, H)  # the G heads of a group stacked as rows
       do2 = dob.reshape(B, K, G * bq, Hv)
-      bias_b = _bias_block(bias, i, j, grid)
       s = _kv_rows_matmul(kb, q2, sd).reshape(B, K, bk, G, bq)
-      s, t = _tile.scale_cap_bias(cfg, s, None if bias_b is None else _key_major(bias_b))
+      s, t = _tile.scale_cap_bias(cfg, s, None if view.bias is None else _key_major(view.bias))
       if cfg.score_mod is not None:
         # score_mod sees the tile in its documented (B, N, tq, tk) layout.
         s, mod_vjp = jax.vjp(
-            lambda s_, a_: _key_major(_tile.apply_score_mod(cfg, _query_major(s_), q_pos, kv_pos,
-                                                            a_)), s, score_args)
+            lambda s_, a_: _key_major(_tile.apply_score_mod(cfg, _query_major(s_), view.idx, a_)),
+            s, ops.score_args)
       if vis is not None:
         s = jnp.where(vis, s, jnp.asarray(_tile.NEG, sd))
       p = jnp.exp(s - lse_b)  # exact 0 where masked, and in empty rows (lse = inf)
       dp = _kv_rows_matmul(vb, do2, sd).reshape(B, K, bk, G, bq)
       if cfg.dropout_rate > 0:
-        kept = _key_major(_tile.keep(cfg, seed, q_pos, kv_pos))
+        kept = _key_major(_tile.keep(cfg, ops.seed, view.idx))
         pd = jnp.where(kept, p, jnp.zeros((), sd)) * jnp.asarray(keep_scale, sd)
         dp = jnp.where(kept, dp, jnp.zeros((), sd)) * jnp.asarray(keep_scale, sd)
       else:
@@ -383,12 +356,12 @@ def _backward(cc: ChunkedConfig, q, k, v, bias, mask, states, seed, score_args, 
     def skip(i, inner):
       zeros = (jnp.zeros((B, K, H, G * bq), sd),
                None if bias is None else jnp.zeros(dbias_block_shape, sd))
-      return inner, _varying_tree(zeros, q, k, v, dout, states)
+      return inner, _sharding.varying_tree(zeros, *inputs)
 
     def body(i, carry):
       dkb, dvb, dq, dbias, dargs = carry
-      (dkb, dvb, dargs), (dq_t, dbias_b) = _dispatch(
-          cc.kinds, states[i, j],
+      (dkb, dvb, dargs), (dq_t, dbias_b) = dispatch(
+          plan.kinds, ops.states[i, j],
           {EMPTY: skip, PARTIAL: functools.partial(tile, masked=True),
            FULL: functools.partial(tile, masked=False)}, i, (dkb, dvb, dargs))
       # (B, K, H, G * bq) -> (B, bq, N, H), the rows of block i.
@@ -396,12 +369,12 @@ def _backward(cc: ChunkedConfig, q, k, v, bias, mask, states, seed, score_args, 
       dq = jax.lax.dynamic_update_slice_in_dim(dq, _slice(dq, i * bq, bq, 1) + rows * scale,
                                                i * bq, axis=1)
       if dbias is not None:
-        dbias = _accumulate_bias(dbias, dbias_b, i, j, grid)
+        dbias = _accumulate_bias(dbias, dbias_b, i, j, plan)
       return dkb, dvb, dq, dbias, dargs
 
-    dkb0 = jnp.zeros_like(kb0, dtype=sd)  # (B, K, bk, H), typed like the inputs (see _forward)
+    dkb0 = jnp.zeros_like(kb0, dtype=sd)  # (B, K, bk, H), typed like the inputs (see forward)
     dvb0 = jnp.zeros_like(vb0, dtype=sd)
-    dkb0, dvb0 = (_varying(x, q, k, v, dout, states) for x in (dkb0, dvb0))
+    dkb0, dvb0 = _sharding.varying_tree((dkb0, dvb0), *inputs)
     dkb, dvb, dq, dbias, dargs = jax.lax.fori_loop(lo(j), hi(j), body,
                                                    (dkb0, dvb0, dq, dbias, dargs))
     # Every key block is finished here, so dK and dV are written once, in their own dtype.
@@ -413,20 +386,36 @@ def _backward(cc: ChunkedConfig, q, k, v, bias, mask, states, seed, score_args, 
   dk0 = jnp.zeros_like(k)
   dv0 = jnp.zeros_like(v)
   dbias0 = None if bias is None else jnp.zeros_like(bias, dtype=_tile.stat_dtype(bias.dtype))
-  dargs0 = jax.tree.map(jnp.zeros_like, score_args)
-  dq0, dk0, dv0, dbias0 = (None if x is None else _varying(x, q, k, v, dout, states)
-                           for x in (dq0, dk0, dv0, dbias0))
+  dargs0 = jax.tree.map(jnp.zeros_like, ops.score_args)
+  dq0, dk0, dv0, dbias0 = _sharding.varying_tree((dq0, dk0, dv0, dbias0), *inputs)
   dq, dk, dv, dbias, dargs = jax.lax.fori_loop(0, grid.num_kv_blocks, kv_block,
                                                (dq0, dk0, dv0, dbias0, dargs0))
   dsink = None
-  if sink is not None:
-    # d out / d sink = -p_sink * out, so d loss / d sink = -sum_rows exp(sink - lse) * delta.
-    # Padded query rows have delta = 0.
-    p_sink = jnp.exp(sink.astype(sd).reshape(1, 1, K * G) - lse)
-    dsink = -(p_sink * delta).sum(axis=(0, 1)).reshape(sink.shape)
-    dsink = dsink.astype(sink.dtype)
-  return (dq.astype(q.dtype), dk, dv, None if dbias is None else dbias.astype(bias.dtype), dargs,
-          dsink)
+  if ops.sink is not None:
+    dsink = sink_gradient(ops.sink, res.lse, delta)
+  zeros = lambda tree: jax.tree.map(_plan.zero_cotangent, tree)
+  return Operands(q=dq.astype(q.dtype), k=dk, v=dv,
+                  bias=None if dbias is None else dbias.astype(bias.dtype),
+                  mask=zeros(ops.mask), states=zeros(ops.states), seed=zeros(ops.seed),
+                  score_args=dargs, sink=dsink, positions=zeros(ops.positions))
+
+
+def output_delta(dout, out):
+  """rowsum(dO * O) per query, (B, T, N) in the statistics dtype."""
+  sd = _tile.stat_dtype(out.dtype)
+  return jnp.einsum("btnh,btnh->btn", dout.astype(sd), out.astype(sd))
+
+
+def sink_gradient(sink, lse, delta):
+  """d loss / d sink for a (1, K, G, 1) sink, from the rows' final lse and delta (B, T, N).
+
+  d out / d sink = -p_sink * out, so d loss / d sink = -sum_rows exp(sink - lse) * delta; rows
+  without a gradient (padding) have delta = 0.
+  """
+  sd = lse.dtype
+  K, G = sink.shape[1], sink.shape[2]
+  p_sink = jnp.exp(sink.astype(sd).reshape(1, 1, K * G) - lse)
+  return (-(p_sink * delta).sum(axis=(0, 1))).reshape(sink.shape).astype(sink.dtype)
 
 
 def _bias_contribution_shape(bias_shape, B, K, G, bq, bk):
@@ -441,70 +430,45 @@ def _bias_contribution(ds, shape):
   return ds.sum(axis=axes, keepdims=True) if axes else ds
 
 
-def _accumulate_bias(dbias, contrib, i, j, grid):
+def _accumulate_bias(dbias, contrib, i, j, plan: Plan):
   """Add a tile's dBias block at its place in the (B|1,K|1,G|1,Tp|1,Sp|1) gradient."""
-  start = (0, 0, 0, i * grid.block_q if dbias.shape[3] != 1 else 0,
-           j * grid.block_kv if dbias.shape[4] != 1 else 0)
+  start = (0, 0, 0, i * plan.grid.block_q if dbias.shape[3] != 1 else 0,
+           j * plan.grid.block_kv if dbias.shape[4] != 1 else 0)
   cur = jax.lax.dynamic_slice(dbias, start, contrib.shape)
   return jax.lax.dynamic_update_slice(dbias, cur + contrib.astype(dbias.dtype), start)
 
 
 # --------------------------------------------------------------------------------------------
-# The custom VJP: inputs, output and log-sum-exp are the only residuals.
+# The custom VJP: the operands, the output and its log-sum-exp are the only residuals.
 # --------------------------------------------------------------------------------------------
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _chunked(cc, q, k, v, bias, mask, states, seed, score_args, sink):
-  return _forward(cc, q, k, v, bias, mask, states, seed, score_args, sink)
+def _kernel(plan: Plan, ops: Operands):
+  return forward(plan, ops)
 
 
-def _chunked_fwd(cc, q, k, v, bias, mask, states, seed, score_args, sink):
-  out, lse = _forward(cc, q, k, v, bias, mask, states, seed, score_args, sink)
-  return (out, lse), (q, k, v, bias, mask, states, seed, score_args, sink, out, lse)
+def _kernel_fwd(plan: Plan, ops: Operands):
+  out, lse = forward(plan, ops)
+  return (out, lse), Residuals(ops, out, lse)
 
 
-def _chunked_bwd(cc, res, cts):
-  q, k, v, bias, mask, states, seed, score_args, sink, out, lse = res
+def _kernel_bwd(plan: Plan, res: Residuals, cts):
   dout, _ = cts  # the log-sum-exp output carries no gradient (as in jax.nn)
-  dq, dk, dv, dbias, dargs, dsink = _backward(cc, q, k, v, bias, mask, states, seed, score_args,
-                                              sink, out, lse, dout)
-  zero_mask = jax.tree.map(_zero_cotangent, mask)
-  return (dq, dk, dv, dbias, zero_mask, _zero_cotangent(states), _zero_cotangent(seed), dargs,
-          dsink)
+  return (backward(plan, res, dout),)
 
 
-def _zero_cotangent(x):
-  if x is None:
-    return None
-  x = jnp.asarray(x)
-  if jnp.issubdtype(x.dtype, jnp.inexact):
-    return jnp.zeros_like(x)
-  return np.zeros(x.shape, jax.dtypes.float0)
+_kernel.defvjp(_kernel_fwd, _kernel_bwd)
 
 
-_chunked.defvjp(_chunked_fwd, _chunked_bwd)
-
-
-def chunked_attention(cc: ChunkedConfig, q, k, v, bias, mask, states, seed, score_args=(),
-                      sink=None):
-  """q (B,T,N,H), k/v (B,S,K,H), bias (B|1,K|1,G|1,T|1,S|1), states (nq, nk) int8,
-  sink (1,K,G,1).
-
-  Pads T and S to whole blocks, runs the custom-VJP kernel, and slices the padding off.
-  Returns out (B,T,N,H) and lse (B,T,N).
+def chunked_attention(plan: Plan, ops: Operands):
+  """Chunked attention of unpadded operands: q (B,T,N,H), k/v (B,S,K,H), bias
+  (B|1,K|1,G|1,T|1,S|1). Pads T and S to whole blocks, runs the custom-VJP kernel, and slices
+  the padding off. Returns out (B,T,N,H) and lse (B,T,N).
   """
-  cfg = cc.cfg
-  pt, ps = cc.Tp - cfg.T, cc.Sp - cfg.S
-  if pt:
-    q = jnp.pad(q, ((0, 0), (0, pt), (0, 0), (0, 0)))
-  if ps:
-    k = jnp.pad(k, ((0, 0), (0, ps), (0, 0), (0, 0)))
-    v = jnp.pad(v, ((0, 0), (0, ps), (0, 0), (0, 0)))
-  if bias is not None and (pt or ps):
-    bias = jnp.pad(bias, ((0, 0),) * 3 + ((0, pt if bias.shape[3] != 1 else 0),
-                                         (0, ps if bias.shape[4] != 1 else 0)))
-  out, lse = _chunked(cc, q, k, v, bias, mask, states, seed, score_args, sink)
-  if pt:
-    out, lse = out[:, :cfg.T], lse[:, :cfg.T]
+  q, k, v, bias = _plan.pad_to_blocks(plan, ops.q, ops.k, ops.v, ops.bias)
+  out, lse = _kernel(plan, ops._replace(q=q, k=k, v=v, bias=bias))
+  T = plan.cfg.T
+  if plan.Tp != T:
+    out, lse = out[:, :T], lse[:, :T]
   return out, lse

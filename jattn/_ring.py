@@ -3,27 +3,31 @@
 Built on JAX's own SPMD machinery: `ring_attention` runs inside `jax.shard_map` with the query and
 key/value sequences sharded along one mesh axis of P devices. Each device keeps its query shard.
 For P steps it attends that shard to the key/value shard it currently holds, with the chunked
-kernel (`jattn._chunked._forward`), while passing the key/value shard on to its ring neighbour with
+kernel (`jattn._chunked.forward`), while passing the key/value shard on to its ring neighbour with
 `jax.lax.ppermute`; the P partial results are combined exactly through their log-sum-exps (the
-rule of `merge_attention`).
+rule of `merge_attention`), and the sinks, if any, join once at the end.
 
 The backward pass rings once more. The chunked backward recomputes probabilities as
 exp(S - lse) from the *global* log-sum-exp of each row, so on one key/value shard
-`jattn._chunked._backward` returns exactly that shard's share of dQ and the whole of its dK, dV.
+`jattn._chunked.backward` returns exactly that shard's share of dQ and the whole of its dK, dV.
 The dK/dV accumulators travel around the ring with their shard and are back on its owner after P
 steps; dQ stays put. Memory per device: its own shards, one key/value shard (plus, backward, its
 dK/dV) in flight, and O(T / P) statistics -- independent of P.
 
-Global positions. Causal, window and length masks are about positions in the whole sequence, but
-the kernel sees local positions 0 .. T/P - 1. `_RingMask` maps them through tables of the global
-position of every local row, computed from the device index and the layout:
+Global positions. Masks, score_mod and dropout are about positions in the whole sequence, but
+the kernel sees local positions 0 .. T/P - 1. The call's mask is built once, on global
+positions, by the same `jattn._plan.build_mask` as the single-device call; for each pair of shards
+`jattn.masks.remap` evaluates it through tables of the global position of every local row,
+computed from the device index and the layout:
   contiguous: device d holds positions [d * T/P, (d + 1) * T/P);
   zigzag:     the sequence is cut into 2P chunks; device d holds chunks d and 2P - 1 - d, so every
               device owns an equal share of the causal triangle (`zigzag_permute`).
-Its block summary (EMPTY / PARTIAL / FULL per kernel block) comes from the min and max global
-position of each block, so a key/value shard wholly in a query shard's future is an all-EMPTY block
-map and costs no tile: the kernel skips it, while the ppermute still runs on every step (every
-device takes part in every collective, whatever its share of the work).
+The same tables reach score_mod and the dropout hash (`jattn._plan.Positions`), so ring and
+single-device calls compute the same scores and drop the same entries. A block's summary
+(EMPTY / PARTIAL / FULL) comes from the min and max global position of each block, so a
+key/value shard wholly in a query shard's future is an all-EMPTY block map and costs no tile: the
+kernel skips it, while the ppermute still runs on every step (every device takes part in every
+collective, whatever its share of the work).
 
 Shapes: B batch, T / S global query / key length, N query heads, K key/value heads, G = N // K,
 H head dim; Ts = T / P and Ss = S / P are one device's shards.
@@ -33,22 +37,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn import _chunked, _tile, _validation
+from jattn import _chunked, _dropout, _plan, _sharding, _tile, _validation
 from jattn import masks as _masks
-from jattn._attention import DEFAULT_BLOCK_KV, DEFAULT_BLOCK_Q, block_map
-from jattn._chunked import _varying
 from jattn._tile import NEG, Config
+from jattn._types import ArrayLike, IsCausal, Layout, LocalWindowSize
 
-LAYOUTS = ("contiguous", "zigzag")
-
-# Dropout is not supported, so the kernels' dropout seed is a constant.
-_NO_SEED = np.zeros((2,), np.uint32)
+LAYOUTS = _validation.LAYOUTS
 
 
 # --------------------------------------------------------------------------------------------
@@ -57,12 +57,7 @@ _NO_SEED = np.zeros((2,), np.uint32)
 
 
 def _check_num_devices(num_devices):
-  if isinstance(num_devices, bool) or not isinstance(num_devices, (int, np.integer)):
-    raise TypeError(f"num_devices must be a positive int, got {type(num_devices).__name__} "
-                    f"{num_devices!r}")
-  if num_devices <= 0:
-    raise ValueError(f"num_devices must be a positive int, got {num_devices}")
-  return int(num_devices)
+  return _validation.positive_int("num_devices", num_devices)
 
 
 def zigzag_order(num_devices: int) -> np.ndarray:
@@ -78,11 +73,7 @@ def zigzag_order(num_devices: int) -> np.ndarray:
 def _zigzag_take(x, num_devices, axis, inverse):
   P = _check_num_devices(num_devices)
   x = jnp.asarray(x)
-  if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
-    raise TypeError(f"axis must be an int, got {type(axis).__name__} {axis!r}")
-  if not -x.ndim <= axis < x.ndim:
-    raise ValueError(f"axis={axis} is out of range for an array of shape {x.shape}")
-  axis = axis % x.ndim
+  axis = _validation.axis("axis", axis, x.shape)
   L = x.shape[axis]
   if L % (2 * P):
     raise ValueError(f"the zigzag layout cuts the sequence into 2 * num_devices = {2 * P} equal "
@@ -131,87 +122,38 @@ def shard_positions(index, length: int, num_devices: int, layout: str):
 
 
 # --------------------------------------------------------------------------------------------
-# The mask of one (query shard, key/value shard) pair, in global positions.
+# The operands of one (query shard, key/value shard) pair, in global positions.
 # --------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True, slots=True, eq=False)
-class _RingMask(_masks.Mask):
-  """Band and length masks on global positions, evaluated at local positions.
-
-  Visible iff ``lo <= kv_global - q_global <= hi`` (a ``None`` side is unbounded) and
-  ``q_global < q_lengths[b]`` and ``kv_global < kv_lengths[b]``. ``q_pos`` / ``kv_pos`` are the
-  global positions of the local rows, padded to whole kernel blocks by repeating the last one
-  (padded query rows then behave as a copy of the last row; padded keys are hidden by the kernel).
-  """
-
-  q_pos: Any  # (Tp,) int32
-  kv_pos: Any  # (Sp,) int32
-  q_lengths: Any  # (B,) int32 or None
-  kv_lengths: Any  # (B,) int32 or None
-  lo: int | None
-  hi: int | None
-
-  def evaluate(self, q_pos, kv_pos, shape):
-    qg = jnp.take(self.q_pos, q_pos, mode="clip")  # (tq,)
-    kg = jnp.take(self.kv_pos, kv_pos, mode="clip")  # (tk,)
-    ok = jnp.ones((1, qg.shape[0], kg.shape[0]), bool)
-    d = kg[None, None, :] - qg[None, :, None]
-    if self.lo is not None:
-      ok = ok & (d >= self.lo)
-    if self.hi is not None:
-      ok = ok & (d <= self.hi)
-    if self.q_lengths is not None:
-      ok = ok & (qg[None, :, None] < self.q_lengths[:, None, None])
-    if self.kv_lengths is not None:
-      ok = ok & (kg[None, None, :] < self.kv_lengths[:, None, None])
-    return ok[:, None]  # (B|1, 1, tq, tk)
-
-  def block_states(self, grid, shape):
-    nq, nk = grid.num_q_blocks, grid.num_kv_blocks
-    assert self.q_pos.shape == (nq * grid.block_q,), (self.q_pos.shape, grid)
-    assert self.kv_pos.shape == (nk * grid.block_kv,), (self.kv_pos.shape, grid)
-    qb = self.q_pos.reshape(nq, grid.block_q)
-    kb = self.kv_pos.reshape(nk, grid.block_kv)
-    qmin, qmax = qb.min(axis=1)[None, :, None], qb.max(axis=1)[None, :, None]  # (1, nq, 1)
-    kmin, kmax = kb.min(axis=1)[None, None, :], kb.max(axis=1)[None, None, :]  # (1, 1, nk)
-    # Exact when a block holds consecutive positions; for a block straddling two zigzag chunks
-    # the [min, max] hull is wider, which can only turn EMPTY or FULL into PARTIAL (still sound).
-    full = jnp.ones((1, nq, nk), bool)
-    empty = jnp.zeros((1, nq, nk), bool)
-    if self.lo is not None:
-      full = full & (kmin - qmax >= self.lo)
-      empty = empty | (kmax - qmin < self.lo)
-    if self.hi is not None:
-      full = full & (kmax - qmin <= self.hi)
-      empty = empty | (kmin - qmax > self.hi)
-    if self.q_lengths is not None:
-      n = self.q_lengths[:, None, None]
-      full = full & (qmax < n)
-      empty = empty | (qmin >= n)
-    if self.kv_lengths is not None:
-      n = self.kv_lengths[:, None, None]
-      full = full & (kmax < n)
-      empty = empty | (kmin >= n)
-    states = jnp.where(empty, _masks.EMPTY, jnp.where(full, _masks.FULL, _masks.PARTIAL))
-    return states.astype(jnp.int8)[:, None]  # (B|1, 1, nq, nk)
-
-
-jax.tree_util.register_dataclass(_RingMask,
-                                 data_fields=["q_pos", "kv_pos", "q_lengths", "kv_lengths"],
-                                 meta_fields=["lo", "hi"])
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class _RingConfig:
   """Static description of one ring call (hashable: the custom VJP's nondiff argument)."""
 
-  cc: _chunked.ChunkedConfig  # over one device's shards (Ts, Ss)
+  plan: _plan.Plan  # over one device's shards (Ts, Ss)
   axis_name: Any
   num_devices: int
   layout: str
-  lo: int | None  # the global diagonal band: lo <= kv - q <= hi
-  hi: int | None
+
+
+class _RingOperands(NamedTuple):
+  """Everything a ring call reads besides q, k and v.
+
+  mask: the call's position-based mask on global positions (built once; remapped per pair);
+  q_seg, kv_seg: this device's (B, Ts) and the travelling (B, Ss) segment ids, or None;
+  seed: (2,) uint32 dropout words; score_args: the arrays a score_mod closes over; sink:
+  (1, K, G, 1) or None; batch0, head0: int32 global index of this device's first batch element
+  and query head (nonzero when the batch or heads are sharded too).
+  """
+
+  mask: Any
+  q_seg: Any
+  kv_seg: Any
+  seed: Any
+  score_args: tuple
+  sink: Any
+  batch0: Any
+  head0: Any
 
 
 def _padded_positions(index, length, padded, rc: _RingConfig):
@@ -219,22 +161,31 @@ def _padded_positions(index, length, padded, rc: _RingConfig):
   return jnp.pad(pos, (0, padded - length), mode="edge")
 
 
-def _pair(rc: _RingConfig, q_pos, kv_index, lengths, segs):
-  """The mask and block map for this device's queries against device ``kv_index``'s keys."""
-  cc = rc.cc
-  cfg = cc.cfg
-  q_lengths, kv_lengths = lengths
-  q_seg, kv_seg = segs
-  parts = []
-  if rc.lo is not None or rc.hi is not None or q_lengths is not None or kv_lengths is not None:
-    kv_pos = _padded_positions(kv_index, cfg.S, cc.Sp, rc)
-    parts.append(_RingMask(q_pos, kv_pos, q_lengths, kv_lengths, rc.lo, rc.hi))
-  if q_seg is not None:
+def _pair(rc: _RingConfig, ro: _RingOperands, q, k, v, q_index, kv_index, kv_seg):
+  """Kernel operands for this device's queries against device ``kv_index``'s keys."""
+  plan = rc.plan
+  cfg = plan.cfg
+  q_table = _padded_positions(q_index, cfg.T, plan.Tp, rc)
+  kv_table = _padded_positions(kv_index, cfg.S, plan.Sp, rc)
+  parts = [None if ro.mask is None
+           else _masks.remap(ro.mask, q_table, kv_table, ro.batch0, ro.head0)]
+  if ro.q_seg is not None:
     # Segment ids are per token: the key shard's ids travelled with it, so they are local here.
-    parts.append(_masks.segments(q_seg, kv_seg))
-  mask = functools.reduce(lambda a, b: a & b, parts) if parts else None
-  states = block_map(mask, cc.grid, (cfg.B, cfg.N, cfg.T, cfg.S))
-  return mask, states
+    parts.append(_masks.segments(ro.q_seg, kv_seg))
+  mask = _plan.combine(parts)
+  states = _plan.block_map(mask, plan.grid, (cfg.B, cfg.N, cfg.T, cfg.S))
+  positions = None
+  if cfg.score_mod is not None or cfg.dropout_rate > 0:
+    positions = _plan.Positions(q_table, kv_table, ro.batch0, ro.head0)
+  score_args = ro.score_args
+  if cfg.score_mod is not None:
+    # score_mod was traced on arguments varying like q and k (see closure_convert_score_mod):
+    # its indices and arrays are typed so here too (its arrays' gradient is summed over the
+    # devices once, after the loops, in _ring_backward).
+    positions = _sharding.varying_tree(positions, q, k)
+    score_args = _sharding.varying_tree(score_args, q, k)
+  return _plan.Operands(q=q, k=k, v=v, mask=mask, states=states, seed=ro.seed,
+                        score_args=score_args, positions=positions)
 
 
 def tiles_per_device(num_devices: int, layout: str, Ts: int, Ss: int, block_q: int,
@@ -246,13 +197,14 @@ def tiles_per_device(num_devices: int, layout: str, Ts: int, Ss: int, block_q: i
   Benchmarks and tests use it to show a layout's load balance.
   """
   cfg = Config(B=1, T=Ts, S=Ss, K=1, G=1, H=1, scale=1.0, logits_soft_cap=None, dropout_rate=0.0)
-  cc = _chunked.ChunkedConfig(cfg, _masks.BlockGrid(Ts, Ss, block_q, block_kv))
-  rc = _RingConfig(cc, None, num_devices, layout, lo, hi)
+  plan, _ = _plan.make_plan(cfg, None, block_q, block_kv)
+  rc = _RingConfig(plan, None, num_devices, layout)
+  mask = None if lo is None and hi is None else _masks.band(lo, hi)
+  ro = _RingOperands(mask, None, None, None, (), None, 0, 0)
   work, full = np.zeros(num_devices, np.int64), np.zeros(num_devices, np.int64)
   for d in range(num_devices):
-    q_pos = _padded_positions(d, Ts, cc.Tp, rc)
     for j in range(num_devices):
-      states = np.asarray(_pair(rc, q_pos, j, (None, None), (None, None))[1])
+      states = np.asarray(_pair(rc, ro, None, None, None, d, j, None).states)
       work[d] += int((states != _masks.EMPTY).sum())
       full[d] += int((states == _masks.FULL).sum())
   return work, full
@@ -280,90 +232,108 @@ def _merge_pair(out_a, lse_a, out_b, lse_b):
   return out, m + jnp.log(tot)
 
 
+def _add_sink(out, lse, sink):
+  """Merge the sink -- one more logit per row, with no value -- into a finished result: the
+  softmax denominator gains exp(sink), so the output shrinks by exp(lse - lse').
+  An empty row (lse NEG, out 0) ends with lse = sink and out 0, as in the single-device kernel."""
+  B, T, N = lse.shape
+  s = sink.astype(lse.dtype).reshape(1, 1, N)
+  m = jnp.maximum(lse, s)
+  tot = jnp.exp(lse - m) + jnp.exp(s - m)
+  return out * (jnp.exp(lse - m) / tot)[..., None], m + jnp.log(tot)
+
+
 # --------------------------------------------------------------------------------------------
 # The ring: forward, backward, custom VJP.
 # --------------------------------------------------------------------------------------------
 
 
-def _ring_forward(rc: _RingConfig, q, k, v, lengths, segs):
+def _ring_forward(rc: _RingConfig, q, k, v, ro: _RingOperands):
   """q (B,Tp,N,H), k/v (B,Sp,K,H) local shards -> out (B,Tp,N,H), lse (B,Tp,N)."""
-  cc = rc.cc
   B, Tp, N, _ = q.shape
   Hv = v.shape[-1]
   sd = _tile.stat_dtype(q.dtype)
   P = rc.num_devices
   index = jax.lax.axis_index(rc.axis_name)
-  q_pos = _padded_positions(index, cc.cfg.T, cc.Tp, rc)
-  q_seg, kv_seg = segs
-
-  def attend(step, k, v, kv_seg):
-    # After `step` sends, this device holds the shard of device index - step.
-    mask, states = _pair(rc, q_pos, (index - step) % P, lengths, (q_seg, kv_seg))
-    out, lse = _chunked._forward(cc, q, k, v, None, mask, states, _NO_SEED, (), None)
-    return out.astype(sd), lse.astype(sd)
 
   def body(step, carry):
     k, v, kv_seg, out, lse = carry
     # The send does not depend on this step's compute, so the transfer can overlap it.
     k_next, v_next, seg_next = _send(rc, (k, v, kv_seg))
-    o, l = attend(step, k, v, kv_seg)
-    out, lse = _merge_pair(out, lse, o, l)
+    # After `step` sends, this device holds the shard of device index - step.
+    ops = _pair(rc, ro, q, k, v, index, (index - step) % P, kv_seg)
+    o, l = _chunked.forward(rc.plan, ops)
+    out, lse = _merge_pair(out, lse, o.astype(sd), l.astype(sd))
     return k_next, v_next, seg_next, out, lse
 
-  out0 = _varying(jnp.zeros((B, Tp, N, Hv), sd), q, k, v)
-  lse0 = _varying(jnp.full((B, Tp, N), NEG, sd), q, k, v)
+  out0 = _sharding.varying(jnp.zeros((B, Tp, N, Hv), sd), q, k, v)
+  lse0 = _sharding.varying(jnp.full((B, Tp, N), NEG, sd), q, k, v)
   # The P-th send only returns the shards to their owners. Peeling the last step off the loop
   # would save it, but trace and compile the kernel twice; the send overlaps the last step's
   # compute anyway.
-  _, _, _, out, lse = jax.lax.fori_loop(0, P, body, (k, v, kv_seg, out0, lse0))
+  _, _, _, out, lse = jax.lax.fori_loop(0, P, body, (k, v, ro.kv_seg, out0, lse0))
+  if ro.sink is not None:
+    # The sink is one term of the whole row's softmax: added once, after every shard's part.
+    out, lse = _add_sink(out, lse, ro.sink)
   return out.astype(q.dtype), lse
 
 
-def _ring_backward(rc: _RingConfig, q, k, v, lengths, segs, out, lse, dout):
-  cc = rc.cc
+def _ring_backward(rc: _RingConfig, q, k, v, ro: _RingOperands, out, lse, dout):
   sd = _tile.stat_dtype(q.dtype)
   P = rc.num_devices
   index = jax.lax.axis_index(rc.axis_name)
-  q_pos = _padded_positions(index, cc.cfg.T, cc.Tp, rc)
-  q_seg, kv_seg = segs
-
-  def grads(step, k, v, kv_seg):
-    mask, states = _pair(rc, q_pos, (index - step) % P, lengths, (q_seg, kv_seg))
-    dq, dk, dv, _, _, _ = _chunked._backward(cc, q, k, v, None, mask, states, _NO_SEED, (), None,
-                                             out, lse, dout)
-    return dq.astype(sd), dk.astype(sd), dv.astype(sd)
+  # Under shard_map(check_vma=True) values are typed device-varying or invariant, and the
+  # gradient of an invariant input (the sinks, score_mod's arrays) must be invariant: the sum of
+  # every device's share, a psum here. Without the typing (check_vma=False), shard_map sums the
+  # per-device shares itself when it transposes.
+  typed = rc.axis_name in _sharding.varying_axes(q)
+  total = (lambda g: jax.lax.psum(g, rc.axis_name)) if typed else (lambda g: g)
 
   def body(step, carry):
-    k, v, kv_seg, dk, dv, dq = carry
+    k, v, kv_seg, dk, dv, dq, dargs = carry
     k_next, v_next, seg_next = _send(rc, (k, v, kv_seg))
-    dq_s, dk_s, dv_s = grads(step, k, v, kv_seg)
+    ops = _pair(rc, ro, q, k, v, index, (index - step) % P, kv_seg)
+    # The backward recomputes P = exp(S - lse) from the *global* lse (the sink included), so on
+    # one key/value shard it gives that shard's share of dQ and the whole of its dK, dV.
+    g = _chunked.backward(rc.plan, _chunked.Residuals(ops, out, lse), dout)
     # dK, dV travel with their shard: after P sends they are back on its owner.
-    dk, dv = _send(rc, (dk + dk_s, dv + dv_s))
-    return k_next, v_next, seg_next, dk, dv, dq + dq_s
+    dk, dv = _send(rc, (dk + g.k.astype(sd), dv + g.v.astype(sd)))
+    dargs = jax.tree.map(jnp.add, dargs, g.score_args)
+    return k_next, v_next, seg_next, dk, dv, dq + g.q.astype(sd), dargs
 
-  dk0 = _varying(jnp.zeros(k.shape, sd), q, k, v, dout)
-  dv0 = _varying(jnp.zeros(v.shape, sd), q, k, v, dout)
-  dq0 = _varying(jnp.zeros(q.shape, sd), q, k, v, dout)
-  _, _, _, dk, dv, dq = jax.lax.fori_loop(0, P, body, (k, v, kv_seg, dk0, dv0, dq0))
-  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+  dk0, dv0, dq0 = _sharding.varying_tree(
+      (jnp.zeros(k.shape, sd), jnp.zeros(v.shape, sd), jnp.zeros(q.shape, sd)), q, k, v, dout)
+  dargs0 = _sharding.varying_tree(jax.tree.map(jnp.zeros_like, ro.score_args), q, k, v, dout)
+  if rc.plan.cfg.score_mod is None:
+    dargs0 = ()
+  _, _, _, dk, dv, dq, dargs = jax.lax.fori_loop(0, P, body,
+                                                 (k, v, ro.kv_seg, dk0, dv0, dq0, dargs0))
+  dargs = jax.tree.map(total, dargs)
+  dsink = None
+  if ro.sink is not None:
+    delta = _chunked.output_delta(dout, out)
+    dsink = total(_chunked.sink_gradient(ro.sink, lse, delta))
+  zeros = lambda tree: jax.tree.map(_plan.zero_cotangent, tree)
+  dro = _RingOperands(mask=zeros(ro.mask), q_seg=zeros(ro.q_seg), kv_seg=zeros(ro.kv_seg),
+                      seed=zeros(ro.seed), score_args=dargs, sink=dsink,
+                      batch0=zeros(ro.batch0), head0=zeros(ro.head0))
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dro
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ring(rc, q, k, v, lengths, segs):
-  return _ring_forward(rc, q, k, v, lengths, segs)
+def _ring(rc, q, k, v, ro):
+  return _ring_forward(rc, q, k, v, ro)
 
 
-def _ring_fwd(rc, q, k, v, lengths, segs):
-  out, lse = _ring_forward(rc, q, k, v, lengths, segs)
-  return (out, lse), (q, k, v, lengths, segs, out, lse)
+def _ring_fwd(rc, q, k, v, ro):
+  out, lse = _ring_forward(rc, q, k, v, ro)
+  return (out, lse), (q, k, v, ro, out, lse)
 
 
 def _ring_bwd(rc, res, cts):
-  q, k, v, lengths, segs, out, lse = res
+  q, k, v, ro, out, lse = res
   dout, _ = cts  # the log-sum-exp output carries no gradient (as in dot_product_attention)
-  dq, dk, dv = _ring_backward(rc, q, k, v, lengths, segs, out, lse, dout)
-  zero = lambda tree: jax.tree.map(_chunked._zero_cotangent, tree)
-  return dq, dk, dv, zero(lengths), zero(segs)
+  return _ring_backward(rc, q, k, v, ro, out, lse, dout)
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
@@ -383,37 +353,42 @@ class _RingOptions:
   layout: str
   scale: float | None
   causal: str | None
-  window: tuple[int, int] | None
+  window: tuple[int | None, int | None] | None
   logits_soft_cap: float | None
+  dropout_rate: float
+  dropout_broadcast: bool
   block_q: int | None
   block_kv: int | None
   return_residual: bool
+  score_mod: Callable | None
 
 
 def ring_attention(
-    query,
-    key,
-    value,
-    bias=None,
-    mask=None,
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
+    bias: ArrayLike | None = None,
+    mask: _masks.Mask | None = None,
     *,
     axis_name,
     scale: float | None = None,
-    is_causal: bool | str = False,
-    query_seq_lengths=None,
-    key_value_seq_lengths=None,
-    local_window_size: int | tuple[int, int] | None = None,
-    q_segment_ids=None,
-    kv_segment_ids=None,
+    is_causal: IsCausal = False,
+    query_seq_lengths: ArrayLike | None = None,
+    key_value_seq_lengths: ArrayLike | None = None,
+    local_window_size: LocalWindowSize | None = None,
+    q_segment_ids: ArrayLike | None = None,
+    kv_segment_ids: ArrayLike | None = None,
     logits_soft_cap: float | None = None,
     dropout_rate: float = 0.0,
-    dropout_rng=None,
-    layout: str = "contiguous",
+    dropout_rng: ArrayLike | None = None,
+    dropout_broadcast: bool = False,
+    layout: Layout = "contiguous",
     block_q: int | None = None,
     block_kv: int | None = None,
     return_residual: bool = False,
-    score_mod=None,
-    sinks=None,
+    score_mod: Callable | None = None,
+    sinks: ArrayLike | None = None,
+    _index_offsets=None,
 ):
   r"""Ring (context-parallel) attention; call it inside `jax.shard_map`.
 
@@ -424,12 +399,20 @@ def ring_attention(
   (P steps, each one send of the shard; the backward pass also sends the key/value gradients).
   Memory per device does not grow with P.
 
+  Everything that is a function of positions means what it means in ``dot_product_attention``
+  on the whole sequences: mask objects, causal, windows, lengths, ``score_mod``'s indices and
+  the dropout hash see *global* positions (ring and single-device drop the same entries).
+
   Args:
     query: this device's shard (B, Ts, N, H) (or (Ts, N, H)), Ts = T / P.
     key: (B, Ss, K, H), Ss = S / P; K must divide N (GQA / MQA).
     value: same shape as ``key``.
-    bias, mask: not supported (NotImplementedError): an (T, S) array cannot be split into the
-      ring's blocks without being all-gathered. Use the keyword masks below.
+    bias: not supported (NotImplementedError): a (T, S) array cannot be split into the ring's
+      blocks without being all-gathered.
+    mask: a :mod:`jattn.masks` object built for the whole (T, S) problem (``masks.causal()``,
+      windows, ``chunked_local``, ``prefix_lm``, ``from_function``, lengths, and their
+      combinations). Boolean arrays and ``masks.from_array`` are not supported
+      (NotImplementedError), as for ``bias``.
     axis_name: the `shard_map` mesh axis the sequence is sharded along.
     scale: logit scale; default ``1 / sqrt(H)``.
     is_causal: ``False``, ``True`` / ``"top_left"`` or ``"bottom_right"``, on *global* positions
@@ -441,37 +424,42 @@ def ring_attention(
     q_segment_ids: int (B, Ts), this device's shard of the (B, T) ids, in the same layout as the
       queries; kv_segment_ids: int (B, Ss) likewise (they travel with their key/value shard).
     logits_soft_cap: ``cap * tanh(logits / cap)``.
-    dropout_rate, dropout_rng, score_mod, sinks: not supported (NotImplementedError).
+    dropout_rate, dropout_rng, dropout_broadcast: as in ``dot_product_attention``; the same key
+      on every device of the ring.
     layout: ``"contiguous"`` (device d holds positions [d * Ts, (d + 1) * Ts)) or ``"zigzag"``
       (the sequence in 2P chunks, device d holding chunks d and 2P-1-d: balanced under a causal
       mask; permute with `zigzag_permute` first). Ts and Ss must be even for zigzag.
-    block_q, block_kv: kernel block sizes within a shard (default 512 and 256, at most the shard, and for
-      zigzag at most one chunk, so that no block straddles two chunks).
+    block_q, block_kv: kernel block sizes within a shard (default 512 and 256, at most the
+      shard, and for zigzag at most one chunk, so that no block straddles two chunks).
     return_residual: also return this device's log-sum-exp (B, Ts, N), without gradient.
+    score_mod: as in ``dot_product_attention``, called with global query and key indices.
+    sinks: float (N,) per-head sink logits, the same on every device; each row's sink joins its
+      softmax once (in the final merge), and its gradient is summed over the ring.
 
   Returns:
     This device's output shard, shaped like ``query`` (and with
     ``return_residual``, (output, lse)).
 
-  Call it inside ``jax.shard_map`` (``check_vma`` either way), or use `ring_attention_sharded`.
+  Batch and head indices (seen by ``score_mod``, ``masks.from_function`` and the dropout hash)
+  are those of this device's arrays; `ring_attention_sharded` makes them global when it also
+  shards the batch or heads. Call it inside ``jax.shard_map`` (``check_vma`` either way), or use
+  `ring_attention_sharded`.
   """
-  unsupported = [name for name, given in (
-      ("bias", bias is not None), ("mask", mask is not None),
-      ("dropout_rate", _validation.dropout(dropout_rate, dropout_rng) > 0),
-      ("score_mod", score_mod is not None), ("sinks", sinks is not None)) if given]
-  if unsupported:
+  if bias is not None:
     raise NotImplementedError(
-        f"ring_attention does not support {', '.join(unsupported)}: a bias or mask array spans "
-        "the whole (T, S) and would have to be all-gathered; dropout, score_mod and sinks would "
-        "see shard-local positions or count once per shard. Supported: is_causal, "
-        "local_window_size, query_seq_lengths, key_value_seq_lengths, q/kv_segment_ids, "
-        "logits_soft_cap, scale.")
-  if layout not in LAYOUTS:
-    raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-  try:
-    hash(axis_name)
-  except TypeError:
-    raise TypeError(f"axis_name must be a hashable mesh axis name, got {axis_name!r}") from None
+        "ring_attention does not support bias: an additive (T, S) array spans every pair of "
+        "shards and would have to be all-gathered. Express position-dependent terms with "
+        "score_mod (it sees global indices).")
+  if mask is not None and not isinstance(mask, _masks.Mask) and not hasattr(mask, "shape"):
+    raise TypeError(f"mask must be a jattn.masks object, got {_validation.describe(mask)}")
+  if mask is not None and not (isinstance(mask, _masks.Mask) and _masks.is_position_based(mask)):
+    raise NotImplementedError(
+        "ring_attention supports mask objects that are functions of positions (jattn.masks: "
+        "causal, local_window, chunked_local, prefix_lm, from_function, lengths and their "
+        "combinations); a boolean mask array (or masks.from_array) spans the whole (T, S) and "
+        f"would have to be all-gathered. Got {type(mask).__name__}.")
+  _validation.one_of("layout", layout, LAYOUTS)
+  _validation.hashable("axis_name", axis_name, "a hashable mesh axis name")
   try:
     num_devices = jax.lax.axis_size(axis_name)
   except NameError as e:
@@ -486,19 +474,27 @@ def ring_attention(
       causal=_validation.causal(is_causal),
       window=_validation.window(local_window_size),
       logits_soft_cap=_validation.soft_cap(logits_soft_cap),
+      dropout_rate=_validation.dropout(dropout_rate, dropout_rng),
+      dropout_broadcast=_validation.flag("dropout_broadcast", dropout_broadcast),
       block_q=_validation.block("block_q", block_q),
       block_kv=_validation.block("block_kv", block_kv),
       return_residual=_validation.flag("return_residual", return_residual),
+      score_mod=_validation.callable_or_none("score_mod", score_mod),
   )
-  return _ring_attention(query, key, value, query_seq_lengths, key_value_seq_lengths,
-                         q_segment_ids, kv_segment_ids, opts=opts)
+  if opts.dropout_rate == 0.0:
+    dropout_rng = None
+  batch0, head0 = (0, 0) if _index_offsets is None else _index_offsets
+  return _ring_attention(query, key, value, mask, query_seq_lengths, key_value_seq_lengths,
+                         q_segment_ids, kv_segment_ids, dropout_rng, sinks,
+                         jnp.asarray(batch0, jnp.int32), jnp.asarray(head0, jnp.int32),
+                         opts=opts)
 
 
 @functools.partial(jax.jit, static_argnames=("opts",))
-def _ring_attention(query, key, value, q_lengths, kv_lengths, q_seg, kv_seg, *,
-                    opts: _RingOptions):
+def _ring_attention(query, key, value, mask, q_lengths, kv_lengths, q_seg, kv_seg, dropout_rng,
+                    sinks, batch0, head0, *, opts: _RingOptions):
   args = _validation.arrays(query, key, value, None, None, q_lengths, kv_lengths, q_seg, kv_seg,
-                            None)
+                            sinks)
   query, key, value = args.query, args.key, args.value
   B, Ts, N, H = query.shape
   _, Ss, K, Hv = value.shape
@@ -511,44 +507,49 @@ def _ring_attention(query, key, value, q_lengths, kv_lengths, q_seg, kv_seg, *,
         f"got query shard Ts={Ts} and key shard Ss={Ss} (query.shape={query.shape}, "
         f"key.shape={key.shape})")
   T, S = Ts * P, Ss * P
-  scale = opts.scale if opts.scale is not None else 1.0 / float(np.sqrt(H))
+  # Masks see the whole problem: global lengths, this device's batch elements and heads.
+  global_shape = (B, N, T, S)
+  if mask is not None:
+    mask.validate(global_shape)
+  global_mask = _plan.build_mask(global_shape, mask, opts.causal, opts.window,
+                                 q_lengths=args.q_lengths, kv_lengths=args.kv_lengths)
 
-  # The global band lo <= kv - q <= hi, built as `_attention.build_mask` builds it.
-  offset = 0 if opts.causal in (None, "top_left") else S - T
-  lo = hi = None
-  if opts.causal is not None:
-    hi = offset
-  if opts.window is not None:
-    left, right = opts.window
-    lo = None if left is None else offset - left
-    if right is not None:
-      hi = offset + right if hi is None else min(hi, offset + right)
-
-  cap_q, cap_kv = (Ts // 2, Ss // 2) if zigzag else (Ts, Ss)
-  bq = min(opts.block_q or min(DEFAULT_BLOCK_Q, cap_q), Ts)
-  bk = min(opts.block_kv or min(DEFAULT_BLOCK_KV, cap_kv), Ss)
-  cfg = Config(B=B, T=Ts, S=Ss, K=K, G=G, H=H, scale=scale,
-               logits_soft_cap=opts.logits_soft_cap, dropout_rate=0.0)
-  cc = _chunked.ChunkedConfig(cfg, _masks.BlockGrid(Ts, Ss, bq, bk))
-  rc = _RingConfig(cc, opts.axis_name, P, opts.layout, lo, hi)
+  bq, bk = _plan.block_sizes(Ts, Ss, opts.block_q, opts.block_kv,
+                             cap_q=Ts // 2 if zigzag else None, cap_kv=Ss // 2 if zigzag else None)
+  sd = _tile.stat_dtype(query.dtype)
+  score_mod, score_args = None, ()
+  if opts.score_mod is not None:
+    score_mod, score_args = _plan.closure_convert_score_mod(opts.score_mod, (B, N, bq, bk), sd,
+                                                            varying_like=(query, key))
+    # Replayed with its arrays passed in varying (see _sharding.VaryingReplay).
+    ex = [_sharding.varying(jnp.zeros(shape, dtype), query, key) for shape, dtype in (
+        ((B, N, bq, bk), sd), ((B, 1, 1, 1), jnp.int32), ((1, N, 1, 1), jnp.int32),
+        ((1, 1, bq, 1), jnp.int32), ((1, 1, 1, bk), jnp.int32))]
+    score_mod = _sharding.VaryingReplay(jax.make_jaxpr(score_mod)(*ex, *score_args))
+  cfg = Config(B=B, T=Ts, S=Ss, K=K, G=G, H=H,
+               scale=opts.scale if opts.scale is not None else _plan.default_scale(H),
+               logits_soft_cap=opts.logits_soft_cap, dropout_rate=opts.dropout_rate,
+               score_mod=score_mod, dropout_broadcast=opts.dropout_broadcast)
+  plan, _ = _plan.make_plan(cfg, None, bq, bk)
+  # The block map of every pair is computed at run time (it depends on the ring step), so every
+  # tile variant is compiled.
+  rc = _RingConfig(dataclasses.replace(plan, kinds=(_masks.EMPTY, _masks.PARTIAL, _masks.FULL),
+                                       q_ranges=None, kv_ranges=None),
+                   opts.axis_name, P, opts.layout)
+  seed = (_dropout.seed_words(dropout_rng) if opts.dropout_rate > 0
+          else jnp.zeros((2,), jnp.uint32))
+  sink = None if args.sinks is None else args.sinks.astype(sd).reshape(1, K, G, 1)
+  ro = _RingOperands(global_mask, args.q_seg, args.kv_seg, seed, score_args, sink, batch0, head0)
 
   # Sequence-major as the chunked kernel takes them, padded to whole blocks: (B, Tp, N, H).
-  q, k, v = query, key, value
-  pt, ps = cc.Tp - Ts, cc.Sp - Ss
-  if pt:
-    q = jnp.pad(q, ((0, 0), (0, pt), (0, 0), (0, 0)))
-  if ps:
-    k = jnp.pad(k, ((0, 0), (0, ps), (0, 0), (0, 0)))
-    v = jnp.pad(v, ((0, 0), (0, ps), (0, 0), (0, 0)))
-
-  out, lse = _ring(rc, q, k, v, (args.q_lengths, args.kv_lengths), (args.q_seg, args.kv_seg))
+  q, k, v, _ = _plan.pad_to_blocks(rc.plan, query, key, value, None)
+  out, lse = _ring(rc, q, k, v, ro)
   out = out[:, :Ts]
   if args.unbatched:
     out = out[0]
   if not opts.return_residual:
     return out
-  lse = lse[:, :Ts]
-  lse = jnp.maximum(lse, jnp.asarray(jnp.finfo(query.dtype).min, lse.dtype)).astype(query.dtype)
+  lse = _plan.clamp_lse(lse[:, :Ts], query.dtype)
   if args.unbatched:
     lse = lse[0]
   return out, jax.lax.stop_gradient(lse)
@@ -578,8 +579,7 @@ def merge_attention(outs, lses):
   outs = _stack("outs", outs)
   lses = _stack("lses", lses)
   for name, x in (("outs", outs), ("lses", lses)):
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-      raise TypeError(f"{name} must have a floating dtype, got {x.dtype}")
+    _validation.float_array(name, x)
   if outs.ndim < 2 or lses.shape != outs.shape[:-1]:
     raise ValueError(f"lses must have the shape of outs without its last (H) axis: stacked "
                      f"outs.shape={outs.shape}, lses.shape={lses.shape}")
@@ -611,11 +611,10 @@ def _stack(name, xs):
     if not xs:
       raise ValueError(f"{name} must hold at least one partial result, got an empty sequence")
     xs = [jnp.asarray(x) for x in xs]
-    shapes = {x.shape for x in xs}
-    dtypes = {x.dtype for x in xs}
-    if len(shapes) > 1 or len(dtypes) > 1:
-      raise ValueError(f"all {name} must share one shape and dtype, got "
-                       f"{[(x.shape, str(x.dtype)) for x in xs]}")
+    if len({x.dtype for x in xs}) > 1:
+      raise TypeError(f"all {name} must share one dtype, got {[str(x.dtype) for x in xs]}")
+    if len({x.shape for x in xs}) > 1:
+      raise ValueError(f"all {name} must share one shape, got {[x.shape for x in xs]}")
     return jnp.stack(xs)
   return jnp.asarray(xs)
 
@@ -642,22 +641,24 @@ def ring_attention_sharded(query, key, value, *, mesh, seq_axis, batch_axis=None
     batch_axis, head_axis: optional mesh axis names for B and N/K.
     query_seq_lengths, key_value_seq_lengths, q_segment_ids, kv_segment_ids: as in
       `ring_attention`, global.
+    sinks: (N,), sharded like the heads.
     **kwargs: the other keyword arguments of `ring_attention` (is_causal, layout, scale, ...).
 
   Returns:
     The global (B, T, N, H) output (and with ``return_residual``, the (B, T, N) lse), sharded
     like the query.
   """
-  if not isinstance(mesh, jax.sharding.Mesh):
-    raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+  _validation.instance("mesh", mesh, jax.sharding.Mesh, "a jax.sharding.Mesh")
   if "axis_name" in kwargs:
     raise TypeError("ring_attention_sharded takes seq_axis=, not axis_name=")
-  axes = {"seq_axis": seq_axis, "batch_axis": batch_axis, "head_axis": head_axis}
-  for name, ax in axes.items():
-    if ax is not None and ax not in mesh.axis_names:
-      raise ValueError(f"{name}={ax!r} is not an axis of the mesh {mesh.axis_names}")
   if seq_axis is None:
     raise ValueError("seq_axis must name a mesh axis, got None")
+  _validation.one_of("layout", kwargs.get("layout", "contiguous"), LAYOUTS)
+  axes = {"seq_axis": seq_axis, "batch_axis": batch_axis, "head_axis": head_axis}
+  for name, ax in axes.items():
+    _validation.hashable(name, ax, "a mesh axis name")
+    if ax is not None and ax not in mesh.axis_names:
+      raise ValueError(f"{name}={ax!r} is not an axis of the mesh {mesh.axis_names}")
   used = [ax for ax in axes.values() if ax is not None]
   if len(set(used)) != len(used):
     raise ValueError(f"seq_axis, batch_axis and head_axis must be distinct mesh axes, got {axes}")
@@ -684,7 +685,8 @@ def ring_attention_sharded(query, key, value, *, mesh, seq_axis, batch_axis=None
   for name, x, spec in (("query_seq_lengths", query_seq_lengths, PS(batch_axis)),
                         ("key_value_seq_lengths", key_value_seq_lengths, PS(batch_axis)),
                         ("q_segment_ids", q_segment_ids, PS(batch_axis, seq_axis)),
-                        ("kv_segment_ids", kv_segment_ids, PS(batch_axis, seq_axis))):
+                        ("kv_segment_ids", kv_segment_ids, PS(batch_axis, seq_axis)),
+                        ("sinks", kwargs.pop("sinks", None), PS(head_axis))):
     if x is not None:
       extras[name], extra_specs[name] = x, spec
   out_spec = seq_spec
@@ -692,7 +694,12 @@ def ring_attention_sharded(query, key, value, *, mesh, seq_axis, batch_axis=None
     out_spec = (seq_spec, PS(batch_axis, seq_axis, head_axis))
 
   def body(q, k, v, extra):
-    return ring_attention(q, k, v, axis_name=seq_axis, **extra, **kwargs)
+    # Batch and head indices seen by score_mod, mask functions and the dropout hash are global:
+    # this device's first batch element and head.
+    offsets = tuple(0 if ax is None else jax.lax.axis_index(ax) * n
+                    for ax, n in ((batch_axis, q.shape[0]), (head_axis, q.shape[2])))
+    return ring_attention(q, k, v, axis_name=seq_axis, _index_offsets=offsets, **extra,
+                          **kwargs)
 
   in_specs = (seq_spec, seq_spec, seq_spec, extra_specs)
   args = (query, key, value, extras)

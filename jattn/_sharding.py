@@ -50,3 +50,64 @@ def unshard_axis(x, axis: int):
     return x
   entries = entries[:axis] + (None,) + entries[axis + 1:]
   return jax.sharding.reshard(x, PartitionSpec(*entries))
+
+
+def varying(x, *like):
+  """Type a fresh loop carry as device-varying over the manual mesh axes of ``like``.
+
+  Inside `jax.shard_map` with ``check_vma=True`` (ring attention), a carry that starts as a
+  constant but becomes device-dependent in the loop body would change type; this declares it
+  device-dependent from the start. Outside shard_map it returns ``x`` unchanged.
+  """
+  if x is None:
+    return None
+  # Only the axes x does not vary over yet: a carry made from an input already varies.
+  axes = set().union(*(varying_axes(a) for a in jax.tree.leaves(like))) - varying_axes(x)
+  return jax.lax.pcast(x, tuple(sorted(axes, key=str)), to="varying") if axes else x
+
+
+def varying_tree(tree, *like):
+  """`varying` for every array of ``tree``."""
+  return jax.tree.map(lambda x: varying(x, *like), tree)
+
+
+def varying_axes(x) -> frozenset:
+  """Manual mesh axes over which ``x`` varies (``typeof(x).mat.varying``; ``.vma`` before)."""
+  aval = jax.typeof(x)
+  mat = getattr(aval, "mat", None)
+  return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
+
+
+class VaryingReplay:
+  """A traced function (a closed jaxpr) replayed on arguments that may already be typed
+  device-varying where the trace cast them (``pvary``) itself.
+
+  Inside ``shard_map(check_vma=True)``, a function that combines an invariant array (the table a
+  score_mod closes over) with device-varying ones records a cast of that array to varying. Ring
+  attention passes such arrays in already varying, so that their gradient is not summed across
+  devices inside its per-block loops (a collective there deadlocks: devices run different
+  numbers of blocks); here the recorded cast keeps only the axes an argument does not vary over
+  yet. Everything else is bound as recorded.
+  """
+
+  def __init__(self, closed_jaxpr):
+    self.closed_jaxpr = closed_jaxpr
+
+  def __call__(self, *args):
+    jaxpr = self.closed_jaxpr.jaxpr
+    env = dict(zip(jaxpr.constvars, self.closed_jaxpr.consts))
+    env.update(zip(jaxpr.invars, args))
+    read = lambda v: v.val if hasattr(v, "val") else env[v]
+    for eqn in jaxpr.eqns:
+      ins = [read(v) for v in eqn.invars]
+      if eqn.primitive.name == "pvary":
+        want = set(eqn.params["axes"])
+        outs = [jax.lax.pcast(x, tuple(sorted(want - varying_axes(x), key=str)), to="varying")
+                if want - varying_axes(x) else x for x in ins]
+      else:
+        outs = eqn.primitive.bind(*ins, **eqn.params)
+        if not eqn.primitive.multiple_results:
+          outs = [outs]
+      env.update(zip(eqn.outvars, outs))
+    out = [read(v) for v in jaxpr.outvars]
+    return out[0] if len(out) == 1 else out

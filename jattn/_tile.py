@@ -12,7 +12,7 @@ heads per key/value head; query head n = k * G + g, as `jax.nn` numbers them):
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
@@ -80,7 +80,18 @@ def group_heads(x, K: int, G: int):
   return x.reshape(b, K, G, t, s)
 
 
-def logits(cfg: Config, q, k, bias, q_pos, kv_pos, score_args=()):
+class Index(NamedTuple):
+  """The indices a tile's entries have in the whole problem, as score_mod and the dropout hash
+  see them: query and key positions (tq,), (tk,) int32, and the index of the first batch element
+  and query head the kernel holds (nonzero only for one device's shard in ring attention)."""
+
+  q: Any
+  kv: Any
+  batch0: Any = 0
+  head0: Any = 0
+
+
+def logits(cfg: Config, q, k, bias, idx: Index, score_args=()):
   """Scaled logits of a tile in the statistics dtype, before masking.
 
   Order: scale * q.k, then soft-cap (cap * tanh(x / cap)), then + bias, then score_mod.
@@ -88,7 +99,7 @@ def logits(cfg: Config, q, k, bias, q_pos, kv_pos, score_args=()):
   """
   s, t = scale_cap_bias(cfg, matmul(q, k, "qh,sh->qs", stat_dtype(q.dtype)), bias)
   if cfg.score_mod is not None:
-    s = apply_score_mod(cfg, s, q_pos, kv_pos, score_args)
+    s = apply_score_mod(cfg, s, idx, score_args)
   return s, t
 
 
@@ -106,25 +117,25 @@ def scale_cap_bias(cfg: Config, s, bias):
   return s, t
 
 
-def index_grids(cfg: Config, q_pos, kv_pos):
+def index_grids(cfg: Config, idx: Index):
   """Broadcastable (batch, head, q, kv) int32 index arrays for a tile, heads as n = k * G + g."""
-  b = jnp.arange(cfg.B, dtype=jnp.int32).reshape(cfg.B, 1, 1, 1, 1)
+  b = jnp.arange(cfg.B, dtype=jnp.int32).reshape(cfg.B, 1, 1, 1, 1) + idx.batch0
   h = (jnp.arange(cfg.K, dtype=jnp.int32)[:, None] * cfg.G
-       + jnp.arange(cfg.G, dtype=jnp.int32)[None, :]).reshape(1, cfg.K, cfg.G, 1, 1)
-  q = q_pos.astype(jnp.int32).reshape(1, 1, 1, -1, 1)
-  k = kv_pos.astype(jnp.int32).reshape(1, 1, 1, 1, -1)
+       + jnp.arange(cfg.G, dtype=jnp.int32)[None, :]).reshape(1, cfg.K, cfg.G, 1, 1) + idx.head0
+  q = idx.q.astype(jnp.int32).reshape(1, 1, 1, -1, 1)
+  k = idx.kv.astype(jnp.int32).reshape(1, 1, 1, 1, -1)
   return b, h, q, k
 
 
-def apply_score_mod(cfg: Config, s, q_pos, kv_pos, score_args):
+def apply_score_mod(cfg: Config, s, idx: Index, score_args):
   """score_mod on a tile, presented to the user in (B, N, tq, tk) layout with index arrays of
   shapes (B,1,1,1), (1,N,1,1), (1,1,tq,1), (1,1,1,tk)."""
   shape5 = s.shape
   s4 = s.reshape(shape5[0], cfg.N, shape5[3], shape5[4])
-  b = jnp.arange(cfg.B, dtype=jnp.int32).reshape(cfg.B, 1, 1, 1)
-  h = jnp.arange(cfg.N, dtype=jnp.int32).reshape(1, cfg.N, 1, 1)
-  q = q_pos.astype(jnp.int32).reshape(1, 1, -1, 1)
-  k = kv_pos.astype(jnp.int32).reshape(1, 1, 1, -1)
+  b = jnp.arange(cfg.B, dtype=jnp.int32).reshape(cfg.B, 1, 1, 1) + idx.batch0
+  h = jnp.arange(cfg.N, dtype=jnp.int32).reshape(1, cfg.N, 1, 1) + idx.head0
+  q = idx.q.astype(jnp.int32).reshape(1, 1, -1, 1)
+  k = idx.kv.astype(jnp.int32).reshape(1, 1, 1, -1)
   # The shape and dtype of the result were checked when the call was traced.
   out = cfg.score_mod(s4, b, h, q, k, *score_args)
   return out.astype(s.dtype).reshape(shape5)
@@ -154,10 +165,10 @@ def sanitize(vis, q, k, v):
   return (jnp.where(row, q, zero(q)), jnp.where(col, k, zero(k)), jnp.where(col, v, zero(v)))
 
 
-def keep(cfg: Config, seed, q_pos, kv_pos):
+def keep(cfg: Config, seed, idx: Index):
   """Dropout keep-mask of a tile, (B, K, G, tq, tk) (or (1, 1, 1, tq, tk) when broadcast over
   batch and heads); a pure function of the absolute indices."""
-  b, h, q, k = index_grids(cfg, q_pos, kv_pos)
+  b, h, q, k = index_grids(cfg, idx)
   if cfg.dropout_broadcast:
     b, h = jnp.zeros_like(b[:1]), jnp.zeros_like(h[:, :1, :1])
   return _dropout.keep_mask(seed, cfg.dropout_rate, b, h, q, k)

@@ -26,16 +26,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import numbers
 from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn import _attention, _chunked, _tile, _validation
+from jattn import _chunked, _plan, _tile, _validation
+from jattn._plan import Operands
 from jattn import masks as _masks
 from jattn._tile import Config
+from jattn._types import ArrayLike, Implementation, IsCausal, LocalWindowSize
 
 __all__ = ["AttentionStats", "attention_stats", "sow_linen", "sow_nnx", "COLLECTION_NAME"]
 
@@ -96,22 +97,22 @@ class _Options:
 
 
 def attention_stats(
-    query,
-    key,
-    bias=None,
-    mask=None,
+    query: ArrayLike,
+    key: ArrayLike,
+    bias: ArrayLike | None = None,
+    mask: ArrayLike | _masks.Mask | None = None,
     *,
     scale: float | None = None,
-    is_causal: bool | str = False,
-    query_seq_lengths=None,
-    key_value_seq_lengths=None,
-    local_window_size: int | tuple[int, int] | None = None,
-    q_segment_ids=None,
-    kv_segment_ids=None,
+    is_causal: IsCausal = False,
+    query_seq_lengths: ArrayLike | None = None,
+    key_value_seq_lengths: ArrayLike | None = None,
+    local_window_size: LocalWindowSize | None = None,
+    q_segment_ids: ArrayLike | None = None,
+    kv_segment_ids: ArrayLike | None = None,
     logits_soft_cap: float | None = None,
     score_mod: Callable | None = None,
-    sinks=None,
-    implementation: str | None = None,
+    sinks: ArrayLike | None = None,
+    implementation: Implementation | None = None,
     block_q: int | None = None,
     block_kv: int | None = None,
     per_query: bool = False,
@@ -136,12 +137,8 @@ def attention_stats(
   Returns:
     An `AttentionStats` of (B, N) arrays, or (B, N, T) with ``per_query=True``.
   """
-  if isinstance(saturation_threshold, (bool, np.bool_)) or not isinstance(
-      saturation_threshold, numbers.Real):
-    raise TypeError(f"saturation_threshold must be a float in (0, 1], got "
-                    f"{type(saturation_threshold).__name__} {saturation_threshold!r}")
-  if not 0.0 < float(saturation_threshold) <= 1.0:
-    raise ValueError(f"saturation_threshold must be in (0, 1], got {saturation_threshold!r}")
+  saturation_threshold = _validation.real("saturation_threshold", saturation_threshold, above=0,
+                                         at_most=1)
   opts = _Options(
       scale=_validation.scale(scale),
       causal=_validation.causal(is_causal),
@@ -168,37 +165,37 @@ def _stats(query, key, bias, mask, q_lengths, kv_lengths, q_seg, kv_seg, sinks, 
   B, T, N, H = query.shape
   _, S, K, _ = key.shape
   G = N // K
-  scale = opts.scale if opts.scale is not None else 1.0 / float(np.sqrt(H))
+  scale = opts.scale if opts.scale is not None else _plan.default_scale(H)
   shape = (B, N, T, S)
   sd = _tile.stat_dtype(query.dtype)
 
-  combined = _attention.build_mask(shape, args.mask, opts.causal, opts.window,
-                                   q_lengths=args.q_lengths, kv_lengths=args.kv_lengths,
-                                   q_segment_ids=args.q_seg, kv_segment_ids=args.kv_seg)
-  impl = opts.implementation or _attention.choose_implementation(T, S)
-  bq = T if impl == "dense" else min(opts.block_q or _attention.DEFAULT_BLOCK_Q, T)
-  bk = S if impl == "dense" else min(opts.block_kv or _attention.DEFAULT_BLOCK_KV, S)
+  combined = _plan.build_mask(shape, args.mask, opts.causal, opts.window,
+                              q_lengths=args.q_lengths, kv_lengths=args.kv_lengths,
+                              q_segment_ids=args.q_seg, kv_segment_ids=args.kv_seg)
+  impl = opts.implementation or _plan.choose_implementation(T, S)
+  bq, bk = (T, S) if impl == "dense" else _plan.block_sizes(T, S, opts.block_q, opts.block_kv)
 
   score_mod, score_args = None, ()
   if opts.score_mod is not None:
-    score_mod, score_args = _attention._closure_convert_score_mod(opts.score_mod,
-                                                                  (B, N, bq, bk), sd)
+    score_mod, score_args = _plan.closure_convert_score_mod(opts.score_mod, (B, N, bq, bk),
+                                                                 sd)
   cfg = Config(B=B, T=T, S=S, K=K, G=G, H=H, scale=scale, logits_soft_cap=opts.logits_soft_cap,
                dropout_rate=0.0, score_mod=score_mod)
 
-  q = jnp.transpose(query, (0, 2, 1, 3)).reshape(B, K, G, T, H)
-  k = jnp.transpose(key, (0, 2, 1, 3))
   bias5 = None if args.bias is None else _tile.group_heads(args.bias, K, G)
   sink = None if args.sinks is None else args.sinks.astype(sd).reshape(1, K, G, 1)
 
   if impl == "dense":
-    rows = _init_rows(cfg, sd, T, sink)
-    rows = _update_rows(cfg, rows, q, k, bias5, combined, jnp.arange(T, dtype=jnp.int32),
-                        jnp.arange(S, dtype=jnp.int32), score_args, ragged=False, masked=True)
+    q = jnp.transpose(query, (0, 2, 1, 3)).reshape(B, K, G, T, H)
+    k = jnp.transpose(key, (0, 2, 1, 3))
+    idx = _tile.Index(jnp.arange(T, dtype=jnp.int32), jnp.arange(S, dtype=jnp.int32))
+    vis = _tile.visible(cfg, combined, idx.q, idx.kv, ragged_kv=False)
+    rows = _update_rows(cfg, _init_rows(cfg, sd, T, sink), q, k, vis, bias5, idx, score_args)
   else:
-    grid = _masks.BlockGrid(T, S, bq, bk)
-    states = _attention.block_map(combined, grid, shape)
-    rows = _chunked_rows(cfg, grid, q, k, bias5, combined, states, score_args, sink)
+    plan, states = _plan.make_plan(cfg, combined, bq, bk)
+    ops = Operands(q=query, k=key, v=key, bias=bias5, mask=combined, states=states,
+                   score_args=score_args, sink=sink)
+    rows = _chunked_rows(plan, ops)
 
   out = _finish(rows, sink is not None, jnp.finfo(query.dtype).max, opts)
   # (B, K, G, T) -> (B, N, T); per head: (B, N).
@@ -236,12 +233,11 @@ def _init_rows(cfg: Config, sd, tq: int, sink) -> _Rows:
                n=jnp.zeros(shape, jnp.int32))
 
 
-def _update_rows(cfg: Config, rows: _Rows, q, k, bias, mask, q_pos, kv_pos, score_args, *,
-                 ragged: bool, masked: bool) -> _Rows:
-  """Fold the tile of queries q_pos and keys kv_pos into the running row statistics."""
-  s, _ = _tile.logits(cfg, q, k, bias, q_pos, kv_pos, score_args)  # (B, K, G, tq, tk)
+def _update_rows(cfg: Config, rows: _Rows, q, k, vis, bias, idx, score_args) -> _Rows:
+  """Fold a tile -- q (B, K, G, tq, H) against k (B, K, tk, H), visibility ``vis`` (None: all
+  visible) -- into the running row statistics."""
+  s, _ = _tile.logits(cfg, q, k, bias, idx, score_args)  # (B, K, G, tq, tk)
   sd = s.dtype
-  vis = _tile.visible(cfg, mask, q_pos, kv_pos, ragged_kv=ragged) if masked else None
   # A -inf logit (from a -inf bias) is a hidden position, as in the attention kernels; NaN
   # logits stay visible so that they show up in the statistics.
   finite = s != -jnp.inf
@@ -262,44 +258,32 @@ def _update_rows(cfg: Config, rows: _Rows, q, k, bias, mask, q_pos, kv_pos, scor
                n=rows.n + vis.sum(axis=-1, dtype=jnp.int32))
 
 
-def _chunked_rows(cfg: Config, grid, q, k, bias, mask, states, score_args, sink) -> _Rows:
-  """The online pass: per query block, walk the non-empty key blocks (as `_chunked._forward`)."""
-  bq, bk = grid.block_q, grid.block_kv
-  Tp, Sp = grid.num_q_blocks * bq, grid.num_kv_blocks * bk
-  pt, ps = Tp - cfg.T, Sp - cfg.S
-  if pt:
-    q = jnp.pad(q, ((0, 0),) * 3 + ((0, pt), (0, 0)))
-  if ps:
-    k = jnp.pad(k, ((0, 0),) * 2 + ((0, ps), (0, 0)))
-  if bias is not None and (pt or ps):
-    bias = jnp.pad(bias, ((0, 0),) * 3 + ((0, pt if bias.shape[3] != 1 else 0),
-                                         (0, ps if bias.shape[4] != 1 else 0)))
-  ragged = cfg.S % bk != 0
-  lo, hi = _chunked._nonempty_range(states)
+def _chunked_rows(plan, ops: Operands) -> _Rows:
+  """The online pass, on the attention kernel's own walk (`_chunked.walk_rows`): the same block
+  skipping, loop ranges and per-block slicing of the (B, T, N, H) inputs; only what a tile
+  computes differs. Returns the per-row statistics, each (B, K, G, T)."""
+  cfg = plan.cfg
+  bq, bk = plan.grid.block_q, plan.grid.block_kv
+  q, k, _, bias = _plan.pad_to_blocks(plan, ops.q, ops.k, ops.k, ops.bias)
+  ops = ops._replace(q=q, k=k, v=k, bias=bias)
   sd = _tile.stat_dtype(q.dtype)
 
-  def q_block(i):
-    q_pos = _chunked._positions(i, bq)
-    qb = _chunked._slice(q, i * bq, bq, 3)
+  def start(i):
+    return _chunked.q_tile(q, i, bq, cfg.K, cfg.G), _init_rows(cfg, sd, bq, ops.sink)
 
-    def tile(j, rows, masked: bool):
-      kv_pos = _chunked._positions(j, bk)
-      kb = _chunked._slice(k, j * bk, bk, 2)
-      return _update_rows(cfg, rows, qb, kb, _chunked._bias_block(bias, i, j, grid), mask,
-                          q_pos, kv_pos, score_args, ragged=ragged, masked=masked)
+  def tile(qb, view, rows):
+    return _update_rows(cfg, rows, qb, _chunked.kv_tile(k, view.j, bk), view.vis, view.bias,
+                        view.idx, ops.score_args)
 
-    def body(j, rows):
-      return jax.lax.switch(
-          states[i, j].astype(jnp.int32),
-          [lambda j, r: r, functools.partial(tile, masked=True),
-           functools.partial(tile, masked=False)], j, rows)
+  def finish(i, rows, outs):
+    return _Rows(*(_chunked.put_q_tile(o, r, i, bq) for o, r in zip(outs, rows)))
 
-    return jax.lax.fori_loop(lo[i], hi[i], body, _init_rows(cfg, sd, bq, sink))
-
-  rows = jax.lax.map(q_block, jnp.arange(grid.num_q_blocks, dtype=jnp.int32))
-  # (nq, B, K, G, bq) -> (B, K, G, Tp) -> drop the padded queries.
-  return _Rows(*(jnp.moveaxis(x, 0, 3).reshape(x.shape[1:4] + (Tp,))[..., :cfg.T]
-                 for x in rows))
+  B, Tp, N = q.shape[:3]
+  outs0 = _Rows(*(jnp.zeros((B, Tp, N), x.dtype) for x in _init_rows(cfg, sd, 1, ops.sink)))
+  rows = _chunked.walk_rows(plan, ops, start=start, tile=tile, finish=finish, outs=outs0,
+                            name="stats")
+  # (B, Tp, N) -> (B, K, G, T), as the dense pass gives them.
+  return _Rows(*(x[:, :cfg.T].transpose(0, 2, 1).reshape(B, cfg.K, cfg.G, cfg.T) for x in rows))
 
 
 def _finish(rows: _Rows, has_sink: bool, dtype_max: float, opts: _Options) -> AttentionStats:

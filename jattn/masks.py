@@ -21,12 +21,13 @@ Shapes: B batch, T query length, S key length, N query heads.
 from __future__ import annotations
 
 import dataclasses
-import math
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jattn._types import ArrayLike, CausalAlignment
 
 __all__ = [
     "EMPTY", "PARTIAL", "FULL", "Mask", "BlockGrid", "causal", "local_window", "chunked_local",
@@ -38,7 +39,13 @@ __all__ = [
 # NOT is 2 - state (see `_combine`).
 EMPTY, PARTIAL, FULL = 0, 1, 2
 
-CausalAlignment = str  # "top_left" | "bottom_right"
+# CausalAlignment (Literal["top_left", "bottom_right"]) is re-exported from jattn._types.
+
+
+def _checks():
+  """`jattn._validation` (the argument checkers), imported on use: it imports this module."""
+  from jattn import _validation
+  return _validation
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -67,6 +74,28 @@ class BlockGrid:
     start = np.arange(self.num_kv_blocks, dtype=np.int64) * self.block_kv
     return start, np.minimum(start + self.block_kv, self.S)
 
+  def q_blocks(self) -> tuple[np.ndarray, np.ndarray]:
+    """(nq, block_q) query position of every row of every block, and whether it is < T (the
+    last block's rows past T are padding)."""
+    pos = np.arange(self.num_q_blocks * self.block_q, dtype=np.int32)
+    return pos.reshape(self.num_q_blocks, self.block_q), (pos < self.T).reshape(
+        self.num_q_blocks, self.block_q)
+
+  def kv_blocks(self) -> tuple[np.ndarray, np.ndarray]:
+    pos = np.arange(self.num_kv_blocks * self.block_kv, dtype=np.int32)
+    return pos.reshape(self.num_kv_blocks, self.block_kv), (pos < self.S).reshape(
+        self.num_kv_blocks, self.block_kv)
+
+
+def _xp(*arrays):
+  """NumPy when every array is (a summary known at trace time), else jax.numpy."""
+  return np if all(isinstance(a, np.ndarray) for a in arrays) else jnp
+
+
+def _summary(xp, empty, full):
+  """int8 EMPTY / PARTIAL / FULL from two boolean arrays (empty wins)."""
+  return xp.where(empty, EMPTY, xp.where(full, FULL, PARTIAL)).astype(xp.int8)
+
 
 class Mask:
   """Base class. Subclasses are frozen dataclasses and JAX pytrees (arrays are leaves).
@@ -76,7 +105,9 @@ class Mask:
       where q_pos (tq,) and kv_pos (tk,) are int32 absolute positions (possibly traced) and
       shape = (B, N, T, S) is the full problem.
     block_states(grid, shape): int8 array broadcastable to (B, N, nq, nk); a NumPy array when
-      the summary is known at trace time, a jax array otherwise.
+      the summary is known at trace time, a jax array otherwise. The grid's ranges and block
+      tables (`BlockGrid.q_ranges`, `q_blocks`, ...) are NumPy arrays for a call's own grid,
+      and jax arrays when the blocks sit at run-time positions (ring attention, `remap`).
     validate(shape): raise ValueError/TypeError, at trace time, if the mask's arrays do not fit
       the call's (B, N, T, S) (same messages as the keyword arguments); masks without arrays
       fit every call.
@@ -149,17 +180,21 @@ class _Band(Mask):
   def block_states(self, grid, shape):
     q0, q1 = grid.q_ranges()
     k0, k1 = grid.kv_ranges()
+    xp = _xp(q0, k0)
     q0, q1 = q0[:, None], q1[:, None] - 1  # inclusive last query
     k0, k1 = k0[None, :], k1[None, :] - 1  # inclusive last key
-    lo = -math.inf if self.lo is None else self.lo
-    hi = math.inf if self.hi is None else self.hi
-    # Every (q, k) in the block lies inside the band: the tightest corners are inside.
-    full = (k0 >= q1 + lo) & (k1 <= q0 + hi)
-    # No (q, k) inside: the keys are all right of the band's right edge for the first query's
-    # reach (q1 + hi), or all left of the left edge for the last query (q0 + lo).
-    empty = (k0 > q1 + hi) | (k1 < q0 + lo)
-    states = np.where(empty, EMPTY, np.where(full, FULL, PARTIAL)).astype(np.int8)
-    return states[None, None]
+    full = xp.ones((q0.shape[0], k0.shape[1]), bool)
+    empty = xp.zeros((q0.shape[0], k0.shape[1]), bool)
+    # Every (q, k) in the block lies inside the band: the tightest corners are inside. No
+    # (q, k) inside: the keys are all left of the left edge for the last query (q1 + lo), or
+    # all right of the right edge for the first query's reach (q0 + hi).
+    if self.lo is not None:
+      full = full & (k0 >= q1 + self.lo)
+      empty = empty | (k1 < q0 + self.lo)
+    if self.hi is not None:
+      full = full & (k1 <= q0 + self.hi)
+      empty = empty | (k0 > q1 + self.hi)
+    return _summary(xp, empty, full)[None, None]
 
   def __and__(self, other):
     if isinstance(other, _Band):
@@ -178,6 +213,14 @@ def _min_opt(a, b):
 _register(_Band)
 
 
+def band(lo: int | None, hi: int | None) -> Mask:
+  """Keys k with ``q + lo <= k <= q + hi`` (``None``: unbounded on that side): the diagonal band
+  that causal masks and windows are made of, given by its two edges."""
+  check = _checks()
+  return _Band(check.integer("band: lo", lo, optional=True),
+               check.integer("band: hi", hi, optional=True))
+
+
 def _alignment_offset(alignment: str, shape) -> int:
   T, S = shape[2], shape[3]
   if alignment == "top_left":
@@ -187,7 +230,8 @@ def _alignment_offset(alignment: str, shape) -> int:
   raise ValueError(f"alignment must be 'top_left' or 'bottom_right', got {alignment!r}")
 
 
-def causal(shape=None, *, alignment: str = "top_left", offset: int | None = None) -> Mask:
+def causal(shape: Sequence[int] | None = None, *, alignment: CausalAlignment = "top_left",
+           offset: int | ArrayLike | None = None) -> Mask:
   """Causal mask: query q sees keys k <= q + offset.
 
   ``alignment="top_left"`` (offset 0) is `jax.nn`'s convention: query i sees keys <= i.
@@ -196,14 +240,28 @@ def causal(shape=None, *, alignment: str = "top_left", offset: int | None = None
   or ``(T, S)``. An explicit ``offset`` overrides the alignment; an int array offset (shape () or
   (B,)) gives a run-time diagonal, e.g. the fill level of a KV cache under `jit`.
   """
+  v = _checks()
+  v.one_of("masks.causal: alignment", alignment, v.CAUSAL_ALIGNMENTS)
+  if shape is not None:
+    if not isinstance(shape, (tuple, list)) or not all(v.is_int(d) for d in shape):
+      raise TypeError(f"masks.causal: shape must be a (T, S) or (B, N, T, S) tuple of ints, got "
+                      f"{v.describe(shape)}")
+    if len(shape) not in (2, 4) or any(d < 0 for d in shape):
+      raise ValueError(f"masks.causal: shape must be a (T, S) or (B, N, T, S) tuple of "
+                       f"non-negative ints, got {tuple(shape)}")
+  if offset is None and alignment == "bottom_right" and shape is None:
+    raise ValueError("masks.causal: alignment='bottom_right' needs shape, the problem's (T, S) "
+                     "or (B, N, T, S) (or an explicit offset), got shape=None")
   if offset is None:
     offset = 0 if alignment == "top_left" else _alignment_offset(alignment, _shape4(shape))
-  if isinstance(offset, (int, np.integer)):
+  if v.is_int(offset):
     return _Band(None, int(offset))
-  offset = jnp.asarray(offset)
-  if not jnp.issubdtype(offset.dtype, jnp.integer) or offset.ndim > 1:
-    raise TypeError(f"causal: offset must be an int or an int array of shape () or (B,), got "
-                    f"{offset.dtype}{offset.shape}")
+  expected = "an int or an integer array of shape () or (B,)"
+  if not hasattr(offset, "dtype") and not isinstance(offset, (list, tuple)):
+    raise TypeError(f"masks.causal: offset must be {expected}, got {v.describe(offset)}")
+  offset = v.int_array("masks.causal: offset", offset)
+  if offset.ndim > 1:
+    raise ValueError(f"masks.causal: offset must be {expected}, got shape {offset.shape}")
   return _DynamicCausal(offset)
 
 
@@ -251,13 +309,14 @@ def local_window(left: int | None, right: int | None = _SAME, *, offset: int = 0
   ``local_window(3, 2)`` is ``local_window_size=(3, 2)``. ``None`` on a side means unbounded.
   Causal sliding-window attention is ``local_window(w, 0)`` (or ``causal() & local_window(w)``).
   """
+  v = _checks()
   if right is _SAME:
     right = left
-  for name, v in (("left", left), ("right", right)):
-    if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0):
-      raise ValueError(f"local_window: {name} must be a non-negative int or None, got {v!r}")
-  return _Band(None if left is None else offset - int(left),
-               None if right is None else offset + int(right))
+  left = v.non_negative_int("masks.local_window: left", left, optional=True)
+  right = v.non_negative_int("masks.local_window: right", right, optional=True)
+  offset = v.integer("masks.local_window: offset", offset)
+  return _Band(None if left is None else offset - left,
+               None if right is None else offset + right)
 
 
 def _shape4(shape):
@@ -288,7 +347,7 @@ class _ChunkedLocal(Mask):
     kc0, kc1 = k0[None, :] // self.chunk, (k1[None, :] - 1) // self.chunk
     empty = (qc1 < kc0) | (kc1 < qc0)
     full = (qc0 == qc1) & (kc0 == kc1) & (qc0 == kc0)
-    return np.where(empty, EMPTY, np.where(full, FULL, PARTIAL)).astype(np.int8)[None, None]
+    return _summary(_xp(q0, k0), empty, full)[None, None]
 
 
 _register(_ChunkedLocal)
@@ -296,9 +355,7 @@ _register(_ChunkedLocal)
 
 def chunked_local(chunk_size: int) -> Mask:
   """Attend only within fixed chunks of ``chunk_size`` positions (combine with causal)."""
-  if not isinstance(chunk_size, (int, np.integer)) or chunk_size <= 0:
-    raise ValueError(f"chunked_local: chunk_size must be a positive int, got {chunk_size!r}")
-  return _ChunkedLocal(int(chunk_size))
+  return _ChunkedLocal(_checks().positive_int("masks.chunked_local: chunk_size", chunk_size))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -313,9 +370,9 @@ class _Prefix(Mask):
 
   def block_states(self, grid, shape):
     k0, k1 = grid.kv_ranges()
-    nq = grid.num_q_blocks
-    st = np.where(k1 <= self.prefix, FULL, np.where(k0 >= self.prefix, EMPTY, PARTIAL))
-    return np.broadcast_to(st[None, :], (nq, st.shape[0])).astype(np.int8)[None, None]
+    xp = _xp(k0)
+    st = _summary(xp, k0 >= self.prefix, k1 <= self.prefix)
+    return xp.broadcast_to(st[None, :], (grid.num_q_blocks, st.shape[0]))[None, None]
 
 
 _register(_Prefix)
@@ -323,9 +380,9 @@ _register(_Prefix)
 
 def prefix_lm(prefix_length: int, *, offset: int = 0) -> Mask:
   """Prefix-LM: the first ``prefix_length`` keys are seen by all queries, the rest causally."""
-  if not isinstance(prefix_length, (int, np.integer)) or prefix_length < 0:
-    raise ValueError(f"prefix_lm: prefix_length must be a non-negative int, got {prefix_length!r}")
-  return _Prefix(int(prefix_length)) | _Band(None, int(offset))
+  v = _checks()
+  prefix_length = v.non_negative_int("masks.prefix_lm: prefix_length", prefix_length)
+  return _Prefix(prefix_length) | _Band(None, v.integer("masks.prefix_lm: offset", offset))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -392,20 +449,16 @@ class _Lengths(Mask):
 _register(_Lengths, data_fields=("q_lengths", "kv_lengths"))
 
 
-def lengths(q_lengths=None, kv_lengths=None) -> Mask:
-  """Padding mask from per-example valid lengths, int arrays of shape (B)."""
+def lengths(q_lengths: ArrayLike | None = None, kv_lengths: ArrayLike | None = None) -> Mask:
+  """Padding mask from per-example valid lengths, int arrays of shape (B,)."""
   return _Lengths(_int_array("masks.lengths: q_lengths", q_lengths),
                   _int_array("masks.lengths: kv_lengths", kv_lengths))
 
 
 def _int_array(name, x):
-  """An integer array (or None); floats are refused here, where the mask is built."""
-  if x is None:
-    return None
-  x = jnp.asarray(x)
-  if not jnp.issubdtype(x.dtype, jnp.integer):
-    raise TypeError(f"{name} must be an integer array, got dtype {x.dtype}")
-  return x
+  """An integer array (or None); floats are refused here, where the mask is built (TypeError).
+  Shapes are checked against the call, by ``validate`` (ValueError)."""
+  return _checks().int_array(name, x, optional=True)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
@@ -430,8 +483,8 @@ class _Segments(Mask):
   def block_states(self, grid, shape):
     # Per-block id ranges. Two blocks can share a document only if their [min, max] id ranges
     # meet; that is exact for sorted ids (packed documents) and still sound for unsorted ones.
-    qmin, qmax = _block_min_max(self.q_ids, grid.block_q, grid.num_q_blocks)
-    kmin, kmax = _block_min_max(self.kv_ids, grid.block_kv, grid.num_kv_blocks)
+    qmin, qmax = _block_min_max(self.q_ids, *grid.q_blocks())
+    kmin, kmax = _block_min_max(self.kv_ids, *grid.kv_blocks())
     qmin, qmax = qmin[:, :, None], qmax[:, :, None]
     kmin, kmax = kmin[:, None, :], kmax[:, None, :]
     empty = (qmax < kmin) | (kmax < qmin)
@@ -439,18 +492,18 @@ class _Segments(Mask):
     return jnp.where(empty, EMPTY, jnp.where(full, FULL, PARTIAL)).astype(jnp.int8)[:, None]
 
 
-def _block_min_max(ids, block, nblocks):
-  B, L = ids.shape
-  pad = nblocks * block - L
-  lo = jnp.pad(ids, ((0, 0), (0, pad)), constant_values=jnp.iinfo(ids.dtype).max)
-  hi = jnp.pad(ids, ((0, 0), (0, pad)), constant_values=jnp.iinfo(ids.dtype).min)
-  return (lo.reshape(B, nblocks, block).min(-1), hi.reshape(B, nblocks, block).max(-1))
+def _block_min_max(ids, positions, valid):
+  """(B, n) min and max of the (B, L) ids over each block's valid positions ((n, block))."""
+  blocks = jnp.take(ids, jnp.asarray(positions), axis=1, mode="clip")  # (B, n, block)
+  valid = jnp.asarray(valid)[None]
+  return (jnp.where(valid, blocks, jnp.iinfo(ids.dtype).max).min(-1),
+          jnp.where(valid, blocks, jnp.iinfo(ids.dtype).min).max(-1))
 
 
 _register(_Segments, data_fields=("q_ids", "kv_ids"))
 
 
-def segments(q_segment_ids, kv_segment_ids=None) -> Mask:
+def segments(q_segment_ids: ArrayLike, kv_segment_ids: ArrayLike | None = None) -> Mask:
   """Packed-document mask from integer segment ids, q (B, T) and kv (B, S)."""
   q = _int_array("masks.segments: q_segment_ids", q_segment_ids)
   kv = q if kv_segment_ids is None else _int_array("masks.segments: kv_segment_ids",
@@ -494,13 +547,12 @@ class _ArrayMask(Mask):
 _register(_ArrayMask, data_fields=("array",))
 
 
-def from_array(mask) -> Mask:
+def from_array(mask: ArrayLike) -> Mask:
   """Wrap a boolean array broadcastable to (B, N, T, S) (True = attend)."""
-  m = jnp.asarray(mask)
-  if m.dtype != jnp.bool_:
-    raise TypeError(f"from_array: mask must be boolean, got dtype {m.dtype}")
+  m = _checks().bool_array("masks.from_array: mask", mask, "a boolean array (True = attend)")
   if m.ndim > 4:
-    raise ValueError(f"from_array: mask must have rank <= 4 (BNTS), got shape {m.shape}")
+    raise ValueError(f"masks.from_array: mask must have rank <= 4, broadcastable to "
+                     f"(B, N, T, S), got shape {m.shape}")
   return _ArrayMask(m.reshape((1,) * (4 - m.ndim) + m.shape))
 
 
@@ -514,11 +566,14 @@ class _FnMask(Mask):
   """
 
   fn: Callable
+  # Global index of local batch element 0 and query head 0 (one shard of a ring call).
+  batch0: Any = 0
+  head0: Any = 0
 
   def evaluate(self, q_pos, kv_pos, shape):
     B, N = shape[0], shape[1]
-    b = jnp.arange(B, dtype=jnp.int32)[:, None, None, None]
-    h = jnp.arange(N, dtype=jnp.int32)[None, :, None, None]
+    b = jnp.arange(B, dtype=jnp.int32)[:, None, None, None] + self.batch0
+    h = jnp.arange(N, dtype=jnp.int32)[None, :, None, None] + self.head0
     out = self.fn(b, h, q_pos[None, None, :, None], kv_pos[None, None, None, :])
     out = jnp.asarray(out)
     if out.dtype != jnp.bool_:
@@ -527,12 +582,13 @@ class _FnMask(Mask):
 
   def block_states(self, grid, shape):
     nq, nk = grid.num_q_blocks, grid.num_kv_blocks
+    q_pos, q_ok = (jnp.asarray(a) for a in grid.q_blocks())
+    kv_pos, kv_ok = (jnp.asarray(a) for a in grid.kv_blocks())
 
     def one(ij):
       i, j = ij // nk, ij % nk
-      q = i * grid.block_q + jnp.arange(grid.block_q, dtype=jnp.int32)
-      k = j * grid.block_kv + jnp.arange(grid.block_kv, dtype=jnp.int32)
-      inside = ((q[:, None] < grid.T) & (k[None, :] < grid.S))[None, None]
+      q, k = q_pos[i], kv_pos[j]
+      inside = (q_ok[i][:, None] & kv_ok[j][None, :])[None, None]
       m = self.evaluate(q, k, shape)
       anyv = (m & inside).any(axis=(2, 3))
       allv = (m | ~inside).all(axis=(2, 3))
@@ -542,14 +598,12 @@ class _FnMask(Mask):
     return jnp.moveaxis(st.reshape(nq, nk, *st.shape[1:]), (0, 1), (2, 3))
 
 
-_register(_FnMask)
+_register(_FnMask, data_fields=("batch0", "head0"))
 
 
 def from_function(mask_fn: Callable) -> Mask:
   """Mask from ``mask_fn(batch, head, q_index, kv_index) -> bool`` (jnp ops, broadcasting)."""
-  if not callable(mask_fn):
-    raise TypeError(f"from_function: mask_fn must be callable, got {type(mask_fn).__name__}")
-  return _FnMask(mask_fn)
+  return _FnMask(_checks().function("masks.from_function: mask_fn", mask_fn))
 
 
 # --------------------------------------------------------------------------------------------
@@ -625,6 +679,92 @@ class _Not(Mask):
 jax.tree_util.register_dataclass(_And, data_fields=["a", "b"], meta_fields=[])
 jax.tree_util.register_dataclass(_Or, data_fields=["a", "b"], meta_fields=[])
 jax.tree_util.register_dataclass(_Not, data_fields=["a"], meta_fields=[])
+
+
+# --------------------------------------------------------------------------------------------
+# A mask at other positions: one shard of a sequence (ring attention).
+# --------------------------------------------------------------------------------------------
+
+
+def is_position_based(mask: Mask) -> bool:
+  """Whether ``mask`` is a function of (batch, head, position) indices alone -- everything but
+  a `from_array` array, which is laid out over the whole (T, S) and cannot be evaluated from a
+  shard's positions without gathering it."""
+  if isinstance(mask, (_And, _Or)):
+    return is_position_based(mask.a) and is_position_based(mask.b)
+  if isinstance(mask, _Not):
+    return is_position_based(mask.a)
+  return not isinstance(mask, _ArrayMask)
+
+
+def remap(mask: Mask, q_table, kv_table, batch0=0, head0=0) -> Mask:
+  """``mask`` evaluated where a kernel's rows sit in the problem it was built for.
+
+  Local query row r (key row c) of the kernel is position ``q_table[r]`` (``kv_table[c]``) of
+  that problem, and local batch element / query head 0 is ``batch0`` / ``head0``. Ring attention
+  builds the mask once on global positions and remaps it for every pair of shards. Block
+  summaries come from each block's [min, max] of global positions: exact for blocks of
+  consecutive positions, and sound (only more PARTIAL) for a block that straddles a jump.
+  """
+  return _Remapped(_shift_indices(mask, batch0, head0), jnp.asarray(q_table, jnp.int32),
+                   jnp.asarray(kv_table, jnp.int32))
+
+
+def _shift_indices(mask, batch0, head0):
+  if isinstance(mask, _FnMask):
+    return _FnMask(mask.fn, batch0, head0)
+  if isinstance(mask, (_And, _Or)):
+    return type(mask)(_shift_indices(mask.a, batch0, head0),
+                      _shift_indices(mask.b, batch0, head0))
+  if isinstance(mask, _Not):
+    return _Not(_shift_indices(mask.a, batch0, head0))
+  return mask
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class _Remapped(Mask):
+  mask: Mask
+  q_table: Any  # (Tp,) int32
+  kv_table: Any  # (Sp,) int32
+
+  def evaluate(self, q_pos, kv_pos, shape):
+    return self.mask.evaluate(jnp.take(self.q_table, q_pos, mode="clip"),
+                              jnp.take(self.kv_table, kv_pos, mode="clip"), shape)
+
+  def block_states(self, grid, shape):
+    return self.mask.block_states(_TableGrid(grid, self.q_table, self.kv_table), shape)
+
+
+_register(_Remapped, data_fields=("mask", "q_table", "kv_table"))
+
+
+class _TableGrid:
+  """A `BlockGrid` whose rows sit at the positions of two tables (the grid masks see in
+  `_Remapped.block_states`): ranges and block tables are jax arrays."""
+
+  def __init__(self, grid: BlockGrid, q_table, kv_table):
+    self.grid, self.q_table, self.kv_table = grid, q_table, kv_table
+    self.num_q_blocks, self.num_kv_blocks = grid.num_q_blocks, grid.num_kv_blocks
+    self.block_q, self.block_kv = grid.block_q, grid.block_kv
+
+  def q_blocks(self):
+    return self.q_table.reshape(self.num_q_blocks, self.block_q), self.grid.q_blocks()[1]
+
+  def kv_blocks(self):
+    return self.kv_table.reshape(self.num_kv_blocks, self.block_kv), self.grid.kv_blocks()[1]
+
+  def q_ranges(self):
+    return self._hull(*self.q_blocks())
+
+  def kv_ranges(self):
+    return self._hull(*self.kv_blocks())
+
+  @staticmethod
+  def _hull(pos, valid):
+    """[min, max + 1) of each block's valid positions."""
+    big = jnp.iinfo(jnp.int32)
+    return (jnp.where(valid, pos, big.max).min(axis=1),
+            jnp.where(valid, pos, big.min).max(axis=1) + 1)
 
 
 def reduce_states(states, shape) -> Any:

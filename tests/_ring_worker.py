@@ -366,6 +366,129 @@ def split_kv_recipe(P=4):
               finite=bool(np.isfinite(np.asarray(out)).all()))
 
 
+# Ring attention against the single-device call on the same global inputs, for what ring
+# attention evaluates on global indices: mask objects, score_mod (with an array it closes over,
+# whose gradient is compared too), sinks and dropout (the same dropped entries, or the outputs
+# would differ). Each feature set runs in both layouts; on 8 devices the batch is sharded too,
+# so batch indices must be global for the mask function, score_mod and the dropout hash.
+SINGLE_FEATURES = {
+    "chunked_local_causal_sinks_dropout": lambda M, T, tbl: dict(
+        mask=M.chunked_local(12) & M.causal(), sinks=True, dropout_rate=0.25),
+    "prefix_lm_score_mod_table": lambda M, T, tbl: dict(
+        mask=M.prefix_lm(11),
+        score_mod=lambda s, b, h, q, k: s + tbl[k - q + T] * (h + 1).astype(s.dtype)),
+    "from_function_bh_window_dropout_score_mod": lambda M, T, tbl: dict(
+        mask=M.from_function(lambda b, h, q, k: ((k <= q) & ((q - k) % 5 != 2)) | ((b == 1)
+                                                                                 & (h == 3))),
+        local_window_size=(20, 20), dropout_rate=0.2,
+        score_mod=lambda s, b, h, q, k: s - 0.1 * ((b + 1) * jnp_abs(q - k)).astype(s.dtype) * tbl[h]),
+}
+
+
+def jnp_abs(x):
+  import jax.numpy as jnp
+  return jnp.abs(x)
+
+
+def vs_single(devices):
+  """{case: max errors of ring vs single-device (out, dq, dk, dv, dsinks, dtable)}."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import jattn
+  from jattn import masks as M
+  B, T, N, K, H = 2, 32, 4, 2, 8
+  keys = jax.random.split(jax.random.key(3), 6)
+  q = jax.random.normal(keys[0], (B, T, N, H), jnp.float32)
+  k = jax.random.normal(keys[1], (B, T, K, H), jnp.float32)
+  v = jax.random.normal(keys[2], (B, T, K, H), jnp.float32)
+  do = jax.random.normal(keys[3], (B, T, N, H), jnp.float32)
+  table = jax.random.normal(keys[4], (2 * T,), jnp.float32)
+  sinks = jnp.linspace(-0.5, 1.0, N, dtype=jnp.float32)
+  rng = jax.random.key(11)
+  shape, names, batch = ((2, 4), ("data", "seq"), "data") if devices == 8 else ((4,), ("seq",),
+                                                                              None)
+  mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:devices]).reshape(shape), names)
+  P = mesh.shape["seq"]
+  out = {}
+  for feature, make in SINGLE_FEATURES.items():
+    for layout in ("contiguous", "zigzag"):
+      perm = (lambda x: jattn.zigzag_permute(x, P)) if layout == "zigzag" else (lambda x: x)
+      unperm = (lambda x: jattn.zigzag_unpermute(x, P)) if layout == "zigzag" else (lambda x: x)
+
+      def kwargs(snk, tbl):
+        kw = make(M, T, tbl)
+        if kw.pop("sinks", False):
+          kw["sinks"] = snk
+        if kw.get("dropout_rate"):
+          kw["dropout_rng"] = rng
+        return kw
+
+      def ring(q, k, v, snk, tbl):
+        o = jattn.ring_attention_sharded(perm(q), perm(k), perm(v), mesh=mesh, seq_axis="seq",
+                                         batch_axis=batch, layout=layout, block_q=4, block_kv=4,
+                                         **kwargs(snk, tbl))
+        return unperm(o)
+
+      def single(q, k, v, snk, tbl):
+        return jattn.dot_product_attention(q, k, v, implementation="chunked", block_q=8,
+                                           block_kv=8, **kwargs(snk, tbl))
+
+      got = {}
+      for name, f in (("ring", ring), ("single", single)):
+        got[name] = _out_and_grads(f, do, q, k, v, sinks, table)
+      # Sanity: the feature must matter (a sink or table gradient of zero would compare equal).
+      used = {key: bool(np.abs(np.asarray(got["single"][key])).max() > 0)
+              for key in ("dsinks", "dtable")}
+      out[f"{feature}/{layout}"] = dict(
+          {key: _err(got["ring"][key], got["single"][key]) for key in got["ring"]},
+          used_sinks=used["dsinks"], used_table=used["dtable"])
+  if devices == 4:
+    out["typed_shard_map_score_mod_sinks"] = _typed_vs_single(mesh, q, k, v, do, sinks, table)
+  return out
+
+
+def _out_and_grads(f, do, *args):
+  """f's output and the gradients of sum(f * do) for every argument, in one compiled call."""
+  import jax
+  import jax.numpy as jnp
+
+  def loss(*a):
+    o = f(*a)
+    return jnp.sum(o * do), o
+
+  (_, val), grads = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(len(args))),
+                                               has_aux=True))(*args)
+  return dict(zip(("out", "dq", "dk", "dv", "dsinks", "dtable"), (val,) + tuple(grads)))
+
+
+def _typed_vs_single(mesh, q, k, v, do, sinks, table):
+  """ring_attention called in a hand-written shard_map with check_vma=True: the gradients of
+  the sinks and of score_mod's table (arrays that are the same on every device) are summed over
+  the ring, once."""
+  import jax
+  import jax.numpy as jnp
+  import jattn
+  PS = jax.sharding.PartitionSpec
+  T = q.shape[1]
+  mod = lambda tbl: (lambda s, b, h, qi, ki: s + tbl[ki - qi + T])
+
+  def ring(q, k, v, snk, tbl):
+    body = lambda q, k, v, snk, tbl: jattn.ring_attention(
+        q, k, v, axis_name="seq", is_causal=True, sinks=snk, score_mod=mod(tbl), block_q=4,
+        block_kv=4)
+    sp = PS(None, "seq")
+    return jax.shard_map(body, mesh=mesh, in_specs=(sp, sp, sp, PS(), PS()), out_specs=sp,
+                         check_vma=True)(q, k, v, snk, tbl)
+
+  single = lambda q, k, v, snk, tbl: jattn.dot_product_attention(
+      q, k, v, is_causal=True, sinks=snk, score_mod=mod(tbl))
+  got = {}
+  for name, f in (("ring", ring), ("single", single)):
+    got[name] = _out_and_grads(f, do, q, k, v, sinks, table)
+  return {key: _err(got["ring"][key], got["single"][key]) for key in got["ring"]}
+
+
 def main_cases(devices, names):
   _setup(devices)
   import jax
@@ -390,6 +513,11 @@ def main_cases(devices, names):
       results["split_kv_recipe"] = split_kv_recipe()
     except Exception:
       results["split_kv_recipe"] = {"error": traceback.format_exc()}
+  if not names:
+    try:
+      results["vs_single"] = vs_single(devices)
+    except Exception:
+      results["vs_single"] = {"error": traceback.format_exc()}
   print("RESULTS " + json.dumps(results), flush=True)
 
 

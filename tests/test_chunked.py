@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import jattn
-from jattn import _chunked
+from jattn import _chunked, _plan
 from jattn import masks as M
 import reference as ref
 
@@ -140,8 +140,8 @@ def test_loop_bounds_static_and_run_time_equal_a_hand_count():
   for states in maps:
     states = np.asarray(states, np.int8)
     want = _ranges_by_hand(states)
-    assert _chunked.static_ranges(states) == want
-    lo, hi = _chunked._nonempty_range(jnp.asarray(states))
+    assert _plan.static_ranges(states) == want
+    lo, hi = _plan.nonempty_range(jnp.asarray(states))
     assert tuple(zip(np.asarray(lo).tolist(), np.asarray(hi).tolist())) == want
 
 

@@ -279,17 +279,51 @@ def test_ring_nan_at_visible_positions_propagates_hidden_never_leaks():
   np.testing.assert_allclose(out, want, atol=2e-6, rtol=2e-6)
 
 
-@pytest.mark.parametrize("kw,name", [
-    (dict(bias=jnp.zeros((8, 8))), "bias"),
-    (dict(mask=jmasks.causal()), "mask"),
-    (dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), "dropout_rate"),
-    (dict(score_mod=lambda s, b, h, q, k: s), "score_mod"),
-    (dict(sinks=jnp.zeros((2,))), "sinks"),
+@pytest.mark.parametrize("kw,words", [
+    (dict(bias=jnp.zeros((8, 8))), "does not support bias"),
+    (dict(mask=jnp.ones((8, 8), bool)), "boolean mask array"),
+    (dict(mask=jmasks.causal() & jmasks.from_array(jnp.ones((8, 8), bool))),
+     "boolean mask array"),
 ])
-def test_unsupported_arguments(kw, name):
+def test_unsupported_arguments(kw, words):
+  # Arrays laid out over the whole (T, S) are refused with the reason; every position-based
+  # mask object, score_mod, sinks and dropout are supported (test_ring_equals_single_device).
   q, k, v = _qkv()
-  with pytest.raises(NotImplementedError, match=f"does not support {name}"):
+  with pytest.raises(NotImplementedError, match=words):
     jattn.ring_attention(q, k, v, axis_name="seq", **kw)
+
+
+SINGLE_CASES = [f"{f}/{layout}" for f in _ring_worker.SINGLE_FEATURES
+                for layout in ("contiguous", "zigzag")]
+
+
+@pytest.mark.parametrize("devices", [4, 8])
+@pytest.mark.parametrize("case", SINGLE_CASES)
+def test_ring_equals_single_device(ring4, ring8, devices, case):
+  """Mask objects (chunked_local & causal, prefix_lm, a from_function of batch and head),
+  score_mod with an array it closes over, sinks and dropout: ring attention's output and the
+  gradients of q, k, v, the sinks and score_mod's table equal the single-device call on the
+  same global inputs (dropout drops the same entries), in both layouts; on 8 devices the batch
+  is sharded too (batch indices are global)."""
+  res = (ring4 if devices == 4 else ring8)["vs_single"]
+  assert "error" not in res, res.get("error")
+  errs = res[case]
+  feature = case.split("/")[0]
+  assert errs.pop("used_sinks") == ("sinks" in feature)
+  assert errs.pop("used_table") == ("score_mod" in feature)
+  assert set(errs) == {"out", "dq", "dk", "dv", "dsinks", "dtable"}
+  bad = {k: v for k, v in errs.items() if not v < TOL}
+  assert not bad, f"{case} on {devices} devices: ring vs single-device errors above {TOL}: {bad}"
+
+
+def test_ring_in_checked_shard_map_sums_invariant_gradients_once(ring4):
+  """ring_attention in a hand-written shard_map(check_vma=True): the sinks and score_mod's
+  table are the same on every device, and their gradients are the single-device ones."""
+  res = ring4["vs_single"]
+  assert "error" not in res, res.get("error")
+  errs = res["typed_shard_map_score_mod_sinks"]
+  assert set(errs) == {"out", "dq", "dk", "dv", "dsinks", "dtable"}
+  assert all(v < TOL for v in errs.values()), errs
 
 
 def test_argument_errors():

@@ -1,0 +1,337 @@
+"""The plan of one attention call: which implementation, which blocks, which tile variants.
+
+Every caller -- `dot_product_attention`, `ring_attention` and `diagnostics.attention_stats` --
+turns its arguments into the same three things here, and hands them to the kernels:
+
+  * one `jattn.masks` object for everything that hides positions (`build_mask`): the mask
+    argument, causal, window, lengths and segment ids are all thin ways to build it;
+  * a `Plan` (static, hashable: part of the jit cache key): the call's `Config`, the block grid,
+    the tile variants that can occur and, for a block map known at trace time, each row's and
+    column's range of non-empty blocks, so loops run between constants;
+  * `Operands` (the arrays the kernels read, one NamedTuple instead of ten positional
+    arguments), whose ``states`` field is the (nq, nk) int8 block map: NumPy-derived constants
+    for structural masks, computed at run time for data-dependent ones.
+
+Defaults that every caller shares also live here, once: the logit scale 1/sqrt(H), the block
+sizes, the implementation rule, padding to whole blocks and the clamp of a returned log-sum-exp.
+
+Shapes: B batch, T query length, S key/value length, N query heads, K key/value heads,
+H head dimension, G = N // K.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jattn import _sharding
+from jattn import masks as _masks
+from jattn._tile import Config
+from jattn.masks import EMPTY, FULL, PARTIAL, BlockGrid
+
+# Default block sizes, measured with jattn-bench on a 2-core AVX2 CPU (B=1, N=8, H=64, float32):
+# 512 x 256 ran forward at 127-130 GFLOP/s (512 x 512: 94-110, 65% vs 47-57% of the matmul peak)
+# and forward+backward ~25% faster than 512 x 512 at T = 4096. 1024 x 128 was as fast unmasked but
+# its taller diagonal tiles made causal forward+backward 0.63x of unmasked, against 0.56x here.
+# Re-measured with the current kernels (T = 4096, one interleaved run each; forward / fwd+bwd):
+# 512x256 0.245 / 0.88 s, 512x512 0.267 / 0.88, 1024x256 0.251 / 0.95, 256x512 0.269 / 0.85,
+# 256x256 0.424 / 1.33.
+DEFAULT_BLOCK_Q = 512
+DEFAULT_BLOCK_KV = 256
+
+# implementation=None picks chunked once the (T, S) score matrix per head reaches this many
+# entries. Below it dense's single fused pass wins; above it dense is limited by the (T, S)
+# temporaries falling out of cache (and by their memory). Measured crossover: see README.
+AUTO_CHUNKED_MIN_SCORES = 1024 * 1024
+
+
+def default_scale(H: int) -> float:
+  """1 / sqrt(H): q.k of unit-variance vectors has variance H; this keeps the logits at unit
+  variance so the softmax neither saturates nor flattens as the head dimension grows."""
+  return 1.0 / float(np.sqrt(H))
+
+
+def choose_implementation(T: int, S: int) -> str:
+  """The rule behind implementation=None: dense for small score matrices, chunked otherwise."""
+  return "chunked" if T * S >= AUTO_CHUNKED_MIN_SCORES else "dense"
+
+
+def block_sizes(T: int, S: int, block_q: int | None, block_kv: int | None, *,
+                cap_q: int | None = None, cap_kv: int | None = None) -> tuple[int, int]:
+  """The block sizes a call runs with: the request or the default, never more than T and S.
+
+  ``cap_q``/``cap_kv`` bound only the defaults (ring attention keeps a default block inside one
+  zigzag chunk; a block the caller asks for is the caller's choice)."""
+  bq = block_q or min(DEFAULT_BLOCK_Q, cap_q or DEFAULT_BLOCK_Q)
+  bk = block_kv or min(DEFAULT_BLOCK_KV, cap_kv or DEFAULT_BLOCK_KV)
+  return min(bq, T), min(bk, S)
+
+
+def clamp_lse(lse, dtype):
+  """A returned log-sum-exp in ``dtype``: a row with nothing to attend to keeps a finite very
+  negative value there (float16's range is small: the kernels' sentinel would become -inf)."""
+  return jnp.maximum(lse, jnp.asarray(jnp.finfo(dtype).min, lse.dtype)).astype(dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# One mask object for the call.
+# --------------------------------------------------------------------------------------------
+
+
+def band(shape, causal=None, window=None) -> tuple[int | None, int | None] | None:
+  """The diagonal band ``lo <= k - q <= hi`` of ``is_causal`` and ``local_window_size`` on a
+  (.., T, S) problem, or None when neither is given. The alignment sets the diagonal both are
+  measured from: 0 (top-left) or S - T (bottom-right)."""
+  if causal is None and window is None:
+    return None
+  offset = 0 if causal in (None, "top_left") else shape[3] - shape[2]
+  lo = hi = None
+  if causal is not None:
+    hi = offset
+  if window is not None:
+    left, right = window
+    lo = None if left is None else offset - left
+    if right is not None:
+      hi = offset + right if hi is None else min(hi, offset + right)
+  return lo, hi
+
+
+def build_mask(shape, mask=None, causal=None, window=None, *, q_lengths=None, kv_lengths=None,
+               q_segment_ids=None, kv_segment_ids=None):
+  """Turn the keyword arguments into one `jattn.masks` object (None when nothing is hidden).
+
+  The keywords are thin ways to build mask objects, so every implementation sees one mechanism.
+  """
+  parts = []
+  if mask is not None:
+    parts.append(mask if isinstance(mask, _masks.Mask) else _masks.from_array(mask))
+  lohi = band(shape, causal, window)
+  if lohi is not None:
+    parts.append(_masks.band(*lohi))
+  if q_lengths is not None or kv_lengths is not None:
+    parts.append(_masks.lengths(q_lengths, kv_lengths))
+  if q_segment_ids is not None:
+    parts.append(_masks.segments(q_segment_ids, kv_segment_ids))
+  return combine(parts)
+
+
+def combine(parts):
+  """The AND of a list of masks (None entries skipped); None when nothing is left."""
+  parts = [p for p in parts if p is not None]
+  return functools.reduce(lambda a, b: a & b, parts) if parts else None
+
+
+# --------------------------------------------------------------------------------------------
+# The block map and its ranges.
+# --------------------------------------------------------------------------------------------
+
+
+def block_map_and_kinds(mask, grid, shape):
+  """The (nq, nk) EMPTY/PARTIAL/FULL map the chunked kernels run on (a NumPy array when known at
+  trace time, else a jax array), and the tuple of states that can occur in it.
+
+  A static map tells exactly which states occur, so the kernels compile only those tile
+  variants (an unmasked call compiles one, with no switch at all); a run-time map may hold any.
+  """
+  nq, nk = grid.num_q_blocks, grid.num_kv_blocks
+  if mask is None:
+    states = np.full((nq, nk), FULL, np.int8)
+  else:
+    states = _masks.reduce_states(mask.block_states(grid, shape), shape)
+  xp = np if isinstance(states, np.ndarray) else jnp
+  # Masks constant along an axis (a (B, N, 1, S) array, say) summarise it as one block.
+  states = xp.broadcast_to(states, (nq, nk))
+  if grid.S % grid.block_kv:
+    # The last key block is padded: it always needs the (kv < S) mask.
+    last = xp.minimum(states[:, -1:], PARTIAL).astype(xp.int8)
+    states = xp.concatenate([states[:, :-1], last], axis=1)
+  if xp is np:
+    kinds = tuple(int(x) for x in np.unique(states))
+  else:
+    kinds = (EMPTY, PARTIAL, FULL)
+  return states, kinds
+
+
+def block_map(mask, grid, shape):
+  """`block_map_and_kinds`' map as a jax int8 array."""
+  return jnp.asarray(block_map_and_kinds(mask, grid, shape)[0], jnp.int8)
+
+
+def nonempty_range(states):
+  """Per row of a (R, C) state map: [first, last + 1) of its non-empty columns (0, 0 if none).
+
+  NumPy in, NumPy out (a map known at trace time); jax in, jax out.
+  """
+  xp = np if isinstance(states, np.ndarray) else jnp
+  ne = states != EMPTY
+  has = ne.any(axis=1)
+  C = states.shape[1]
+  first = xp.argmax(ne, axis=1).astype(np.int32)
+  last = (C - xp.argmax(ne[:, ::-1], axis=1)).astype(np.int32)
+  zero = np.int32(0)
+  return xp.where(has, first, zero), xp.where(has, last, zero)
+
+
+def static_ranges(states: np.ndarray) -> tuple[tuple[int, int], ...]:
+  """`nonempty_range` of a map known at trace time, as a hashable tuple of (first, last + 1)."""
+  first, last = nonempty_range(states)
+  return tuple(zip(first.tolist(), last.tolist()))
+
+
+def _loop_bounds(ranges, states):
+  """Functions i -> first and i -> last + 1 non-empty block of row i of ``states``."""
+  if ranges is None:
+    lo, hi = nonempty_range(states)
+    return (lambda i: lo[i]), (lambda i: hi[i])
+  if len(set(ranges)) == 1:
+    first, last = ranges[0]
+    return (lambda i: first), (lambda i: last)
+  lo, hi = (jnp.asarray(np.array(col, np.int32)) for col in zip(*ranges))
+  return (lambda i: lo[i]), (lambda i: hi[i])
+
+
+def closure_convert_score_mod(score_mod, tile_shape, dtype, varying_like=()):
+  """Hoist the arrays a score_mod closes over into explicit arguments, so the chunked custom VJP
+  can return their gradients (a learned relative-position table gets its gradient).
+
+  Inside `shard_map` (ring attention) the function is traced on arguments typed device-varying
+  like ``varying_like``, and must then be called with arguments typed that way: the jaxpr it
+  becomes is replayed as traced, with no automatic casts between varying and invariant values.
+  """
+  B, N, tq, tk = tile_shape
+  ex = (jax.ShapeDtypeStruct((B, N, tq, tk), dtype),
+        jax.ShapeDtypeStruct((B, 1, 1, 1), jnp.int32),
+        jax.ShapeDtypeStruct((1, N, 1, 1), jnp.int32),
+        jax.ShapeDtypeStruct((1, 1, tq, 1), jnp.int32),
+        jax.ShapeDtypeStruct((1, 1, 1, tk), jnp.int32))
+  out = jax.eval_shape(score_mod, *ex)
+  if not hasattr(out, "shape") or tuple(out.shape) != (B, N, tq, tk):
+    raise ValueError(
+        f"score_mod must return an array of the score's shape (B, N, tq, tk)={(B, N, tq, tk)} "
+        f"(it is applied tile by tile, so a broadcast result would differ between "
+        f"implementations), got {getattr(out, 'shape', type(out).__name__)}")
+  if not jnp.issubdtype(out.dtype, jnp.floating):
+    raise TypeError(f"score_mod must return floating scores, got dtype {out.dtype} "
+                    f"(to hide positions, use a mask: jattn.masks.from_function)")
+  if varying_like:
+    ex = tuple(_sharding.varying(jnp.zeros(x.shape, x.dtype), *varying_like) for x in ex)
+  converted, consts = jax.closure_convert(score_mod, *ex)
+  return converted, tuple(consts)
+
+
+# --------------------------------------------------------------------------------------------
+# The plan and the operands.
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Plan:
+  """The static description of one blocked computation (hashable: a custom VJP's nondiff
+  argument and part of the jit cache key)."""
+
+  cfg: Config
+  grid: BlockGrid  # over the true (T, S)
+  # The block states that can occur; only their tile variants are compiled.
+  kinds: tuple[int, ...] = (EMPTY, PARTIAL, FULL)
+  # For a block map known at trace time, `static_ranges` of it and of its transpose: the loops
+  # then run between constants (Python ints when every row has the same range) instead of
+  # bounds computed from the map at run time.
+  q_ranges: tuple[tuple[int, int], ...] | None = None
+  kv_ranges: tuple[tuple[int, int], ...] | None = None
+
+  @property
+  def Tp(self) -> int:
+    """T padded up to whole query blocks."""
+    return self.grid.num_q_blocks * self.grid.block_q
+
+  @property
+  def Sp(self) -> int:
+    """S padded up to whole key/value blocks."""
+    return self.grid.num_kv_blocks * self.grid.block_kv
+
+  @property
+  def ragged_kv(self) -> bool:
+    """Whether the last key block holds padding (keys past S, hidden in every tile)."""
+    return self.cfg.S % self.grid.block_kv != 0
+
+  def row_bounds(self, states):
+    """i -> [first, last + 1) of query block i's non-empty key blocks."""
+    return _loop_bounds(self.q_ranges, states)
+
+  def column_bounds(self, states):
+    """j -> [first, last + 1) of key block j's non-empty query blocks."""
+    return _loop_bounds(self.kv_ranges, None if states is None else states.T)
+
+
+def make_plan(cfg: Config, mask, block_q: int, block_kv: int):
+  """(Plan, states): the plan over (cfg.T, cfg.S) in blocks of (block_q, block_kv), and its block
+  map as a jax int8 array."""
+  grid = BlockGrid(cfg.T, cfg.S, block_q, block_kv)
+  states, kinds = block_map_and_kinds(mask, grid, (cfg.B, cfg.N, cfg.T, cfg.S))
+  plan = Plan(cfg, grid, kinds)
+  if isinstance(states, np.ndarray):
+    plan = dataclasses.replace(plan, q_ranges=static_ranges(states),
+                               kv_ranges=static_ranges(states.T))
+  return plan, jnp.asarray(states, jnp.int8)
+
+
+class Positions(NamedTuple):
+  """Where the kernel's rows sit in a larger problem (ring attention: one device's shards of a
+  sequence, and possibly of the batch and heads). Masks, score_mod and the dropout hash see
+  these global indices; slicing and padding use the local ones."""
+
+  q: Any  # (Tp,) int32: global position of every (padded) local query row
+  kv: Any  # (Sp,) int32: global position of every (padded) local key row
+  batch0: Any  # int32 scalar: global index of local batch element 0
+  head0: Any  # int32 scalar: global index of local query head 0
+
+
+class Operands(NamedTuple):
+  """The arrays a chunked kernel reads; one pytree, differentiated field by field.
+
+  q (B, Tp, N, H), k and v (B, Sp, K, H): sequence-major as callers hold them, padded to whole
+  blocks; bias (B|1, K|1, G|1, Tp|1, Sp|1) or None; mask a `jattn.masks` object or None; states
+  the (nq, nk) int8 block map; seed (2,) uint32 dropout words; score_args the arrays a score_mod
+  closes over (a tuple); sink (1, K, G, 1) or None; positions a `Positions` or None (local =
+  global).
+  """
+
+  q: Any
+  k: Any
+  v: Any
+  bias: Any = None
+  mask: Any = None
+  states: Any = None
+  seed: Any = None
+  score_args: tuple = ()
+  sink: Any = None
+  positions: Any = None
+
+
+def pad_to_blocks(plan: Plan, q, k, v, bias):
+  """q, k, v (and a bias that is not broadcast along T or S) padded with zeros to (Tp, Sp)."""
+  pt, ps = plan.Tp - plan.cfg.T, plan.Sp - plan.cfg.S
+  if pt:
+    q = jnp.pad(q, ((0, 0), (0, pt), (0, 0), (0, 0)))
+  if ps:
+    k = jnp.pad(k, ((0, 0), (0, ps), (0, 0), (0, 0)))
+    v = jnp.pad(v, ((0, 0), (0, ps), (0, 0), (0, 0)))
+  if bias is not None and (pt or ps):
+    bias = jnp.pad(bias, ((0, 0),) * 3 + ((0, pt if bias.shape[3] != 1 else 0),
+                                         (0, ps if bias.shape[4] != 1 else 0)))
+  return q, k, v, bias
+
+
+def zero_cotangent(x):
+  """The cotangent of a non-differentiable operand: zeros, or float0 for integer arrays."""
+  if x is None:
+    return None
+  x = jnp.asarray(x)
+  if jnp.issubdtype(x.dtype, jnp.inexact):
+    return jnp.zeros_like(x)
+  return np.zeros(x.shape, jax.dtypes.float0)
