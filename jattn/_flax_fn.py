@@ -42,7 +42,8 @@ def make_attention_fn(
     scale: float | None = None,
     score_mod: Callable | None = None,
 ) -> Callable:
-  """An ``attention_fn`` for flax's attention layers, computed by :func:`jattn.dot_product_attention`.
+  """An ``attention_fn`` for flax's attention layers, computed by
+  :func:`jattn.dot_product_attention`.
 
   Usage::
 

@@ -183,6 +183,35 @@ def static_ranges(states: np.ndarray) -> tuple[tuple[int, int], ...]:
   return tuple(zip(first.tolist(), last.tolist()))
 
 
+def block_lists(states):
+  """Per row of an (R, C) block map, the compact list of its non-EMPTY columns, in order.
+
+  Returns (columns, kinds, counts): (R, L) int32 column indices, (R, L) int8 states (PARTIAL or
+  FULL; EMPTY marks padding) and (R,) int32 counts. Rows are padded to L entries with their
+  last non-empty column (0 for an empty row) and state EMPTY, so a loop over L steps that
+  gathers ``columns[:, step]`` for every row at once reads only blocks a row needs (padding
+  re-reads one it has) and does no work where ``kinds`` is EMPTY -- skipping without a branch
+  (the idea of splash attention's data_next / mask_next).
+
+  A NumPy map (known at trace time) gives NumPy lists with L = the longest row (at least 1); a
+  jax map gives jax lists with L = C, its counts telling how many steps a row really needs.
+  """
+  xp = np if isinstance(states, np.ndarray) else jnp
+  R, C = states.shape
+  nonempty = states != EMPTY
+  counts = nonempty.sum(axis=1).astype(np.int32)
+  # A stable sort of "is empty" puts each row's non-empty columns first, in column order.
+  order = xp.argsort(~nonempty, axis=1, stable=True).astype(np.int32)
+  L = max(int(counts.max()), 1) if xp is np else C
+  order = order[:, :L]
+  step = xp.arange(L, dtype=np.int32)[None, :]
+  valid = step < counts[:, None]
+  last = xp.take_along_axis(order, xp.maximum(counts - 1, 0)[:, None], axis=1)
+  columns = xp.where(valid, order, xp.where(counts[:, None] > 0, last, 0)).astype(np.int32)
+  kinds = xp.where(valid, xp.take_along_axis(states, columns, axis=1), EMPTY).astype(np.int8)
+  return columns, kinds, counts
+
+
 def _loop_bounds(ranges, states):
   """Functions i -> first and i -> last + 1 non-empty block of row i of ``states``."""
   if ranges is None:

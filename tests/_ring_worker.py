@@ -381,7 +381,8 @@ SINGLE_FEATURES = {
         mask=M.from_function(lambda b, h, q, k: ((k <= q) & ((q - k) % 5 != 2)) | ((b == 1)
                                                                                  & (h == 3))),
         local_window_size=(20, 20), dropout_rate=0.2,
-        score_mod=lambda s, b, h, q, k: s - 0.1 * ((b + 1) * jnp_abs(q - k)).astype(s.dtype) * tbl[h]),
+        score_mod=lambda s, b, h, q, k: (
+            s - 0.1 * ((b + 1) * jnp_abs(q - k)).astype(s.dtype) * tbl[h])),
 }
 
 

@@ -96,6 +96,29 @@ def test_causal_blocks_skipped_exactly(T, S, bq, bk):
   assert blocks["bwd"] == want
 
 
+def test_diagnostics_walk_the_kernels_blocks():
+  # diagnostics' chunked pass runs on the forward kernel's own block walk: the same blocks are
+  # computed (none the mask hides), with the same FULL / PARTIAL variants.
+  jax.clear_caches()
+  rec = _Recorder()
+  rec.blocks["stats"] = {}
+  _chunked._BLOCK_HOOK = rec
+  try:
+    q = jax.random.normal(jax.random.key(0), (2, 50, 2, 8))
+    k = jax.random.normal(jax.random.key(1), (2, 70, 2, 8))
+    st = jattn.diagnostics.attention_stats(q, k, is_causal="bottom_right",
+                                           local_window_size=(30, 0), implementation="chunked",
+                                           block_q=16, block_kv=8)
+    jax.block_until_ready(st)
+    jax.effects_barrier()
+  finally:
+    _chunked._BLOCK_HOOK = None
+    jax.clear_caches()
+  want = _expected_blocks(_dense_vis(50, 70, causal="bottom_right", window=(30, 0)), 16, 8)
+  assert rec.blocks["stats"] == want
+  assert rec.blocks["fwd"] == {} and rec.blocks["bwd"] == {}
+
+
 def test_window_blocks_skipped_exactly():
   blocks = _run_recorded(128, 128, 16, 16, is_causal=True, local_window_size=(20, 0))
   want = _expected_blocks(_dense_vis(128, 128, causal="top_left", window=(20, 0)), 16, 16)
@@ -143,6 +166,28 @@ def test_loop_bounds_static_and_run_time_equal_a_hand_count():
     assert _plan.static_ranges(states) == want
     lo, hi = _plan.nonempty_range(jnp.asarray(states))
     assert tuple(zip(np.asarray(lo).tolist(), np.asarray(hi).tolist())) == want
+
+
+def test_block_lists_static_and_run_time_equal_a_hand_count():
+  # Each row's non-empty blocks in order, padded with its last one (state EMPTY): static maps
+  # give NumPy lists as long as the longest row, run-time maps jax lists of the full width.
+  rng = np.random.default_rng(1)
+  maps = [rng.choice([M.EMPTY, M.PARTIAL, M.FULL], size=(5, 7), p=[0.5, 0.25, 0.25])
+          for _ in range(20)]
+  maps += [np.full((3, 4), M.EMPTY), np.full((1, 1), M.FULL), np.tril(np.full((4, 4), M.FULL))]
+  for states in maps:
+    states = np.asarray(states, np.int8)
+    rows = [[j for j, x in enumerate(row) if x != M.EMPTY] for row in states]
+    for xp_states in (states, jnp.asarray(states)):
+      columns, kinds, counts = (np.asarray(a) for a in _plan.block_lists(xp_states))
+      static = isinstance(xp_states, np.ndarray)
+      L = max(max(len(r) for r in rows), 1) if static else states.shape[1]
+      assert columns.shape == kinds.shape == (states.shape[0], L)
+      assert counts.tolist() == [len(r) for r in rows]
+      for i, r in enumerate(rows):
+        pad = r[-1] if r else 0
+        assert columns[i].tolist() == r + [pad] * (L - len(r))
+        assert kinds[i].tolist() == [int(states[i, j]) for j in r] + [M.EMPTY] * (L - len(r))
 
 
 def test_unsorted_segments_against_reference_and_blocks():

@@ -59,14 +59,35 @@ def _run_worker(devices):
   return res
 
 
-@pytest.fixture(scope="module")
-def ring8():
-  return _run_worker(8)
+def _shared_worker(tmp_path_factory, devices):
+  """The worker's results, computed once per test session: under pytest-xdist the first process
+  that needs them runs the worker and the others wait for its file (the recipe of the xdist docs,
+  with an fcntl lock), instead of every process running the same 4- and 8-device programs."""
+  import fcntl
+  if "PYTEST_XDIST_WORKER" not in os.environ:
+    return _run_worker(devices)
+  root = tmp_path_factory.getbasetemp().parent  # pytest-N/: shared by this session's workers
+  path = root / f"ring_worker_{devices}.json"
+  with open(root / f"ring_worker_{devices}.lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
+      if path.exists():
+        return json.loads(path.read_text())
+      res = _run_worker(devices)
+      path.write_text(json.dumps(res))
+      return res
+    finally:
+      fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 @pytest.fixture(scope="module")
-def ring4():
-  return _run_worker(4)
+def ring8(tmp_path_factory):
+  return _shared_worker(tmp_path_factory, 8)
+
+
+@pytest.fixture(scope="module")
+def ring4(tmp_path_factory):
+  return _shared_worker(tmp_path_factory, 4)
 
 
 QUANTITIES = ("out", "lse", "dq", "dk", "dv")

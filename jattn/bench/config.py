@@ -263,7 +263,8 @@ def _expand(s: dict[str, Any], where: str) -> list[Case]:
   ints["kv_heads"] = (None if kv_heads is None else
                       [_int(v, "kv_heads", where, 1) for v in _list(kv_heads, "kv_heads", where)])
   s_list = s.get("S")
-  ints["S"] = None if s_list is None else [_int(v, "S", where, 1) for v in _list(s_list, "S", where)]
+  ints["S"] = (None if s_list is None
+               else [_int(v, "S", where, 1) for v in _list(s_list, "S", where)])
   repeats = _int(s.get("repeats", 5), "repeats", where, 1)
   warmup = _int(s.get("warmup", 1), "warmup", where, 0)
 

@@ -1,4 +1,5 @@
-"""Mask specifications of a sweep, and the exact number of (query, key) pairs each one leaves visible.
+"""Mask specifications of a sweep, and the exact number of (query, key) pairs each one leaves
+visible.
 
 A spec is a string of ``+``-joined parts, as written in a config's ``masks`` list:
 

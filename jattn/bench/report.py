@@ -1,4 +1,5 @@
-"""What a run reports: the terminal table, progress, machine info, comparisons, JSON / CSV / Markdown."""
+"""What a run reports: the terminal table, progress, machine info, comparisons, JSON / CSV /
+Markdown."""
 
 from __future__ import annotations
 

@@ -1,0 +1,144 @@
+"""The loop structure of a compiled program: how many sequential steps it runs, and how much
+each step does, read from the optimized HLO (not from a formula).
+
+On an accelerator every sequential loop step costs at least a few kernel launches, whatever its
+tile holds, so the number of steps and the HLO ops per step say how a schedule will fare there
+before it is ever run. `lowered_for` lowers a function for another platform (``"cuda"``,
+``"tpu"``) with `jax.export` from this machine, and compiles the exported program for the CPU:
+the loops are the ones the accelerator's program has (XLA keeps `while` loops and their known
+trip counts), so they can be counted here.
+
+Counting rules:
+  * a ``while`` with a known trip count n runs n steps of its body; nested loops multiply
+    (a q-block loop of 16 around a kv-block loop of 32 is 512 steps of the inner body);
+  * loops one after another add up; a ``conditional`` counts its most expensive branch;
+  * a ``while`` without a known trip count (bounds computed at run time) makes the total
+    unknown (None);
+  * ops per step: the instructions of the innermost loop body, a fusion counting as one (each is
+    about one kernel launch on a GPU), parameters, constants, tuples and get-tuple-element not
+    counted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*.*?\s([\w\-]+)\(")
+_TRIP = re.compile(r'known_trip_count"?\s*[:=]\s*\{\s*"?n"?\s*[:=]\s*"?(\d+)')
+_BODY = re.compile(r"body=%?([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_CALLS = re.compile(r"(?:to_apply|calls)=%?([\w.\-]+)")
+_FREE = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "copy-start",
+         "copy-done", "opt-barrier"}
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopStructure:
+  """steps: sequential loop steps of one call (None if a trip count is only known at run time);
+  loops: number of while loops; ops_per_step: instructions of the innermost loop body;
+  ops: instructions of the whole program (outside fusions)."""
+
+  steps: int | None
+  loops: int
+  ops_per_step: int
+  ops: int
+
+
+def _computations(hlo: str) -> tuple[dict[str, list[str]], str]:
+  comps: dict[str, list[str]] = {}
+  entry, name = None, None
+  for line in hlo.splitlines():
+    m = _COMPUTATION.match(line)
+    if m:
+      name = m.group(1)
+      comps[name] = []
+      if line.lstrip().startswith("ENTRY"):
+        entry = name
+      continue
+    if line.strip() == "}":
+      name = None
+      continue
+    if name is not None and "=" in line:
+      comps[name].append(line)
+  if entry is None:
+    raise ValueError("no ENTRY computation in the HLO text")
+  return comps, entry
+
+
+def _opcode(line: str) -> str | None:
+  m = _INSTRUCTION.match(line)
+  return m.group(1) if m else None
+
+
+def loop_structure(hlo: str) -> LoopStructure:
+  """The `LoopStructure` of optimized HLO text (``jax.jit(f).lower(...).compile().as_text()``)."""
+  comps, entry = _computations(hlo)
+  loops = 0
+  memo: dict[str, tuple[int | None, int]] = {}
+
+  def walk(name: str) -> tuple[int | None, int]:
+    """(steps, ops of the innermost body) of computation ``name``; steps 0 without loops."""
+    if name in memo:
+      return memo[name]
+    nonlocal loops
+    total: int | None = 0
+    inner_ops = 0
+    for line in comps.get(name, ()):
+      op = _opcode(line)
+      children: list[str] = []
+      if op == "while":
+        loops += 1
+        body = _BODY.search(line).group(1)
+        trip = _TRIP.search(line)
+        steps, ops = walk(body)
+        body_ops = ops if steps else _count_ops(comps.get(body, ()))
+        if trip is None or steps is None or total is None:
+          total = None
+        else:
+          total += int(trip.group(1)) * max(steps, 1)
+        inner_ops = max(inner_ops, body_ops)
+        continue
+      if op == "conditional":
+        m = _BRANCHES.search(line)
+        children = [c.strip().lstrip("%") for c in m.group(1).split(",")] if m else []
+        results = [walk(c) for c in children]
+        if any(r[0] is None for r in results):
+          total = None
+        elif total is not None and results:
+          total += max(r[0] for r in results)
+        inner_ops = max([inner_ops] + [r[1] for r in results])
+        continue
+      if op in ("call", "async-start"):
+        m = _CALLS.search(line)
+        if m:
+          steps, ops = walk(m.group(1))
+          total = None if steps is None or total is None else total + steps
+          inner_ops = max(inner_ops, ops)
+    memo[name] = (total, inner_ops)
+    return memo[name]
+
+  steps, ops_per_step = walk(entry)
+  # The program's own instructions: the entry and every computation it runs as such (loop
+  # bodies, branches, calls), not fusion bodies or reducers (parts of one instruction).
+  return LoopStructure(steps=steps, loops=loops, ops_per_step=ops_per_step,
+                       ops=sum(_count_ops(comps.get(n, ())) for n in memo))
+
+
+def _count_ops(lines) -> int:
+  return sum(1 for line in lines if (_opcode(line) or "parameter") not in _FREE)
+
+
+def lowered_for(fn, args, platform: str | None = None):
+  """Compiled text of ``jax.jit(fn)`` on ``args`` (arrays or ShapeDtypeStructs), lowered for
+  ``platform`` (None: this machine; ``"cuda"``/``"tpu"``: exported with `jax.export` for that
+  platform, then compiled here with the platform check disabled)."""
+  import jax
+  from jax import export
+
+  if platform is None:
+    return jax.jit(fn).lower(*args).compile().as_text()
+  exp = export.export(jax.jit(fn), platforms=[platform],
+                      disabled_checks=[export.DisabledSafetyCheck.platform()])(*args)
+  return jax.jit(exp.call).lower(*args).compile().as_text()

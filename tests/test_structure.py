@@ -1,0 +1,71 @@
+"""Reading a compiled program's loop structure, and lowering for an accelerator from this CPU.
+
+`jattn.bench.structure` counts sequential loop steps from the optimized HLO; these tests pin it
+on programs whose counts are known by construction, then on jattn's chunked kernel lowered for
+``cuda`` and ``tpu`` with jax.export (what an accelerator would run), and check that the exported
+program, run here, computes what jattn computes.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jattn
+from jattn.bench import structure
+
+X = jax.ShapeDtypeStruct((8,), jnp.float32)
+
+
+def _steps(fn, *args, platform=None):
+  return structure.loop_structure(structure.lowered_for(fn, args, platform))
+
+
+def test_counts_nested_sequential_and_run_time_loops():
+  def nested(x):  # 3 outer steps, each running 5 inner steps: 15 steps of the inner body
+    inner = lambda i, y: jnp.sin(y) * 1.01 + i
+    return jax.lax.fori_loop(0, 3, lambda i, y: jax.lax.fori_loop(0, 5, inner, y) + 1.0, x)
+
+  def sequential(x):  # 3 steps, then 4 more
+    x = jax.lax.fori_loop(0, 3, lambda i, y: jnp.sin(y) + i, x)
+    return jax.lax.fori_loop(0, 4, lambda i, y: jnp.cos(y) * i, x)
+
+  def run_time(x, n):  # the trip count is only known when it runs
+    return jax.lax.fori_loop(0, n, lambda i, y: jnp.sin(y), x)
+
+  st = _steps(nested, X)
+  assert (st.steps, st.loops) == (15, 2)
+  assert st.ops_per_step >= 1
+  st = _steps(sequential, X)
+  assert (st.steps, st.loops) == (7, 2)
+  st = _steps(run_time, X, jax.ShapeDtypeStruct((), jnp.int32))
+  assert st.steps is None and st.loops == 1
+  st = _steps(lambda x: jnp.sin(x) * 2, X)
+  assert (st.steps, st.loops, st.ops_per_step) == (0, 0, 0) and st.ops >= 1
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_chunked_lowered_for_an_accelerator_today(platform):
+  # The serial schedule walks (T / 512) query blocks x (S / 256) key blocks one tile at a time:
+  # at T = S = 8192, 512 steps forward and 1024 forward+backward (the figures of issue #13),
+  # from the program exported for the accelerator.
+  T = 8192
+  args = (jax.ShapeDtypeStruct((1, T, 4, 64), jnp.bfloat16),) * 3
+  f = lambda q, k, v: jattn.dot_product_attention(q, k, v, implementation="chunked")
+  g = jax.grad(lambda q, k, v: f(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+  fwd, both = _steps(f, *args, platform=platform), _steps(g, *args, platform=platform)
+  assert (fwd.steps, fwd.loops) == ((T // 512) * (T // 256), 2)
+  assert (both.steps, both.loops) == (2 * (T // 512) * (T // 256), 4)
+
+
+def test_exported_program_runs_here_and_equals_jattn():
+  # The program exported for cuda, compiled for this CPU with the platform check off, gives
+  # jattn's CPU result (the accelerator program is the one tested, not a look-alike).
+  from jax import export
+  keys = jax.random.split(jax.random.key(0), 3)
+  q, k, v = (jax.random.normal(key, (1, 1024, 2, 32), jnp.float32) for key in keys)
+  f = lambda q, k, v: jattn.dot_product_attention(q, k, v, implementation="chunked",
+                                                  is_causal=True, block_q=256, block_kv=128)
+  exp = export.export(jax.jit(f), platforms=["cuda"],
+                      disabled_checks=[export.DisabledSafetyCheck.platform()])(q, k, v)
+  np.testing.assert_allclose(exp.call(q, k, v), f(q, k, v), rtol=1e-6, atol=1e-6)
