@@ -18,7 +18,7 @@ from jattn import _chunked, _dense, _dropout, _plan, _sharding, _tile, _validati
 from jattn._plan import DEFAULT_BLOCK_KV, DEFAULT_BLOCK_Q, Operands
 from jattn import masks as _masks
 from jattn._tile import Config
-from jattn._types import ArrayLike, Implementation, IsCausal, LocalWindowSize
+from jattn._types import ArrayLike, Implementation, IsCausal, LocalWindowSize, Schedule
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -34,6 +34,7 @@ class _Options:
   implementation: str | None
   block_q: int | None
   block_kv: int | None
+  schedule: str | None
   return_residual: bool
   score_mod: Callable | None
   # Return the (B, N, T, S) softmax weights instead of the output (for flax's sow_weights).
@@ -61,6 +62,7 @@ def dot_product_attention(
     implementation: Implementation | None = None,
     block_q: int | None = None,
     block_kv: int | None = None,
+    schedule: Schedule | None = None,
     return_residual: bool = False,
     score_mod: Callable | None = None,
     sinks: ArrayLike | None = None,
@@ -131,6 +133,7 @@ def dot_product_attention(
       implementation=_validation.implementation(implementation),
       block_q=_validation.block("block_q", block_q),
       block_kv=_validation.block("block_kv", block_kv),
+      schedule=_validation.one_of("schedule", schedule, _validation.SCHEDULES + (None,)),
       return_residual=_validation.flag("return_residual", return_residual),
       score_mod=_validation.callable_or_none("score_mod", score_mod),
       return_weights=bool(_return_weights),
@@ -207,12 +210,21 @@ def _attention(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_s
     lse = jnp.transpose(lse.reshape(B, N, T), (0, 2, 1))
   else:
     # The chunked kernel reads blocks of the (B, T, N, H) arrays as they are (see _chunked).
-    plan, states = _plan.make_plan(cfg, combined, bq, bk)
     if seq_spec is not None:
       query = _sharding.unshard_axis(query, 1)
-    ops = Operands(q=query, k=key, v=value, bias=bias5, mask=combined, states=states, seed=seed,
-                   score_args=score_args, sink=sink)
-    out, lse = _chunked.chunked_attention(plan, ops)
+    run = {}
+    for schedule in (opts.schedule,) if opts.schedule else _plan.SCHEDULES:
+      plan, states = _plan.make_plan(cfg, combined, bq, bk, schedule)
+      ops = Operands(q=query, k=key, v=value, bias=bias5, mask=combined, states=states,
+                     seed=seed, score_args=score_args, sink=sink)
+      run[schedule] = functools.partial(_chunked.chunked_attention, plan, ops)
+    if opts.schedule:
+      out, lse = run[opts.schedule]()
+    else:
+      # Chosen where the program is lowered, not where it is traced: a program exported for
+      # cuda or tpu from this CPU gets the accelerator's schedule (see _plan.SCHEDULE_DEFAULTS).
+      out, lse = jax.lax.platform_dependent(
+          **{p: run[s] for p, s in _plan.SCHEDULE_DEFAULTS.items()}, default=run["parallel"])
     if seq_spec is not None and _sharding.spec_of(out) != seq_spec:
       out = jax.sharding.reshard(out, seq_spec)
 

@@ -77,9 +77,10 @@ class TileView(NamedTuple):
   bias: Any  # the tile's (B|1, K|1, G|1, tq|1, tk|1) bias block, or None
 
 
-def tile_view(plan: Plan, ops: Operands, i, j, masked: bool) -> TileView:
+def tile_view(plan: Plan, ops: Operands, i, j, masked: bool, live=None) -> TileView:
   """Positions, visibility and bias of tile (i, j); ``masked=False`` (a FULL block) skips the
-  mask arithmetic."""
+  mask arithmetic. ``live`` (a traced bool, parallel schedule): False hides the whole tile (a
+  lane's padding step)."""
   bq, bk = plan.grid.block_q, plan.grid.block_kv
   q_pos, kv_pos = _positions(i, bq), _positions(j, bk)
   if ops.positions is None:
@@ -90,6 +91,9 @@ def tile_view(plan: Plan, ops: Operands, i, j, masked: bool) -> TileView:
                       pos.head0)
   vis = (_tile.visible(plan.cfg, ops.mask, q_pos, kv_pos, ragged_kv=plan.ragged_kv)
          if masked else None)
+  if live is not None:
+    live = jnp.reshape(live, (1, 1, 1, 1, 1))
+    vis = live if vis is None else vis & live
   return TileView(i, j, idx, vis, _bias_block(ops.bias, i, j, plan))
 
 
@@ -213,6 +217,8 @@ def forward(plan: Plan, ops: Operands):
   sd = _tile.stat_dtype(q.dtype)
   inputs = (q, k, v, ops.states)
 
+  parallel = plan.schedule == "parallel"
+
   def start(i):
     qb = q_tile(q, i, bq, K, G)
     # Carries are made from the tiles they accumulate, so they share the inputs' sharding when
@@ -220,7 +226,7 @@ def forward(plan: Plan, ops: Operands):
     row0 = jnp.zeros_like(qb[..., 0], dtype=sd)  # (B, K, G, bq)
     m0 = row0 + jnp.asarray(_tile.NEG, sd)
     l0 = row0
-    if ops.sink is not None:
+    if ops.sink is not None and not parallel:  # parallel: added once per row, in the merge
       # The sink is one more logit in every row, with no value: it starts the running max and
       # contributes exp(sink - m) to the sum.
       m0 = row0 + ops.sink.astype(sd)  # (1, K, G, 1) -> (B, K, G, bq)
@@ -256,12 +262,87 @@ def forward(plan: Plan, ops: Operands):
     lse = put_q_tile(lse, _tile.safe_lse(m, l), i, bq)
     return out, lse
 
+  if parallel:
+    return _forward_parallel(plan, ops, start, tile)
   # Each query block writes its rows of the output in place: stacking per-block results (as
   # lax.map does) would need another full-size copy to put them back in sequence order.
   out0 = jnp.zeros_like(q)  # (B, Tp, N, Hv)
   lse0 = jnp.zeros_like(q[..., 0], dtype=sd)
   outs0 = _sharding.varying_tree((out0, lse0), *inputs)
   return walk_rows(plan, ops, start=start, tile=tile, finish=finish, outs=outs0, name="fwd")
+
+
+# --------------------------------------------------------------------------------------------
+# The parallel schedule: lanes side by side.
+# --------------------------------------------------------------------------------------------
+
+
+def _lanes(plan: Plan, packed, states):
+  """(rows, columns, kinds, merge) as jax arrays, the number of steps, and whether any tile
+  needs mask arithmetic: static lanes from the plan, or run-time ones from the block map."""
+  if packed is not None:
+    ln = _plan.lanes_of(packed)
+    masked = PARTIAL in plan.kinds or bool((ln.kinds == EMPTY).any())
+    return tuple(jnp.asarray(a) for a in ln), ln.columns.shape[1], masked
+  ln, steps = _plan.run_time_lanes(states)
+  return tuple(ln), steps, True
+
+
+def _lane_steps(lanes, steps, masked, carry0, visit, const=None):
+  """Run ``steps`` steps; in each, every lane visits its next block (vmapped over lanes):
+  ``visit(i, j, live, masked, lane_const, lane_carry) -> lane_carry``, i the lane's row, j its
+  block, ``const`` per-lane data that does not change (a lane's query tile)."""
+  rows, columns, kinds, _ = lanes
+
+  def step(t, carry):
+    live = jnp.take(kinds, t, axis=1) != EMPTY
+    fn = lambda i, j, lv, k, c: visit(i, j, lv if masked else None, masked, k, c)
+    return jax.vmap(fn)(rows, jnp.take(columns, t, axis=1), live, const, carry)
+
+  return jax.lax.fori_loop(0, steps, step, carry0)
+
+
+def _by_row(merge, x, pad):
+  """Lane results (V, ...) gathered per row (R, M, ...) through the merge table; the index V
+  (padding) reads ``pad``."""
+  # The padding lane is made from x, so it shares x's sharding under an Explicit mesh.
+  x = jnp.concatenate([x, jnp.zeros_like(x[:1]) + jnp.asarray(pad, x.dtype)])
+  return jnp.take(x, merge, axis=0)
+
+
+def _forward_parallel(plan: Plan, ops: Operands, start, tile):
+  """Every lane's next key/value block in one step (see `jattn._plan.lanes`); the lanes of a row
+  are merged through their running max and sum, then the sink joins once."""
+  cfg = plan.cfg
+  sd = _tile.stat_dtype(ops.q.dtype)
+  lanes, steps, masked = _lanes(plan, plan.row_lanes, ops.states)
+  rows, merge = lanes[0], lanes[3]
+  qbs, carry0 = jax.vmap(start)(rows)
+
+  def visit(i, j, live, masked, qb, carry):
+    return tile(qb, tile_view(plan, ops, i, j, masked, live), carry)
+
+  m, l, acc = _lane_steps(lanes, steps, masked, carry0, visit, const=qbs)
+  # Merge: the lanes of a row saw disjoint key blocks; an empty lane has m = NEG, l = 0.
+  m_g = _by_row(merge, m, _tile.NEG)  # (R, M, B, K, G, bq)
+  m_r = m_g.max(axis=1)
+  w = jnp.exp(m_g - m_r[:, None])
+  l_r = (w * _by_row(merge, l, 0.0)).sum(axis=1)
+  acc_r = (w[..., None] * _by_row(merge, acc, 0.0)).sum(axis=1)
+  if ops.sink is not None:
+    sink = ops.sink.astype(sd)[None]  # (1, 1, K, G, 1)
+    m2 = jnp.maximum(m_r, sink)
+    corr = jnp.exp(m_r - m2)
+    l_r, acc_r, m_r = l_r * corr + jnp.exp(sink - m2), acc_r * corr[..., None], m2
+  out = _tile.safe_normalize(acc_r, l_r, m_r, cfg.dropout_rate).astype(ops.q.dtype)
+  lse = _tile.safe_lse(m_r, l_r)
+  # (nq, B, K, G, bq[, H]) -> (B, Tp, N[, H]): query block i holds rows i * bq ..
+  R, B = out.shape[:2]
+  out = _sharding.reshape(jnp.transpose(out, (1, 0, 4, 2, 3, 5)),
+                          (B, R * plan.grid.block_q, cfg.N, -1))
+  lse = _sharding.reshape(jnp.transpose(lse, (1, 0, 4, 2, 3)),
+                          (B, R * plan.grid.block_q, cfg.N))
+  return out, lse
 
 
 # --------------------------------------------------------------------------------------------
@@ -301,57 +382,64 @@ def backward(plan: Plan, res: Residuals, dout) -> Operands:
   dbias_block_shape = (None if bias is None
                        else _bias_contribution_shape(bias.shape, B, K, G, bq, bk))
 
+  def tile_grads(view: TileView, kb, vb) -> _TileGrads:
+    """One tile's contributions to dK, dV (B, K, bk, H), dQ^T (B, K, H, G * bq), dBias and the
+    score_mod arrays' gradient, from P recomputed with the saved log-sum-exp."""
+    i = view.i
+    qb = q_tile(q, i, bq, K, G)
+    dob = q_tile(dout, i, bq, K, G)
+    # Per-query statistics broadcast along the key axis of the (B, K, bk, G, bq) tiles.
+    lse_b = _row_tile(lse_r, i, bq, K, G)[:, :, None]
+    delta_b = _row_tile(delta, i, bq, K, G)[:, :, None]
+    vis = view.vis
+    if vis is not None:
+      qb, kb, vb = _tile.sanitize(vis, qb, kb, vb)
+      vis = _key_major(vis)
+    q2 = qb.reshape(B, K, G * bq, H)  # the G heads of a group stacked as rows
+    do2 = dob.reshape(B, K, G * bq, Hv)
+    s = _kv_rows_matmul(kb, q2, sd).reshape(B, K, bk, G, bq)
+    s, t = _tile.scale_cap_bias(cfg, s, None if view.bias is None else _key_major(view.bias))
+    if cfg.score_mod is not None:
+      # score_mod sees the tile in its documented (B, N, tq, tk) layout.
+      s, mod_vjp = jax.vjp(
+          lambda s_, a_: _key_major(_tile.apply_score_mod(cfg, _query_major(s_), view.idx, a_)),
+          s, ops.score_args)
+    if vis is not None:
+      s = jnp.where(vis, s, jnp.asarray(_tile.NEG, sd))
+    p = jnp.exp(s - lse_b)  # exact 0 where masked, and in empty rows (lse = inf)
+    dp = _kv_rows_matmul(vb, do2, sd).reshape(B, K, bk, G, bq)
+    if cfg.dropout_rate > 0:
+      kept = _key_major(_tile.keep(cfg, ops.seed, view.idx))
+      pd = jnp.where(kept, p, jnp.zeros((), sd)) * jnp.asarray(keep_scale, sd)
+      dp = jnp.where(kept, dp, jnp.zeros((), sd)) * jnp.asarray(keep_scale, sd)
+    else:
+      pd = p
+    dvb = _rows_matmul(pd.astype(dob.dtype).reshape(B, K, bk, G * bq), do2, sd)
+    # d loss / d (post-bias, post-score_mod) logits; 0 where p is (dp is finite: sanitized).
+    ds = p * (dp - delta_b)
+    dargs_b = jax.tree.map(jnp.zeros_like, ops.score_args)
+    if cfg.score_mod is not None:
+      ds, dargs_b = mod_vjp(ds)
+    dbias_b = (None if bias is None
+               else _bias_contribution(_query_major(ds), dbias_block_shape))
+    if t is not None:
+      ds = ds * (1.0 - t * t)
+    dsc = ds.astype(q.dtype).reshape(B, K, bk, G * bq)
+    dkb = _rows_matmul(dsc, q2, sd)
+    # dQ^T = K^T dS^T: with K^T as the left operand both matmuls run in standard form.
+    dq_t = _rows_matmul(jnp.swapaxes(kb, 2, 3), dsc, sd)  # (B, K, H, G * bq)
+    return _TileGrads(dkb, dvb, dq_t, dbias_b, dargs_b)
+
   def kv_block(j, carry):
     dq, dk, dv, dbias, dargs = carry
     kb0, vb0 = kv_tile(k, j, bk), kv_tile(v, j, bk)
 
     def tile(i, inner, masked: bool):
       dkb, dvb, dargs = inner
-      view = tile_view(plan, ops, i, j, masked)
-      qb, kb, vb = q_tile(q, i, bq, K, G), kb0, vb0
-      dob = q_tile(dout, i, bq, K, G)
-      # Per-query statistics broadcast along the key axis of the (B, K, bk, G, bq) tiles.
-      lse_b = _row_tile(lse_r, i, bq, K, G)[:, :, None]
-      delta_b = _row_tile(delta, i, bq, K, G)[:, :, None]
-      vis = view.vis
-      if vis is not None:
-        qb, kb, vb = _tile.sanitize(vis, qb, kb, vb)
-        vis = _key_major(vis)
-      q2 = qb.reshape(B, K, G * bq, H)  # the G heads of a group stacked as rows
-      do2 = dob.reshape(B, K, G * bq, Hv)
-      s = _kv_rows_matmul(kb, q2, sd).reshape(B, K, bk, G, bq)
-      s, t = _tile.scale_cap_bias(cfg, s, None if view.bias is None else _key_major(view.bias))
-      if cfg.score_mod is not None:
-        # score_mod sees the tile in its documented (B, N, tq, tk) layout.
-        s, mod_vjp = jax.vjp(
-            lambda s_, a_: _key_major(_tile.apply_score_mod(cfg, _query_major(s_), view.idx, a_)),
-            s, ops.score_args)
-      if vis is not None:
-        s = jnp.where(vis, s, jnp.asarray(_tile.NEG, sd))
-      p = jnp.exp(s - lse_b)  # exact 0 where masked, and in empty rows (lse = inf)
-      dp = _kv_rows_matmul(vb, do2, sd).reshape(B, K, bk, G, bq)
-      if cfg.dropout_rate > 0:
-        kept = _key_major(_tile.keep(cfg, ops.seed, view.idx))
-        pd = jnp.where(kept, p, jnp.zeros((), sd)) * jnp.asarray(keep_scale, sd)
-        dp = jnp.where(kept, dp, jnp.zeros((), sd)) * jnp.asarray(keep_scale, sd)
-      else:
-        pd = p
-      dvb = dvb + _rows_matmul(pd.astype(dob.dtype).reshape(B, K, bk, G * bq), do2, sd)
-      # d loss / d (post-bias, post-score_mod) logits; 0 where p is (dp is finite: sanitized).
-      ds = p * (dp - delta_b)
-      if cfg.score_mod is not None:
-        ds, dargs_b = mod_vjp(ds)
-        dargs = jax.tree.map(jnp.add, dargs, dargs_b)
-      dbias_b = (None if bias is None
-                 else _bias_contribution(_query_major(ds), dbias_block_shape))
-      if t is not None:
-        ds = ds * (1.0 - t * t)
-      dsc = ds.astype(q.dtype).reshape(B, K, bk, G * bq)
-      dkb = dkb + _rows_matmul(dsc, q2, sd)
-      # dQ^T = K^T dS^T: with K^T as the left operand both matmuls run in standard form.
-      dq_t = _rows_matmul(jnp.swapaxes(kb, 2, 3), dsc, sd)  # (B, K, H, G * bq)
+      c = tile_grads(tile_view(plan, ops, i, j, masked), kb0, vb0)
       _hook("bwd", i, j, jnp.int8(PARTIAL if masked else FULL))
-      return (dkb, dvb, dargs), (dq_t, dbias_b)
+      return ((dkb + c.dk, dvb + c.dv, jax.tree.map(jnp.add, dargs, c.dargs)),
+              (c.dq_t, c.dbias))
 
     def skip(i, inner):
       zeros = (jnp.zeros((B, K, H, G * bq), sd),
@@ -382,14 +470,17 @@ def backward(plan: Plan, res: Residuals, dout) -> Operands:
     dv = _put_kv_tile(dv, dvb, j, bk)
     return dq, dk, dv, dbias, dargs
 
-  dq0 = jnp.zeros_like(q, dtype=sd)
-  dk0 = jnp.zeros_like(k)
-  dv0 = jnp.zeros_like(v)
-  dbias0 = None if bias is None else jnp.zeros_like(bias, dtype=_tile.stat_dtype(bias.dtype))
-  dargs0 = jax.tree.map(jnp.zeros_like, ops.score_args)
-  dq0, dk0, dv0, dbias0 = _sharding.varying_tree((dq0, dk0, dv0, dbias0), *inputs)
-  dq, dk, dv, dbias, dargs = jax.lax.fori_loop(0, grid.num_kv_blocks, kv_block,
-                                               (dq0, dk0, dv0, dbias0, dargs0))
+  if plan.schedule == "parallel":
+    dq, dk, dv, dbias, dargs = _backward_parallel(plan, ops, tile_grads, scale)
+  else:
+    dq0 = jnp.zeros_like(q, dtype=sd)
+    dk0 = jnp.zeros_like(k)
+    dv0 = jnp.zeros_like(v)
+    dbias0 = None if bias is None else jnp.zeros_like(bias, dtype=_tile.stat_dtype(bias.dtype))
+    dargs0 = jax.tree.map(jnp.zeros_like, ops.score_args)
+    dq0, dk0, dv0, dbias0 = _sharding.varying_tree((dq0, dk0, dv0, dbias0), *inputs)
+    dq, dk, dv, dbias, dargs = jax.lax.fori_loop(0, grid.num_kv_blocks, kv_block,
+                                                 (dq0, dk0, dv0, dbias0, dargs0))
   dsink = None
   if ops.sink is not None:
     dsink = sink_gradient(ops.sink, res.lse, delta)
@@ -398,6 +489,90 @@ def backward(plan: Plan, res: Residuals, dout) -> Operands:
                   bias=None if dbias is None else dbias.astype(bias.dtype),
                   mask=zeros(ops.mask), states=zeros(ops.states), seed=zeros(ops.seed),
                   score_args=dargs, sink=dsink, positions=zeros(ops.positions))
+
+
+class _TileGrads(NamedTuple):
+  dk: Any  # (B, K, bk, H)
+  dv: Any  # (B, K, bk, Hv)
+  dq_t: Any  # (B, K, H, G * bq): dQ^T of the tile's query block (unscaled)
+  dbias: Any  # the tile's dBias block, or None
+  dargs: Any  # score_mod arrays' gradient (a tuple)
+
+
+def _backward_parallel(plan: Plan, ops: Operands, tile_grads, scale):
+  """The parallel schedule's backward in two passes that each recompute P (as FlashAttention-2
+  and Pallas TPU flash attention do): dK, dV (and dBias, score_mod's arrays) with key blocks side
+  by side, each walking its query blocks; dQ with query blocks side by side, each walking its
+  key blocks. Lanes of one block are summed at the end."""
+  cfg, grid = plan.cfg, plan.grid
+  q, k, v, bias = ops.q, ops.k, ops.v, ops.bias
+  B, K, G, H = cfg.B, cfg.K, cfg.G, q.shape[-1]
+  bq, bk = grid.block_q, grid.block_kv
+  nq, nk = grid.num_q_blocks, grid.num_kv_blocks
+  sd = _tile.stat_dtype(q.dtype)
+
+  # dK, dV: lanes over key blocks (the transposed map).
+  lanes, steps, masked = _lanes(plan, plan.column_lanes,
+                                None if plan.column_lanes is not None else ops.states.T)
+  kv_rows, columns, kinds, merge = lanes
+  kbs = jax.vmap(lambda j: kv_tile(k, j, bk))(kv_rows)
+  vbs = jax.vmap(lambda j: kv_tile(v, j, bk))(kv_rows)
+  if bias is not None:
+    # dBias in blocks, (nq|1, nk|1, B|1, K|1, G|1, bq|1, bk|1): lanes add their tile's block with
+    # one scatter per step (lanes of a step hold distinct tiles unless the bias broadcasts).
+    tq, tk = bias.shape[3] != 1, bias.shape[4] != 1
+    blocked0 = jnp.zeros((nq if tq else 1, nk if tk else 1) + bias.shape[:3]
+                         + (bq if tq else 1, bk if tk else 1), sd)
+  else:
+    blocked0 = None
+
+  def kv_step(t, carry):
+    dk_l, dv_l, blocked, dargs = carry
+    i_vec = jnp.take(columns, t, axis=1)
+    live = jnp.take(kinds, t, axis=1) != EMPTY
+
+    def one(j, i, lv, kb, vb):
+      c = tile_grads(tile_view(plan, ops, i, j, masked, lv if masked else None), kb, vb)
+      return c.dk, c.dv, c.dbias, c.dargs
+
+    ddk, ddv, dbias_c, dargs_c = jax.vmap(one)(kv_rows, i_vec, live, kbs, vbs)
+    if blocked is not None:
+      zero = jnp.zeros_like(i_vec)
+      blocked = blocked.at[i_vec if tq else zero, kv_rows if tk else zero].add(
+          dbias_c.astype(sd))
+    dargs = jax.tree.map(lambda a, b: a + b.sum(axis=0), dargs, dargs_c)
+    return dk_l + ddk, dv_l + ddv, blocked, dargs
+
+  carry0 = (jnp.zeros_like(kbs, dtype=sd), jnp.zeros_like(vbs, dtype=sd), blocked0,
+            jax.tree.map(jnp.zeros_like, ops.score_args))
+  dk_l, dv_l, blocked, dargs = jax.lax.fori_loop(0, steps, kv_step, carry0)
+  # (nk, B, K, bk, H) -> (B, Sp, K, H)
+  to_seq = lambda x: _sharding.reshape(jnp.transpose(x, (1, 0, 3, 2, 4)),
+                                       (B, nk * bk, K, x.shape[-1]))
+  dk = to_seq(_by_row(merge, dk_l, 0.0).sum(axis=1) * scale).astype(k.dtype)
+  dv = to_seq(_by_row(merge, dv_l, 0.0).sum(axis=1)).astype(v.dtype)
+  dbias = None
+  if blocked is not None:
+    dbias = _sharding.reshape(jnp.transpose(blocked, (2, 3, 4, 0, 5, 1, 6)), bias.shape)
+
+  # dQ: lanes over query blocks, as in the forward pass.
+  lanes, steps, masked = _lanes(plan, plan.row_lanes, ops.states)
+  q_rows, _, _, merge = lanes
+
+  def visit(i, j, live, masked, const, dq_l):
+    c = tile_grads(tile_view(plan, ops, i, j, masked, live), kv_tile(k, j, bk),
+                   kv_tile(v, j, bk))
+    return dq_l + c.dq_t
+
+  # (V, B, K, H, G * bq) zeros typed like the query tiles they sum (see forward).
+  qbs = jax.vmap(lambda i: q_tile(q, i, bq, K, G))(q_rows)  # (V, B, K, G, bq, H)
+  dq0 = _sharding.reshape(jnp.zeros_like(jnp.transpose(qbs, (0, 1, 2, 5, 3, 4)), dtype=sd),
+                          qbs.shape[:3] + (H, G * bq))
+  dq_l = _lane_steps(lanes, steps, masked, dq0, visit, const=q_rows)
+  dq = _by_row(merge, dq_l, 0.0).sum(axis=1) * scale  # (nq, B, K, H, G * bq)
+  dq = _sharding.reshape(dq, (nq, B, K, H, G, bq))
+  dq = _sharding.reshape(jnp.transpose(dq, (1, 0, 5, 2, 4, 3)), (B, nq * bq, K * G, H))
+  return dq, dk, dv, dbias, dargs
 
 
 def output_delta(dout, out):

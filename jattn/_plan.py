@@ -50,6 +50,15 @@ DEFAULT_BLOCK_KV = 256
 AUTO_CHUNKED_MIN_SCORES = 1024 * 1024
 
 
+SCHEDULES = ("serial", "parallel")
+
+# schedule=None: the chunked kernels' schedule per platform, picked where the program is lowered
+# (jax.lax.platform_dependent), others get "parallel". CPU: "serial", measured faster here (see
+# README); GPU and TPU: "parallel" -- reasoned (one step per key block instead of one per tile,
+# each step as wide as the call), not yet measured on hardware.
+SCHEDULE_DEFAULTS = {"cpu": "serial"}
+
+
 def default_scale(H: int) -> float:
   """1 / sqrt(H): q.k of unit-variance vectors has variance H; this keeps the logits at unit
   variance so the softmax neither saturates nor flattens as the head dimension grows."""
@@ -212,6 +221,58 @@ def block_lists(states):
   return columns, kinds, counts
 
 
+class Lanes(NamedTuple):
+  """A block map's work laid out for the parallel schedule: lanes computed side by side, each
+  walking its own list of blocks of one row, one block per step (NumPy, from a static map).
+
+  rows (V,): the row of each lane; columns, kinds (V, L): its blocks and their states (EMPTY
+  pads a short lane: a tile computed fully masked, no work that counts); merge (R, M): the lanes
+  of each row, padded with V (an empty lane), whose partial results are combined at the end.
+  """
+
+  rows: np.ndarray
+  columns: np.ndarray
+  kinds: np.ndarray
+  merge: np.ndarray
+
+
+def lanes(states: np.ndarray) -> Lanes:
+  """Split every row's block list into lanes of at most L = ceil(total / rows) blocks.
+
+  Rows of equal length (an unmasked call, a band) stay one lane each, L = their length. A causal
+  map's rows hold 1 .. R blocks: they split into about R + R/4 lanes of L = ceil((R + 1) / 2)
+  blocks, so the schedule runs about half the steps of the unmasked call, each as wide (the
+  long rows are spread over several lanes and merged through their log-sum-exps, split-KV
+  style)."""
+  columns, kinds, counts = block_lists(np.asarray(states))
+  R = states.shape[0]
+  L = max(1, -(-int(counts.sum()) // R))
+  rows, cols, knds, per_row = [], [], [], [[] for _ in range(R)]
+  for r in range(R):
+    n = int(counts[r])
+    for start in range(0, max(n, 1), L):  # an empty row keeps one (empty) lane
+      take = min(L, max(n - start, 0))
+      pad_col = columns[r, start + take - 1] if take else (columns[r, 0] if n else 0)
+      per_row[r].append(len(rows))
+      rows.append(r)
+      cols.append(list(columns[r, start:start + take]) + [pad_col] * (L - take))
+      knds.append(list(kinds[r, start:start + take]) + [EMPTY] * (L - take))
+  M = max(len(x) for x in per_row)
+  V = len(rows)
+  merge = np.array([x + [V] * (M - len(x)) for x in per_row], np.int32)
+  return Lanes(np.array(rows, np.int32), np.array(cols, np.int32).reshape(V, L),
+               np.array(knds, np.int8).reshape(V, L), merge)
+
+
+def run_time_lanes(states):
+  """`Lanes` of a run-time (jax) block map: one lane per row over every column, and the number
+  of steps that matter, max(counts), as a jax scalar (the loop runs that many)."""
+  columns, kinds, counts = block_lists(states)
+  R = states.shape[0]
+  rows = jnp.arange(R, dtype=jnp.int32)
+  return Lanes(rows, columns, kinds, rows[:, None]), counts.max()
+
+
 def _loop_bounds(ranges, states):
   """Functions i -> first and i -> last + 1 non-empty block of row i of ``states``."""
   if ranges is None:
@@ -272,6 +333,13 @@ class Plan:
   # bounds computed from the map at run time.
   q_ranges: tuple[tuple[int, int], ...] | None = None
   kv_ranges: tuple[tuple[int, int], ...] | None = None
+  # "serial": one tile per loop step, query blocks one after another (the CPU schedule);
+  # "parallel": every lane's next block in one step (`Lanes`; the accelerator schedule).
+  schedule: str = "serial"
+  # For a static map under the parallel schedule: its `Lanes` over rows (forward, dQ) and over
+  # columns (dK, dV), as hashable tuples (see `lanes_of`).
+  row_lanes: tuple | None = None
+  column_lanes: tuple | None = None
 
   @property
   def Tp(self) -> int:
@@ -297,16 +365,28 @@ class Plan:
     return _loop_bounds(self.kv_ranges, None if states is None else states.T)
 
 
-def make_plan(cfg: Config, mask, block_q: int, block_kv: int):
+def make_plan(cfg: Config, mask, block_q: int, block_kv: int, schedule: str = "serial"):
   """(Plan, states): the plan over (cfg.T, cfg.S) in blocks of (block_q, block_kv), and its block
   map as a jax int8 array."""
   grid = BlockGrid(cfg.T, cfg.S, block_q, block_kv)
   states, kinds = block_map_and_kinds(mask, grid, (cfg.B, cfg.N, cfg.T, cfg.S))
-  plan = Plan(cfg, grid, kinds)
+  plan = Plan(cfg, grid, kinds, schedule=schedule)
   if isinstance(states, np.ndarray):
     plan = dataclasses.replace(plan, q_ranges=static_ranges(states),
                                kv_ranges=static_ranges(states.T))
+    if schedule == "parallel":
+      plan = dataclasses.replace(plan, row_lanes=_hashable(lanes(states)),
+                                 column_lanes=_hashable(lanes(states.T)))
   return plan, jnp.asarray(states, jnp.int8)
+
+
+def _hashable(ln: Lanes) -> tuple:
+  return tuple((a.shape, tuple(a.reshape(-1).tolist())) for a in ln)
+
+
+def lanes_of(packed: tuple) -> Lanes:
+  """The `Lanes` a plan stores as hashable tuples."""
+  return Lanes(*(np.array(flat, np.int32).reshape(shape) for shape, flat in packed))
 
 
 class Positions(NamedTuple):

@@ -9,6 +9,7 @@ no mesh) every function here is the identity.
 from __future__ import annotations
 
 import jax
+import numpy as np
 from jax.sharding import PartitionSpec
 
 
@@ -111,3 +112,28 @@ class VaryingReplay:
       env.update(zip(eqn.outvars, outs))
     out = [read(v) for v in jaxpr.outvars]
     return out[0] if len(out) == 1 else out
+
+
+def reshape(x, shape):
+  """``x.reshape(shape)``; under an Explicit mesh with the output's sharding spelled out: a
+  sharded input dimension stays sharded on the output dimension it is the major part of (the
+  batch of a (B, nq, bq, ...) -> (B, T, ...) reshape)."""
+  shape = tuple(int(d) for d in shape)
+  if -1 in shape:
+    known = int(np.prod([d for d in shape if d != -1]))
+    shape = tuple(x.size // known if d == -1 else d for d in shape)
+  spec = spec_of(x)
+  if not explicit_mesh() or spec is None or all(e is None for e in spec):
+    return x.reshape(shape)
+  entries = tuple(spec) + (None,) * (x.ndim - len(spec))
+  in_start = np.cumprod((1,) + x.shape[:-1])
+  out_start = np.cumprod((1,) + shape[:-1])
+  out = [None] * len(shape)
+  for d, entry in enumerate(entries):
+    if entry is None:
+      continue
+    o = int(np.searchsorted(out_start, in_start[d]))
+    if o >= len(shape) or out_start[o] != in_start[d] or shape[o] % x.shape[d]:
+      raise ValueError(f"reshape {x.shape} -> {shape} would split sharded dimension {d}")
+    out[o] = entry
+  return jax.lax.reshape(x, shape, out_sharding=PartitionSpec(*out))

@@ -30,6 +30,11 @@ CausalAlignment = Literal["top_left", "bottom_right"]
 # alias evaluates on every supported Python (>= 3.10) whatever the operands.
 IsCausal = Union[bool, CausalAlignment]
 
+# The chunked kernels' schedule: "serial" walks the blocks one tile at a time (a CPU's cache
+# likes it); "parallel" computes every query block's next block in one step (an accelerator's
+# thousands of lanes and per-kernel launch cost want it). None: the platform's default.
+Schedule = Literal["serial", "parallel"]
+
 # How ring attention's sequence shards map to positions (see `jattn.zigzag_permute`).
 Layout = Literal["contiguous", "zigzag"]
 

@@ -42,6 +42,7 @@ from jattn import masks as _masks
 IMPLEMENTATIONS = ("dense", "chunked")
 CAUSAL_ALIGNMENTS = typing.get_args(_types.CausalAlignment)  # ("top_left", "bottom_right")
 LAYOUTS = typing.get_args(_types.Layout)  # ("contiguous", "zigzag")
+SCHEDULES = typing.get_args(_types.Schedule)  # ("serial", "parallel")
 
 
 # ---- the named checkers --------------------------------------------------------------------

@@ -13,9 +13,12 @@ from jattn import _dropout
 import reference as ref
 
 # Chunked runs with small, non-dividing blocks so ragged edges and many blocks are exercised.
+# The chunked kernels in both schedules: "chunked" is the serial walk (CPU's default), "parallel"
+# computes every lane's next block per step (GPU's and TPU's default); one semantics.
 IMPLS = {
     "dense": dict(implementation="dense"),
-    "chunked": dict(implementation="chunked", block_q=16, block_kv=24),
+    "chunked": dict(implementation="chunked", block_q=16, block_kv=24, schedule="serial"),
+    "parallel": dict(implementation="chunked", block_q=16, block_kv=24, schedule="parallel"),
 }
 
 

@@ -196,7 +196,7 @@ def test_quick_writes_csv_markdown_and_plots(quick):
 # The report's table columns and the JSON row field each shows (with the rounding it prints).
 _MD_CASE_COLUMNS = ["pass", "mask", "dtype", "B", "N", "K", "H", "T", "S"]
 _TABLE_COLUMNS = ["impl", "compile_s", "median_s", "min..max_s", "temp_MiB", "GFLOP/s", "%peak",
-                  "vs jax-nn", "max abs diff", "status"]
+                  "vs jax-nn", "max abs diff", "steps", "ops/step", "status"]
 
 
 def _check_cell(column, cell, row):
@@ -227,6 +227,12 @@ def _check_cell(column, cell, row):
     assert float(cell[:-1]) == pytest.approx(row["speedup_vs_baseline"], abs=0.0051), (cell, row)
   elif column in ("max abs diff", "max|diff|"):
     number(row["max_abs_diff"], rel=0.051)                              # .1e
+  elif column == "steps":
+    want = ("-" if row["loops"] is None
+            else "run-time" if row["loop_steps"] is None else str(row["loop_steps"]))
+    assert cell == want, (cell, row)
+  elif column == "ops/step":
+    assert cell == ("-" if not row["loops"] else str(row["ops_per_step"])), (cell, row)
   elif column == "status":
     assert cell == row["status"], (cell, row)
   else:
@@ -258,7 +264,7 @@ def test_quick_terminal_table_matches_the_json_rows(quick):
   assert "T=128 S=128" in text[0] and f"({rows[0]['flops'] / 1e9:.4g} GFLOP per call)" in text[0]
   header = text[1].split()
   assert header == ["impl", "compile_s", "median_s", "min..max_s", "temp_MiB", "GFLOP/s", "%peak",
-                    "vs_jax-nn", "max|diff|", "status"]
+                    "vs_jax-nn", "max|diff|", "steps", "ops/step", "status"]
   for line, row in zip(text[2:], rows, strict=True):
     cells = line.split()
     assert len(cells) == len(header), line
@@ -399,6 +405,36 @@ masks = ["causal"]
         assert cell == "-", (column, line)
       else:
         _check_cell(column, cell, row)
+
+
+def test_platform_reports_the_accelerator_programs_structure(tmp_path, monkeypatch):
+  # --platform cuda lowers each JAX implementation for the GPU with jax.export, compiles it here,
+  # reads its loops from the compiled HLO and runs nothing: T = 64 in 16 x 16 blocks is 4 x 4 = 16
+  # sequential steps of the chunked forward (unmasked), none for dense and jax.nn.
+  def no_call(self, keep):
+    raise AssertionError("--platform called a compiled function")
+
+  monkeypatch.setattr(runner._JaxRunner, "call", no_call)
+  path = _write_config(tmp_path, """
+peak_matmul_size = 64
+implementations = ["jattn-dense", "jattn-chunked", "jax-nn"]
+block_sizes = [[16, 16]]
+passes = ["forward", "forward+backward"]
+heads = [2]
+head_dim = [8]
+T = [64]
+masks = ["full"]
+""")
+  result, out = _run(tmp_path, path, "--platform", "cuda")
+  assert result["platform"] == "cuda" and result["compile_only"] is True
+  rows = {(r["pass"], r["impl"]): r for r in result["rows"]}
+  for r in rows.values():
+    assert r["status"] == "compiled" and r["platform"] == "cuda", r
+  assert rows["forward", "jattn-chunked-16x16"]["loop_steps"] == 16
+  assert rows["forward+backward", "jattn-chunked-16x16"]["loop_steps"] == 32
+  assert rows["forward", "jattn-chunked-16x16"]["ops_per_step"] > 0
+  for impl in ("jattn-dense", "jax-nn"):
+    assert rows["forward", impl]["loop_steps"] == 0 and rows["forward", impl]["loops"] == 0
 
 
 # ------------------------------------------------------------------------------ the ring benchmark

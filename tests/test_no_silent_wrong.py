@@ -229,7 +229,7 @@ def _flax_weights_case():
   return x, jnp.asarray(mask)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", ["dense", "chunked"])  # weights are formed apart: no schedule
 def test_linen_sow_weights_equal_flax(impl):
   x, mask = _flax_weights_case()
   ours = nn.MultiHeadDotProductAttention(num_heads=4, attention_fn=jattn.make_attention_fn(

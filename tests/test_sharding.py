@@ -1,6 +1,7 @@
 """Sharded inputs under plain `jit` with an Explicit-axis mesh (sharding in types), on 4 host
-devices in a subprocess: batch-, head- and sequence-sharded calls of every implementation equal
-the unsharded call, forward and gradients, and the output keeps the query's sharding."""
+devices in a subprocess: batch-, head- and sequence-sharded calls of every implementation (the
+chunked kernels in both schedules) equal the unsharded call, forward and gradients, and the
+output keeps the query's sharding."""
 
 import subprocess
 import sys
@@ -19,11 +20,11 @@ WORKER = textwrap.dedent('''
     # implementation=None at T = S = 1024 takes the chunked path with its default blocks.
     # Every implementation batch-sharded, causal and not; head and sequence sharding causal.
     cases = [("batch", P("x"), impl, causal, T)
-             for impl, T in (("dense", 96), ("chunked", 96), (None, 1024))
+             for impl, T in (("dense", 96), ("chunked", 96), ("parallel", 96), (None, 1024))
              for causal in (False, True)]
     cases += [(where, spec, impl, True, 96)
               for where, spec in (("heads", P(None, None, "x")), ("sequence", P(None, "x")))
-              for impl in ("dense", "chunked")]
+              for impl in ("dense", "chunked", "parallel")]
     for where, spec, impl, causal, T in cases:
           S = T
           ks = jax.random.split(jax.random.key(0), 3)
@@ -34,8 +35,10 @@ WORKER = textwrap.dedent('''
           sinks = jnp.linspace(-1.0, 1.0, N)
           kw = dict(implementation=impl, is_causal=causal, key_value_seq_lengths=lens,
                     sinks=sinks)
-          if impl == "chunked":
-            kw.update(block_q=32, block_kv=16)
+          if impl in ("chunked", "parallel"):
+            # Both schedules of the chunked kernels ("chunked": serial).
+            kw.update(implementation="chunked", block_q=32, block_kv=16,
+                      schedule="parallel" if impl == "parallel" else "serial")
           def step(q, k, v):  # forward and gradients in one program: one compile per case
             f = lambda q, k, v: jattn.dot_product_attention(q, k, v, **kw)
             loss = lambda q, k, v: ((f(q, k, v) ** 2).sum(), f(q, k, v))

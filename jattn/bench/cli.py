@@ -24,12 +24,16 @@ examples:
   jattn-bench configs/long_context.toml --max-memory 20
   jattn-bench --impl jattn-chunked,jax-nn --repeats 9
   jattn-bench long_context --compile-only      # compile time and XLA memory only, no runs
+  jattn-bench quick --platform cuda            # the structure of the programs a GPU would run
 
 columns: compile_s (lower+compile, apart from run time); median_s and min..max_s over the timed
 repeats; temp_MiB (XLA compiled temporaries); GFLOP/s (visible pairs only, see docs); %peak (of
 the fp32/bf16 matmul peak measured at the start of the run); vs_<baseline> (baseline time /
 this time: > 1 is faster); max|diff| (largest difference from the reference implementation's
-output and gradients); status (ok, compiled, skipped, unsupported, oom, error: with the reason).
+output and gradients); steps (sequential loop steps of one call, read from the compiled HLO;
+"run-time" when a trip count is computed when it runs); ops/step (HLO ops in the innermost loop
+body, a fusion counting one); status (ok, compiled, skipped, unsupported, oom, error: with the
+reason).
 """
 
 
@@ -63,6 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
                  help="n of the n^3 matmul that measures the FLOP peak (overrides the config)")
   p.add_argument("--compile-only", action="store_true",
                  help="compile and report compile time and memory, run nothing")
+  p.add_argument("--platform", choices=("cuda", "tpu"),
+                 help="lower every JAX implementation for this accelerator with jax.export and "
+                      "report its compiled structure (loop steps, ops per step) and memory as "
+                      "compiled here, without running (implies --compile-only)")
   p.add_argument("--dry-run", action="store_true",
                  help="list the cases with their FLOPs and dense memory estimates, and stop")
   p.add_argument("--quiet", action="store_true", help="no progress display on stderr")
@@ -87,7 +95,11 @@ def _select(cfg: _config.Config, args) -> tuple[list[_config.Case], list[str]]:
       if wanted is not None and impl.label not in wanted and impl.name not in wanted:
         continue
       if impl.name == "jax-nn-cudnn" and backend != "gpu":
+        # Also with --platform cuda: jax.nn checks for cuDNN on this machine when it traces.
         dropped.add(f"jax-nn-cudnn needs a GPU backend (this run's backend: {backend})")
+        continue
+      if impl.name == "torch" and args.platform:
+        dropped.add(f"torch cannot be lowered for {args.platform} with jax.export: left out")
         continue
       if impl.name == "torch" and not torch_ok:
         dropped.add("torch is not importable: the PyTorch SDPA peer is left out")
@@ -204,7 +216,8 @@ def _run(cfg, cases, notes, args, argv, max_memory_gib) -> int:
   ctx = _runner.Context(
       max_memory_bytes=int(max_memory_gib * 2 ** 30), baseline=cfg.baseline, seed=cfg.seed,
       backend=machine["backend"], peak_flops={d: p["flops_per_s"] for d, p in peak_start.items()},
-      compile_only=args.compile_only, torch_peer=peer, progress=progress.detail)
+      compile_only=args.compile_only or args.platform is not None, platform=args.platform,
+      torch_peer=peer, progress=progress.detail)
 
   impl_labels = list(dict.fromkeys(i.label for c in cases for i in c.impls))
   peaks = ", ".join(f"{d} {p['flops_per_s'] / 1e9:.1f}" for d, p in peak_start.items())
@@ -269,7 +282,8 @@ def _run(cfg, cases, notes, args, argv, max_memory_gib) -> int:
       "flop_convention": _flops.__doc__.strip(),
       "notes": notes,
       "interrupted": interrupted,
-      "compile_only": args.compile_only,
+      "compile_only": args.compile_only or args.platform is not None,
+      "platform": args.platform,
       "rows": rows,
       "comparisons": comps,
   }

@@ -133,7 +133,7 @@ class Progress:
 # ---------------------------------------------------------------------------------------- table
 
 _COLUMNS = ("impl", "compile_s", "median_s", "min..max_s", "temp_MiB", "GFLOP/s", "%peak",
-            "vs_base", "max|diff|", "status")
+            "vs_base", "max|diff|", "steps", "ops/step", "status")
 
 
 def _fmt(x, spec=".3g"):
@@ -157,8 +157,18 @@ def _cells(row: dict) -> list[str]:
       _fmt(None if row["peak_fraction"] is None else 100 * row["peak_fraction"], ".0f"),
       "-" if row["speedup_vs_baseline"] is None else f"{row['speedup_vs_baseline']:.2f}x",
       _fmt(row["max_abs_diff"], ".1e"),
+      _steps(row),
+      _fmt(row["ops_per_step"] if row["loops"] else None, "d"),
       status,
   ]
+
+
+def _steps(row: dict) -> str:
+  """Sequential loop steps of one call: '-' not read (torch), 'run-time' when a loop's trip
+  count is only known when it runs."""
+  if row["loops"] is None:
+    return "-"
+  return "run-time" if row["loop_steps"] is None else str(row["loop_steps"])
 
 
 def case_header(row: dict) -> str:

@@ -24,6 +24,7 @@ import numpy as np
 
 from jattn.bench import impls as _impls
 from jattn.bench import masks as _masks
+from jattn.bench import structure as _structure
 from jattn.bench import torch_peer as _torch_peer
 from jattn.bench.config import Case, Impl
 
@@ -36,7 +37,7 @@ ROW_FIELDS = (
     "time_max_s", "time_p25_s", "time_p75_s", "spread_pct", "repeats", "warmup", "times_s",
     "flops", "flops_per_s", "peak_fraction", "temp_bytes", "argument_bytes", "output_bytes",
     "memory_estimate_bytes", "baseline", "speedup_vs_baseline", "temp_vs_baseline",
-    "max_abs_diff", "diff_reference",
+    "max_abs_diff", "diff_reference", "platform", "loop_steps", "loops", "ops_per_step",
 )
 STATUSES = ("ok", "compiled", "skipped", "unsupported", "oom", "error")
 
@@ -78,6 +79,9 @@ class Context:
   backend: str
   peak_flops: dict[str, float]  # dtype -> measured matmul FLOP/s
   compile_only: bool = False
+  # Lower for this platform ("cuda", "tpu") with jax.export and report its structure without
+  # running it; None: this machine's backend.
+  platform: str | None = None
   torch_peer: _torch_peer.TorchPeer | None = None
   progress: Callable[[str], None] = lambda text: None
 
@@ -141,8 +145,9 @@ def compiled_memory(compiled) -> dict[str, int] | None:
 
 
 class _JaxRunner:
-  def __init__(self, impl: Impl, case: Case, args: tuple, row: dict):
+  def __init__(self, impl: Impl, case: Case, args: tuple, row: dict, platform: str | None = None):
     self.impl, self.case, self.args, self.row = impl, case, args, row
+    self.platform = platform
     self.compiled = None
 
   def prepare(self):
@@ -151,11 +156,21 @@ class _JaxRunner:
     fn = _impls.pass_fn(attn, self.case.pass_)
     start = time.perf_counter()
     with _impls.trace_context(self.impl):
-      self.compiled = jax.jit(fn).lower(*self.args).compile()
+      if self.platform is None:
+        self.compiled = jax.jit(fn).lower(*self.args).compile()
+      else:
+        # The program an accelerator would get, exported from here and compiled for this CPU
+        # (jax.export): its loops are the accelerator program's; it is never timed.
+        exp = jax.export.export(jax.jit(fn), platforms=[self.platform], disabled_checks=[
+            jax.export.DisabledSafetyCheck.platform()])(*self.args)
+        self.compiled = jax.jit(exp.call).lower(*self.args).compile()
     self.row["compile_s"] = time.perf_counter() - start
     memory = compiled_memory(self.compiled)
     if memory is not None:
       self.row.update(memory)
+    st = _structure.loop_structure(self.compiled.as_text())
+    self.row.update(platform=self.platform or jax.default_backend(), loop_steps=st.steps,
+                    loops=st.loops, ops_per_step=st.ops_per_step)
 
   def measured_bytes(self) -> int | None:
     if self.row["temp_bytes"] is None:
@@ -318,7 +333,7 @@ def _prepare(e: _Entry, args: tuple, ctx: Context) -> bool:
   if impl.name == "torch":
     e.runner = _TorchRunner(ctx.torch_peer, case, ctx.seed, ctx.backend, row)
   else:
-    e.runner = _JaxRunner(impl, case, args, row)
+    e.runner = _JaxRunner(impl, case, args, row, ctx.platform)
   ctx.progress(f"compiling {impl.label}")
   try:
     e.runner.prepare()
