@@ -221,3 +221,22 @@ def test_low_precision_rule_with_bias_mask_sinks_soft_cap(impl, dtype):
   names = ("dq", "dk", "dv", "dbias", "dsinks")
   for name, got, plain, w in zip(names, pull(do), pull_base(do), want_grads):
     assert err(got, w) <= 2 * err(plain, w) + 1e-3, name
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_debug_nans_and_infs_stay_quiet(impl):
+  # Forward and backward with every masking feature at once and rows that see nothing (a zero
+  # length) give no NaN or inf: jax.debug_nans / debug_infs check the compiled call's results
+  # (and would re-run it op by op to name the primitive).
+  B, T, S = 2, 40, 24
+  q, k, v, do = _inputs(B=B, T=T, S=S)
+  ids = jnp.asarray(np.repeat([[0, 1]], 20, axis=1).reshape(1, 40).repeat(B, 0), jnp.int32)
+  kw = dict(is_causal="bottom_right", local_window_size=(30, 2), logits_soft_cap=4.0,
+            key_value_seq_lengths=jnp.asarray([S, 0], jnp.int32),
+            q_segment_ids=ids, kv_segment_ids=ids[:, :S], sinks=jnp.linspace(-1.0, 1.0, 4),
+            dropout_rate=0.2, dropout_rng=jax.random.key(3), **IMPLS[impl])
+  loss = lambda q, k, v: (jattn.dot_product_attention(q, k, v, **kw) * do).sum()
+  with jax.debug_nans(True), jax.debug_infs(True):
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    jax.block_until_ready(grads)
+  assert all(np.isfinite(np.asarray(g)).all() for g in grads)

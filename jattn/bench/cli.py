@@ -60,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--warmup", type=int, metavar="N", help="untimed calls first (overrides)")
   p.add_argument("--impl", action="append", metavar="NAMES",
                  help="only these implementations, comma-separated, repeatable: names "
-                      "(jattn-dense, jattn-chunked, jax-nn, jax-nn-cudnn, flax, torch; "
+                      "(jattn-dense, jattn-chunked, jattn-serial, jattn-parallel, jax-nn, "
+                      "jax-nn-cudnn, flax, torch; "
                       "'jattn-chunked' keeps every block size) or labels "
                       "('jattn-chunked-256x256')")
   p.add_argument("--peak-size", type=int, metavar="N",

@@ -12,7 +12,8 @@ whose keys override the top level (each sweep is the cartesian product of its ax
   seed                                   input PRNG seed [0]
   baseline                               the implementation ratios are taken against ["jax-nn"]
   implementations                        names from IMPLEMENTATIONS [all but torch and cudnn]
-  block_sizes                            [[block_q, block_kv], ...] for jattn-chunked [[512, 512]]
+  block_sizes                            [[block_q, block_kv], ...] for jattn-chunked, -serial and
+                                         -parallel [[512, 512]]
   passes                                 "forward" / "forward+backward" [both]
   batch, heads, kv_heads, head_dim       B, N, K (default K = N), H [1, 8, = heads, 64]
   T, S                                   query / key lengths; S defaults to S = T [required]
@@ -43,7 +44,10 @@ else:  # pragma: no cover - exercised on Python 3.10 only
   except ImportError:
     _toml = None
 
-IMPLEMENTATIONS = ("jattn-dense", "jattn-chunked", "jax-nn", "jax-nn-cudnn", "flax", "torch")
+IMPLEMENTATIONS = ("jattn-dense", "jattn-chunked", "jattn-serial", "jattn-parallel", "jax-nn",
+                   "jax-nn-cudnn", "flax", "torch")
+# jattn's chunked kernels, one row per block size: the platform's default schedule, or one named.
+CHUNKED_IMPLEMENTATIONS = ("jattn-chunked", "jattn-serial", "jattn-parallel")
 DTYPES = ("float32", "bfloat16", "float16")
 # Implementations whose memory is a dense (B, N, T, S) score matrix: guarded before compiling.
 DENSE_IMPLEMENTATIONS = frozenset({"jattn-dense", "jax-nn", "flax", "torch"})
@@ -238,7 +242,7 @@ def _expand(s: dict[str, Any], where: str) -> list[Case]:
                         f"ints, got {b!r}")
   impls = []
   for n in dict.fromkeys(impl_names):
-    if n == "jattn-chunked":
+    if n in CHUNKED_IMPLEMENTATIONS:
       impls.extend(Impl(n, bq, bk) for bq, bk in dict.fromkeys(tuple(b) for b in blocks))
     else:
       impls.append(Impl(n))

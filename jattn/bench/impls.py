@@ -21,7 +21,7 @@ import numpy as np
 import jattn
 from jattn.bench import flops as _flops
 from jattn.bench import masks as _masks
-from jattn.bench.config import Case, Impl
+from jattn.bench.config import CHUNKED_IMPLEMENTATIONS, Case, Impl
 
 
 class Unsupported(Exception):
@@ -30,7 +30,7 @@ class Unsupported(Exception):
 
 def attention_fn(impl: Impl, case: Case) -> tuple[Callable, str]:
   """(attn(q, k, v, aux) -> out, note) for a JAX implementation; raises Unsupported."""
-  if impl.name in ("jattn-dense", "jattn-chunked"):
+  if impl.name == "jattn-dense" or impl.name in CHUNKED_IMPLEMENTATIONS:
     return _jattn(impl, case)
   if impl.name in ("jax-nn", "jax-nn-cudnn"):
     return _jax_nn(impl, case)
@@ -42,8 +42,11 @@ def attention_fn(impl: Impl, case: Case) -> tuple[Callable, str]:
 def _jattn(impl, case):
   m = case.mask
   kwargs = dict(is_causal=m.causal or False, local_window_size=m.window)
-  if impl.name == "jattn-chunked":
-    kwargs.update(implementation="chunked", block_q=impl.block_q, block_kv=impl.block_kv)
+  if impl.name in CHUNKED_IMPLEMENTATIONS:
+    # jattn-chunked: schedule=None, the platform's default (serial on CPU, parallel on GPU/TPU).
+    schedule = {"jattn-serial": "serial", "jattn-parallel": "parallel"}.get(impl.name)
+    kwargs.update(implementation="chunked", block_q=impl.block_q, block_kv=impl.block_kv,
+                  schedule=schedule)
   else:
     kwargs.update(implementation="dense")
 
