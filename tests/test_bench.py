@@ -409,15 +409,16 @@ masks = ["causal"]
 
 def test_platform_reports_the_accelerator_programs_structure(tmp_path, monkeypatch):
   # --platform cuda lowers each JAX implementation for the GPU with jax.export, compiles it here,
-  # reads its loops from the compiled HLO and runs nothing: T = 64 in 16 x 16 blocks is 4 x 4 = 16
-  # sequential steps of the chunked forward (unmasked), none for dense and jax.nn.
+  # reads its loops from the compiled HLO and runs nothing. T = 64 in 16 x 16 blocks: the GPU's
+  # default (parallel) schedule takes one step per key block, 4 forward and 4 + 4 + 4 forward+
+  # backward; the serial one walks the 4 x 4 = 16 tiles; dense and jax.nn have no loop.
   def no_call(self, keep):
     raise AssertionError("--platform called a compiled function")
 
   monkeypatch.setattr(runner._JaxRunner, "call", no_call)
   path = _write_config(tmp_path, """
 peak_matmul_size = 64
-implementations = ["jattn-dense", "jattn-chunked", "jax-nn"]
+implementations = ["jattn-dense", "jattn-chunked", "jattn-serial", "jax-nn"]
 block_sizes = [[16, 16]]
 passes = ["forward", "forward+backward"]
 heads = [2]
@@ -430,8 +431,10 @@ masks = ["full"]
   rows = {(r["pass"], r["impl"]): r for r in result["rows"]}
   for r in rows.values():
     assert r["status"] == "compiled" and r["platform"] == "cuda", r
-  assert rows["forward", "jattn-chunked-16x16"]["loop_steps"] == 16
-  assert rows["forward+backward", "jattn-chunked-16x16"]["loop_steps"] == 32
+  assert rows["forward", "jattn-chunked-16x16"]["loop_steps"] == 4
+  assert rows["forward+backward", "jattn-chunked-16x16"]["loop_steps"] == 12
+  assert rows["forward", "jattn-serial-16x16"]["loop_steps"] == 16
+  assert rows["forward+backward", "jattn-serial-16x16"]["loop_steps"] == 32
   assert rows["forward", "jattn-chunked-16x16"]["ops_per_step"] > 0
   for impl in ("jattn-dense", "jax-nn"):
     assert rows["forward", impl]["loop_steps"] == 0 and rows["forward", impl]["loops"] == 0
