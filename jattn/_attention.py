@@ -35,6 +35,7 @@ class _Options:
   block_q: int | None
   block_kv: int | None
   schedule: str | None
+  step_width: int | None
   return_residual: bool
   score_mod: Callable | None
   # Return the (B, N, T, S) softmax weights instead of the output (for flax's sow_weights).
@@ -63,6 +64,7 @@ def dot_product_attention(
     block_q: int | None = None,
     block_kv: int | None = None,
     schedule: Schedule | None = None,
+    step_width: int | None = None,
     return_residual: bool = False,
     score_mod: Callable | None = None,
     sinks: ArrayLike | None = None,
@@ -107,6 +109,13 @@ def dot_product_attention(
     implementation: ``None`` (automatic: dense below ~1M scores per head, else chunked),
       ``"dense"`` (alias ``"xla"``) or ``"chunked"``.
     block_q, block_kv: chunked block sizes (default 512 and 256, clipped to T and S).
+    schedule: how the chunked kernels walk their blocks: ``"serial"`` (one tile per step, the
+      CPU's default), ``"parallel"`` (every lane's next block per step, block lists instead of
+      branches: the GPU's and TPU's default), or ``None`` (the platform's default, chosen where
+      the program is lowered). Same results either way.
+    step_width: the parallel schedule's lanes per step (default 64); a step holds one
+      (block_q, block_kv) tile per lane, so this bounds its memory; more lanes run group after
+      group.
     return_residual: also return the log-sum-exp of each row, shaped (B, T, N) (or (T, N)) like
       jax.nn's, without gradient. A row with nothing to attend to has a large negative value.
     score_mod: ``f(score, batch, head, q_index, kv_index) -> score`` on the fp32 logits after
@@ -134,6 +143,7 @@ def dot_product_attention(
       block_q=_validation.block("block_q", block_q),
       block_kv=_validation.block("block_kv", block_kv),
       schedule=_validation.one_of("schedule", schedule, _validation.SCHEDULES + (None,)),
+      step_width=_validation.positive_int("step_width", step_width, optional=True),
       return_residual=_validation.flag("return_residual", return_residual),
       score_mod=_validation.callable_or_none("score_mod", score_mod),
       return_weights=bool(_return_weights),
@@ -176,57 +186,68 @@ def _attention(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_s
                               q_lengths=args.q_lengths, kv_lengths=args.kv_lengths,
                               q_segment_ids=args.q_seg, kv_segment_ids=args.kv_seg)
 
-  impl = ("dense" if opts.return_weights
-          else opts.implementation or _plan.choose_implementation(T, S))
   bq, bk = _plan.block_sizes(T, S, opts.block_q, opts.block_kv)
-  tile_shape = (B, N, T, S) if impl == "dense" else (B, N, bq, bk)
-
-  score_mod, score_args = None, ()
-  if opts.score_mod is not None:
-    score_mod, score_args = _plan.closure_convert_score_mod(opts.score_mod, tile_shape,
-                                                      _tile.stat_dtype(query.dtype))
-
-  cfg = Config(B=B, T=T, S=S, K=K, G=G, H=H, scale=scale, logits_soft_cap=opts.logits_soft_cap,
-               dropout_rate=opts.dropout_rate, score_mod=score_mod,
-               dropout_broadcast=opts.dropout_broadcast)
-
+  sd = _tile.stat_dtype(query.dtype)
   bias5 = None if args.bias is None else _tile.group_heads(args.bias, K, G)
-  sink = (None if args.sinks is None
-          else args.sinks.astype(_tile.stat_dtype(query.dtype)).reshape(1, K, G, 1))
+  sink = None if args.sinks is None else args.sinks.astype(sd).reshape(1, K, G, 1)
   seed = (_dropout.seed_words(dropout_rng) if opts.dropout_rate > 0
           else jnp.zeros((2,), jnp.uint32))
 
-  if impl == "dense":
-    # Head-major, GQA-grouped: (B, T, N, H) -> (B, K, G, T, H), one (T, S) matmul per head.
-    q = jnp.transpose(query, (0, 2, 1, 3)).reshape(B, K, G, T, H)
-    k = jnp.transpose(key, (0, 2, 1, 3))
-    if opts.return_weights:
-      w = _dense.attention_weights(cfg, q, k, bias5, combined, score_args, sink)
-      w = w.reshape(B, N, T, S)
-      return w[0] if args.unbatched else w
-    v = jnp.transpose(value, (0, 2, 1, 3))
-    out, lse = _dense.dense_attention(cfg, q, k, v, bias5, combined, seed, score_args, sink)
-    out = jnp.transpose(out.reshape(B, N, T, Hv), (0, 2, 1, 3))
-    lse = jnp.transpose(lse.reshape(B, N, T), (0, 2, 1))
-  else:
-    # The chunked kernel reads blocks of the (B, T, N, H) arrays as they are (see _chunked).
-    if seq_spec is not None:
-      query = _sharding.unshard_axis(query, 1)
+  def config(tile_shape):
+    """The static config for tiles of ``tile_shape`` (score_mod's arrays are hoisted for it)."""
+    score_mod, score_args = None, ()
+    if opts.score_mod is not None:
+      score_mod, score_args = _plan.closure_convert_score_mod(opts.score_mod, tile_shape, sd)
+    cfg = Config(B=B, T=T, S=S, K=K, G=G, H=H, scale=scale,
+                 logits_soft_cap=opts.logits_soft_cap, dropout_rate=opts.dropout_rate,
+                 score_mod=score_mod, dropout_broadcast=opts.dropout_broadcast)
+    return cfg, score_args
+
+  def head_major(x, groups):
+    """(B, L, n, X) -> (B, K, G, L, X) for the query, (B, K, L, X) for key and value."""
+    x = jnp.transpose(x, (0, 2, 1, 3))
+    return x.reshape(B, K, G, x.shape[2], x.shape[3]) if groups else x
+
+  if opts.return_weights:
+    cfg, score_args = config((B, N, T, S))
+    w = _dense.attention_weights(cfg, head_major(query, True), head_major(key, False), bias5,
+                                 combined, score_args, sink)
+    w = w.reshape(B, N, T, S)
+    return w[0] if args.unbatched else w
+
+  def run_dense():
+    # Head-major, GQA-grouped: one (T, S) matmul per head.
+    cfg, score_args = config((B, N, T, S))
+    out, lse = _dense.dense_attention(cfg, head_major(query, True), head_major(key, False),
+                                      head_major(value, False), bias5, combined, seed,
+                                      score_args, sink)
+    return (jnp.transpose(out.reshape(B, N, T, Hv), (0, 2, 1, 3)),
+            jnp.transpose(lse.reshape(B, N, T), (0, 2, 1)))
+
+  def run_chunked():
+    # The chunked kernels read blocks of the (B, T, N, H) arrays as they are (see _chunked).
+    cfg, score_args = config((B, N, bq, bk))
+    q = query if seq_spec is None else _sharding.unshard_axis(query, 1)
     run = {}
     for schedule in (opts.schedule,) if opts.schedule else _plan.SCHEDULES:
-      plan, states = _plan.make_plan(cfg, combined, bq, bk, schedule)
-      ops = Operands(q=query, k=key, v=value, bias=bias5, mask=combined, states=states,
-                     seed=seed, score_args=score_args, sink=sink)
+      plan, states = _plan.make_plan(cfg, combined, bq, bk, schedule, opts.step_width)
+      ops = Operands(q=q, k=key, v=value, bias=bias5, mask=combined, states=states, seed=seed,
+                     score_args=score_args, sink=sink)
       run[schedule] = functools.partial(_chunked.chunked_attention, plan, ops)
     if opts.schedule:
       out, lse = run[opts.schedule]()
     else:
-      # Chosen where the program is lowered, not where it is traced: a program exported for
-      # cuda or tpu from this CPU gets the accelerator's schedule (see _plan.SCHEDULE_DEFAULTS).
-      out, lse = jax.lax.platform_dependent(
-          **{p: run[s] for p, s in _plan.SCHEDULE_DEFAULTS.items()}, default=run["parallel"])
+      out, lse = _by_platform({p: run[s] for p, s in _plan.SCHEDULE_DEFAULTS.items()})
     if seq_spec is not None and _sharding.spec_of(out) != seq_spec:
       out = jax.sharding.reshard(out, seq_spec)
+    return out, lse
+
+  runners = {"dense": run_dense, "chunked": run_chunked}
+  if opts.implementation:
+    out, lse = runners[opts.implementation]()
+  else:
+    choice = _plan.implementation_by_platform(B, N, T, S)
+    out, lse = _by_platform({p: runners[impl] for p, impl in choice.items()})
 
   if args.unbatched:
     out = out[0]
@@ -238,6 +259,16 @@ def _attention(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_s
   return out, jax.lax.stop_gradient(lse)
 
 
+def _by_platform(fns):
+  """Call ``fns[platform]`` (a "default" entry for the rest), chosen where the program is
+  lowered, not where it is traced: a program exported for cuda or tpu from this CPU gets the
+  accelerator's choice. One distinct function is simply called."""
+  if len(set(fns.values())) == 1:
+    return next(iter(fns.values()))()
+  rest = {p: f for p, f in fns.items() if p != "default"}
+  return jax.lax.platform_dependent(**rest, default=fns["default"])
+
+
 def attention_weights(query, key, value, bias=None, mask=None, **kwargs):
   """The (B, N, T, S) softmax weights (float32 for 16-bit inputs) that
   :func:`dot_product_attention` with the same arguments applies to ``value``, before dropout.
@@ -247,6 +278,6 @@ def attention_weights(query, key, value, bias=None, mask=None, **kwargs):
   but not used; dropout and ``return_residual`` do not apply.
   """
   for name in ("dropout_rate", "dropout_rng", "dropout_broadcast", "return_residual",
-               "implementation", "block_q", "block_kv"):
+               "implementation", "block_q", "block_kv", "schedule", "step_width"):
     kwargs.pop(name, None)
   return dot_product_attention(query, key, value, bias, mask, _return_weights=True, **kwargs)

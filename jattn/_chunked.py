@@ -288,18 +288,63 @@ def _lanes(plan: Plan, packed, states):
   return tuple(ln), steps, True
 
 
-def _lane_steps(lanes, steps, masked, carry0, visit, const=None):
-  """Run ``steps`` steps; in each, every lane visits its next block (vmapped over lanes):
-  ``visit(i, j, live, masked, lane_const, lane_carry) -> lane_carry``, i the lane's row, j its
-  block, ``const`` per-lane data that does not change (a lane's query tile)."""
-  rows, columns, kinds, _ = lanes
+def _in_groups(lanes, width, per_lane, shared, run):
+  """Run the lanes ``width`` at a time (all at once when width is None or >= their number).
 
-  def step(t, carry):
-    live = jnp.take(kinds, t, axis=1) != EMPTY
-    fn = lambda i, j, lv, k, c: visit(i, j, lv if masked else None, masked, k, c)
-    return jax.vmap(fn)(rows, jnp.take(columns, t, axis=1), live, const, carry)
+  ``per_lane`` is a pytree of (V, ...) arrays (lane tables, constants, initial carries);
+  ``run(group_lanes, group_per_lane, shared) -> (group_results, shared)`` runs one group, whose
+  (W, ...) results are written back in lane order. Lanes added to fill the last group repeat the
+  last lane with every step EMPTY (no work that counts) and are dropped. Returns (results,
+  shared, padded): ``padded`` says whether padding lanes exist (their steps must be masked).
+  """
+  rows, columns, kinds, merge = lanes
+  V = rows.shape[0]
+  W = V if width is None else max(1, min(int(width), V))
+  groups = -(-V // W)
+  pad = groups * W - V
+  if pad:
+    grow = lambda x: jnp.concatenate([x, jnp.repeat(x[-1:], pad, axis=0)])
+    rows, columns, per_lane = grow(rows), grow(columns), jax.tree.map(grow, per_lane)
+    kinds = jnp.concatenate([kinds, jnp.full((pad,) + kinds.shape[1:], EMPTY, kinds.dtype)])
+  padded_lanes = (rows, columns, kinds, merge)
+  if groups == 1:
+    results, shared = run(padded_lanes, per_lane, shared)
+  else:
+    def group(g, carry):
+      results, shared = carry
+      take = lambda x: jax.lax.dynamic_slice_in_dim(x, g * W, W, axis=0)
+      got, shared = run((take(rows), take(columns), take(kinds), merge),
+                        jax.tree.map(take, per_lane), shared)
+      put = lambda buf, x: jax.lax.dynamic_update_slice_in_dim(buf, x, g * W, axis=0)
+      return jax.tree.map(put, results, got), shared
 
-  return jax.lax.fori_loop(0, steps, step, carry0)
+    results0 = jax.eval_shape(lambda: run(padded_lanes, per_lane, shared)[0])
+    results0 = jax.tree.map(lambda s: jnp.zeros((groups * W,) + s.shape[1:], s.dtype), results0)
+    results, shared = jax.lax.fori_loop(0, groups, group, (results0, shared))
+  return jax.tree.map(lambda x: x[:V], results), shared, pad > 0
+
+
+def _lane_steps(lanes, steps, masked, carry0, visit, const, width=None):
+  """Run ``steps`` steps; in each, every lane of a group (see `_in_groups`) visits its next
+  block (vmapped over lanes): ``visit(i, j, live, masked, lane_const, lane_carry) ->
+  lane_carry``, i the lane's row, j its block, ``const`` per-lane data that does not change
+  (a lane's query tile)."""
+  padded = width is not None and int(width) < lanes[0].shape[0] and lanes[0].shape[0] % int(width)
+  masked = masked or bool(padded)
+
+  def run(group_lanes, per_lane, shared):
+    rows, columns, kinds, _ = group_lanes
+    const_g, carry_g = per_lane
+
+    def step(t, carry):
+      live = jnp.take(kinds, t, axis=1) != EMPTY
+      fn = lambda i, j, lv, k, c: visit(i, j, lv if masked else None, masked, k, c)
+      return jax.vmap(fn)(rows, jnp.take(columns, t, axis=1), live, const_g, carry)
+
+    return jax.lax.fori_loop(0, steps, step, carry_g), shared
+
+  results, _, _ = _in_groups(lanes, width, (const, carry0), None, run)
+  return results
 
 
 def _by_row(merge, x, pad):
@@ -322,7 +367,7 @@ def _forward_parallel(plan: Plan, ops: Operands, start, tile):
   def visit(i, j, live, masked, qb, carry):
     return tile(qb, tile_view(plan, ops, i, j, masked, live), carry)
 
-  m, l, acc = _lane_steps(lanes, steps, masked, carry0, visit, const=qbs)
+  m, l, acc = _lane_steps(lanes, steps, masked, carry0, visit, qbs, plan.width)
   # Merge: the lanes of a row saw disjoint key blocks; an empty lane has m = NEG, l = 0.
   m_g = _by_row(merge, m, _tile.NEG)  # (R, M, B, K, G, bq)
   m_r = m_g.max(axis=1)
@@ -526,26 +571,38 @@ def _backward_parallel(plan: Plan, ops: Operands, tile_grads, scale):
   else:
     blocked0 = None
 
-  def kv_step(t, carry):
-    dk_l, dv_l, blocked, dargs = carry
-    i_vec = jnp.take(columns, t, axis=1)
-    live = jnp.take(kinds, t, axis=1) != EMPTY
+  width = plan.width
+  masked = masked or bool(width is not None and int(width) < kv_rows.shape[0]
+                          and kv_rows.shape[0] % int(width))
 
-    def one(j, i, lv, kb, vb):
-      c = tile_grads(tile_view(plan, ops, i, j, masked, lv if masked else None), kb, vb)
-      return c.dk, c.dv, c.dbias, c.dargs
+  def run(group_lanes, per_lane, shared):
+    rows_g, columns_g, kinds_g, _ = group_lanes
+    kbs_g, vbs_g, dk0, dv0 = per_lane
 
-    ddk, ddv, dbias_c, dargs_c = jax.vmap(one)(kv_rows, i_vec, live, kbs, vbs)
-    if blocked is not None:
-      zero = jnp.zeros_like(i_vec)
-      blocked = blocked.at[i_vec if tq else zero, kv_rows if tk else zero].add(
-          dbias_c.astype(sd))
-    dargs = jax.tree.map(lambda a, b: a + b.sum(axis=0), dargs, dargs_c)
-    return dk_l + ddk, dv_l + ddv, blocked, dargs
+    def kv_step(t, carry):
+      dk_l, dv_l, blocked, dargs = carry
+      i_vec = jnp.take(columns_g, t, axis=1)
+      live = jnp.take(kinds_g, t, axis=1) != EMPTY
 
-  carry0 = (jnp.zeros_like(kbs, dtype=sd), jnp.zeros_like(vbs, dtype=sd), blocked0,
-            jax.tree.map(jnp.zeros_like, ops.score_args))
-  dk_l, dv_l, blocked, dargs = jax.lax.fori_loop(0, steps, kv_step, carry0)
+      def one(j, i, lv, kb, vb):
+        c = tile_grads(tile_view(plan, ops, i, j, masked, lv if masked else None), kb, vb)
+        return c.dk, c.dv, c.dbias, c.dargs
+
+      ddk, ddv, dbias_c, dargs_c = jax.vmap(one)(rows_g, i_vec, live, kbs_g, vbs_g)
+      if blocked is not None:
+        # Padding steps and padding lanes add exact zeros (their tiles are fully masked).
+        zero = jnp.zeros_like(i_vec)
+        blocked = blocked.at[i_vec if tq else zero, rows_g if tk else zero].add(
+            dbias_c.astype(sd))
+      dargs = jax.tree.map(lambda a, b: a + b.sum(axis=0), dargs, dargs_c)
+      return dk_l + ddk, dv_l + ddv, blocked, dargs
+
+    dk_l, dv_l, blocked, dargs = jax.lax.fori_loop(0, steps, kv_step, (dk0, dv0) + shared)
+    return (dk_l, dv_l), (blocked, dargs)
+
+  per_lane = (kbs, vbs, jnp.zeros_like(kbs, dtype=sd), jnp.zeros_like(vbs, dtype=sd))
+  (dk_l, dv_l), (blocked, dargs), _ = _in_groups(
+      lanes, width, per_lane, (blocked0, jax.tree.map(jnp.zeros_like, ops.score_args)), run)
   # (nk, B, K, bk, H) -> (B, Sp, K, H)
   to_seq = lambda x: _sharding.reshape(jnp.transpose(x, (1, 0, 3, 2, 4)),
                                        (B, nk * bk, K, x.shape[-1]))
@@ -568,7 +625,7 @@ def _backward_parallel(plan: Plan, ops: Operands, tile_grads, scale):
   qbs = jax.vmap(lambda i: q_tile(q, i, bq, K, G))(q_rows)  # (V, B, K, G, bq, H)
   dq0 = _sharding.reshape(jnp.zeros_like(jnp.transpose(qbs, (0, 1, 2, 5, 3, 4)), dtype=sd),
                           qbs.shape[:3] + (H, G * bq))
-  dq_l = _lane_steps(lanes, steps, masked, dq0, visit, const=q_rows)
+  dq_l = _lane_steps(lanes, steps, masked, dq0, visit, q_rows, plan.width)
   dq = _by_row(merge, dq_l, 0.0).sum(axis=1) * scale  # (nq, B, K, H, G * bq)
   dq = _sharding.reshape(dq, (nq, B, K, H, G, bq))
   dq = _sharding.reshape(jnp.transpose(dq, (1, 0, 5, 2, 4, 3)), (B, nq * bq, K * G, H))

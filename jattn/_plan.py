@@ -56,7 +56,7 @@ SCHEDULES = ("serial", "parallel")
 # (jax.lax.platform_dependent), others get "parallel". CPU: "serial", measured faster here (see
 # README); GPU and TPU: "parallel" -- reasoned (one step per key block instead of one per tile,
 # each step as wide as the call), not yet measured on hardware.
-SCHEDULE_DEFAULTS = {"cpu": "serial"}
+SCHEDULE_DEFAULTS = {"cpu": "serial", "default": "parallel"}
 
 
 def default_scale(H: int) -> float:
@@ -65,9 +65,24 @@ def default_scale(H: int) -> float:
   return 1.0 / float(np.sqrt(H))
 
 
+# implementation=None on GPU and TPU: dense while the (B, N, T, S) float32 scores fit in this many
+# bytes, chunked beyond. Reasoned, not measured: an accelerator's fused dense pass (one batched
+# matmul, one softmax) is fast while its score tensor is a small part of device memory; its
+# backward holds a few such tensors. 1 GiB is e.g. B=4, N=16, T=S=2048.
+ACCELERATOR_DENSE_SCORES_BYTES = 1 << 30
+
+
 def choose_implementation(T: int, S: int) -> str:
-  """The rule behind implementation=None: dense for small score matrices, chunked otherwise."""
+  """The CPU's rule behind implementation=None: dense for small score matrices, chunked
+  otherwise (the crossover measured here)."""
   return "chunked" if T * S >= AUTO_CHUNKED_MIN_SCORES else "dense"
+
+
+def implementation_by_platform(B: int, N: int, T: int, S: int) -> dict[str, str]:
+  """implementation=None per platform ({"cpu": ..., "default": ...}, the default for GPU and
+  TPU), picked where the program is lowered."""
+  accelerator = "dense" if B * N * T * S * 4 <= ACCELERATOR_DENSE_SCORES_BYTES else "chunked"
+  return {"cpu": choose_implementation(T, S), "default": accelerator}
 
 
 def block_sizes(T: int, S: int, block_q: int | None, block_kv: int | None, *,
@@ -340,6 +355,9 @@ class Plan:
   # columns (dK, dV), as hashable tuples (see `lanes_of`).
   row_lanes: tuple | None = None
   column_lanes: tuple | None = None
+  # Parallel schedule: lanes computed per step (None: all). A step holds one tile per lane, so
+  # this bounds the schedule's memory; more lanes than this run group after group.
+  width: int | None = None
 
   @property
   def Tp(self) -> int:
@@ -365,12 +383,23 @@ class Plan:
     return _loop_bounds(self.kv_ranges, None if states is None else states.T)
 
 
-def make_plan(cfg: Config, mask, block_q: int, block_kv: int, schedule: str = "serial"):
+# The parallel schedule's lanes per step when the caller does not say (step_width=None), in
+# both passes. Reasoned, not measured: a step holds one (block_q, block_kv) tile per lane and a
+# few temporaries of that size, so 64 lanes of 512 x 256 tiles are ~32 MiB per (batch, head)
+# and a handful of them; at default blocks that covers T = S = 16384 (causal: more) in one group
+# of lanes, and longer sequences run group after group instead of growing the step.
+DEFAULT_STEP_WIDTH = 64
+
+
+def make_plan(cfg: Config, mask, block_q: int, block_kv: int, schedule: str = "serial",
+              width: int | None = None):
   """(Plan, states): the plan over (cfg.T, cfg.S) in blocks of (block_q, block_kv), and its block
-  map as a jax int8 array."""
+  map as a jax int8 array. ``width``: the parallel schedule's lanes per step (default
+  DEFAULT_STEP_WIDTH)."""
   grid = BlockGrid(cfg.T, cfg.S, block_q, block_kv)
   states, kinds = block_map_and_kinds(mask, grid, (cfg.B, cfg.N, cfg.T, cfg.S))
-  plan = Plan(cfg, grid, kinds, schedule=schedule)
+  plan = Plan(cfg, grid, kinds, schedule=schedule,
+              width=(width or DEFAULT_STEP_WIDTH) if schedule == "parallel" else None)
   if isinstance(states, np.ndarray):
     plan = dataclasses.replace(plan, q_ranges=static_ranges(states),
                                kv_ranges=static_ranges(states.T))

@@ -232,3 +232,44 @@ def test_memory_at_16k_is_a_few_inputs_and_a_tenth_of_dense():
   one_input = T * 8 * 64 * 4
   assert chunked < 8 * one_input, chunked / one_input
   assert chunked < dense / 10, (chunked, dense)
+
+
+@pytest.mark.parametrize("width,causal", [(1, False), (2, True), (3, False), (None, True)])
+def test_parallel_schedule_step_widths_against_reference(width, causal):
+  # The parallel schedule with 1, 2, 3 or all lanes per step (7 query blocks, 9 key blocks:
+  # groups that do not divide the lanes leave padding lanes) equals the float64 reference:
+  # output and the gradients of q, k, v, a full bias and the sinks, with lengths (a run-time map
+  # when causal is off), a window, soft cap and dropout.
+  from test_attention import keep_mask
+  B, T, S, N, K, H = 2, 50, 70, 4, 2, 8
+  keys = jax.random.split(jax.random.key(0), 5)
+  q = jax.random.normal(keys[0], (B, T, N, H))
+  k = jax.random.normal(keys[1], (B, S, K, H))
+  v = jax.random.normal(keys[2], (B, S, K, H))
+  do = jax.random.normal(keys[3], (B, T, N, H))
+  bias = jax.random.normal(keys[4], (B, N, T, S))
+  sinks = jnp.linspace(-1.0, 1.0, N)
+  rng, rate = jax.random.key(9), 0.2
+  lens = np.array([S, 33])
+  kw = dict(key_value_seq_lengths=jnp.asarray(lens, jnp.int32), logits_soft_cap=5.0,
+            dropout_rate=rate, dropout_rng=rng)
+  vis_kw = dict(kv_lengths=lens)
+  if causal:
+    kw.update(is_causal="bottom_right", local_window_size=(25, 0))
+    vis_kw.update(causal="bottom_right", window=(25, 0))
+
+  def f(q, k, v, bias, sinks):
+    return jattn.dot_product_attention(q, k, v, bias, implementation="chunked",
+                                       schedule="parallel", step_width=width, block_q=8,
+                                       block_kv=8, sinks=sinks, **kw)
+
+  out, pull = jax.vjp(f, q, k, v, bias, sinks)
+  got = (out,) + pull(do)
+  want_out, _, cache = ref.attention(q, k, v, visible=ref.visible_mask(B, N, T, S, **vis_kw),
+                                     bias=bias, soft_cap=5.0, sinks=sinks,
+                                     keep=keep_mask(rng, rate, B, N, T, S), dropout_rate=rate)
+  want = (want_out,) + tuple(ref.grads(cache, do, bias_shape=bias.shape))
+  for name, a, b in zip(("out", "dq", "dk", "dv", "dbias", "dsinks"), got, want):
+    scale = max(1.0, float(np.abs(b).max()))
+    np.testing.assert_allclose(np.asarray(a) / scale, np.asarray(b) / scale, atol=2e-5,
+                               err_msg=f"{name} width={width} causal={causal}")
