@@ -15,6 +15,9 @@ from jattn._ring import ring_attention as ring_attention
 from jattn._ring import ring_attention_sharded as ring_attention_sharded
 from jattn._ring import zigzag_permute as zigzag_permute
 from jattn._ring import zigzag_unpermute as zigzag_unpermute
+from jattn._tuning import TuningTable as TuningTable
+from jattn._tuning import load as load_tuning
+from jattn._tuning import tuning as tuning
 
 __version__ = "0.1.0"
 

@@ -14,7 +14,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from jattn import _chunked, _dense, _dropout, _plan, _sharding, _tile, _validation
+from jattn import _chunked, _dense, _dropout, _plan, _sharding, _tile, _tuning, _validation
 from jattn._plan import DEFAULT_BLOCK_KV, DEFAULT_BLOCK_Q, Operands
 from jattn import masks as _masks
 from jattn._tile import Config
@@ -132,6 +132,19 @@ def dot_product_attention(
   mean of V); its gradients are 0; masked positions never contribute inf or NaN.
   """
   static_scale, scale_operand = _validation.scale_operand(scale)
+  if None in (block_q, block_kv, schedule, step_width) and implementation not in ("dense", "xla"):
+    # A tuning table (jattn.tuning, $JATTN_TUNING) fills what the call leaves open.
+    shape, kv_shape = jnp.shape(query), jnp.shape(key)
+    if len(shape) in (3, 4) and len(kv_shape) == len(shape) and hasattr(query, "dtype"):
+      masked = any(x is not None for x in (mask, query_seq_lengths, key_value_seq_lengths,
+                                           q_segment_ids))
+      kind = _tuning.mask_kind(_validation.causal(is_causal),
+                               _validation.window(local_window_size), masked)
+      tuned = _tuning.options_for(query.dtype, shape[-1], kind, shape[-3], kv_shape[-3])
+      block_q = block_q if block_q is not None else tuned.get("block_q")
+      block_kv = block_kv if block_kv is not None else tuned.get("block_kv")
+      schedule = schedule if schedule is not None else tuned.get("schedule")
+      step_width = step_width if step_width is not None else tuned.get("step_width")
   opts = _Options(
       scale=static_scale,
       causal=_validation.causal(is_causal),

@@ -25,6 +25,7 @@ examples:
   jattn-bench --impl jattn-chunked,jax-nn --repeats 9
   jattn-bench long_context --compile-only      # compile time and XLA memory only, no runs
   jattn-bench quick --platform cuda            # the structure of the programs a GPU would run
+  jattn-bench tune --T 1024 4096 --mask full causal --out tuning.json   # see jattn.tuning
 
 columns: compile_s (lower+compile, apart from run time); median_s and min..max_s over the timed
 repeats; temp_MiB (XLA compiled temporaries); GFLOP/s (visible pairs only, see docs); %peak (of
@@ -151,8 +152,11 @@ def _is_ring_config(path) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-  args = build_parser().parse_args(argv)
   argv = list(sys.argv[1:] if argv is None else argv)
+  if argv[:1] == ["tune"]:
+    from jattn.bench import tune as _tune
+    return _tune.main(argv[1:])
+  args = build_parser().parse_args(argv)
   if args.config and args.config_pos:
     print("jattn-bench: give the config once (positional or --config)", file=sys.stderr)
     return 2

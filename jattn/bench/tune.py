@@ -1,0 +1,130 @@
+"""``jattn-bench tune``: time the chunked kernels' options on this device, write a tuning table.
+
+For each length and mask, every candidate (block sizes x schedule x step width) is compiled and
+timed, interleaved round by round (A B C A B C ...), on forward+backward by default; the fastest
+median becomes the table's entry for (this device kind, dtype, head dim, mask kind, length
+bucket). Use the table with ``with jattn.tuning(path):`` or ``JATTN_TUNING=path``.
+
+  jattn-bench tune --T 1024 4096 --mask full causal --dtype bfloat16 --out tuning.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import statistics
+import sys
+import time
+
+
+def build_parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(prog="jattn-bench tune", description=__doc__.split("\n")[0])
+  p.add_argument("--T", type=int, nargs="+", required=True, help="query lengths (S = T)")
+  p.add_argument("--batch", type=int, default=1)
+  p.add_argument("--heads", type=int, default=8)
+  p.add_argument("--kv-heads", type=int, help="K (default: heads)")
+  p.add_argument("--head-dim", type=int, default=64)
+  p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+  p.add_argument("--mask", nargs="+", default=["full"],
+                 help="mask specs as in the configs: full, causal, window:W, causal+window:W")
+  p.add_argument("--blocks", nargs="+", default=["512x256", "512x512", "256x256", "1024x256"],
+                 help="block sizes to try, BQxBK")
+  p.add_argument("--schedules", nargs="+", default=["serial", "parallel"],
+                 choices=("serial", "parallel"))
+  p.add_argument("--widths", type=int, nargs="+", default=[64],
+                 help="step widths to try with the parallel schedule")
+  p.add_argument("--pass", dest="pass_", default="forward+backward",
+                 choices=("forward", "forward+backward"))
+  p.add_argument("--repeats", type=int, default=3, help="timed rounds")
+  p.add_argument("--out", required=True, help="the JSON table to write")
+  p.add_argument("--update", action="store_true",
+                 help="add to the table in --out instead of replacing it")
+  return p
+
+
+def _blocks(text):
+  try:
+    bq, bk = (int(x) for x in text.lower().split("x"))
+  except ValueError:
+    raise SystemExit(f"jattn-bench tune: --blocks entries are BQxBK, got {text!r}") from None
+  if bq <= 0 or bk <= 0:
+    raise SystemExit(f"jattn-bench tune: block sizes must be positive, got {text!r}")
+  return bq, bk
+
+
+def candidates(blocks, schedules, widths):
+  """Every option dict to time: block sizes x schedule (x step width for parallel)."""
+  out = []
+  for (bq, bk), schedule in itertools.product(blocks, schedules):
+    for width in (widths if schedule == "parallel" else [None]):
+      out.append(dict(block_q=bq, block_kv=bk, schedule=schedule, step_width=width))
+  return out
+
+
+def main(argv=None) -> int:
+  args = build_parser().parse_args(argv)
+  import jax
+  import jax.numpy as jnp
+
+  import jattn
+  from jattn import _tuning
+  from jattn.bench import masks as _masks
+  from jattn.bench import runner as _runner
+
+  blocks = [_blocks(b) for b in args.blocks]
+  specs = [_masks.parse(m) for m in args.mask]
+  device_kind = jax.devices()[0].device_kind
+  table = (_tuning.load(args.out) if args.update and os.path.exists(args.out)
+           else _tuning.TuningTable())
+  dtype = jnp.dtype(args.dtype)
+  K = args.kv_heads or args.heads
+  print(f"jattn-bench tune on {device_kind!r} ({jax.default_backend()}), {args.dtype}, "
+        f"B={args.batch} N={args.heads} K={K} H={args.head_dim}, {args.pass_}")
+  for T, spec in itertools.product(args.T, specs):
+    if spec.segments is not None:
+      raise SystemExit("jattn-bench tune: segment masks are not tuned (mask kind 'masked')")
+    keys = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(keys[0], (args.batch, T, args.heads, args.head_dim)).astype(dtype)
+    k = jax.random.normal(keys[1], (args.batch, T, K, args.head_dim)).astype(dtype)
+    v = jax.random.normal(keys[2], (args.batch, T, K, args.head_dim)).astype(dtype)
+    kw = dict(is_causal=spec.causal or False, local_window_size=spec.window)
+    compiled = []
+    for opts in candidates(blocks, args.schedules, args.widths):
+      if opts["block_q"] > T or opts["block_kv"] > T:
+        continue
+      f = lambda q, k, v, o=opts: jattn.dot_product_attention(q, k, v, implementation="chunked",
+                                                              **kw, **o)
+      if args.pass_ == "forward+backward":
+        g = jax.grad(lambda q, k, v, f=f: f(q, k, v).astype(jnp.float32).sum(),
+                     argnums=(0, 1, 2))
+      else:
+        g = f
+      fn = jax.jit(g).lower(q, k, v).compile()
+      jax.block_until_ready(fn(q, k, v))  # warm-up
+      compiled.append((opts, fn, []))
+    if not compiled:
+      continue
+    for _ in range(args.repeats):  # interleaved rounds: a slow spell hits every candidate
+      for _, fn, times in compiled:
+        _runner.settle()
+        start = time.perf_counter()
+        jax.block_until_ready(fn(q, k, v))
+        times.append(time.perf_counter() - start)
+    results = sorted(((statistics.median(t), o) for o, _, t in compiled),
+                     key=lambda r: r[0])
+    best_time, best = results[0]
+    kind = _tuning.mask_kind(spec.causal, spec.window, False)
+    table.add(device_kind, str(dtype), args.head_dim, kind, _tuning.length_bucket(T, T),
+              **best)
+    print(f"T={T} {spec.name}: best {best} {best_time:.4g} s; "
+          + ", ".join(f"{o['block_q']}x{o['block_kv']} {o['schedule']}"
+                      f"{'' if o['step_width'] is None else '/' + str(o['step_width'])} "
+                      f"{t:.3g}" for t, o in results[1:]))
+  table.save(args.out)
+  print(f"wrote {args.out} ({len(table.entries)} entries)")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
