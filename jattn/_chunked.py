@@ -347,12 +347,12 @@ def _lane_steps(lanes, steps, masked, carry0, visit, const, width=None):
   return results
 
 
-def _by_row(merge, x, pad):
-  """Lane results (V, ...) gathered per row (R, M, ...) through the merge table; the index V
-  (padding) reads ``pad``."""
-  # The padding lane is made from x, so it shares x's sharding under an Explicit mesh.
-  x = jnp.concatenate([x, jnp.zeros_like(x[:1]) + jnp.asarray(pad, x.dtype)])
-  return jnp.take(x, merge, axis=0)
+def _sum_by_row(rows, x, R):
+  """Lane results (V, ...) summed per row: (R, ...), lane v adding into row rows[v].
+
+  A scatter-add (the zeros are made from x, so they share its sharding under an Explicit mesh);
+  gathering lanes per row through a (R, M) table instead crashed jaxlib 0.10's CPU runtime."""
+  return jnp.zeros_like(x[:1]).repeat(R, axis=0).at[rows].add(x)
 
 
 def _forward_parallel(plan: Plan, ops: Operands, start, tile):
@@ -361,19 +361,19 @@ def _forward_parallel(plan: Plan, ops: Operands, start, tile):
   cfg = plan.cfg
   sd = _tile.stat_dtype(ops.q.dtype)
   lanes, steps, masked = _lanes(plan, plan.row_lanes, ops.states)
-  rows, merge = lanes[0], lanes[3]
+  rows = lanes[0]
   qbs, carry0 = jax.vmap(start)(rows)
 
   def visit(i, j, live, masked, qb, carry):
     return tile(qb, tile_view(plan, ops, i, j, masked, live), carry)
 
   m, l, acc = _lane_steps(lanes, steps, masked, carry0, visit, qbs, plan.width)
-  # Merge: the lanes of a row saw disjoint key blocks; an empty lane has m = NEG, l = 0.
-  m_g = _by_row(merge, m, _tile.NEG)  # (R, M, B, K, G, bq)
-  m_r = m_g.max(axis=1)
-  w = jnp.exp(m_g - m_r[:, None])
-  l_r = (w * _by_row(merge, l, 0.0)).sum(axis=1)
-  acc_r = (w[..., None] * _by_row(merge, acc, 0.0)).sum(axis=1)
+  # Merge: the lanes of a row saw disjoint key blocks. Scatter-max and scatter-add by row.
+  R = plan.grid.num_q_blocks
+  m_r = (jnp.zeros_like(m[:1]) + jnp.asarray(_tile.NEG, sd)).repeat(R, axis=0).at[rows].max(m)
+  w = jnp.exp(m - jnp.take(m_r, rows, axis=0))
+  l_r = _sum_by_row(rows, w * l, R)
+  acc_r = _sum_by_row(rows, w[..., None] * acc, R)
   if ops.sink is not None:
     sink = ops.sink.astype(sd)[None]  # (1, 1, K, G, 1)
     m2 = jnp.maximum(m_r, sink)
@@ -606,8 +606,8 @@ def _backward_parallel(plan: Plan, ops: Operands, tile_grads, scale):
   # (nk, B, K, bk, H) -> (B, Sp, K, H)
   to_seq = lambda x: _sharding.reshape(jnp.transpose(x, (1, 0, 3, 2, 4)),
                                        (B, nk * bk, K, x.shape[-1]))
-  dk = to_seq(_by_row(merge, dk_l, 0.0).sum(axis=1) * scale).astype(k.dtype)
-  dv = to_seq(_by_row(merge, dv_l, 0.0).sum(axis=1)).astype(v.dtype)
+  dk = to_seq(_sum_by_row(kv_rows, dk_l, nk) * scale).astype(k.dtype)
+  dv = to_seq(_sum_by_row(kv_rows, dv_l, nk)).astype(v.dtype)
   dbias = None
   if blocked is not None:
     dbias = _sharding.reshape(jnp.transpose(blocked, (2, 3, 4, 0, 5, 1, 6)), bias.shape)
@@ -626,7 +626,7 @@ def _backward_parallel(plan: Plan, ops: Operands, tile_grads, scale):
   dq0 = _sharding.reshape(jnp.zeros_like(jnp.transpose(qbs, (0, 1, 2, 5, 3, 4)), dtype=sd),
                           qbs.shape[:3] + (H, G * bq))
   dq_l = _lane_steps(lanes, steps, masked, dq0, visit, q_rows, plan.width)
-  dq = _by_row(merge, dq_l, 0.0).sum(axis=1) * scale  # (nq, B, K, H, G * bq)
+  dq = _sum_by_row(q_rows, dq_l, nq) * scale  # (nq, B, K, H, G * bq)
   dq = _sharding.reshape(dq, (nq, B, K, H, G, bq))
   dq = _sharding.reshape(jnp.transpose(dq, (1, 0, 5, 2, 4, 3)), (B, nq * bq, K * G, H))
   return dq, dk, dv, dbias, dargs

@@ -273,3 +273,13 @@ def test_parallel_schedule_step_widths_against_reference(width, causal):
     scale = max(1.0, float(np.abs(b).max()))
     np.testing.assert_allclose(np.asarray(a) / scale, np.asarray(b) / scale, atol=2e-5,
                                err_msg=f"{name} width={width} causal={causal}")
+
+
+def test_parallel_causal_at_a_size_that_crashed_jaxlib_0_10():
+  # Merging a causal call's split lanes through a gather segfaulted jaxlib 0.10's CPU runtime at
+  # B >= 2, N = 8 (the merge is a scatter-add now); the result must equal the serial schedule.
+  keys = jax.random.split(jax.random.key(0), 3)
+  q, k, v = (jax.random.normal(key, (4, 1024, 8, 64)) for key in keys)
+  run = lambda s: jattn.dot_product_attention(q, k, v, implementation="chunked", is_causal=True,
+                                              schedule=s)
+  np.testing.assert_allclose(run("parallel"), run("serial"), rtol=2e-5, atol=2e-5)
