@@ -374,15 +374,14 @@ def split_kv_recipe(P=4):
 SINGLE_FEATURES = {
     "chunked_local_causal_sinks_dropout": lambda M, T, tbl: dict(
         mask=M.chunked_local(12) & M.causal(), sinks=True, dropout_rate=0.25),
-    "prefix_lm_score_mod_table": lambda M, T, tbl: dict(
-        mask=M.prefix_lm(11),
-        score_mod=lambda s, b, h, q, k: s + tbl[k - q + T] * (h + 1).astype(s.dtype)),
-    "from_function_bh_window_dropout_score_mod": lambda M, T, tbl: dict(
-        mask=M.from_function(lambda b, h, q, k: ((k <= q) & ((q - k) % 5 != 2)) | ((b == 1)
-                                                                                 & (h == 3))),
+    # prefix_lm or a function of batch and head, a window, dropout and a score_mod with a table.
+    "prefix_lm_from_function_window_dropout_score_mod_table": lambda M, T, tbl: dict(
+        mask=M.prefix_lm(11) | M.from_function(
+            lambda b, h, q, k: ((k <= q) & ((q - k) % 5 != 2)) | ((b == 1) & (h == 3))),
         local_window_size=(20, 20), dropout_rate=0.2,
         score_mod=lambda s, b, h, q, k: (
-            s - 0.1 * ((b + 1) * jnp_abs(q - k)).astype(s.dtype) * tbl[h])),
+            s + tbl[k - q + T] * (h + 1).astype(s.dtype)
+            - 0.1 * ((b + 1) * jnp_abs(q - k)).astype(s.dtype) * tbl[h])),
 }
 
 

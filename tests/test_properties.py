@@ -51,6 +51,8 @@ def problems(draw):
       soft_cap=draw(st.sampled_from([None, 1.5])),
       block_q=draw(st.integers(1, 24)),
       block_kv=draw(st.integers(1, 24)),
+      # The chunked kernels' schedule (one per example: both are covered across examples).
+      schedule=draw(st.sampled_from(["serial", "parallel"])),
       seed=draw(st.integers(0, 2**16)),
   )
 
@@ -65,7 +67,8 @@ _ONE = dict(B=1, K=1, G=1, T=1, S=1, H=4, causal=None, window=None, q_lengths=No
 @given(problems())
 @example(_ONE)
 @example(dict(_ONE, B=2, K=2, G=2, S=9, causal="bottom_right", sinks=True, bias="full",
-              score_mod="square", dropout=0.3, kv_lengths=[0, 5], block_kv=2))
+              score_mod="square", dropout=0.3, kv_lengths=[0, 5], block_kv=2,
+              schedule="parallel"))
 @example(dict(_ONE, B=2, T=11, S=1, use_segments=True, bool_mask=True, bias="heads",
               score_mod="alibi", q_lengths=[4, 11], soft_cap=1.5, block_q=3))
 def test_random_problems_match_reference(p):
@@ -114,7 +117,8 @@ def test_random_problems_match_reference(p):
   rows = np.isfinite(want_lse)
 
   for impl in ({"implementation": "dense"},
-               {"implementation": "chunked", "block_q": p["block_q"], "block_kv": p["block_kv"]}):
+               {"implementation": "chunked", "block_q": p["block_q"], "block_kv": p["block_kv"],
+                "schedule": p.get("schedule", "serial")}):
 
     def f(q, k, v, bias, sinks, mod_args):
       extra = {} if make_mod is None else {"score_mod": make_mod(mod_args)}
