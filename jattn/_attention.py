@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jattn import _chunked, _dense, _dropout, _plan, _sharding, _tile, _tuning, _validation
-from jattn._plan import DEFAULT_BLOCK_KV, DEFAULT_BLOCK_Q, Operands
+from jattn._plan import Operands
 from jattn import masks as _masks
 from jattn._tile import Config
 from jattn._types import ArrayLike, Implementation, IsCausal, LocalWindowSize, Schedule

@@ -278,7 +278,7 @@ def forward(plan: Plan, ops: Operands):
 
 
 def _lanes(plan: Plan, packed, states):
-  """(rows, columns, kinds, merge) as jax arrays, the number of steps, and whether any tile
+  """(rows, columns, kinds) as jax arrays, the number of steps, and whether any tile
   needs mask arithmetic: static lanes from the plan, or run-time ones from the block map."""
   if packed is not None:
     ln = _plan.lanes_of(packed)
@@ -295,9 +295,9 @@ def _in_groups(lanes, width, per_lane, shared, run):
   ``run(group_lanes, group_per_lane, shared) -> (group_results, shared)`` runs one group, whose
   (W, ...) results are written back in lane order. Lanes added to fill the last group repeat the
   last lane with every step EMPTY (no work that counts) and are dropped. Returns (results,
-  shared, padded): ``padded`` says whether padding lanes exist (their steps must be masked).
+  shared). Callers mask every step when `_pads` says padding lanes exist.
   """
-  rows, columns, kinds, merge = lanes
+  rows, columns, kinds = lanes
   V = rows.shape[0]
   W = V if width is None else max(1, min(int(width), V))
   groups = -(-V // W)
@@ -306,14 +306,14 @@ def _in_groups(lanes, width, per_lane, shared, run):
     grow = lambda x: jnp.concatenate([x, jnp.repeat(x[-1:], pad, axis=0)])
     rows, columns, per_lane = grow(rows), grow(columns), jax.tree.map(grow, per_lane)
     kinds = jnp.concatenate([kinds, jnp.full((pad,) + kinds.shape[1:], EMPTY, kinds.dtype)])
-  padded_lanes = (rows, columns, kinds, merge)
+  padded_lanes = (rows, columns, kinds)
   if groups == 1:
     results, shared = run(padded_lanes, per_lane, shared)
   else:
     def group(g, carry):
       results, shared = carry
       take = lambda x: jax.lax.dynamic_slice_in_dim(x, g * W, W, axis=0)
-      got, shared = run((take(rows), take(columns), take(kinds), merge),
+      got, shared = run((take(rows), take(columns), take(kinds)),
                         jax.tree.map(take, per_lane), shared)
       put = lambda buf, x: jax.lax.dynamic_update_slice_in_dim(buf, x, g * W, axis=0)
       return jax.tree.map(put, results, got), shared
@@ -321,7 +321,12 @@ def _in_groups(lanes, width, per_lane, shared, run):
     results0 = jax.eval_shape(lambda: run(padded_lanes, per_lane, shared)[0])
     results0 = jax.tree.map(lambda s: jnp.zeros((groups * W,) + s.shape[1:], s.dtype), results0)
     results, shared = jax.lax.fori_loop(0, groups, group, (results0, shared))
-  return jax.tree.map(lambda x: x[:V], results), shared, pad > 0
+  return jax.tree.map(lambda x: x[:V], results), shared
+
+
+def _pads(n_lanes: int, width) -> bool:
+  """Whether `_in_groups` adds padding lanes (the last group of ``width`` is not full)."""
+  return width is not None and int(width) < n_lanes and n_lanes % int(width) != 0
 
 
 def _lane_steps(lanes, steps, masked, carry0, visit, const, width=None):
@@ -329,11 +334,10 @@ def _lane_steps(lanes, steps, masked, carry0, visit, const, width=None):
   block (vmapped over lanes): ``visit(i, j, live, masked, lane_const, lane_carry) ->
   lane_carry``, i the lane's row, j its block, ``const`` per-lane data that does not change
   (a lane's query tile)."""
-  padded = width is not None and int(width) < lanes[0].shape[0] and lanes[0].shape[0] % int(width)
-  masked = masked or bool(padded)
+  masked = masked or _pads(lanes[0].shape[0], width)
 
   def run(group_lanes, per_lane, shared):
-    rows, columns, kinds, _ = group_lanes
+    rows, columns, kinds = group_lanes
     const_g, carry_g = per_lane
 
     def step(t, carry):
@@ -343,7 +347,7 @@ def _lane_steps(lanes, steps, masked, carry0, visit, const, width=None):
 
     return jax.lax.fori_loop(0, steps, step, carry_g), shared
 
-  results, _, _ = _in_groups(lanes, width, (const, carry0), None, run)
+  results, _ = _in_groups(lanes, width, (const, carry0), None, run)
   return results
 
 
@@ -559,7 +563,7 @@ def _backward_parallel(plan: Plan, ops: Operands, tile_grads, scale):
   # dK, dV: lanes over key blocks (the transposed map).
   lanes, steps, masked = _lanes(plan, plan.column_lanes,
                                 None if plan.column_lanes is not None else ops.states.T)
-  kv_rows, columns, kinds, merge = lanes
+  kv_rows, columns, kinds = lanes
   kbs = jax.vmap(lambda j: kv_tile(k, j, bk))(kv_rows)
   vbs = jax.vmap(lambda j: kv_tile(v, j, bk))(kv_rows)
   if bias is not None:
@@ -572,11 +576,10 @@ def _backward_parallel(plan: Plan, ops: Operands, tile_grads, scale):
     blocked0 = None
 
   width = plan.width
-  masked = masked or bool(width is not None and int(width) < kv_rows.shape[0]
-                          and kv_rows.shape[0] % int(width))
+  masked = masked or _pads(kv_rows.shape[0], width)
 
   def run(group_lanes, per_lane, shared):
-    rows_g, columns_g, kinds_g, _ = group_lanes
+    rows_g, columns_g, kinds_g = group_lanes
     kbs_g, vbs_g, dk0, dv0 = per_lane
 
     def kv_step(t, carry):
@@ -601,7 +604,7 @@ def _backward_parallel(plan: Plan, ops: Operands, tile_grads, scale):
     return (dk_l, dv_l), (blocked, dargs)
 
   per_lane = (kbs, vbs, jnp.zeros_like(kbs, dtype=sd), jnp.zeros_like(vbs, dtype=sd))
-  (dk_l, dv_l), (blocked, dargs), _ = _in_groups(
+  (dk_l, dv_l), (blocked, dargs) = _in_groups(
       lanes, width, per_lane, (blocked0, jax.tree.map(jnp.zeros_like, ops.score_args)), run)
   # (nk, B, K, bk, H) -> (B, Sp, K, H)
   to_seq = lambda x: _sharding.reshape(jnp.transpose(x, (1, 0, 3, 2, 4)),
@@ -614,7 +617,7 @@ def _backward_parallel(plan: Plan, ops: Operands, tile_grads, scale):
 
   # dQ: lanes over query blocks, as in the forward pass.
   lanes, steps, masked = _lanes(plan, plan.row_lanes, ops.states)
-  q_rows, _, _, merge = lanes
+  q_rows = lanes[0]
 
   def visit(i, j, live, masked, const, dq_l):
     c = tile_grads(tile_view(plan, ops, i, j, masked, live), kv_tile(k, j, bk),

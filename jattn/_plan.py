@@ -240,15 +240,14 @@ class Lanes(NamedTuple):
   """A block map's work laid out for the parallel schedule: lanes computed side by side, each
   walking its own list of blocks of one row, one block per step (NumPy, from a static map).
 
-  rows (V,): the row of each lane; columns, kinds (V, L): its blocks and their states (EMPTY
-  pads a short lane: a tile computed fully masked, no work that counts); merge (R, M): the lanes
-  of each row, padded with V (an empty lane), whose partial results are combined at the end.
+  rows (V,): the row of each lane, whose partial results are combined with the row's other
+  lanes at the end; columns, kinds (V, L): its blocks and their states (EMPTY pads a short lane:
+  a tile computed fully masked, no work that counts).
   """
 
   rows: np.ndarray
   columns: np.ndarray
   kinds: np.ndarray
-  merge: np.ndarray
 
 
 def lanes(states: np.ndarray) -> Lanes:
@@ -262,21 +261,18 @@ def lanes(states: np.ndarray) -> Lanes:
   columns, kinds, counts = block_lists(np.asarray(states))
   R = states.shape[0]
   L = max(1, -(-int(counts.sum()) // R))
-  rows, cols, knds, per_row = [], [], [], [[] for _ in range(R)]
+  rows, cols, knds = [], [], []
   for r in range(R):
     n = int(counts[r])
     for start in range(0, max(n, 1), L):  # an empty row keeps one (empty) lane
       take = min(L, max(n - start, 0))
       pad_col = columns[r, start + take - 1] if take else (columns[r, 0] if n else 0)
-      per_row[r].append(len(rows))
       rows.append(r)
       cols.append(list(columns[r, start:start + take]) + [pad_col] * (L - take))
       knds.append(list(kinds[r, start:start + take]) + [EMPTY] * (L - take))
-  M = max(len(x) for x in per_row)
   V = len(rows)
-  merge = np.array([x + [V] * (M - len(x)) for x in per_row], np.int32)
   return Lanes(np.array(rows, np.int32), np.array(cols, np.int32).reshape(V, L),
-               np.array(knds, np.int8).reshape(V, L), merge)
+               np.array(knds, np.int8).reshape(V, L))
 
 
 def run_time_lanes(states):
@@ -285,7 +281,7 @@ def run_time_lanes(states):
   columns, kinds, counts = block_lists(states)
   R = states.shape[0]
   rows = jnp.arange(R, dtype=jnp.int32)
-  return Lanes(rows, columns, kinds, rows[:, None]), counts.max()
+  return Lanes(rows, columns, kinds), counts.max()
 
 
 def _loop_bounds(ranges, states):
