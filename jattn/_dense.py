@@ -26,7 +26,7 @@ def dense_attention(cfg: Config, q, k, v, bias, mask, seed, score_args=(), sink=
   p, l, m = _exp_scores(cfg, q, k, bias, vis, q_pos, kv_pos, score_args, sink)
   if cfg.dropout_rate > 0:
     p = jnp.where(_tile.keep(cfg, seed, _tile.Index(q_pos, kv_pos)), p, jnp.zeros((), p.dtype))
-  out = _tile.safe_normalize(_tile.pv(p, v), l, m, cfg.dropout_rate)
+  out = _tile.safe_normalize(_tile.pv(p, v, fold=False), l, m, cfg.dropout_rate)
   lse = jax.lax.stop_gradient(_tile.safe_lse(m, l))
   return out.astype(q.dtype), lse
 
@@ -50,7 +50,9 @@ def _positions_and_visibility(cfg: Config, mask):
 def _exp_scores(cfg: Config, q, k, bias, vis, q_pos, kv_pos, score_args, sink):
   """exp(s - m) of the whole (T, S) score matrix, with its row max m and row sum l (the sink's
   term included): the softmax before its division."""
-  s, _ = _tile.logits(cfg, q, k, bias, _tile.Index(q_pos, kv_pos), score_args)  # (B,K,G,T,S)
+  # G and T stay separate dimensions (fold=False): a sequence-sharded query then stays sharded
+  # and only K and V are gathered (see _tile.matmul).
+  s, _ = _tile.logits(cfg, q, k, bias, _tile.Index(q_pos, kv_pos), score_args, fold=False)
   sd = s.dtype
   neg = jnp.asarray(_tile.NEG, sd)
   if vis is not None:

@@ -53,7 +53,7 @@ def stat_dtype(dtype) -> Any:
   return jnp.dtype(jnp.float64) if jnp.dtype(dtype) == jnp.float64 else jnp.dtype(jnp.float32)
 
 
-def matmul(a, b, spec: str, out_dtype):
+def matmul(a, b, spec: str, out_dtype, fold: bool = True):
   """A per-(batch, kv-head) matmul with the G query heads of a group stacked as extra rows.
 
   ``a`` is (B, K, G, t, x) and ``b`` (B, K, y, z); ``spec`` names the contraction of the last two
@@ -61,7 +61,16 @@ def matmul(a, b, spec: str, out_dtype):
   (B, K, G, t, .) (else G is contracted away with q, as in dK = dS^T Q). Folding G into the row
   axis keeps every operand and result in plain row-major order: with a separate, often size-1,
   G axis XLA's CPU backend copies the (t, s) result to a new layout on every tile.
+
+  ``fold=False`` keeps G and t separate dimensions of one dot_general (XLA merges them only
+  after partitioning): merging puts t below G, where a sharded t cannot stay sharded, so the
+  partitioner would gather a sequence-sharded query. The dense kernel, whose t is the whole
+  query, uses it; the chunked kernels' tiles are never sharded on t.
   """
+  if not fold:
+    lhs, out = spec.split("->")
+    la, lb = lhs.split(",")
+    return jnp.einsum(f"bkg{la},bk{lb}->bkg{out}", a, b, preferred_element_type=out_dtype)
   B, K, G, t = a.shape[:4]
   a2 = a.reshape(B, K, G * t, a.shape[-1])
   lhs, out = spec.split("->")
@@ -91,13 +100,14 @@ class Index(NamedTuple):
   head0: Any = 0
 
 
-def logits(cfg: Config, q, k, bias, idx: Index, score_args=()):
+def logits(cfg: Config, q, k, bias, idx: Index, score_args=(), fold: bool = True):
   """Scaled logits of a tile in the statistics dtype, before masking.
 
   Order: scale * q.k, then soft-cap (cap * tanh(x / cap)), then + bias, then score_mod.
-  Returns (scores, tanh_or_None); the tanh is kept for the soft-cap derivative.
+  Returns (scores, tanh_or_None); the tanh is kept for the soft-cap derivative. ``fold``: see
+  `matmul`.
   """
-  s, t = scale_cap_bias(cfg, matmul(q, k, "qh,sh->qs", stat_dtype(q.dtype)), bias)
+  s, t = scale_cap_bias(cfg, matmul(q, k, "qh,sh->qs", stat_dtype(q.dtype), fold), bias)
   if cfg.score_mod is not None:
     s = apply_score_mod(cfg, s, idx, score_args)
   return s, t
@@ -174,9 +184,9 @@ def keep(cfg: Config, seed, idx: Index):
   return _dropout.keep_mask(seed, cfg.dropout_rate, b, h, q, k)
 
 
-def pv(p, v):
+def pv(p, v, fold: bool = True):
   """(B,K,G,tq,tk) weights times (B,K,tk,H) values; weights in the value dtype, fp32 accumulate."""
-  return matmul(p.astype(v.dtype), v, "qs,sh->qh", stat_dtype(v.dtype))
+  return matmul(p.astype(v.dtype), v, "qs,sh->qh", stat_dtype(v.dtype), fold)
 
 
 def empty_rows(m, l):

@@ -1,7 +1,14 @@
-"""Sharded inputs under plain `jit` with an Explicit-axis mesh (sharding in types), on 4 host
-devices in a subprocess: batch-, head- and sequence-sharded calls of every implementation (the
-chunked kernels in both schedules) equal the unsharded call, forward and gradients, and the
-output keeps the query's sharding."""
+"""Sharded inputs under plain `jit`, on 4 host devices in a subprocess.
+
+Explicit-axis mesh (sharding in types): batch-, head- and sequence-sharded calls of every
+implementation (the chunked kernels in both schedules) equal the unsharded call, forward and
+gradients, and the output keeps the query's sharding.
+
+Auto mesh (the compiler propagates shardings): every implementation equals the unsharded call;
+batch- and head-sharded calls run without any collective; a sequence-sharded GQA query stays
+sharded through the dense kernel -- only K and V are gathered, no query- or output-sized array
+moves (read from the compiled program), forward and backward.
+"""
 
 import subprocess
 import sys
@@ -54,6 +61,39 @@ WORKER = textwrap.dedent('''
           np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5, err_msg=name)
           for a, b in zip(got, gwant):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4, err_msg=name)
+    # Auto axes: shardings are not part of the types; the partitioner propagates them.
+    from jattn.bench import structure
+    T = 256
+    mesh = jax.make_mesh((4,), ("x",), axis_types=(AxisType.Auto,))
+    ks = jax.random.split(jax.random.key(1), 3)
+    q = jax.random.normal(ks[0], (B, T, 8, H))  # GQA: N = 8 query heads, K = 4
+    k = jax.random.normal(ks[1], (B, T, K, H))
+    v = jax.random.normal(ks[2], (B, T, K, H))
+    query_sized = {q.size, q.size // H}  # the query / output, and per-query statistics
+    for where, spec in (("batch", P("x")), ("heads", P(None, None, "x")),
+                        ("sequence", P(None, "x"))):
+      args = [jax.device_put(x, NamedSharding(mesh, spec)) for x in (q, k, v)]
+      for impl in ("dense", "serial", "parallel"):
+        kw = dict(implementation=impl, is_causal=True)
+        if impl != "dense":
+          kw.update(implementation="chunked", schedule=impl, block_q=32, block_kv=32)
+        f = lambda q, k, v: jattn.dot_product_attention(q, k, v, **kw)
+        grad = jax.grad(lambda q, k, v: (f(q, k, v) ** 2).sum(), argnums=(0, 1, 2))
+        name = f"auto {where} {impl}"
+        for fn, want in ((f, f(q, k, v)), (grad, grad(q, k, v))):
+          compiled = jax.jit(fn).lower(*args).compile()
+          got = compiled(*args)
+          for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4, err_msg=name)
+          colls = structure.collectives(compiled.as_text())
+          if where != "sequence" and colls:
+            failures.append(f"{name}: collectives {colls}")
+          if where == "sequence" and impl == "dense":
+            moved = [c for c in colls for sh in c.shapes if int(np.prod(sh)) in query_sized]
+            if moved:
+              failures.append(f"{name}: query- or output-sized collectives {moved}")
+            if fn is f and tuple(got.sharding.spec)[:2] != (None, "x"):
+              failures.append(f"{name}: output sharding {got.sharding.spec}")
     assert not failures, failures
     print("OK")
 ''')

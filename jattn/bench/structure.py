@@ -24,6 +24,8 @@ from __future__ import annotations
 import dataclasses
 import re
 
+import numpy as np
+
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*.*?\s([\w\-]+)\(")
 _TRIP = re.compile(r'known_trip_count"?\s*[:=]\s*\{\s*"?n"?\s*[:=]\s*"?(\d+)')
@@ -142,3 +144,42 @@ def lowered_for(fn, args, platform: str | None = None):
   exp = export.export(jax.jit(fn), platforms=[platform],
                       disabled_checks=[export.DisabledSafetyCheck.platform()])(*args)
   return jax.jit(exp.call).lower(*args).compile().as_text()
+
+
+# One collective of a compiled SPMD program: "%x = f32[2,1024,2,32]{...} all-gather(...)", or a
+# tuple of shapes for a combined all-reduce; the "-start" halves of async pairs are the ops.
+_COLLECTIVE = re.compile(r"=\s*(.+?)\s(all-gather|all-reduce|reduce-scatter|all-to-all|"
+                         r"collective-permute)(?:-start)?\(")
+_SHAPE = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
+_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
+             "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+  """One collective op of a partitioned program: its kind and the per-device shapes it
+  produces (several for a combined all-reduce)."""
+
+  kind: str
+  shapes: tuple[tuple[int, ...], ...]
+  bytes: int
+
+
+def collectives(hlo: str) -> list[Collective]:
+  """The collectives of a compiled (partitioned) HLO text, in program order. Shapes are
+  per device, as the partitioned program holds them."""
+  found = []
+  for line in hlo.splitlines():
+    m = _COLLECTIVE.search(line)
+    if not m:
+      continue
+    parts = [(dtype, tuple(int(d) for d in dims.split(",") if d))
+             for dtype, dims in _SHAPE.findall(m.group(1))]
+    if m.group(1).startswith("(") and m.group(2) != "all-reduce":
+      # An async "-start" returns (operand, result[, scratch]): the result is what moved. A
+      # tuple-shaped all-reduce is several arrays reduced together: all of them count.
+      parts = parts[1:2]
+    size = lambda dtype, shape: _ITEMSIZE.get(dtype, 4) * int(np.prod(shape, dtype=np.int64))
+    found.append(Collective(m.group(2), tuple(shape for _, shape in parts),
+                            sum(size(d, sh) for d, sh in parts)))
+  return found
