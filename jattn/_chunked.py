@@ -48,6 +48,19 @@ def _hook(pass_name, i, j, state):
     jax.debug.callback(lambda i, j, s: hook(pass_name, int(i), int(j), int(s)), i, j, state)
 
 
+def _hook_lanes(pass_name, i, j, states):
+  """`_hook` for one step of the parallel schedule: (W,) query blocks, key blocks and states of
+  the tiles its lanes compute (EMPTY: a padding step, computed fully masked)."""
+  if _BLOCK_HOOK is not None:
+    hook = _BLOCK_HOOK
+
+    def report(i, j, s):
+      for a, b, c in zip(np.asarray(i).tolist(), np.asarray(j).tolist(), np.asarray(s).tolist()):
+        hook(pass_name, a, b, c)
+
+    jax.debug.callback(report, i, j, states)
+
+
 def _slice(x, start, size, axis):
   return jax.lax.dynamic_slice_in_dim(x, start, size, axis=axis)
 
@@ -329,7 +342,7 @@ def _pads(n_lanes: int, width) -> bool:
   return width is not None and int(width) < n_lanes and n_lanes % int(width) != 0
 
 
-def _lane_steps(lanes, steps, masked, carry0, visit, const, width=None):
+def _lane_steps(lanes, steps, masked, carry0, visit, const, width=None, name=None):
   """Run ``steps`` steps; in each, every lane of a group (see `_in_groups`) visits its next
   block (vmapped over lanes): ``visit(i, j, live, masked, lane_const, lane_carry) ->
   lane_carry``, i the lane's row, j its block, ``const`` per-lane data that does not change
@@ -341,9 +354,11 @@ def _lane_steps(lanes, steps, masked, carry0, visit, const, width=None):
     const_g, carry_g = per_lane
 
     def step(t, carry):
-      live = jnp.take(kinds, t, axis=1) != EMPTY
+      kinds_t, columns_t = jnp.take(kinds, t, axis=1), jnp.take(columns, t, axis=1)
+      live = kinds_t != EMPTY
       fn = lambda i, j, lv, k, c: visit(i, j, lv if masked else None, masked, k, c)
-      return jax.vmap(fn)(rows, jnp.take(columns, t, axis=1), live, const_g, carry)
+      _hook_lanes(name, rows, columns_t, kinds_t)
+      return jax.vmap(fn)(rows, columns_t, live, const_g, carry)
 
     return jax.lax.fori_loop(0, steps, step, carry_g), shared
 
@@ -371,7 +386,7 @@ def _forward_parallel(plan: Plan, ops: Operands, start, tile):
   def visit(i, j, live, masked, qb, carry):
     return tile(qb, tile_view(plan, ops, i, j, masked, live), carry)
 
-  m, l, acc = _lane_steps(lanes, steps, masked, carry0, visit, qbs, plan.width)
+  m, l, acc = _lane_steps(lanes, steps, masked, carry0, visit, qbs, plan.width, name="fwd")
   # Merge: the lanes of a row saw disjoint key blocks. Scatter-max and scatter-add by row.
   R = plan.grid.num_q_blocks
   m_r = (jnp.zeros_like(m[:1]) + jnp.asarray(_tile.NEG, sd)).repeat(R, axis=0).at[rows].max(m)
@@ -585,7 +600,9 @@ def _backward_parallel(plan: Plan, ops: Operands, tile_grads, scale):
     def kv_step(t, carry):
       dk_l, dv_l, blocked, dargs = carry
       i_vec = jnp.take(columns_g, t, axis=1)
-      live = jnp.take(kinds_g, t, axis=1) != EMPTY
+      kinds_t = jnp.take(kinds_g, t, axis=1)
+      live = kinds_t != EMPTY
+      _hook_lanes("bwd", i_vec, rows_g, kinds_t)
 
       def one(j, i, lv, kb, vb):
         c = tile_grads(tile_view(plan, ops, i, j, masked, lv if masked else None), kb, vb)
@@ -628,7 +645,7 @@ def _backward_parallel(plan: Plan, ops: Operands, tile_grads, scale):
   qbs = jax.vmap(lambda i: q_tile(q, i, bq, K, G))(q_rows)  # (V, B, K, G, bq, H)
   dq0 = _sharding.reshape(jnp.zeros_like(jnp.transpose(qbs, (0, 1, 2, 5, 3, 4)), dtype=sd),
                           qbs.shape[:3] + (H, G * bq))
-  dq_l = _lane_steps(lanes, steps, masked, dq0, visit, q_rows, plan.width)
+  dq_l = _lane_steps(lanes, steps, masked, dq0, visit, q_rows, plan.width, name="bwd_dq")
   dq = _sum_by_row(q_rows, dq_l, nq) * scale  # (nq, B, K, H, G * bq)
   dq = _sharding.reshape(dq, (nq, B, K, H, G, bq))
   dq = _sharding.reshape(jnp.transpose(dq, (1, 0, 5, 2, 4, 3)), (B, nq * bq, K * G, H))

@@ -14,11 +14,15 @@ import reference as ref
 
 # Chunked runs with small, non-dividing blocks so ragged edges and many blocks are exercised.
 # The chunked kernels in both schedules: "chunked" is the serial walk (CPU's default), "parallel"
-# computes every lane's next block per step (GPU's and TPU's default); one semantics.
+# computes every lane's next block per step (GPU's and TPU's default); one semantics. The
+# parallel schedule runs its lanes two per step here (step_width=2): groups, and a last group
+# filled with padding lanes whenever the lanes are odd; test_chunked and the property test
+# cover the other widths (1, 3, all).
 IMPLS = {
     "dense": dict(implementation="dense"),
     "chunked": dict(implementation="chunked", block_q=16, block_kv=24, schedule="serial"),
-    "parallel": dict(implementation="chunked", block_q=16, block_kv=24, schedule="parallel"),
+    "parallel": dict(implementation="chunked", block_q=16, block_kv=24, schedule="parallel",
+                     step_width=2),
 }
 
 

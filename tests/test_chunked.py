@@ -46,15 +46,24 @@ def test_memory_grows_linearly(backward):
 
 
 class _Recorder:
+  """{pass: {(i, j): state}} of the tiles computed, EMPTY ones (the parallel schedule's padding
+  steps, fully masked) left out; ``repeats`` lists any tile computed twice in one pass."""
+
   def __init__(self):
-    self.blocks = {"fwd": {}, "bwd": {}}
+    self.blocks = {"fwd": {}, "bwd": {}, "bwd_dq": {}}
+    self.repeats = []
 
   def __call__(self, pass_name, i, j, state):
+    if state == M.EMPTY:
+      return
+    if (i, j) in self.blocks[pass_name]:
+      self.repeats.append((pass_name, i, j))
     self.blocks[pass_name][(i, j)] = state
 
 
 def _run_recorded(T, S, bq, bk, **kwargs):
   jax.clear_caches()  # the hook is read at trace time
+  kwargs.setdefault("schedule", "serial")
   rec = _Recorder()
   _chunked._BLOCK_HOOK = rec
   try:
@@ -67,6 +76,7 @@ def _run_recorded(T, S, bq, bk, **kwargs):
   finally:
     _chunked._BLOCK_HOOK = None
     jax.clear_caches()
+  assert not rec.repeats, rec.repeats
   return rec.blocks
 
 
@@ -88,12 +98,22 @@ def _dense_vis(T, S, **kwargs):
   return ref.visible_mask(2, 2, T, S, **kwargs)
 
 
-@pytest.mark.parametrize("T,S,bq,bk", [(64, 64, 16, 16), (50, 70, 16, 8), (70, 50, 8, 16)])
-def test_causal_blocks_skipped_exactly(T, S, bq, bk):
-  blocks = _run_recorded(T, S, bq, bk, is_causal=True)
+@pytest.mark.parametrize("T,S,bq,bk,schedule", [(64, 64, 16, 16, "serial"),
+                                                 (50, 70, 16, 8, "serial"),
+                                                 (70, 50, 8, 16, "serial"),
+                                                 (64, 64, 16, 16, "parallel"),
+                                                 (70, 50, 8, 16, "parallel")])
+def test_causal_blocks_skipped_exactly(T, S, bq, bk, schedule):
+  # Every pass computes each non-empty block once, with the right state, and no other block
+  # (the parallel schedule's padding steps are fully masked EMPTY tiles, not counted). The
+  # parallel schedule's backward is two passes (dK/dV by key blocks, dQ by query blocks), each
+  # over the whole map; its lanes run 3 per step (groups, padding lanes).
+  blocks = _run_recorded(T, S, bq, bk, is_causal=True, schedule=schedule,
+                         step_width=3 if schedule == "parallel" else None)
   want = _expected_blocks(_dense_vis(T, S, causal="top_left"), bq, bk)
   assert blocks["fwd"] == want
   assert blocks["bwd"] == want
+  assert blocks["bwd_dq"] == (want if schedule == "parallel" else {})
 
 
 def test_diagnostics_walk_the_kernels_blocks():

@@ -53,6 +53,8 @@ def problems(draw):
       block_kv=draw(st.integers(1, 24)),
       # The chunked kernels' schedule (one per example: both are covered across examples).
       schedule=draw(st.sampled_from(["serial", "parallel"])),
+      # Lanes per step of the parallel schedule (None: all of them).
+      step_width=draw(st.sampled_from([None, 1, 2, 3])),
       seed=draw(st.integers(0, 2**16)),
   )
 
@@ -118,7 +120,7 @@ def test_random_problems_match_reference(p):
 
   for impl in ({"implementation": "dense"},
                {"implementation": "chunked", "block_q": p["block_q"], "block_kv": p["block_kv"],
-                "schedule": p.get("schedule", "serial")}):
+                "schedule": p.get("schedule", "serial"), "step_width": p.get("step_width")}):
 
     def f(q, k, v, bias, sinks, mod_args):
       extra = {} if make_mod is None else {"score_mod": make_mod(mod_args)}
