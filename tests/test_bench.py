@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jattn.bench import cli, config, flops, masks, report, ring_bench, runner, torch_peer
+from jattn.bench import (cli, config, flops, masks, report, ring_bench, runner, sharding_bench,
+                         torch_peer)
 
 _JAX_IMPLS = {"jattn-dense", "jattn-chunked-32x32", "jax-nn", "flax"}
 
@@ -487,6 +488,45 @@ passes = ["forward", "forward+backward"]
   assert len(table) == 4 and "tiny-ring: a test" in printed
   for line, r in zip(table, rows, strict=True):
     assert line.split()[7:10] == [r["layout"], r["passes"], f"{r['one_s']:.3f}"]
+
+
+def test_sharding_bench_reads_collectives_of_each_sharding(tmp_path, capsys):
+  # `jattn-bench sharding` on 4 host devices (its own child process), dense and ring only: batch
+  # and head sharding move nothing; a sequence-sharded dense call gathers K and V (GQA: N = 8,
+  # K = 4, so their gathers are not query-sized) and keeps the query's sharding; ring attention
+  # only permutes K/V shards.
+  out = tmp_path / "sharding.json"
+  argv = ["sharding", "--T", "64", "--batch", "4", "--heads", "8", "--kv-heads", "4",
+          "--head-dim", "8", "--impls", "dense", "ring", "--json", str(out)]
+  assert cli.main(argv) == 0
+  printed = capsys.readouterr().out
+  rows = json.loads(out.read_text())["rows"]
+  key = lambda r: (r["mesh"], r["sharding"], r["impl"], r["passes"])
+  assert sorted(map(key, rows)) == sorted(
+      [(m, w, "dense", p) for m in ("Auto", "Explicit") for w in sharding_bench.SHARDINGS
+       for p in sharding_bench.PASSES]
+      + [(m, "sequence", "ring", p) for m in ("Auto", "Explicit") for p in sharding_bench.PASSES])
+  for r in rows:
+    assert "error" not in r, r
+    assert not r["query_sized"], r
+    assert r["out_spec"].startswith({"batch": "('x'", "heads": "(None, None, 'x'",
+                                     "sequence": "(None, 'x'"}[r["sharding"]]), r
+    kinds = sorted({c["kind"] for c in r["collectives"]})
+    if r["sharding"] != "sequence":
+      assert kinds == [], r
+    elif r["impl"] == "ring":
+      assert kinds == ["collective-permute"], r
+    else:
+      gathers = [c for c in r["collectives"] if c["kind"] == "all-gather"]
+      # K and V, each whole on every device: (B, K, S, H) float32 in the dense kernel's layout.
+      assert [c["bytes"] for c in gathers] == [4 * 4 * 64 * 8 * 4] * 2, r
+      assert kinds == (["all-gather"] if r["passes"] == "forward"
+                       else ["all-gather", "all-reduce"]), r
+    assert r["temp_mib"] is not None and r["temp_mib"] >= 0
+  assert printed.count("\n") == len(rows) + 2
+  # Malformed: T not divisible by the devices is refused before any child runs.
+  with pytest.raises(SystemExit):
+    cli.main(["sharding", "--T", "66"])
 
 
 # ------------------------------------------------- masks through every implementation, compared

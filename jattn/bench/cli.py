@@ -26,6 +26,7 @@ examples:
   jattn-bench long_context --compile-only      # compile time and XLA memory only, no runs
   jattn-bench quick --platform cuda            # the structure of the programs a GPU would run
   jattn-bench tune --T 1024 4096 --mask full causal --out tuning.json   # see jattn.tuning
+  jattn-bench sharding --devices 4 --T 1024     # collectives and memory per device, sharded inputs
 
 columns: compile_s (lower+compile, apart from run time); median_s and min..max_s over the timed
 repeats; temp_MiB (XLA compiled temporaries); GFLOP/s (visible pairs only, see docs); %peak (of
@@ -156,6 +157,10 @@ def main(argv: list[str] | None = None) -> int:
   if argv[:1] == ["tune"]:
     from jattn.bench import tune as _tune
     return _tune.main(argv[1:])
+  if argv[:1] == ["sharding"]:
+    # Needs several host devices, set up before JAX starts: its own runner.
+    from jattn.bench import sharding_bench
+    return sharding_bench.main(argv[1:])
   args = build_parser().parse_args(argv)
   if args.config and args.config_pos:
     print("jattn-bench: give the config once (positional or --config)", file=sys.stderr)

@@ -21,26 +21,13 @@ paper estimate of one ring step: bytes of the K and V shard sent versus FLOPs of
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
-import sys
 import time
-from pathlib import Path
 
+from jattn.bench import host_devices
 from jattn.bench.config import configs_dir
 
-# The directory holding the ``jattn`` package (a checkout's root, or site-packages): the child
-# process imports this module from there, so parent and child run the same code.
-ROOT = Path(__file__).resolve().parent.parent.parent
 DEFAULT_CONFIG = configs_dir() / "ring.toml"
-# The child imports this module by name, with ROOT in place of the current directory at the head
-# of sys.path (as a script's directory would be): it finds the same jattn as this process, also in a
-# bare checkout. Run as a file instead, jattn/bench/ would head sys.path and its module names
-# (config, masks, report, ...) would shadow top-level modules.
-_CHILD = ("import sys; sys.path[0] = {root!r}; from jattn.bench import ring_bench; "
-          "raise SystemExit(ring_bench.main())")
 KEYS = {"name", "description", "devices", "repeats", "warmup", "batch", "heads", "kv_heads",
         "head_dim", "T", "block", "dtype", "layouts", "masks", "passes"}
 MASKS = ("full", "causal")
@@ -169,27 +156,13 @@ def main(argv=None):
   p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
   a = p.parse_args(argv)
   cfg = load_config(a.config, {"devices": a.devices, "T": a.T, "repeats": a.repeats})
-  if a.child:
-    rows = child(cfg)
-    print("ROWS " + json.dumps(rows), flush=True)
-    return 0
-  env = dict(os.environ)
-  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
-                      f" --xla_force_host_platform_device_count={cfg['devices']}")
-  env["JAX_PLATFORMS"] = "cpu"
-  proc = subprocess.run([sys.executable, "-c", _CHILD.format(root=str(ROOT)),
-                         *(argv if argv is not None else sys.argv[1:]), "--child"],
-                        env=env, capture_output=True, text=True)
-  rows = next((json.loads(line[5:]) for line in proc.stdout.splitlines()
-               if line.startswith("ROWS ")), None)
-  if proc.returncode or rows is None:
-    sys.stderr.write(proc.stdout[-2000:] + proc.stderr[-4000:])
-    return proc.returncode or 1
-  print(f"{cfg.get('name', 'ring')}: {cfg.get('description', '')}")
-  print_table(rows, cfg)
-  if a.json:
-    Path(a.json).write_text(json.dumps({"config": cfg, "rows": rows}, indent=1))
-  return 0
+
+  def report(rows):
+    print(f"{cfg.get('name', 'ring')}: {cfg.get('description', '')}")
+    print_table(rows, cfg)
+
+  return host_devices.main("ring_bench", argv, cfg, child=child, report=report,
+                           json_path=a.json, is_child=a.child)
 
 
 if __name__ == "__main__":

@@ -183,3 +183,14 @@ def collectives(hlo: str) -> list[Collective]:
     found.append(Collective(m.group(2), tuple(shape for _, shape in parts),
                             sum(size(d, sh) for d, sh in parts)))
   return found
+
+
+def query_sized(colls, B: int, T: int, N: int, H: int) -> list[Collective]:
+  """The collectives that move a whole query- or output-sized array of a (B, T, N, H) call (or
+  its (B, T, N) softmax statistics), in any layout: as many elements, one dimension the whole
+  length T. A sequence-sharded call that has one gathered its query or reduced its output, so
+  every device did the whole call's work. (Ambiguous when K = N: a gathered K or V is as large
+  as the query; use GQA inputs to tell them apart.)"""
+  sizes = {B * T * N * H, B * T * N}
+  return [c for c in colls
+          if any(int(np.prod(s, dtype=np.int64)) in sizes and T in s for s in c.shapes)]
