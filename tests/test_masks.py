@@ -13,6 +13,11 @@ import reference as ref
 
 B, N = 2, 3
 
+# The chunked kernels in both schedules (the parallel one with 3 lanes per step).
+IMPLS = {"dense": dict(implementation="dense"),
+         "chunked": dict(implementation="chunked", schedule="serial"),
+         "parallel": dict(implementation="chunked", schedule="parallel", step_width=3)}
+
 
 def _dense(mask, T, S):
   """Evaluate a mask object on the whole (T, S) grid: (B, N, T, S)."""
@@ -124,7 +129,7 @@ def test_masks_are_hashable_and_band_intersection_is_a_band():
   assert both == M.local_window(5, 0)
 
 
-@pytest.mark.parametrize("impl", ["dense", "chunked"])
+@pytest.mark.parametrize("impl", ["dense", "chunked", "parallel"])
 def test_mask_objects_in_attention_match_reference(impl):
   T, S = 33, 50
   q = jax.random.normal(jax.random.key(0), (B, T, N, 8))
@@ -132,7 +137,7 @@ def test_mask_objects_in_attention_match_reference(impl):
   for kind in ("chunked local 8", "prefix-lm 10", "function", "causal | window", "~causal",
                "dynamic causal"):
     mask = _object(kind, T, S)
-    got = jattn.dot_product_attention(q, k, k, mask=mask, implementation=impl, block_q=8,
+    got = jattn.dot_product_attention(q, k, k, mask=mask, **IMPLS[impl], block_q=8,
                                       block_kv=16)
     want, _, _ = ref.attention(q, k, k, visible=_by_hand(kind, T, S))
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5, err_msg=kind)
@@ -154,7 +159,7 @@ def _qkv():
   return q, k, v, do
 
 
-@pytest.mark.parametrize("impl", ["dense", "chunked"])
+@pytest.mark.parametrize("impl", ["dense", "chunked", "parallel"])
 def test_relative_position_table_gets_its_gradient(impl):
   q, k, v, do = _qkv()
   table = jax.random.normal(jax.random.key(9), (N, T + S)) * 0.5
@@ -163,7 +168,7 @@ def test_relative_position_table_gets_its_gradient(impl):
     def score_mod(s, b, h, qi, ki):
       return s + table[h, qi - ki + S]
     return jattn.dot_product_attention(q, k, v, score_mod=score_mod, is_causal=True,
-                                       implementation=impl, block_q=8, block_kv=16)
+                                       **IMPLS[impl], block_q=8, block_kv=16)
 
   out, pull = jax.vjp(f, q, k, v, table)
   dq, dk, dv, dtable = pull(do)
@@ -181,13 +186,13 @@ def test_relative_position_table_gets_its_gradient(impl):
   np.testing.assert_allclose(dtable, r_dtable, rtol=2e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("impl", ["dense", "chunked"])
+@pytest.mark.parametrize("impl", ["dense", "chunked", "parallel"])
 def test_alibi_and_temperature(impl):
   q, k, v, _ = _qkv()
   slopes = jnp.asarray([0.5, 0.25, 0.125])
   temp = jnp.asarray([1.0, 2.0, 0.5])
   mod = lambda s, b, h, qi, ki: s / temp[h] - slopes[h] * jnp.abs(qi - ki).astype(s.dtype)
-  got = jattn.dot_product_attention(q, k, v, score_mod=mod, implementation=impl, block_q=8,
+  got = jattn.dot_product_attention(q, k, v, score_mod=mod, **IMPLS[impl], block_q=8,
                                     block_kv=16)
   dist = np.abs(np.arange(T)[:, None] - np.arange(S)[None, :])
   want, _, _ = ref.attention(q, k, v, score_mod=lambda x: x / np.asarray(temp)[None, :, None, None]
@@ -195,7 +200,7 @@ def test_alibi_and_temperature(impl):
   np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("impl", ["dense", "chunked"])
+@pytest.mark.parametrize("impl", ["dense", "chunked", "parallel"])
 def test_soft_cap_via_score_mod_against_reference(impl):
   # The option and the same function as a score_mod are one definition: both equal the float64
   # reference's soft cap, forward and gradients.
@@ -205,7 +210,7 @@ def test_soft_cap_via_score_mod_against_reference(impl):
   want, _, cache = ref.attention(q, k, v, visible=vis, soft_cap=cap)
   want_grads = ref.grads(cache, do)[:3]
   for kw in (dict(logits_soft_cap=cap), dict(score_mod=lambda s, *_: cap * jnp.tanh(s / cap))):
-    f = lambda q, k, v: jattn.dot_product_attention(q, k, v, is_causal=True, implementation=impl,
+    f = lambda q, k, v: jattn.dot_product_attention(q, k, v, is_causal=True, **IMPLS[impl],
                                                     block_q=8, block_kv=16, **kw)
     out, pull = jax.vjp(f, q, k, v)
     np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5, err_msg=str(kw))

@@ -45,8 +45,11 @@ def test_malformed_dropout_rng_error_names_the_argument(rng):
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 2e-6), (jnp.bfloat16, 3e-2),
                                        (jnp.float16, 3e-3)])
 @pytest.mark.parametrize("impl", [dict(implementation="dense"),
-                                  dict(implementation="chunked", block_q=3, block_kv=4)],
-                         ids=["dense", "chunked-3x4"])
+                                  dict(implementation="chunked", block_q=3, block_kv=4,
+                                       schedule="serial"),
+                                  dict(implementation="chunked", block_q=3, block_kv=4,
+                                       schedule="parallel")],
+                         ids=["dense", "chunked-3x4", "parallel-3x4"])
 def test_gqa_bias_mask_causal_matches_jax_nn_in_every_dtype(dtype, tol, impl):
   rng = np.random.default_rng(1)
   q, k, v = (_rand(rng, (B, T, N, H), dtype), _rand(rng, (B, S, K, H), dtype),
@@ -61,8 +64,11 @@ def test_gqa_bias_mask_causal_matches_jax_nn_in_every_dtype(dtype, tol, impl):
 
 
 @pytest.mark.parametrize("impl", [dict(implementation="dense"),
-                                  dict(implementation="chunked", block_q=2, block_kv=3)],
-                         ids=["dense", "chunked-2x3"])
+                                  dict(implementation="chunked", block_q=2, block_kv=3,
+                                       schedule="serial"),
+                                  dict(implementation="chunked", block_q=2, block_kv=3,
+                                       schedule="parallel", step_width=2)],
+                         ids=["dense", "chunked-2x3", "parallel-2x3"])
 def test_nan_and_inf_in_padding_never_leak(impl):
   """Padded keys, values and queries hold garbage (NaN/inf); valid rows match jax.nn on clean
   inputs, padded rows are 0, and every gradient is finite."""
