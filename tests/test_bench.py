@@ -515,11 +515,15 @@ def test_sharding_bench_reads_collectives_of_each_sharding(tmp_path, capsys):
     if r["sharding"] != "sequence":
       assert kinds == [], r
     elif r["impl"] == "ring":
+      # K and V shards (and, backward, their dK, dV) pass on once per ring step: P = 4 runs.
       assert kinds == ["collective-permute"], r
+      assert {c["runs"] for c in r["collectives"]} == {4}, r
+      assert all(c["bytes_per_call"] == 4 * c["bytes"] for c in r["collectives"]), r
     else:
       gathers = [c for c in r["collectives"] if c["kind"] == "all-gather"]
       # K and V, each whole on every device: (B, K, S, H) float32 in the dense kernel's layout.
       assert [c["bytes"] for c in gathers] == [4 * 4 * 64 * 8 * 4] * 2, r
+      assert [c["runs"] for c in gathers] == [1, 1], r
       assert kinds == (["all-gather"] if r["passes"] == "forward"
                        else ["all-gather", "all-reduce"]), r
     assert r["temp_mib"] is not None and r["temp_mib"] >= 0

@@ -4,10 +4,11 @@ Explicit-axis mesh (sharding in types): batch-, head- and sequence-sharded calls
 implementation (the chunked kernels in both schedules) equal the unsharded call, forward and
 gradients, and the output keeps the query's sharding.
 
-Auto mesh (the compiler propagates shardings): every implementation equals the unsharded call;
-batch- and head-sharded calls run without any collective; a sequence-sharded GQA query stays
-sharded through the dense kernel -- only K and V are gathered, no query- or output-sized array
-moves (read from the compiled program), forward and backward.
+Auto mesh (the compiler propagates shardings), causal, dense and both chunked schedules: every
+call equals the unsharded one, forward and gradients; batch- and head-sharded calls run without
+any collective; a sequence-sharded GQA query stays sharded through the dense kernel: K and V are
+each gathered once, the dK/dV partial sums all-reduced, and no query- or output-sized array
+moves (read from the compiled program of forward and backward together).
 """
 
 import subprocess
@@ -49,8 +50,9 @@ WORKER = textwrap.dedent('''
             kw.update(implementation="chunked", block_q=32, block_kv=16,
                       schedule="parallel" if impl == "parallel" else "serial")
           def step(q, k, v):  # forward and gradients in one program: one compile per case
-            f = lambda q, k, v: jattn.dot_product_attention(q, k, v, **kw)
-            loss = lambda q, k, v: ((f(q, k, v) ** 2).sum(), f(q, k, v))
+            def loss(q, k, v):
+              out = jattn.dot_product_attention(q, k, v, **kw)
+              return (out ** 2).sum(), out
             return jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
           # The unsharded result depends on the case, not on the sharding: computed once.
           key = (impl, causal, T)
@@ -80,8 +82,10 @@ WORKER = textwrap.dedent('''
         kw.update(implementation="chunked", schedule=impl, block_q=32, block_kv=32)
       f = lambda q, k, v: jattn.dot_product_attention(q, k, v, **kw)
       # Forward and gradients in one program (one compile per case).
-      step = jax.grad(lambda q, k, v: ((f(q, k, v) ** 2).sum(), f(q, k, v)), argnums=(0, 1, 2),
-                      has_aux=True)
+      def loss(q, k, v, f=f):
+        out = f(q, k, v)
+        return (out ** 2).sum(), out
+      step = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)
       want = jax.jit(step)(q, k, v)
       for where, spec in (("batch", P("x")), ("heads", P(None, None, "x")),
                           ("sequence", P(None, "x"))):
@@ -95,10 +99,16 @@ WORKER = textwrap.dedent('''
         if where != "sequence" and colls:
           failures.append(f"{name}: collectives {colls}")
         if where == "sequence" and impl == "dense":
-          # K and V gathered, the dK/dV partial sums reduced; nothing query- or output-sized.
+          # K and V gathered, once each, whole; the dK/dV partial sums reduced; nothing query-
+          # or output-sized moves.
           moved = structure.query_sized(colls, B, T, 8, H)
           if moved:
             failures.append(f"{name}: query- or output-sized collectives {moved}")
+          gathers = [(c.bytes, c.runs) for c in colls if c.kind == "all-gather"]
+          if gathers != [(B * K * T * H * 4, 1)] * 2:
+            failures.append(f"{name}: all-gathers {gathers}, want K and V once each")
+          if sorted({c.kind for c in colls}) != ["all-gather", "all-reduce"]:
+            failures.append(f"{name}: collectives {colls}")
           if tuple(got[1].sharding.spec)[:2] != (None, "x"):
             failures.append(f"{name}: output sharding {got[1].sharding.spec}")
     assert not failures, failures

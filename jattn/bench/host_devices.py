@@ -31,7 +31,8 @@ def print_rows(rows) -> None:
 def run_child(module: str, argv: list[str], devices: int):
   """Run ``jattn.bench.<module>.main(argv + ["--child"])`` on ``devices`` host CPU devices.
 
-  Returns its rows, or None after writing the child's output to stderr when it failed."""
+  Returns (rows, 0), or (None, the child's exit status or 1) after writing its output to stderr
+  when it failed."""
   env = dict(os.environ)
   env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
                       f" --xla_force_host_platform_device_count={devices}")
@@ -42,8 +43,8 @@ def run_child(module: str, argv: list[str], devices: int):
                if line.startswith(_ROWS)), None)
   if proc.returncode or rows is None:
     sys.stderr.write(proc.stdout[-2000:] + proc.stderr[-4000:])
-    return None
-  return rows
+    return None, proc.returncode or 1
+  return rows, 0
 
 
 def main(module: str, argv, cfg: dict, *, child, report, json_path, is_child: bool) -> int:
@@ -53,9 +54,10 @@ def main(module: str, argv, cfg: dict, *, child, report, json_path, is_child: bo
   if is_child:
     print_rows(child(cfg))
     return 0
-  rows = run_child(module, list(argv if argv is not None else sys.argv[1:]), cfg["devices"])
+  rows, status = run_child(module, list(argv if argv is not None else sys.argv[1:]),
+                           cfg["devices"])
   if rows is None:
-    return 1
+    return status
   report(rows)
   if json_path:
     Path(json_path).write_text(json.dumps({"config": cfg, "rows": rows}, indent=1))

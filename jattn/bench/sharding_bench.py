@@ -3,6 +3,8 @@ collectives its partitioned program runs, for batch, head and sequence sharding,
 Explicit mesh axes.
 
   jattn-bench sharding [--devices 4] [--T 1024] [--impls dense ring ...] [--json out]
+      (--impls takes jax.nn, dense, "chunked serial", "chunked parallel", ring: quote the
+      names with a space)
   python -m jattn.bench.sharding_bench [...]   # the same
 
 Nothing is timed: host devices share this machine's cores. What is read from each compiled
@@ -47,11 +49,18 @@ def _fn(impl, causal, mesh):
 
 
 def _pass(fn, pss):
+  """The timed program: ``(output, grads)`` (grads None forward) so that the output's sharding
+  can be read in both passes."""
   import jax
   import jax.numpy as jnp
   if pss == "forward":
-    return fn
-  return jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v) ** 2), argnums=(0, 1, 2))
+    return lambda q, k, v: (fn(q, k, v), None)
+  def loss(q, k, v):
+    out = fn(q, k, v)
+    return jnp.sum(out ** 2), out
+
+  grad = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)
+  return lambda q, k, v: grad(q, k, v)[::-1]
 
 
 def child(cfg):
@@ -87,33 +96,37 @@ def child(cfg):
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
             rows.append(row)
             continue
-          first = out[0] if isinstance(out, (tuple, list)) else out
           colls = structure.collectives(compiled.as_text())
           mem = compiled.memory_analysis()
           row.update(
-              out_spec=str(tuple(first.sharding.spec)),
+              out_spec=str(tuple(out[0].sharding.spec)),
               temp_mib=(mem.temp_size_in_bytes / 2 ** 20) if mem is not None else None,
-              collectives=[dict(kind=c.kind, shapes=[list(s) for s in c.shapes], bytes=c.bytes)
-                           for c in colls],
+              collectives=[dict(kind=c.kind, shapes=[list(s) for s in c.shapes], bytes=c.bytes,
+                                runs=c.runs, bytes_per_call=c.bytes_per_call) for c in colls],
               query_sized=bool(structure.query_sized(colls, B, T, N, H)))
           rows.append(row)
   return rows
 
 
 def _summary(colls):
+  """Per kind: how many run in one call (loop bodies once per step) and the bytes they move."""
   if not colls:
     return "none"
   kinds = {}
   for c in colls:
     n, b = kinds.get(c["kind"], (0, 0))
-    kinds[c["kind"]] = (n + 1, b + c["bytes"])
-  return ", ".join(f"{k} x{n} ({b / 2 ** 20:.2f} MiB)" for k, (n, b) in sorted(kinds.items()))
+    if n is None or c["runs"] is None:
+      kinds[c["kind"]] = (None, None)
+    else:
+      kinds[c["kind"]] = (n + c["runs"], b + c["bytes_per_call"])
+  return ", ".join(f"{k} x{n} ({b / 2 ** 20:.2f} MiB)" if n is not None else f"{k} (in a loop of "
+                   f"run-time length)" for k, (n, b) in sorted(kinds.items()))
 
 
 def print_table(rows, cfg):
   print(f"{cfg['devices']} host CPU devices; B={cfg['batch']} T=S={cfg['T']} N={cfg['heads']} "
-        f"K={cfg['kv_heads']} H={cfg['head_dim']} float32, causal={cfg['causal']}; per device, "
-        f"from the compiled program")
+        f"K={cfg['kv_heads']} H={cfg['head_dim']} float32, causal={cfg['causal']}; per device and "
+        f"call, from the compiled program (collectives in loops counted once per step)")
   print(f"{'mesh':8} {'sharding':9} {'impl':17} {'pass':16} {'out spec':26} {'temp MiB':>8}  "
         f"{'Q/O-sized':9} collectives")
   for r in rows:

@@ -147,9 +147,9 @@ def lowered_for(fn, args, platform: str | None = None):
 
 
 # One collective of a compiled SPMD program: "%x = f32[2,1024,2,32]{...} all-gather(...)", or a
-# tuple of shapes for a combined all-reduce; the "-start" halves of async pairs are the ops.
+# tuple of shapes (several arrays combined into one op, or an async "-start" pair).
 _COLLECTIVE = re.compile(r"=\s*(.+?)\s(all-gather|all-reduce|reduce-scatter|all-to-all|"
-                         r"collective-permute)(?:-start)?\(")
+                         r"collective-permute)(-start)?\(")
 _SHAPE = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
 _ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
              "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
@@ -157,40 +157,80 @@ _ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 
 
 @dataclasses.dataclass(frozen=True)
 class Collective:
-  """One collective op of a partitioned program: its kind and the per-device shapes it
-  produces (several for a combined all-reduce)."""
+  """One collective op of a partitioned program: its kind, the per-device shapes it produces
+  (several for a combined op), their bytes, and how many times one call runs it (the product of
+  its enclosing loops' trip counts; None when one of them is only known at run time)."""
 
   kind: str
   shapes: tuple[tuple[int, ...], ...]
   bytes: int
+  runs: int | None = 1
+
+  @property
+  def bytes_per_call(self) -> int | None:
+    return None if self.runs is None else self.bytes * self.runs
+
+
+def _runs_per_computation(comps, entry) -> dict[str, int | None]:
+  """How many times one call runs each computation reachable from the entry (loop bodies and
+  conditions times their trip counts, branches and calls as often as their caller)."""
+  runs: dict[str, int | None] = {entry: 1}
+  todo = [entry]
+  while todo:
+    name = todo.pop()
+    for line in comps.get(name, ()):
+      op = _opcode(line)
+      mult = runs[name]
+      if op == "while":
+        trip = _TRIP.search(line)
+        callees = [_BODY.search(line).group(1)]
+        mult = None if trip is None or mult is None else mult * int(trip.group(1))
+      elif op == "conditional":
+        m = _BRANCHES.search(line)
+        callees = [c.strip().lstrip("%") for c in m.group(1).split(",")] if m else []
+      elif op in ("call", "async-start"):
+        m = _CALLS.search(line)
+        callees = [m.group(1)] if m else []
+      else:
+        continue
+      for callee in callees:
+        if callee not in runs:
+          runs[callee] = mult
+          todo.append(callee)
+  return runs
 
 
 def collectives(hlo: str) -> list[Collective]:
-  """The collectives of a compiled (partitioned) HLO text, in program order. Shapes are
-  per device, as the partitioned program holds them."""
+  """The collectives of a compiled (partitioned) HLO text, with per-device shapes and how many
+  times one call runs each (a collective inside a loop body runs once per step)."""
+  comps, entry = _computations(hlo)
+  runs = _runs_per_computation(comps, entry)
   found = []
-  for line in hlo.splitlines():
-    m = _COLLECTIVE.search(line)
-    if not m:
-      continue
-    parts = [(dtype, tuple(int(d) for d in dims.split(",") if d))
-             for dtype, dims in _SHAPE.findall(m.group(1))]
-    if m.group(1).startswith("(") and m.group(2) != "all-reduce":
-      # An async "-start" returns (operand, result[, scratch]): the result is what moved. A
-      # tuple-shaped all-reduce is several arrays reduced together: all of them count.
-      parts = parts[1:2]
-    size = lambda dtype, shape: _ITEMSIZE.get(dtype, 4) * int(np.prod(shape, dtype=np.int64))
-    found.append(Collective(m.group(2), tuple(shape for _, shape in parts),
-                            sum(size(d, sh) for d, sh in parts)))
+  for name, lines in comps.items():
+    if name not in runs:
+      continue  # fusion bodies, reducers: parts of one instruction, not run on their own
+    for line in lines:
+      m = _COLLECTIVE.search(line)
+      if not m:
+        continue
+      parts = [(dtype, tuple(int(d) for d in dims.split(",") if d))
+               for dtype, dims in _SHAPE.findall(m.group(1))]
+      if m.group(3):
+        # An async "-start" returns (operand, result[, scratch]): the result is what moved.
+        parts = parts[1:2]
+      size = lambda dtype, shape: _ITEMSIZE.get(dtype, 4) * int(np.prod(shape, dtype=np.int64))
+      found.append(Collective(m.group(2), tuple(shape for _, shape in parts),
+                              sum(size(d, sh) for d, sh in parts), runs[name]))
   return found
 
 
 def query_sized(colls, B: int, T: int, N: int, H: int) -> list[Collective]:
   """The collectives that move a whole query- or output-sized array of a (B, T, N, H) call (or
   its (B, T, N) softmax statistics), in any layout: as many elements, one dimension the whole
-  length T. A sequence-sharded call that has one gathered its query or reduced its output, so
+  length T or a multiple of it (T merged with heads, as in (B, K, G * T)). A sequence-sharded call that has one gathered its query or reduced its output, so
   every device did the whole call's work. (Ambiguous when K = N: a gathered K or V is as large
   as the query; use GQA inputs to tell them apart.)"""
   sizes = {B * T * N * H, B * T * N}
   return [c for c in colls
-          if any(int(np.prod(s, dtype=np.int64)) in sizes and T in s for s in c.shapes)]
+          if any(int(np.prod(s, dtype=np.int64)) in sizes and any(d % T == 0 for d in s if d)
+                 for s in c.shapes)]
