@@ -104,10 +104,12 @@ def _dense_vis(T, S, **kwargs):
                                                  (64, 64, 16, 16, "parallel"),
                                                  (70, 50, 8, 16, "parallel")])
 def test_causal_blocks_skipped_exactly(T, S, bq, bk, schedule):
-  # Every pass computes each non-empty block once, with the right state, and no other block
-  # (the parallel schedule's padding steps are fully masked EMPTY tiles, not counted). The
-  # parallel schedule's backward is two passes (dK/dV by key blocks, dQ by query blocks), each
-  # over the whole map; its lanes run 3 per step (groups, padding lanes).
+  # Every pass computes each non-empty block once and no other block (the parallel schedule's
+  # padding steps are fully masked EMPTY tiles, not counted). The state is the branch the serial
+  # walk takes; for the parallel schedule, the state its block list holds (it masks every tile
+  # of a call that has a PARTIAL block or padding lanes). The parallel backward is two passes
+  # (dK/dV by key blocks, dQ by query blocks), each over the whole map; its lanes run 3 per step
+  # here (groups, padding lanes).
   blocks = _run_recorded(T, S, bq, bk, is_causal=True, schedule=schedule,
                          step_width=3 if schedule == "parallel" else None)
   want = _expected_blocks(_dense_vis(T, S, causal="top_left"), bq, bk)

@@ -92,17 +92,21 @@ def test_mask_equals_dense_construction_and_block_map_is_exact(kind, shape):
   mask = _object(kind, T, S)
   want = _by_hand(kind, T, S)
   np.testing.assert_array_equal(_dense(mask, T, S), want)
+  # One compiled evaluation per block shape (op-by-op dispatch of every block dominated the
+  # test's time).
+  evaluate = jax.jit(lambda q_pos, kv_pos: mask.evaluate(q_pos, kv_pos, (B, N, T, S)))
   for bq, bk in ((8, 8), (16, 5), (7, 13)):
     grid = M.BlockGrid(T, S, bq, bk)
-    st = np.broadcast_to(np.asarray(mask.block_states(grid, (B, N, T, S))),
+    # Under jit: one compile, not one per op of a run-time mask's block summary.
+    st = np.broadcast_to(np.asarray(jax.jit(lambda: mask.block_states(grid, (B, N, T, S)))()),
                          (B, N, grid.num_q_blocks, grid.num_kv_blocks))
     for i, j in itertools.product(range(grid.num_q_blocks), range(grid.num_kv_blocks)):
       blk = want[:, :, i * bq:(i + 1) * bq, j * bk:(j + 1) * bk]
       # The mask evaluated on just this block equals the dense one there.
-      q_pos = jnp.arange(i * bq, min((i + 1) * bq, T), dtype=jnp.int32)
-      kv_pos = jnp.arange(j * bk, min((j + 1) * bk, S), dtype=jnp.int32)
+      q_pos = np.arange(i * bq, min((i + 1) * bq, T), dtype=np.int32)
+      kv_pos = np.arange(j * bk, min((j + 1) * bk, S), dtype=np.int32)
       np.testing.assert_array_equal(
-          np.broadcast_to(np.asarray(mask.evaluate(q_pos, kv_pos, (B, N, T, S))), blk.shape),
+          np.broadcast_to(np.asarray(evaluate(q_pos, kv_pos)), blk.shape),
           blk)
       expect = np.where(~blk.any(axis=(2, 3)), M.EMPTY,
                         np.where(blk.all(axis=(2, 3)), M.FULL, M.PARTIAL))
