@@ -74,6 +74,22 @@ def _opcode(line: str) -> str | None:
   return m.group(1) if m else None
 
 
+def _runs_computations(line: str):
+  """The computations an instruction runs as such: ("while", [body], trip count or None),
+  ("conditional", branches, None), ("call", [callee], None); None for any other instruction."""
+  op = _opcode(line)
+  if op == "while":
+    trip = _TRIP.search(line)
+    return op, [_BODY.search(line).group(1)], None if trip is None else int(trip.group(1))
+  if op == "conditional":
+    m = _BRANCHES.search(line)
+    return op, [c.strip().lstrip("%") for c in m.group(1).split(",")] if m else [], None
+  if op in ("call", "async-start"):
+    m = _CALLS.search(line)
+    return "call", [m.group(1)] if m else [], None
+  return None
+
+
 def loop_structure(hlo: str) -> LoopStructure:
   """The `LoopStructure` of optimized HLO text (``jax.jit(f).lower(...).compile().as_text()``)."""
   comps, entry = _computations(hlo)
@@ -88,36 +104,27 @@ def loop_structure(hlo: str) -> LoopStructure:
     total: int | None = 0
     inner_ops = 0
     for line in comps.get(name, ()):
-      op = _opcode(line)
-      children: list[str] = []
+      called = _runs_computations(line)
+      if called is None:
+        continue
+      op, callees, trip = called
+      results = [walk(c) for c in callees]
       if op == "while":
         loops += 1
-        body = _BODY.search(line).group(1)
-        trip = _TRIP.search(line)
-        steps, ops = walk(body)
-        body_ops = ops if steps else _count_ops(comps.get(body, ()))
+        (steps, ops), = results
+        body_ops = ops if steps else _count_ops(comps.get(callees[0], ()))
         if trip is None or steps is None or total is None:
           total = None
         else:
-          total += int(trip.group(1)) * max(steps, 1)
+          total += trip * max(steps, 1)
         inner_ops = max(inner_ops, body_ops)
         continue
-      if op == "conditional":
-        m = _BRANCHES.search(line)
-        children = [c.strip().lstrip("%") for c in m.group(1).split(",")] if m else []
-        results = [walk(c) for c in children]
-        if any(r[0] is None for r in results):
-          total = None
-        elif total is not None and results:
-          total += max(r[0] for r in results)
-        inner_ops = max([inner_ops] + [r[1] for r in results])
-        continue
-      if op in ("call", "async-start"):
-        m = _CALLS.search(line)
-        if m:
-          steps, ops = walk(m.group(1))
-          total = None if steps is None or total is None else total + steps
-          inner_ops = max(inner_ops, ops)
+      # A conditional counts its most expensive branch; a call its callee.
+      if any(r[0] is None for r in results):
+        total = None
+      elif total is not None and results:
+        total += max(r[0] for r in results)
+      inner_ops = max([inner_ops] + [r[1] for r in results])
     memo[name] = (total, inner_ops)
     return memo[name]
 
@@ -179,20 +186,13 @@ def _runs_per_computation(comps, entry) -> dict[str, int | None]:
   while todo:
     name = todo.pop()
     for line in comps.get(name, ()):
-      op = _opcode(line)
+      called = _runs_computations(line)
+      if called is None:
+        continue
+      op, callees, trip = called
       mult = runs[name]
       if op == "while":
-        trip = _TRIP.search(line)
-        callees = [_BODY.search(line).group(1)]
-        mult = None if trip is None or mult is None else mult * int(trip.group(1))
-      elif op == "conditional":
-        m = _BRANCHES.search(line)
-        callees = [c.strip().lstrip("%") for c in m.group(1).split(",")] if m else []
-      elif op in ("call", "async-start"):
-        m = _CALLS.search(line)
-        callees = [m.group(1)] if m else []
-      else:
-        continue
+        mult = None if trip is None or mult is None else mult * trip
       for callee in callees:
         if callee not in runs:
           runs[callee] = mult
@@ -205,6 +205,7 @@ def collectives(hlo: str) -> list[Collective]:
   times one call runs each (a collective inside a loop body runs once per step)."""
   comps, entry = _computations(hlo)
   runs = _runs_per_computation(comps, entry)
+  size = lambda dtype, shape: _ITEMSIZE.get(dtype, 4) * int(np.prod(shape, dtype=np.int64))
   found = []
   for name, lines in comps.items():
     if name not in runs:
@@ -218,7 +219,6 @@ def collectives(hlo: str) -> list[Collective]:
       if m.group(3):
         # An async "-start" returns (operand, result[, scratch]): the result is what moved.
         parts = parts[1:2]
-      size = lambda dtype, shape: _ITEMSIZE.get(dtype, 4) * int(np.prod(shape, dtype=np.int64))
       found.append(Collective(m.group(2), tuple(shape for _, shape in parts),
                               sum(size(d, sh) for d, sh in parts), runs[name]))
   return found
@@ -227,8 +227,9 @@ def collectives(hlo: str) -> list[Collective]:
 def query_sized(colls, B: int, T: int, N: int, H: int) -> list[Collective]:
   """The collectives that move a whole query- or output-sized array of a (B, T, N, H) call (or
   its (B, T, N) softmax statistics), in any layout: as many elements, one dimension the whole
-  length T or a multiple of it (T merged with heads, as in (B, K, G * T)). A sequence-sharded call that has one gathered its query or reduced its output, so
-  every device did the whole call's work. (Ambiguous when K = N: a gathered K or V is as large
+  length T or a multiple of it (T merged with heads, as in (B, K, G * T)). A sequence-sharded
+  call with such a collective gathered its query or reduced its output: every device did the
+  whole call's work. (Ambiguous when K = N: a gathered K or V is as large
   as the query; use GQA inputs to tell them apart.)"""
   sizes = {B * T * N * H, B * T * N}
   return [c for c in colls
