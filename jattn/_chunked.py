@@ -43,22 +43,16 @@ _BLOCK_HOOK = None
 
 
 def _hook(pass_name, i, j, state):
-  if _BLOCK_HOOK is not None:
-    hook = _BLOCK_HOOK
-    jax.debug.callback(lambda i, j, s: hook(pass_name, int(i), int(j), int(s)), i, j, state)
-
-
-def _hook_lanes(pass_name, i, j, states):
-  """`_hook` for one step of the parallel schedule: (W,) query blocks, key blocks and states of
-  the tiles its lanes compute (EMPTY: a padding step, computed fully masked)."""
+  """Report tile (i, j) in ``state`` to the hook; i, j and state may also be (W,) vectors: the
+  tiles the lanes of one parallel step compute (EMPTY: a padding step, computed fully masked)."""
   if _BLOCK_HOOK is not None:
     hook = _BLOCK_HOOK
 
     def report(i, j, s):
-      for a, b, c in zip(np.asarray(i).tolist(), np.asarray(j).tolist(), np.asarray(s).tolist()):
+      for a, b, c in zip(*(np.atleast_1d(x).tolist() for x in (i, j, s))):
         hook(pass_name, a, b, c)
 
-    jax.debug.callback(report, i, j, states)
+    jax.debug.callback(report, i, j, state)
 
 
 def _slice(x, start, size, axis):
@@ -357,7 +351,7 @@ def _lane_steps(lanes, steps, masked, carry0, visit, const, width=None, name=Non
       kinds_t, columns_t = jnp.take(kinds, t, axis=1), jnp.take(columns, t, axis=1)
       live = kinds_t != EMPTY
       fn = lambda i, j, lv, k, c: visit(i, j, lv if masked else None, masked, k, c)
-      _hook_lanes(name, rows, columns_t, kinds_t)
+      _hook(name, rows, columns_t, kinds_t)
       return jax.vmap(fn)(rows, columns_t, live, const_g, carry)
 
     return jax.lax.fori_loop(0, steps, step, carry_g), shared
@@ -602,7 +596,7 @@ def _backward_parallel(plan: Plan, ops: Operands, tile_grads, scale):
       i_vec = jnp.take(columns_g, t, axis=1)
       kinds_t = jnp.take(kinds_g, t, axis=1)
       live = kinds_t != EMPTY
-      _hook_lanes("bwd", i_vec, rows_g, kinds_t)
+      _hook("bwd", i_vec, rows_g, kinds_t)
 
       def one(j, i, lv, kb, vb):
         c = tile_grads(tile_view(plan, ops, i, j, masked, lv if masked else None), kb, vb)

@@ -67,14 +67,12 @@ def matmul(a, b, spec: str, out_dtype, fold: bool = True):
   partitioner would gather a sequence-sharded query. The dense kernel, whose t is the whole
   query, uses it; the chunked kernels' tiles are never sharded on t.
   """
+  lhs, out = spec.split("->")
+  la, lb = lhs.split(",")
   if not fold:
-    lhs, out = spec.split("->")
-    la, lb = lhs.split(",")
     return jnp.einsum(f"bkg{la},bk{lb}->bkg{out}", a, b, preferred_element_type=out_dtype)
   B, K, G, t = a.shape[:4]
   a2 = a.reshape(B, K, G * t, a.shape[-1])
-  lhs, out = spec.split("->")
-  la, lb = lhs.split(",")
   out2 = jnp.einsum(f"bk{la},bk{lb}->bk{out}", a2, b, preferred_element_type=out_dtype)
   if out[0] == la[0]:
     return out2.reshape(B, K, G, t, out2.shape[-1])
