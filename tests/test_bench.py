@@ -364,11 +364,16 @@ def test_compiled_memory_reads_temp_of_a_known_program():
 
 # ------------------------------------------------------------------------------ --compile-only
 
-def test_compile_only_records_compile_time_and_memory_and_runs_nothing(tmp_path, monkeypatch):
+def _forbid_runs(monkeypatch, flag):
+  """Make any call of a compiled function fail the test: ``flag`` promises to run nothing."""
   def no_call(self, keep):
-    raise AssertionError("--compile-only called a compiled function")
+    raise AssertionError(f"{flag} called a compiled function")
 
   monkeypatch.setattr(runner._JaxRunner, "call", no_call)
+
+
+def test_compile_only_records_compile_time_and_memory_and_runs_nothing(tmp_path, monkeypatch):
+  _forbid_runs(monkeypatch, "--compile-only")
   path = _write_config(tmp_path, """
 repeats = 3
 peak_matmul_size = 64
@@ -413,10 +418,7 @@ def test_platform_reports_the_accelerator_programs_structure(tmp_path, monkeypat
   # reads its loops from the compiled HLO and runs nothing. T = 64 in 16 x 16 blocks: the GPU's
   # default (parallel) schedule takes one step per key block, 4 forward and 4 + 4 + 4 forward+
   # backward; the serial one walks the 4 x 4 = 16 tiles; dense and jax.nn have no loop.
-  def no_call(self, keep):
-    raise AssertionError("--platform called a compiled function")
-
-  monkeypatch.setattr(runner._JaxRunner, "call", no_call)
+  _forbid_runs(monkeypatch, "--platform")
   path = _write_config(tmp_path, """
 peak_matmul_size = 64
 implementations = ["jattn-dense", "jattn-chunked", "jattn-serial", "jax-nn"]
