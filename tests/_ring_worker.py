@@ -5,6 +5,9 @@ starts (``--xla_force_host_platform_device_count``) and the rest of the suite ru
 
   python tests/_ring_worker.py --devices 8 [case ...]
 
+(``--out FILE`` runs the same in a child process and writes its results to FILE: how
+tests/_ring_runs.py starts it in the background.)
+
 For every case it runs ring attention forward and backward (value_and_grad of sum(out * dout)
 w.r.t. the global query, key and value, so zigzag permutations are inside the differentiated
 function) and prints one JSON line {case: {"out": err, "lse": err, "dq": err, ...}} with
@@ -412,36 +415,36 @@ def vs_single(devices):
   P = mesh.shape["seq"]
   out = {}
   for feature, make in SINGLE_FEATURES.items():
+
+    def kwargs(snk, tbl, make=make):
+      kw = make(M, T, tbl)
+      if kw.pop("sinks", False):
+        kw["sinks"] = snk
+      if kw.get("dropout_rate"):
+        kw["dropout_rng"] = rng
+      return kw
+
+    def single(q, k, v, snk, tbl):
+      return jattn.dot_product_attention(q, k, v, implementation="chunked", block_q=8,
+                                         block_kv=8, **kwargs(snk, tbl))
+
+    # One single-device answer per feature serves both layouts.
+    want = _out_and_grads(single, do, q, k, v, sinks, table)
+    # Sanity: the feature must matter (a sink or table gradient of zero would compare equal).
+    used = {key: bool(np.abs(np.asarray(want[key])).max() > 0) for key in ("dsinks", "dtable")}
     for layout in ("contiguous", "zigzag"):
       perm = (lambda x: jattn.zigzag_permute(x, P)) if layout == "zigzag" else (lambda x: x)
       unperm = (lambda x: jattn.zigzag_unpermute(x, P)) if layout == "zigzag" else (lambda x: x)
 
-      def kwargs(snk, tbl):
-        kw = make(M, T, tbl)
-        if kw.pop("sinks", False):
-          kw["sinks"] = snk
-        if kw.get("dropout_rate"):
-          kw["dropout_rng"] = rng
-        return kw
-
-      def ring(q, k, v, snk, tbl):
+      def ring(q, k, v, snk, tbl, perm=perm, unperm=unperm, layout=layout):
         o = jattn.ring_attention_sharded(perm(q), perm(k), perm(v), mesh=mesh, seq_axis="seq",
                                          batch_axis=batch, layout=layout, block_q=4, block_kv=4,
                                          **kwargs(snk, tbl))
         return unperm(o)
 
-      def single(q, k, v, snk, tbl):
-        return jattn.dot_product_attention(q, k, v, implementation="chunked", block_q=8,
-                                           block_kv=8, **kwargs(snk, tbl))
-
-      got = {}
-      for name, f in (("ring", ring), ("single", single)):
-        got[name] = _out_and_grads(f, do, q, k, v, sinks, table)
-      # Sanity: the feature must matter (a sink or table gradient of zero would compare equal).
-      used = {key: bool(np.abs(np.asarray(got["single"][key])).max() > 0)
-              for key in ("dsinks", "dtable")}
+      got = _out_and_grads(ring, do, q, k, v, sinks, table)
       out[f"{feature}/{layout}"] = dict(
-          {key: _err(got["ring"][key], got["single"][key]) for key in got["ring"]},
+          {key: _err(got[key], want[key]) for key in got},
           used_sinks=used["dsinks"], used_table=used["dtable"])
   if devices == 4:
     out["typed_shard_map_score_mod_sinks"] = _typed_vs_single(mesh, q, k, v, do, sinks, table)
@@ -521,6 +524,21 @@ def main_cases(devices, names):
   print("RESULTS " + json.dumps(results), flush=True)
 
 
+def write_run(devices, names, out):
+  """Run the cases in a child process and write {"rc", "results", "stderr"} to ``out``, whole
+  (written beside it, then renamed): tests/_ring_runs.py's workers poll for the file."""
+  import subprocess
+  proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--devices", str(devices),
+                         *names], capture_output=True, text=True, timeout=900)
+  results = None
+  for line in proc.stdout.splitlines():
+    if line.startswith("RESULTS "):
+      results = json.loads(line[len("RESULTS "):])
+  with open(out + ".part", "w") as f:
+    json.dump({"rc": proc.returncode, "results": results, "stderr": proc.stderr[-8000:]}, f)
+  os.replace(out + ".part", out)
+
+
 def main_distributed(process_id, address):
   """One of two processes, 2 CPU devices each: ring over the 4 devices of both."""
   _setup(2)
@@ -570,9 +588,12 @@ if __name__ == "__main__":
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--devices", type=int, default=8)
   parser.add_argument("--distributed", nargs=2, metavar=("PROCESS_ID", "ADDRESS"))
+  parser.add_argument("--out", help="run in a child process; write its results to this file")
   parser.add_argument("cases", nargs="*")
   a = parser.parse_args()
-  if a.distributed:
+  if a.out:
+    write_run(a.devices, a.cases, a.out)
+  elif a.distributed:
     main_distributed(int(a.distributed[0]), a.distributed[1])
   else:
     main_cases(a.devices, a.cases)

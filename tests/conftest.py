@@ -15,6 +15,30 @@ else:
   os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
+
+
+def pytest_configure(config):
+  config.addinivalue_line(
+      "markers", "long: one of the few tests that run for a minute or more; started first")
+
+
+def pytest_collection_modifyitems(config, items):
+  # Under `pytest -n 2` a minute-long test that is handed out last keeps one worker busy while
+  # the other has finished: start them first, the short tests then even out the two workers.
+  items.sort(key=lambda item: item.get_closest_marker("long") is None)  # stable
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _start_ring_runs(request, tmp_path_factory):
+  # The multi-device ring runs compile for about a minute each in subprocesses: start them with
+  # the session, beside the rest of the suite, rather than when the first ring test asks.
+  import _ring_runs
+  root = _ring_runs.session_dir(tmp_path_factory)
+  items = request.session.items
+  for devices in (4, 8):
+    if any(f"ring{devices}" in getattr(item, "fixturenames", ()) for item in items):
+      _ring_runs.start(devices, root)

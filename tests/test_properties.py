@@ -8,6 +8,7 @@ Seeded (`derandomize=True`), so a failure reproduces; the `@example`s pin the de
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -64,6 +65,7 @@ _ONE = dict(B=1, K=1, G=1, T=1, S=1, H=4, causal=None, window=None, q_lengths=No
             dropout=0.0, score_mod=None, soft_cap=None, block_q=1, block_kv=1, seed=0)
 
 
+@pytest.mark.long
 @settings(max_examples=7, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow])
 @given(problems())

@@ -24,6 +24,7 @@ from jattn import _ring
 from jattn import masks as jmasks
 from jattn._tile import NEG
 
+import _ring_runs
 import _ring_worker
 import reference as ref
 
@@ -36,13 +37,6 @@ TOL = 1e-5  # float32 against float64, errors relative to max(1, max |reference|
 # --------------------------------------------------------------------------------------------
 
 
-def _env():
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)  # the worker sets its own device count
-  env["JAX_PLATFORMS"] = "cpu"
-  return env
-
-
 def _results(stdout: str):
   for line in stdout.splitlines():
     if line.startswith("RESULTS "):
@@ -50,44 +44,16 @@ def _results(stdout: str):
   return None
 
 
-def _run_worker(devices):
-  proc = subprocess.run([sys.executable, os.path.join(HERE, "_ring_worker.py"), "--devices",
-                         str(devices)], capture_output=True, text=True, env=_env(), timeout=600)
-  res = _results(proc.stdout)
-  assert proc.returncode == 0 and res is not None, (
-      f"worker with {devices} devices failed (rc={proc.returncode}):\n{proc.stderr[-4000:]}")
-  return res
-
-
-def _shared_worker(tmp_path_factory, devices):
-  """The worker's results, computed once per test session: under pytest-xdist the first process
-  that needs them runs the worker and the others wait for its file (the recipe of the xdist docs,
-  with an fcntl lock), instead of every process running the same 4- and 8-device programs."""
-  import fcntl
-  if "PYTEST_XDIST_WORKER" not in os.environ:
-    return _run_worker(devices)
-  root = tmp_path_factory.getbasetemp().parent  # pytest-N/: shared by this session's workers
-  path = root / f"ring_worker_{devices}.json"
-  with open(root / f"ring_worker_{devices}.lock", "w") as lock:
-    fcntl.flock(lock, fcntl.LOCK_EX)
-    try:
-      if path.exists():
-        return json.loads(path.read_text())
-      res = _run_worker(devices)
-      path.write_text(json.dumps(res))
-      return res
-    finally:
-      fcntl.flock(lock, fcntl.LOCK_UN)
-
-
+# The 4- and 8-device runs start with the session (tests/conftest.py), so they
+# compile beside the other tests; these fixtures wait for their results.
 @pytest.fixture(scope="module")
 def ring8(tmp_path_factory):
-  return _shared_worker(tmp_path_factory, 8)
+  return _ring_runs.results(8, _ring_runs.session_dir(tmp_path_factory))
 
 
 @pytest.fixture(scope="module")
 def ring4(tmp_path_factory):
-  return _shared_worker(tmp_path_factory, 4)
+  return _ring_runs.results(4, _ring_runs.session_dir(tmp_path_factory))
 
 
 QUANTITIES = ("out", "lse", "dq", "dk", "dv")
@@ -173,7 +139,7 @@ def test_ring_two_processes_distributed():
     cmd = lambda i: [sys.executable, os.path.join(HERE, "_ring_worker.py"), "--distributed",
                      str(i), address]
     procs = [subprocess.Popen(cmd(i), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env=_env()) for i in range(2)]
+                              env=_ring_runs.env()) for i in range(2)]
     outs = []
     try:
       for p in procs:

@@ -15,6 +15,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 WORKER = textwrap.dedent('''
     import os
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
@@ -116,6 +118,7 @@ WORKER = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.long
 def test_sharded_calls_under_explicit_and_auto_meshes():
   r = subprocess.run([sys.executable, "-c", WORKER], capture_output=True, text=True, timeout=900)
   assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
