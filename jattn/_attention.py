@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 
-from jattn import _chunked, _dense, _dropout, _plan, _sharding, _tile, _tuning, _validation
+from jattn import (_chunked, _cudnn, _dense, _dropout, _plan, _sharding, _splash, _tile,
+                   _tuning, _validation)
 from jattn._plan import Operands
 from jattn import masks as _masks
 from jattn._tile import Config
@@ -31,7 +32,7 @@ class _Options:
   logits_soft_cap: float | None
   dropout_rate: float
   dropout_broadcast: bool
-  implementation: str | None
+  implementation: str | tuple[str, ...] | None
   block_q: int | None
   block_kv: int | None
   schedule: str | None
@@ -60,7 +61,7 @@ def dot_product_attention(
     dropout_rate: float = 0.0,
     dropout_rng: ArrayLike | None = None,
     dropout_broadcast: bool = False,
-    implementation: Implementation | None = None,
+    implementation: Implementation | Sequence[Implementation] | None = None,
     block_q: int | None = None,
     block_kv: int | None = None,
     schedule: Schedule | None = None,
@@ -106,9 +107,15 @@ def dot_product_attention(
     dropout_rng: a PRNG key, required when ``dropout_rate > 0``.
     dropout_broadcast: share one (T, S) dropout mask across batch and heads (the mask of batch
       0, head 0), as flax's ``broadcast_dropout=True``.
-    implementation: ``None`` (automatic: dense below ~1M scores per head, else chunked),
-      ``"dense"`` (alias ``"xla"``) or ``"chunked"``.
-    block_q, block_kv: chunked block sizes (default 512 and 256, clipped to T and S).
+    implementation: jattn's own ``"dense"`` (alias ``"xla"``) or ``"chunked"``; ``"splash"``
+      (JAX's Pallas TPU kernel; on a CPU only under Pallas's TPU interpret mode); ``"cudnn"``
+      (jax.nn's cuDNN kernel, 16-bit inputs on an NVIDIA GPU); a sequence of these, tried in
+      order, skipping one that cannot take the call (NotImplementedError) and one that lowers
+      for another platform than the program's; or ``None``: splash on TPU when the call fits it
+      (up to T x S = 2^26), else dense or chunked by problem size. Every path keeps jattn's
+      semantics (empty rows 0, float32 statistics).
+    block_q, block_kv: chunked block sizes (default 512 and 256, clipped to T and S); splash's
+      (multiples of 128, default 512).
     schedule: how the chunked kernels walk their blocks: ``"serial"`` (one tile per step, the
       CPU's default), ``"parallel"`` (every lane's next block per step, block lists instead of
       branches: the GPU's and TPU's default), or ``None`` (the platform's default, chosen where
@@ -255,12 +262,50 @@ def _attention(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_s
       out = jax.sharding.reshard(out, seq_spec)
     return out, lse
 
-  runners = {"dense": run_dense, "chunked": run_chunked}
-  if opts.implementation:
-    out, lse = runners[opts.implementation]()
-  else:
+  def run_splash(automatic=False):
+    for name, given in (("bias", args.bias is not None), ("dropout", opts.dropout_rate > 0),
+                        ("score_mod", opts.score_mod is not None),
+                        ("sequence-sharded inputs under an Explicit mesh", seq_spec is not None)):
+      if given:
+        _splash.refuse(name, "the fused kernel has no such input")
+    run = functools.partial(_splash.splash_attention, query, key, value, combined, args.sinks,
+                            scale=scale, soft_cap=opts.logits_soft_cap, block_q=opts.block_q,
+                            block_kv=opts.block_kv)
+    if not automatic:
+      return run()
+    _splash.check_automatic(T, S)
+    try:
+      return run()
+    except NotImplementedError:
+      raise
+    except Exception as e:  # noqa: BLE001 - an automatic choice must not break the call
+      # Chosen automatically, splash is traced on every platform (the TPU branch is picked
+      # where the program is lowered); a call it trips over goes to jattn's kernels instead.
+      raise NotImplementedError(f"splash could not trace this call: {type(e).__name__}: {e}")
+
+  def run_cudnn():
+    for name, given in (
+        ("mask objects", isinstance(args.mask, _masks.Mask)),
+        ("q_segment_ids", args.q_seg is not None), ("sinks", args.sinks is not None),
+        ("score_mod", opts.score_mod is not None), ("dropout", opts.dropout_rate > 0),
+        ("logits_soft_cap", opts.logits_soft_cap is not None)):
+      if given:
+        _cudnn.refuse(name, "jax.nn's cuDNN call has no such input")
+    return _cudnn.cudnn_attention(query, key, value, args.bias, args.mask, scale=scale,
+                                  causal=opts.causal, window=opts.window,
+                                  q_lengths=args.q_lengths, kv_lengths=args.kv_lengths)
+
+  def run_automatic():
     choice = _plan.implementation_by_platform(B, N, T, S)
-    out, lse = _by_platform({p: runners[impl] for p, impl in choice.items()})
+    return _by_platform({p: runners[impl] for p, impl in choice.items()})
+
+  runners = {"dense": run_dense, "chunked": run_chunked, "splash": run_splash,
+             "cudnn": run_cudnn, "automatic": run_automatic,
+             "splash-automatic": functools.partial(run_splash, automatic=True)}
+  # implementation=None: splash where the program is lowered for a TPU and the call fits it,
+  # else jattn's own choice.
+  names = opts.implementation or ("splash-automatic", "automatic")
+  out, lse = _in_order((names,) if isinstance(names, str) else names, runners)
 
   if args.unbatched:
     out = out[0]
@@ -270,6 +315,33 @@ def _attention(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_s
   if args.unbatched:
     lse = lse[0]
   return out, jax.lax.stop_gradient(lse)
+
+
+# The implementations and the platforms each lowers for (None: every platform; jattn's own
+# kernels are XLA programs). What each supports it declares by raising NotImplementedError, at
+# trace time, for what it cannot do.
+PLATFORMS = {"dense": None, "chunked": None, "automatic": None, "splash": ("tpu",),
+             "splash-automatic": ("tpu",), "cudnn": ("cuda",)}
+
+
+def _in_order(names, runners):
+  """The first implementation of ``names`` that takes the call (tokamax's rule: fall through on
+  NotImplementedError). One that lowers only for some platforms is used for those, chosen where
+  the program is lowered, and the rest of the list serves the others. A name given alone runs
+  as asked."""
+  name, rest = names[0], names[1:]
+  if not rest:
+    return runners[name]()
+  try:
+    if PLATFORMS[name] is None:
+      return runners[name]()
+    return _by_platform({**{p: runners[name] for p in PLATFORMS[name]},
+                         "default": lambda: _in_order(rest, runners)})
+  except NotImplementedError as e:
+    try:
+      return _in_order(rest, runners)
+    except NotImplementedError as e2:
+      raise NotImplementedError(f"no implementation takes this call: {e}; {e2}") from None
 
 
 def _by_platform(fns):

@@ -17,10 +17,11 @@ __all__ = ["ArrayLike", "CausalAlignment", "Implementation", "IsCausal", "Layout
 # Anything `jnp.asarray` takes: a jax or NumPy array, a NumPy scalar, a Python bool/int/float.
 ArrayLike = jax.typing.ArrayLike
 
-# `implementation=` of dot_product_attention, the modules, make_attention_fn and diagnostics
-# (None: dense or chunked by problem size). "xla" is jax.nn's name for "dense"; "cudnn" is
-# refused with NotImplementedError and deliberately not part of the type.
-Implementation = Literal["dense", "xla", "chunked"]
+# `implementation=` of dot_product_attention, the modules, make_attention_fn and diagnostics:
+# jattn's own "dense" (jax.nn's name "xla" is accepted) and "chunked", JAX's Pallas TPU kernel
+# "splash", jax.nn's cuDNN kernel "cudnn"; None is automatic, and a sequence of names is tried
+# in order.
+Implementation = Literal["dense", "xla", "chunked", "splash", "cudnn"]
 
 # Where the causal diagonal sits when T != S: "top_left" (query i sees keys <= i, jax.nn's
 # convention) or "bottom_right" (the last query sees the last key: KV-cache decoding).

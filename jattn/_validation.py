@@ -11,8 +11,8 @@ was expected. The exception type says what kind of mistake it is:
   ValueError           the type is right but the value or shape is not: a negative or zero size,
                        a rate outside its range, an unknown option string, an array of the wrong
                        shape or rank, arrays that disagree with each other.
-  NotImplementedError  a valid request that jattn does not support (``implementation='cudnn'``,
-                       a bias array in ring attention, ...).
+  NotImplementedError  a valid request that jattn does not support (``implementation='splash'``
+                       with a bias array, a bias array in ring attention, ...).
 
 When arrays disagree, the argument named is the one that is wrong: query is the reference, key is
 checked against query (rank, dtype, batch, head dim, heads), value against key, and masks,
@@ -328,16 +328,21 @@ def _prng_key(name, key):
 
 
 def implementation(value):
-  """None, "dense" (or jax.nn's name "xla") or "chunked"; "cudnn" is NotImplementedError."""
+  """None (automatic), one name, or a sequence of names tried in order (tokamax's rule): returns
+  None, the name, or a tuple of two or more names. "xla" is jax.nn's name for "dense"."""
   if value is None:
     return None
-  if isinstance(value, str) and value == "cudnn":
-    raise NotImplementedError(
-        "implementation='cudnn' is jax.nn's cuDNN kernel; jattn is pure JAX/XLA. Use "
-        "jax.nn.dot_product_attention(implementation='cudnn') for it.")
-  value = one_of("implementation", value, typing.get_args(_types.Implementation),
-                 expected="None, 'dense' (or 'xla') or 'chunked'")
-  return "dense" if value == "xla" else value
+  expected = ("None, 'dense' (or 'xla'), 'chunked', 'splash', 'cudnn', or a sequence of these "
+              "tried in order")
+  names = typing.get_args(_types.Implementation)
+  if isinstance(value, (list, tuple)):
+    if not value:
+      raise ValueError(f"implementation: expected {expected}, got an empty {type(value).__name__}")
+    seq = tuple(one_of("implementation", v, names, expected=expected) for v in value)
+  else:
+    seq = (one_of("implementation", value, names, expected=expected),)
+  seq = tuple(dict.fromkeys("dense" if v == "xla" else v for v in seq))  # order kept, once each
+  return seq[0] if len(seq) == 1 else seq
 
 
 def block(name, value):

@@ -129,7 +129,8 @@ def attention_stats(
       A bias of -inf hides a position like the mask does; any finite bias counts as a logit.
     implementation: ``None`` (dense below ~1M scores per head, else chunked, the rule of
       `jattn.dot_product_attention`), ``"dense"`` or ``"chunked"`` (no (T, S) array; memory
-      O(B N block_q block_kv)).
+      O(B N block_q block_kv)); in a sequence, the first of these two (fused kernels such as
+      ``"splash"`` do not expose their logits).
     block_q, block_kv: chunked block sizes (default 512 and 256, clipped to T and S).
     per_query: return (B, N, T) per-query statistics instead of (B, N) per head.
     saturation_threshold: in (0, 1]; a row is saturated when max_prob > it.
@@ -144,7 +145,7 @@ def attention_stats(
       causal=_validation.causal(is_causal),
       window=_validation.window(local_window_size),
       logits_soft_cap=_validation.soft_cap(logits_soft_cap),
-      implementation=_validation.implementation(implementation),
+      implementation=_own_implementation(_validation.implementation(implementation)),
       block_q=_validation.block("block_q", block_q),
       block_kv=_validation.block("block_kv", block_kv),
       per_query=_validation.flag("per_query", per_query),
@@ -153,6 +154,18 @@ def attention_stats(
   )
   return _stats(query, key, bias, mask, query_seq_lengths, key_value_seq_lengths, q_segment_ids,
                 kv_segment_ids, sinks, opts=opts)
+
+
+def _own_implementation(impl):
+  """The statistics read the logits, which only jattn's own kernels expose: the first of dense
+  and chunked that ``impl`` names (None: the automatic choice), else NotImplementedError."""
+  names = (impl,) if impl is None or isinstance(impl, str) else impl
+  for name in names:
+    if name in (None, "dense", "chunked"):
+      return name
+  raise NotImplementedError(
+      f"diagnostics computes its statistics with jattn's dense or chunked kernels; "
+      f"implementation={impl!r} names only fused kernels, whose logits it cannot read")
 
 
 @functools.partial(jax.jit, static_argnames=("opts",))

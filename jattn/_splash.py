@@ -1,0 +1,302 @@
+"""Pallas TPU splash attention behind jattn's call, with jattn's semantics on top.
+
+Splash attention (`jax.experimental.pallas.ops.tpu.splash_attention`) is JAX's fused TPU kernel:
+it skips the blocks its mask hides using block lists computed from the mask when the kernel is
+built, and takes segment ids, a logit soft cap, sinks and one key/value head per group of query
+heads (its "MQA" kernel). It does not scale the logits, takes (heads, L, H) arrays of one example,
+needs block sizes that are multiples of 128, and leaves a row with nothing to attend to
+undefined. This module translates one jattn call into it:
+
+- the position-based part of the mask (causal, windows, chunked-local, prefix-LM, functions of
+  positions and heads, their combinations) becomes a splash mask: a band (causal and windows) is
+  splash's own lazy mask; anything else is evaluated once, at trace time, into a NumPy (T, S)
+  array per head;
+- lengths, padding to whole blocks and segment ids become one pair of segment-id vectors (a key
+  past its length gets an id no query has), so they stay run-time arrays;
+- the scale is folded into the query; batch and the K key/value heads are vmapped; each group of
+  G query heads runs the MQA kernel against its key/value head;
+- a row with nothing to attend to is found from splash's log-sum-exp (it stays at splash's mask
+  value, or -inf) and returns 0; its output cotangent is zeroed before the backward, so it adds
+  nothing to any gradient.
+
+Splash returns its log-sum-exp only from a forward-only kernel (`save_residuals=True` cannot be
+differentiated), so the backward here recomputes the forward inside splash's own VJP: forward
+and backward cost two forward kernels and one backward, where splash alone costs the same.
+
+Shape vocabulary: B batch, T query length, S key/value length, N query heads, K key/value heads,
+G = N // K, H head dimension.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jattn import _fused
+from jattn import masks as _masks
+
+LANES = 128  # splash's block sizes are multiples of the TPU's 128 lanes
+DEFAULT_BLOCK = 512
+# implementation=None tries splash (for TPU) only up to this many (T, S) positions. Building a
+# kernel classifies every block of its mask in NumPy, element by element, when the call is
+# traced -- on every platform, since the platform is chosen later, where the program is lowered:
+# measured here about 0.35 s at T = S = 8192 and 6 s at 32768 for a causal mask. Above this
+# size implementation=None keeps jattn's kernels; implementation="splash" has no limit.
+AUTOMATIC_MAX_POSITIONS = 1 << 26
+# A mask that is not a band is evaluated into a (T, S) NumPy array per distinct head.
+MAX_EVALUATED_POSITIONS = 1 << 28
+
+
+def _splash_modules():
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernel
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as mask
+  return kernel, mask
+
+
+def block_size(name: str, value: int | None, length: int) -> int:
+  """A splash block size: the option given (a multiple of 128) or the default, no larger than
+  ``length`` rounded up to 128."""
+  if value is None:
+    return min(DEFAULT_BLOCK, -(-length // LANES) * LANES)
+  if value % LANES:
+    raise NotImplementedError(
+        f"implementation='splash' needs {name} to be a multiple of {LANES} (the TPU's lanes), "
+        f"got {name}={value}")
+  return value
+
+
+def refuse(name: str, reason: str):
+  raise NotImplementedError(f"implementation='splash' does not support {name}: {reason}")
+
+
+def check_automatic(T: int, S: int) -> None:
+  """implementation=None's bound on splash (see AUTOMATIC_MAX_POSITIONS)."""
+  if T * S > AUTOMATIC_MAX_POSITIONS:
+    refuse(f"T x S = {T} x {S} when chosen automatically",
+           f"above {AUTOMATIC_MAX_POSITIONS} positions implementation=None keeps jattn's kernels "
+           "(building splash's block lists at trace time takes seconds there); ask for "
+           "implementation='splash' to use it")
+
+
+# --------------------------------------------------------------------------------------------
+# The mask: a static position-based part for splash, lengths and segment ids at run time.
+# --------------------------------------------------------------------------------------------
+
+
+def split_mask(mask):
+  """(static, lengths, segments): the AND of ``mask``'s parts sorted into what is a function of
+  positions and heads (a mask object or None), the `masks.lengths` parts and the one
+  `masks.segments` part (or None). Splash takes one pair of segment-id vectors, so two
+  segment masks are refused."""
+  parts, todo = [], [mask] if mask is not None else []
+  while todo:
+    m = todo.pop()
+    if isinstance(m, _masks._And):
+      todo += [m.a, m.b]
+    else:
+      parts.append(m)
+  lengths = [p for p in parts if isinstance(p, _masks._Lengths)]
+  segments = [p for p in parts if isinstance(p, _masks._Segments)]
+  if len(segments) > 1:
+    refuse("two segment-id masks at once", "it takes one pair of segment-id vectors")
+  rest = [p for p in parts if not isinstance(p, (_masks._Lengths, _masks._Segments))]
+  static = functools.reduce(lambda a, b: a & b, rest) if rest else None
+  return static, lengths, segments[0] if segments else None
+
+
+class _Static:
+  """One head's splash mask for a (Tp, Sp) problem: a cache key and how to build it."""
+
+  def __init__(self, key, build):
+    self.key, self.build = key, build
+
+
+def static_masks(static, shape, padded) -> list[_Static]:
+  """The splash masks of the position-based part ``static`` on the (Tp, Sp) = ``padded``
+  problem, one per query head, or a single one that every head shares. Padding rows and columns
+  are left visible here: the segment ids hide them."""
+  _, mask_lib = _splash_modules()
+  B, N, T, S = shape
+  if static is None or isinstance(static, _masks._Full):
+    return [_Static(("full", padded), lambda: mask_lib.FullMask(padded))]
+  if isinstance(static, _masks._Band):
+    lo, hi = static.lo, static.hi
+    if lo is None:  # causal-like: keys up to q + hi
+      return [_Static(("causal", padded, hi), lambda: mask_lib.CausalMask(padded, offset=hi))]
+    return [_Static(("band", padded, lo, hi),
+                    lambda: mask_lib.LocalMask(padded, window_size=(-lo, hi), offset=0))]
+  if T * S > MAX_EVALUATED_POSITIONS:
+    refuse(f"a {type(static).__name__} mask at T x S = {T} x {S}",
+           "a mask other than causal or a window is evaluated into a (T, S) array when the "
+           f"kernel is built, and that is limited to {MAX_EVALUATED_POSITIONS} positions")
+  static = _unsharded(static)
+  with jax.ensure_compile_time_eval():
+    try:
+      values = static.evaluate(jnp.arange(T, dtype=jnp.int32), jnp.arange(S, dtype=jnp.int32),
+                               shape)
+      values = np.asarray(values)
+    except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
+      refuse("a mask that depends on run-time arrays",
+             f"its block lists are built when the kernel is, so the mask ({type(static).__name__})"
+             " must be a function of positions and heads known at trace time; pass lengths and "
+             "segment ids as keywords or masks.lengths/masks.segments")
+  values = np.broadcast_to(values, (values.shape[0], values.shape[1], T, S))
+  if values.shape[0] != 1 and not (values == values[:1]).all():
+    refuse("a mask that differs between examples of the batch",
+           "one kernel serves the whole batch; use segment ids or lengths for per-example masks")
+  heads = np.zeros((values.shape[1],) + tuple(padded), bool)
+  heads[:, :T, :S] = values[0]
+  out = []
+  for h in heads:
+    digest = hashlib.sha1(np.packbits(h).tobytes()).hexdigest()
+    out.append(_Static(("array", padded, digest), functools.partial(mask_lib.NumpyMask, h)))
+  return out[:1] if len({m.key for m in out}) == 1 else out
+
+
+def _unsharded(mask):
+  """``mask`` with `masks.from_function`'s batch and head offsets at 0. They are the global
+  indices of ring attention's shard; in a single-device call they are 0 but reach here traced
+  (pytree leaves of the jitted call), which would keep the mask from evaluating at trace time."""
+  if isinstance(mask, _masks._FnMask):
+    return dataclasses.replace(mask, batch0=0, head0=0)
+  if isinstance(mask, (_masks._And, _masks._Or)):
+    return type(mask)(_unsharded(mask.a), _unsharded(mask.b))
+  if isinstance(mask, _masks._Not):
+    return _masks._Not(_unsharded(mask.a))
+  return mask
+
+
+def segment_ids(B, T, S, Tp, Sp, lengths, segments):
+  """(B, Tp) and (B, Sp) int32 ids such that query t sees key s iff the call's lengths, padding
+  and segment ids allow it. A hidden key gets an id below every query's, a hidden query one
+  below that (ids near int32's minimum would wrap: documented)."""
+  q = jnp.zeros((B, T), jnp.int32) if segments is None else jnp.broadcast_to(
+      segments.q_ids.astype(jnp.int32), (B, T))
+  kv = jnp.zeros((B, S), jnp.int32) if segments is None else jnp.broadcast_to(
+      segments.kv_ids.astype(jnp.int32), (B, S))
+  q_ok = jnp.arange(Tp)[None, :] < T
+  kv_ok = jnp.arange(Sp)[None, :] < S
+  for part in lengths:
+    if part.q_lengths is not None:
+      q_ok = q_ok & (jnp.arange(Tp)[None, :] < part.q_lengths[:, None])
+    if part.kv_lengths is not None:
+      kv_ok = kv_ok & (jnp.arange(Sp)[None, :] < part.kv_lengths[:, None])
+  q = jnp.pad(q, ((0, 0), (0, Tp - T)))
+  kv = jnp.pad(kv, ((0, 0), (0, Sp - S)))
+  low = jnp.minimum(q.min(), kv.min())
+  return jnp.where(q_ok, q, low - 2), jnp.where(kv_ok, kv, low - 1)
+
+
+# --------------------------------------------------------------------------------------------
+# Kernels, built once per static configuration.
+# --------------------------------------------------------------------------------------------
+
+
+_KERNELS: dict = {}
+
+
+def _kernel(heads: tuple, bq: int, bk: int, soft_cap, save_residuals: bool):
+  """Splash's MQA kernel for the G query heads of one key/value head, with the mask of each
+  (``heads``: G `_Static`), cached: building one computes its block lists in NumPy."""
+  key = (tuple(h.key for h in heads), bq, bk, soft_cap, save_residuals)
+  if key not in _KERNELS:
+    kernel_lib, mask_lib = _splash_modules()
+    sizes = kernel_lib.BlockSizes(block_q=bq, block_kv=bk, block_kv_compute=bk,
+                                  block_q_dkv=bq, block_kv_dkv=bk, block_kv_dkv_compute=bk,
+                                  block_q_dq=bq, block_kv_dq=bk)
+    # Concrete block lists (built in the trace they would be its tracers, and the cache would
+    # hand them to the next trace).
+    with jax.ensure_compile_time_eval():
+      _KERNELS[key] = kernel_lib.make_splash_mqa(
+          mask_lib.MultiHeadMask([h.build() for h in heads]), block_sizes=sizes, head_shards=1,
+          q_seq_shards=1, save_residuals=save_residuals, attn_logits_soft_cap=soft_cap)
+  return _KERNELS[key]
+
+
+def _kernels(groups, bq, bk, soft_cap, save_residuals):
+  """f(q (B, K, G, Tp, H), k (B, K, Sp, H), v, sinks (K, G) | None, q_ids (B, Tp),
+  kv_ids (B, Sp)) -> (out (B, K, G, Tp, H), lse (B, K, G, Tp) | None): one splash call per example and
+  key/value head (``groups``: the G head masks of every key/value head, or one tuple that all
+  share).
+
+  The calls run under `lax.map`, not `vmap`: a TPU walks a kernel's grid in sequence anyway, so
+  a loop around whole (G, T, S) attentions costs little there, and Pallas's TPU interpret mode
+  (how this runs on a CPU) cannot run a vmapped kernel (its grid grows dimensions that its
+  dimension semantics do not list).
+  """
+  kernels = [_kernel(g, bq, bk, soft_cap, save_residuals) for g in groups]
+  kernel_lib, _ = _splash_modules()
+
+  def one(kern, args):
+    q, k, v, q_ids, kv_ids, sinks = args
+    out = kern(q, k, v, segment_ids=kernel_lib.SegmentIds(q=q_ids, kv=kv_ids), sinks=sinks)
+    return (out[0], out[1][0]) if save_residuals else (out, None)
+
+  def run(q, k, v, sinks, q_ids, kv_ids):
+    B, K = q.shape[:2]
+    if len(kernels) == 1:  # every key/value head alike: one loop over (B x K)
+      flat = lambda x: x.reshape((B * K,) + x.shape[2:])
+      per_head = lambda x: jnp.repeat(x, K, axis=0)
+      snk = None if sinks is None else jnp.tile(sinks, (B, 1))
+      out, lse = jax.lax.map(functools.partial(one, kernels[0]),
+                             (flat(q), flat(k), flat(v), per_head(q_ids), per_head(kv_ids), snk))
+      unflat = lambda x: None if x is None else x.reshape((B, K) + x.shape[1:])
+      return unflat(out), unflat(lse)
+    outs = [jax.lax.map(functools.partial(one, kern),
+                        (q[:, i], k[:, i], v[:, i], q_ids, kv_ids,
+                         None if sinks is None else jnp.broadcast_to(sinks[i], (B,) + sinks[i].shape)))
+            for i, kern in enumerate(kernels)]
+    return jax.tree.map(lambda *xs: jnp.stack(xs, axis=1), *outs)
+
+  return run
+
+
+# --------------------------------------------------------------------------------------------
+# The call.
+# --------------------------------------------------------------------------------------------
+
+
+def splash_attention(query, key, value, mask, sinks, *, scale, soft_cap, block_q, block_kv):
+  """(out (B, T, N, H) in the query dtype, lse (B, T, N) float32) of jattn's attention through
+  splash. ``mask`` is the call's one jattn mask object (or None); ``sinks`` (N,) or None."""
+  B, T, N, H = query.shape
+  _, S, K, _ = key.shape
+  G = N // K
+  if query.dtype not in (jnp.bfloat16, jnp.float32):
+    refuse(f"query dtype {query.dtype}", "splash computes in bfloat16 or float32")
+  bq, bk = block_size("block_q", block_q, T), block_size("block_kv", block_kv, S)
+  Tp, Sp = -(-T // bq) * bq, -(-S // bk) * bk
+  static, lengths, segments = split_mask(mask)
+  heads = static_masks(static, (B, N, T, S), (Tp, Sp))
+  # One group of G head masks when every head shares one, else each key/value head its own.
+  groups = ([(heads[0],) * G] if len(heads) == 1 else
+            [tuple(heads[g * G:(g + 1) * G]) for g in range(K)])
+  q_ids, kv_ids = segment_ids(B, T, S, Tp, Sp, lengths, segments)
+
+  # Splash's layout: (B, K, G, Tp, H) queries (scaled: splash does not scale), (B, K, Sp, H).
+  q = (query.astype(jnp.float32) * scale).astype(query.dtype)
+  q = jnp.pad(q, ((0, 0), (0, Tp - T), (0, 0), (0, 0)))
+  q = jnp.transpose(q.reshape(B, Tp, K, G, H), (0, 2, 3, 1, 4))
+  k = jnp.transpose(jnp.pad(key, ((0, 0), (0, Sp - S), (0, 0), (0, 0))), (0, 2, 1, 3))
+  v = jnp.transpose(jnp.pad(value, ((0, 0), (0, Sp - S), (0, 0), (0, 0))), (0, 2, 1, 3))
+  snk = None if sinks is None else sinks.astype(jnp.float32).reshape(K, G)
+
+  out, lse = _fused.zero_empty_rows(
+      _kernels(groups, bq, bk, soft_cap, True),
+      lambda *a: _kernels(groups, bq, bk, soft_cap, False)(*a)[0], _empty_rows, (q, k, v, snk),
+      (q_ids, kv_ids))
+  out = jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(B, Tp, N, -1)[:, :T]
+  lse = jnp.transpose(lse.reshape(B, K, G, Tp), (0, 3, 1, 2)).reshape(B, Tp, N)[:, :T]
+  return out, lse
+
+
+def _empty_rows(lse):
+  """Rows with nothing to attend to: splash leaves their log-sum-exp at its mask value (plus
+  the log of the hidden keys it visited) or at -inf when it skipped all their blocks."""
+  kernel_lib, _ = _splash_modules()
+  return lse < kernel_lib.DEFAULT_MASK_VALUE / 2

@@ -1,0 +1,121 @@
+"""`implementation=`: one name, a sequence tried in order, None; the fused kernels' platforms.
+
+A sequence falls through on NotImplementedError (a call the implementation cannot express);
+an implementation that lowers for one platform only (splash: TPU, cudnn: GPU) is used where the
+program is lowered for it and the rest of the sequence serves the others. Programs for TPU are
+exported from this CPU (jax.export) and read; cuDNN needs a GPU, so its numerics run only there.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jattn
+
+import reference as ref
+
+B, T, S, N, K, H = 2, 40, 56, 4, 2, 16
+
+
+def _inputs(dtype=jnp.float32):
+  ks = jax.random.split(jax.random.key(0), 3)
+  return (jax.random.normal(ks[0], (B, T, N, H), dtype),
+          jax.random.normal(ks[1], (B, S, K, H), dtype),
+          jax.random.normal(ks[2], (B, S, K, H), dtype))
+
+
+def _tpu_module(f, *args):
+  return jax.export.export(jax.jit(f), platforms=["tpu"])(*args).mlir_module()
+
+
+def _has_gpu():
+  try:
+    return bool(jax.devices("cuda"))
+  except RuntimeError:
+    return False
+
+
+def test_sequence_uses_each_implementation_where_it_lowers():
+  q, k, v = _inputs()
+  f = lambda q, k, v: jattn.dot_product_attention(q, k, v, is_causal=True,
+                                                  implementation=("splash", "chunked"))
+  # On this CPU the program runs jattn's chunked kernels (splash lowers only for a TPU) ...
+  vis = ref.visible_mask(B, N, T, S, causal="top_left")
+  want, _, _ = ref.attention(q, k, v, visible=vis)
+  np.testing.assert_allclose(f(q, k, v), want, rtol=2e-5, atol=2e-5)
+  # ... and lowered for a TPU it is splash's kernel.
+  assert _tpu_module(f, q, k, v).count("tpu_custom_call") == 1
+
+
+def test_sequence_falls_through_what_an_implementation_cannot_do():
+  q, k, v = _inputs()
+  bias = jax.random.normal(jax.random.key(5), (1, N, T, S))
+  f = lambda q, k, v, b: jattn.dot_product_attention(q, k, v, b,
+                                                     implementation=("splash", "dense"))
+  assert "tpu_custom_call" not in _tpu_module(f, q, k, v, bias)  # splash takes no bias
+  want = jattn.dot_product_attention(q, k, v, bias, implementation="dense")
+  np.testing.assert_allclose(f(q, k, v, bias), want, rtol=1e-6, atol=1e-6)
+  # None of them can: one error that gives each reason.
+  with pytest.raises(NotImplementedError, match="splash.*bias.*cudnn"):
+    jattn.dot_product_attention(q, k, v, bias, implementation=("splash", "cudnn"))
+  # Asked for alone, an implementation that cannot take the call says why.
+  with pytest.raises(NotImplementedError, match="splash.*bias"):
+    jattn.dot_product_attention(q, k, v, bias, implementation="splash")
+
+
+@pytest.mark.parametrize("value, error, words", [
+    ([], ValueError, "empty"),
+    (("dense", "flash"), ValueError, "flash"),
+    (("dense", 3), TypeError, "implementation"),
+])
+def test_malformed_sequences_are_refused(value, error, words):
+  q, k, v = _inputs()
+  with pytest.raises(error, match=words):
+    jattn.dot_product_attention(q, k, v, implementation=value)
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(sinks=jnp.zeros((N,))), "sinks"),
+    (dict(logits_soft_cap=3.0), "logits_soft_cap"),
+    (dict(is_causal="bottom_right"), "bottom_right"),
+    (dict(q_segment_ids=jnp.zeros((B, T), jnp.int32),
+          kv_segment_ids=jnp.zeros((B, S), jnp.int32)), "q_segment_ids"),
+    (dict(mask=jattn.masks.causal()), "mask objects"),
+])
+def test_cudnn_refuses_what_jax_nn_cannot_express(kw, words):
+  q, k, v = _inputs(jnp.bfloat16)
+  with pytest.raises(NotImplementedError, match=words):
+    jattn.dot_product_attention(q, k, v, implementation="cudnn", **kw)
+
+
+@pytest.mark.skipif(_has_gpu(), reason="checks the error of a machine without a GPU")
+def test_cudnn_without_a_gpu_says_so_and_a_sequence_falls_through():
+  q, k, v = _inputs(jnp.bfloat16)
+  with pytest.raises(NotImplementedError, match="needs an NVIDIA GPU"):
+    jattn.dot_product_attention(q, k, v, implementation="cudnn")
+  with pytest.raises(NotImplementedError, match="float32"):
+    jattn.dot_product_attention(*_inputs(), implementation="cudnn")
+  out = jattn.dot_product_attention(q, k, v, is_causal=True, implementation=("cudnn", "dense"))
+  want = jattn.dot_product_attention(q, k, v, is_causal=True, implementation="dense")
+  np.testing.assert_array_equal(out, want)
+
+
+@pytest.mark.skipif(not _has_gpu(), reason="cuDNN runs only on an NVIDIA GPU")
+def test_cudnn_matches_reference_with_empty_rows():  # pragma: no cover - needs a GPU
+  q, k, v = (x.astype(jnp.bfloat16) for x in _inputs())
+  q_len, kv_len = jnp.array([T, 20]), jnp.array([0, 48])
+  do = jax.random.normal(jax.random.key(9), (B, T, N, H), jnp.bfloat16)
+  f = lambda q, k, v: jattn.dot_product_attention(
+      q, k, v, is_causal=True, query_seq_lengths=q_len, key_value_seq_lengths=kv_len,
+      implementation="cudnn")
+  out, pull = jax.vjp(f, q, k, v)
+  vis = ref.visible_mask(B, N, T, S, causal="top_left", q_lengths=[T, 20], kv_lengths=[0, 48])
+  want, _, cache = ref.attention(q, k, v, visible=vis)
+  np.testing.assert_allclose(np.asarray(out, np.float32), want, atol=3e-2)
+  for got, w in zip(pull(do), ref.grads(cache, np.asarray(do, np.float64))[:3]):
+    np.testing.assert_allclose(np.asarray(got, np.float32), w, atol=5e-2)
+  empty = ~vis.any(-1).transpose(0, 2, 1)
+  assert np.all(np.asarray(out)[empty] == 0)
