@@ -13,6 +13,7 @@ from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jattn import (_chunked, _cudnn, _dense, _dropout, _plan, _sharding, _splash, _tile,
                    _tuning, _validation)
@@ -170,6 +171,12 @@ def dot_product_attention(
   )
   if opts.dropout_rate == 0.0:
     dropout_rng = None
+  if isinstance(mask, np.ndarray) and mask.dtype == np.bool_ and mask.ndim <= 4 and "splash" in (
+      (opts.implementation,) if isinstance(opts.implementation, str) else
+      opts.implementation or ()):
+    # Splash builds its block lists from the mask when the call is traced: a NumPy boolean mask
+    # asked to run there becomes part of the program instead of a run-time argument.
+    mask = _masks.static_array(mask)
   return _attention(query, key, value, bias, mask, query_seq_lengths, key_value_seq_lengths,
                     q_segment_ids, kv_segment_ids, dropout_rng, sinks, scale_operand, opts=opts)
 

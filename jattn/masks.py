@@ -530,21 +530,65 @@ class _ArrayMask(Mask):
     return a
 
   def block_states(self, grid, shape):
-    a = self.array
-    b, n, t, s = a.shape
-    nq = grid.num_q_blocks if t != 1 else 1
-    nk = grid.num_kv_blocks if s != 1 else 1
-    bq = grid.block_q if t != 1 else 1
-    bk = grid.block_kv if s != 1 else 1
-    # Padding positions count as "visible" for FULL and "hidden" for EMPTY: they are neither.
-    anyv = jnp.pad(a, ((0, 0), (0, 0), (0, nq * bq - t), (0, nk * bk - s)), constant_values=False)
-    allv = jnp.pad(a, ((0, 0), (0, 0), (0, nq * bq - t), (0, nk * bk - s)), constant_values=True)
-    anyv = anyv.reshape(b, n, nq, bq, nk, bk).any(axis=(3, 5))
-    allv = allv.reshape(b, n, nq, bq, nk, bk).all(axis=(3, 5))
-    return jnp.where(anyv, jnp.where(allv, FULL, PARTIAL), EMPTY).astype(jnp.int8)
+    return _array_block_states(jnp, self.array, grid)
+
+
+def _array_block_states(xp, a, grid):
+  """EMPTY/PARTIAL/FULL per block of a (b, n, t, s) boolean array (t, s: 1 or the full length),
+  in NumPy for an array known at trace time, else in jax."""
+  b, n, t, s = a.shape
+  nq = grid.num_q_blocks if t != 1 else 1
+  nk = grid.num_kv_blocks if s != 1 else 1
+  bq = grid.block_q if t != 1 else 1
+  bk = grid.block_kv if s != 1 else 1
+  # Padding positions count as "visible" for FULL and "hidden" for EMPTY: they are neither.
+  pad = ((0, 0), (0, 0), (0, nq * bq - t), (0, nk * bk - s))
+  anyv = xp.pad(a, pad, constant_values=False).reshape(b, n, nq, bq, nk, bk).any(axis=(3, 5))
+  allv = xp.pad(a, pad, constant_values=True).reshape(b, n, nq, bq, nk, bk).all(axis=(3, 5))
+  return _summary(xp, ~anyv, allv)
 
 
 _register(_ArrayMask, data_fields=("array",))
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class _StaticArrayMask(Mask):
+  """A boolean NumPy array known when the call is traced, kept out of the traced arguments:
+  part of the compiled program (a new array compiles anew), so its block map is static. What
+  a kernel that needs the mask when it is built takes (splash attention)."""
+
+  array: np.ndarray
+  digest: str
+
+  def validate(self, shape):
+    from jattn import _validation  # imports this module
+    _validation.broadcastable("mask", self.array, shape, "(B, N, T, S)")
+
+  def evaluate(self, q_pos, kv_pos, shape):
+    return _ArrayMask(jnp.asarray(self.array)).evaluate(q_pos, kv_pos, shape)
+
+  def block_states(self, grid, shape):
+    return _array_block_states(np, self.array, grid)
+
+  def __eq__(self, other):
+    return isinstance(other, _StaticArrayMask) and self.digest == other.digest
+
+  def __hash__(self):
+    return hash(("static array", self.digest))
+
+
+# No array leaves: the whole mask is static structure, compared and hashed by its digest.
+jax.tree_util.register_pytree_node(_StaticArrayMask, lambda m: ((), m), lambda m, _: m)
+
+
+def static_array(mask: np.ndarray) -> Mask:
+  """``mask`` (a boolean NumPy array of rank <= 4 broadcastable to (B, N, T, S)) as a mask
+  known at trace time (see `_StaticArrayMask`)."""
+  import hashlib
+  m = np.asarray(mask)
+  m = m.reshape((1,) * (4 - m.ndim) + m.shape)
+  digest = hashlib.sha1(repr(m.shape).encode() + np.packbits(m).tobytes()).hexdigest()
+  return _StaticArrayMask(m, digest)
 
 
 def from_array(mask: ArrayLike) -> Mask:

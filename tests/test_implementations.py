@@ -119,3 +119,31 @@ def test_cudnn_matches_reference_with_empty_rows():  # pragma: no cover - needs 
     np.testing.assert_allclose(np.asarray(got, np.float32), w, atol=5e-2)
   empty = ~vis.any(-1).transpose(0, 2, 1)
   assert np.all(np.asarray(out)[empty] == 0)
+
+
+def test_flax_callers_take_the_same_implementation_values():
+  """linen's module and flax's attention_fn pass a sequence through: on this CPU
+  ("splash", "dense") is dense, so both equal the dense module."""
+  import flax.linen as nn
+  x = jax.random.normal(jax.random.key(1), (B, T, 32))
+  outs = []
+  for impl in ("dense", ("splash", "dense")):
+    mod = jattn.linen.MultiHeadAttention(num_heads=4, implementation=impl)
+    params = mod.init(jax.random.key(0), x)
+    outs.append(mod.apply(params, x))
+    layer = nn.MultiHeadDotProductAttention(
+        num_heads=4, attention_fn=jattn.make_attention_fn(implementation=impl))
+    outs.append(layer.apply(layer.init(jax.random.key(0), x), x))
+  np.testing.assert_allclose(outs[2], outs[0], rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(outs[3], outs[1], rtol=1e-6, atol=1e-6)
+
+
+def test_diagnostics_reads_logits_with_jattn_kernels_only():
+  q, k, v = _inputs()
+  with pytest.raises(NotImplementedError, match="fused kernels"):
+    jattn.diagnostics.attention_stats(q, k, implementation="splash")
+  got = jattn.diagnostics.attention_stats(q, k, is_causal=True,
+                                          implementation=("splash", "chunked"))
+  want = jattn.diagnostics.attention_stats(q, k, is_causal=True, implementation="chunked")
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(a, b)

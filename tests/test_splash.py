@@ -37,13 +37,18 @@ def _positions(N, T, S):
   return np.arange(N)[:, None, None], np.arange(T)[None, :, None], np.arange(S)[None, None, :]
 
 
+# Random keys hidden, a few whole key blocks hidden (skipped), the diagonal always visible.
+_NUMPY_MASK = (np.random.default_rng(3).random((200, 300)) > 0.3) & (np.arange(300) // 128 != 1)
+_NUMPY_MASK |= np.eye(200, 300, dtype=bool)
+
 # Each case: shapes (T, S not multiples of 128, so both are padded to whole 128-blocks), jattn
 # keywords, and the visible (T, S) positions (or None) written plainly for the reference.
 CASES = {
-    # GQA 2, causal top-left, sinks, float32.
-    "causal_gqa2_sinks": dict(
-        T=200, S=300, N=4, K=2, kw=dict(is_causal=True), sinks=True,
-        vis=dict(causal="top_left")),
+    # GQA 2, causal top-left, sinks, and a NumPy boolean mask (static: splash builds its block
+    # lists from it when the call is traced).
+    "causal_gqa2_sinks_numpy_mask": dict(
+        T=200, S=300, N=4, K=2, kw=dict(is_causal=True, mask=_NUMPY_MASK), sinks=True,
+        vis=dict(causal="top_left"), mask=lambda h, q, k: _NUMPY_MASK),
     # GQA 4 (MQA-like groups), bottom-right causal with a window, soft cap.
     "bottom_right_window_softcap_gqa4": dict(
         T=140, S=290, N=4, K=1, kw=dict(is_causal="bottom_right", local_window_size=(70, 0),

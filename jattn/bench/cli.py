@@ -62,8 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--warmup", type=int, metavar="N", help="untimed calls first (overrides)")
   p.add_argument("--impl", action="append", metavar="NAMES",
                  help="only these implementations, comma-separated, repeatable: names "
-                      "(jattn-dense, jattn-chunked, jattn-serial, jattn-parallel, jax-nn, "
-                      "jax-nn-cudnn, flax, torch; "
+                      "(jattn-dense, jattn-chunked, jattn-serial, jattn-parallel, "
+                      "jattn-splash, jattn-cudnn, jax-nn, jax-nn-cudnn, flax, torch; "
                       "'jattn-chunked' keeps every block size) or labels "
                       "('jattn-chunked-256x256')")
   p.add_argument("--peak-size", type=int, metavar="N",
@@ -97,9 +97,14 @@ def _select(cfg: _config.Config, args) -> tuple[list[_config.Case], list[str]]:
     for impl in case.impls:
       if wanted is not None and impl.label not in wanted and impl.name not in wanted:
         continue
-      if impl.name == "jax-nn-cudnn" and backend != "gpu":
+      if impl.name in ("jax-nn-cudnn", "jattn-cudnn") and backend != "gpu":
         # Also with --platform cuda: jax.nn checks for cuDNN on this machine when it traces.
-        dropped.add(f"jax-nn-cudnn needs a GPU backend (this run's backend: {backend})")
+        dropped.add(f"{impl.name} needs a GPU backend (this run's backend: {backend})")
+        continue
+      if impl.name == "jattn-splash" and backend != "tpu":
+        # With --platform tpu too: its kernels are TPU custom calls, and the exported program
+        # is read by compiling it here.
+        dropped.add(f"jattn-splash needs a TPU backend (this run's backend: {backend})")
         continue
       if impl.name == "torch" and args.platform:
         dropped.add(f"torch cannot be lowered for {args.platform} with jax.export: left out")

@@ -11,7 +11,8 @@ whose keys override the top level (each sweep is the cartesian product of its ax
   peak_matmul_size                       n of the n^3 matmul that measures the peak [2048]
   seed                                   input PRNG seed [0]
   baseline                               the implementation ratios are taken against ["jax-nn"]
-  implementations                        names from IMPLEMENTATIONS [all but torch and cudnn]
+  implementations                        names from IMPLEMENTATIONS [jattn-dense, jattn-chunked,
+                                         jax-nn, flax]
   block_sizes                            [[block_q, block_kv], ...] for jattn-chunked, -serial and
                                          -parallel [[512, 512]]
   passes                                 "forward" / "forward+backward" [both]
@@ -44,8 +45,8 @@ else:  # pragma: no cover - exercised on Python 3.10 only
   except ImportError:
     _toml = None
 
-IMPLEMENTATIONS = ("jattn-dense", "jattn-chunked", "jattn-serial", "jattn-parallel", "jax-nn",
-                   "jax-nn-cudnn", "flax", "torch")
+IMPLEMENTATIONS = ("jattn-dense", "jattn-chunked", "jattn-serial", "jattn-parallel",
+                   "jattn-splash", "jattn-cudnn", "jax-nn", "jax-nn-cudnn", "flax", "torch")
 # jattn's chunked kernels, one row per block size: the platform's default schedule, or one named.
 CHUNKED_IMPLEMENTATIONS = ("jattn-chunked", "jattn-serial", "jattn-parallel")
 DTYPES = ("float32", "bfloat16", "float16")

@@ -30,7 +30,8 @@ class Unsupported(Exception):
 
 def attention_fn(impl: Impl, case: Case) -> tuple[Callable, str]:
   """(attn(q, k, v, aux) -> out, note) for a JAX implementation; raises Unsupported."""
-  if impl.name == "jattn-dense" or impl.name in CHUNKED_IMPLEMENTATIONS:
+  if impl.name in ("jattn-dense", "jattn-splash", "jattn-cudnn") or (
+      impl.name in CHUNKED_IMPLEMENTATIONS):
     return _jattn(impl, case)
   if impl.name in ("jax-nn", "jax-nn-cudnn"):
     return _jax_nn(impl, case)
@@ -47,8 +48,8 @@ def _jattn(impl, case):
     schedule = {"jattn-serial": "serial", "jattn-parallel": "parallel"}.get(impl.name)
     kwargs.update(implementation="chunked", block_q=impl.block_q, block_kv=impl.block_kv,
                   schedule=schedule)
-  else:
-    kwargs.update(implementation="dense")
+  else:  # jattn-dense, jattn-splash, jattn-cudnn: their own default blocks
+    kwargs.update(implementation=impl.name[len("jattn-"):])
 
   def attn(q, k, v, aux):
     return jattn.dot_product_attention(q, k, v, q_segment_ids=aux.get("q_seg"),
