@@ -42,12 +42,14 @@ from jattn import masks as _masks
 
 LANES = 128  # splash's block sizes are multiples of the TPU's 128 lanes
 DEFAULT_BLOCK = 512
-# implementation=None tries splash (for TPU) only up to this many (T, S) positions. Building a
-# kernel classifies every block of its mask in NumPy, element by element, when the call is
-# traced -- on every platform, since the platform is chosen later, where the program is lowered:
-# measured here about 0.35 s at T = S = 8192 and 6 s at 32768 for a causal mask. Above this
-# size implementation=None keeps jattn's kernels; implementation="splash" has no limit.
-AUTOMATIC_MAX_POSITIONS = 1 << 26
+# implementation=None tries splash (for TPU) only for 2^18 <= T x S <= 2^26 positions. The
+# platform is chosen where the program is lowered, so splash is traced on every platform, and
+# that costs time when the call is first traced: building a kernel classifies every block of its
+# mask in NumPy, element by element (measured here about 0.35 s at T = S = 8192 and 6 s at 32768
+# for a causal mask), and tracing splash's three Pallas kernels for a gradient about 0.3 s at any
+# size. Below the range a TPU runs dense attention on small scores anyway; above it
+# implementation=None keeps jattn's kernels. implementation="splash" has neither limit.
+AUTOMATIC_POSITIONS = (1 << 18, 1 << 26)
 # A mask that is not a band is evaluated into a (T, S) NumPy array per distinct head.
 MAX_EVALUATED_POSITIONS = 1 << 28
 
@@ -75,11 +77,12 @@ def refuse(name: str, reason: str):
 
 
 def check_automatic(T: int, S: int) -> None:
-  """implementation=None's bound on splash (see AUTOMATIC_MAX_POSITIONS)."""
-  if T * S > AUTOMATIC_MAX_POSITIONS:
+  """implementation=None's range for splash (see AUTOMATIC_POSITIONS)."""
+  lo, hi = AUTOMATIC_POSITIONS
+  if not lo <= T * S <= hi:
     refuse(f"T x S = {T} x {S} when chosen automatically",
-           f"above {AUTOMATIC_MAX_POSITIONS} positions implementation=None keeps jattn's kernels "
-           "(building splash's block lists at trace time takes seconds there); ask for "
+           f"implementation=None uses it for {lo} <= T x S <= {hi} only (tracing it on every "
+           "platform costs time: see jattn._splash.AUTOMATIC_POSITIONS); ask for "
            "implementation='splash' to use it")
 
 
