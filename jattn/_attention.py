@@ -332,33 +332,45 @@ PLATFORMS = {"dense": None, "chunked": None, "automatic": None, "splash": ("tpu"
 
 
 def _in_order(names, runners):
-  """The first implementation of ``names`` that takes the call (tokamax's rule: fall through on
-  NotImplementedError). One that lowers only for some platforms is used for those, chosen where
-  the program is lowered, and the rest of the list serves the others. A name given alone runs
-  as asked."""
-  name, rest = names[0], names[1:]
-  if not rest:
-    return runners[name]()
-  try:
-    if PLATFORMS[name] is None:
-      return runners[name]()
-    return _by_platform({**{p: runners[name] for p in PLATFORMS[name]},
-                         "default": lambda: _in_order(rest, runners)})
-  except NotImplementedError as e:
-    try:
-      return _in_order(rest, runners)
-    except NotImplementedError as e2:
-      raise NotImplementedError(f"no implementation takes this call: {e}; {e2}") from None
+  """The first implementation of ``names`` that takes the call, per platform (tokamax's rule:
+  fall through on NotImplementedError). One that lowers only for some platforms serves those,
+  chosen where the program is lowered; the first that lowers anywhere serves the rest. A name
+  given alone runs as asked.
+
+  Whether an implementation takes the call is found by tracing it once aside
+  (`jax.eval_shape`): inside `platform_dependent` an error could not be told from its siblings'.
+  The last universal candidate is not tried aside: its own error, if any, is the call's."""
+  if len(names) == 1:
+    return runners[names[0]]()
+  fns, errors = {}, []
+  for i, name in enumerate(names):
+    platforms = PLATFORMS[name]
+    if platforms is not None and all(p in fns for p in platforms):
+      continue
+    if platforms is not None or i < len(names) - 1:
+      try:
+        jax.eval_shape(runners[name])
+      except NotImplementedError as e:
+        errors.append(str(e))
+        continue
+    if platforms is None:
+      fns["default"] = runners[name]
+      break
+    for p in platforms:
+      fns.setdefault(p, runners[name])
+  if not fns:
+    raise NotImplementedError("no implementation takes this call: " + "; ".join(errors))
+  return _by_platform(fns)
 
 
 def _by_platform(fns):
-  """Call ``fns[platform]`` (a "default" entry for the rest), chosen where the program is
-  lowered, not where it is traced: a program exported for cuda or tpu from this CPU gets the
-  accelerator's choice. One distinct function is simply called."""
-  if len(set(fns.values())) == 1:
+  """Call ``fns[platform]`` (a "default" entry, if any, for the rest), chosen where the program
+  is lowered, not where it is traced: a program exported for cuda or tpu from this CPU gets the
+  accelerator's choice. One distinct function for every platform is simply called."""
+  if len(set(fns.values())) == 1 and "default" in fns:
     return next(iter(fns.values()))()
   rest = {p: f for p, f in fns.items() if p != "default"}
-  return jax.lax.platform_dependent(**rest, default=fns["default"])
+  return jax.lax.platform_dependent(**rest, default=fns.get("default"))
 
 
 def attention_weights(query, key, value, bias=None, mask=None, **kwargs):

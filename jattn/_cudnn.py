@@ -31,28 +31,49 @@ def _check_gpu():
 
 def cudnn_attention(query, key, value, bias, mask, *, scale, causal, window, q_lengths,
                     kv_lengths):
-  """(out (B, T, N, H), lse (B, T, N)) through jax.nn's cuDNN kernel. ``mask`` is a boolean
-  array or None (mask objects and segment ids are refused by the caller)."""
+  """(out (B, T, N, H), lse (B, T, N) float32) through jax.nn's cuDNN kernel. ``mask`` is a
+  boolean array or None (mask objects and segment ids are refused by the caller)."""
   if query.dtype not in (jnp.bfloat16, jnp.float16):
     refuse(f"query dtype {query.dtype}", "cuDNN's flash attention takes float16 or bfloat16")
   if causal == "bottom_right":
     refuse("is_causal='bottom_right'", "jax.nn's causal mask is top-left")
+  if window is not None and None in window:
+    refuse(f"local_window_size={window}", "jax.nn's cuDNN window needs both sides")
   _check_gpu()
-  kw = dict(scale=scale, is_causal=causal == "top_left", query_seq_lengths=q_lengths,
-            key_value_seq_lengths=kv_lengths, local_window_size=window, implementation="cudnn")
+  kw = dict(scale=scale, is_causal=causal == "top_left", local_window_size=window,
+            implementation="cudnn")
+  T = query.shape[1]
 
-  def forward(q, k, v, b):
-    return jax.nn.dot_product_attention(q, k, v, b, mask, return_residual=True, **kw)
+  # The arrays jax.nn takes besides q, k, v, bias travel as operands (aux), not in closures: the
+  # custom VJP runs these functions again when it is differentiated, after this trace.
+  def forward(q, k, v, b, mask, q_len, kv_len):
+    out, lse = jax.nn.dot_product_attention(q, k, v, b, mask, query_seq_lengths=q_len,
+                                            key_value_seq_lengths=kv_len, return_residual=True,
+                                            **kw)
+    lse = lse.astype(jnp.float32)
+    # Rows emptied by the lengths, besides those the log-sum-exp shows.
+    hidden = jnp.zeros(lse.shape, bool)
+    if q_len is not None:
+      hidden = hidden | (jnp.arange(T)[None, :, None] >= q_len[:, None, None])
+    if kv_len is not None:
+      hidden = hidden | (kv_len[:, None, None] <= 0)
+    return out, jnp.where(hidden, -jnp.inf, lse)
 
-  def plain(q, k, v, b):
-    return jax.nn.dot_product_attention(q, k, v, b, mask, **kw)
+  def plain(q, k, v, b, mask, q_len, kv_len):
+    return jax.nn.dot_product_attention(q, k, v, b, mask, query_seq_lengths=q_len,
+                                        key_value_seq_lengths=kv_len, **kw)
 
   try:
-    return _fused.zero_empty_rows(forward, plain, _empty_rows, (query, key, value, bias), ())
+    return _fused.zero_empty_rows(forward, plain, _empty_rows, (query, key, value, bias),
+                                  (mask, q_lengths, kv_lengths))
   except ValueError as e:  # jax.nn's own limits (head dim, layout, mask shape, ...)
     raise NotImplementedError(f"implementation='cudnn': {e}") from e
 
 
 def _empty_rows(lse):
-  # Anything but a finite log-sum-exp of real size: -inf, NaN or a masked-value sentinel.
-  return ~(lse > -1e30)
+  """jax.nn hides masked logits with a large finite negative (-2^41 for bfloat16, -2^15 for
+  float16, jax.nn's own constants), so a row with nothing visible has a log-sum-exp about that
+  low, or -inf; half of float16's constant separates them from real rows (a row whose every
+  logit a bias pushes below -16384 counts as empty here). A NaN log-sum-exp is not empty: a NaN
+  at a visible position propagates."""
+  return lse < -(1 << 14)

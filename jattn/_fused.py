@@ -17,6 +17,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jattn._tile import NEG
+
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def zero_empty_rows(forward, plain, empty_rows, diff, aux):
@@ -25,7 +27,11 @@ def zero_empty_rows(forward, plain, empty_rows, diff, aux):
   output; None entries are skipped) through ``plain(*diff, *aux) -> out``. ``aux``: a tuple of
   arrays without gradient (segment ids)."""
   out, lse = forward(*diff, *aux)
-  return jnp.where(empty_rows(lse)[..., None], jnp.zeros((), out.dtype), out), lse
+  empty = empty_rows(lse)
+  # jattn's log-sum-exp of an empty row is NEG on every path (the kernel's may be -inf or its
+  # own sentinel).
+  return (jnp.where(empty[..., None], jnp.zeros((), out.dtype), out),
+          jnp.where(empty, jnp.asarray(NEG, lse.dtype), lse))
 
 
 def _fwd(forward, plain, empty_rows, diff, aux):

@@ -21,7 +21,7 @@ undefined. This module translates one jattn call into it:
 
 Splash returns its log-sum-exp only from a forward-only kernel (`save_residuals=True` cannot be
 differentiated), so the backward here recomputes the forward inside splash's own VJP: forward
-and backward cost two forward kernels and one backward, where splash alone costs the same.
+and backward cost two forward kernels and one backward (splash alone: one and one).
 
 Shape vocabulary: B batch, T query length, S key/value length, N query heads, K key/value heads,
 G = N // K, H head dimension.
@@ -113,10 +113,21 @@ def split_mask(mask):
 
 
 class _Static:
-  """One head's splash mask for a (Tp, Sp) problem: a cache key and how to build it."""
+  """One head's splash mask for a (Tp, Sp) problem: a cache key, how to build it, and its (Tp,)
+  rows and (Sp,) columns that see / are seen by anything (NumPy booleans)."""
 
-  def __init__(self, key, build):
-    self.key, self.build = key, build
+  def __init__(self, key, build, rows, cols):
+    self.key, self.build, self.rows, self.cols = key, build, rows, cols
+
+
+def _band_rows_cols(lo, hi, T, S, padded):
+  """Rows q < T with a key in [q + lo, q + hi] within [0, S), and keys with such a row."""
+  lo = -np.inf if lo is None else lo
+  hi = np.inf if hi is None else hi
+  q, k = np.arange(padded[0]), np.arange(padded[1])
+  rows = (q < T) & (np.maximum(q + lo, 0) <= np.minimum(q + hi, S - 1))
+  cols = (k < S) & (np.maximum(k - hi, 0) <= np.minimum(k - lo, T - 1))
+  return rows, cols
 
 
 def static_masks(static, shape, padded) -> list[_Static]:
@@ -125,14 +136,21 @@ def static_masks(static, shape, padded) -> list[_Static]:
   are left visible here: the segment ids hide them."""
   _, mask_lib = _splash_modules()
   B, N, T, S = shape
-  if static is None or isinstance(static, _masks._Full):
-    return [_Static(("full", padded), lambda: mask_lib.FullMask(padded))]
+  if static is None or isinstance(static, _masks._Full) or (
+      isinstance(static, _masks._Band) and static.lo is None and static.hi is None):
+    rows, cols = _band_rows_cols(None, None, T, S, padded)
+    return [_Static(("full", padded), lambda: mask_lib.FullMask(padded), rows, cols)]
   if isinstance(static, _masks._Band):
     lo, hi = static.lo, static.hi
+    rows, cols = _band_rows_cols(lo, hi, T, S, padded)
+    if not rows.any():
+      refuse("a mask that hides every position", "splash's block lists cannot be empty")
     if lo is None:  # causal-like: keys up to q + hi
-      return [_Static(("causal", padded, hi), lambda: mask_lib.CausalMask(padded, offset=hi))]
+      return [_Static(("causal", padded, hi), lambda: mask_lib.CausalMask(padded, offset=hi),
+                      rows, cols)]
     return [_Static(("band", padded, lo, hi),
-                    lambda: mask_lib.LocalMask(padded, window_size=(-lo, hi), offset=0))]
+                    lambda: mask_lib.LocalMask(padded, window_size=(-lo, hi), offset=0),
+                    rows, cols)]
   if T * S > MAX_EVALUATED_POSITIONS:
     refuse(f"a {type(static).__name__} mask at T x S = {T} x {S}",
            "a mask other than causal or a window is evaluated into a (T, S) array when the "
@@ -154,10 +172,13 @@ def static_masks(static, shape, padded) -> list[_Static]:
            "one kernel serves the whole batch; use segment ids or lengths for per-example masks")
   heads = np.zeros((values.shape[1],) + tuple(padded), bool)
   heads[:, :T, :S] = values[0]
+  if not heads.any():
+    refuse("a mask that hides every position", "splash's block lists cannot be empty")
   out = []
   for h in heads:
     digest = hashlib.sha1(np.packbits(h).tobytes()).hexdigest()
-    out.append(_Static(("array", padded, digest), functools.partial(mask_lib.NumpyMask, h)))
+    out.append(_Static(("array", padded, digest), functools.partial(mask_lib.NumpyMask, h),
+                       h.any(1), h.any(0)))
   return out[:1] if len({m.key for m in out}) == 1 else out
 
 
@@ -175,9 +196,10 @@ def _unsharded(mask):
 
 
 def segment_ids(B, T, S, Tp, Sp, lengths, segments):
-  """(B, Tp) and (B, Sp) int32 ids such that query t sees key s iff the call's lengths, padding
-  and segment ids allow it. A hidden key gets an id below every query's, a hidden query one
-  below that (ids near int32's minimum would wrap: documented)."""
+  """(q_ids (B, Tp), kv_ids (B, Sp), q_ok, kv_ok): int32 ids such that query t sees key s iff
+  the call's lengths, padding and segment ids allow it, and which queries and keys those leave
+  any partner. A hidden key gets an id below every query's, a hidden query one below that (ids
+  near int32's minimum would wrap)."""
   q = jnp.zeros((B, T), jnp.int32) if segments is None else jnp.broadcast_to(
       segments.q_ids.astype(jnp.int32), (B, T))
   kv = jnp.zeros((B, S), jnp.int32) if segments is None else jnp.broadcast_to(
@@ -192,7 +214,16 @@ def segment_ids(B, T, S, Tp, Sp, lengths, segments):
   q = jnp.pad(q, ((0, 0), (0, Tp - T)))
   kv = jnp.pad(kv, ((0, 0), (0, Sp - S)))
   low = jnp.minimum(q.min(), kv.min())
-  return jnp.where(q_ok, q, low - 2), jnp.where(kv_ok, kv, low - 1)
+  q, kv = jnp.where(q_ok, q, low - 2), jnp.where(kv_ok, kv, low - 1)
+  if segments is not None:
+    # A key whose document no query is in is hidden from all (and a query's likewise): found by
+    # searching each side's ids in the other's sorted ids, O((T + S) log), not a (T, S) table.
+    def present(ids, among):
+      srt = jnp.sort(among, axis=-1)
+      at = jax.vmap(jnp.searchsorted)(srt, ids)
+      return jnp.take_along_axis(srt, jnp.minimum(at, srt.shape[-1] - 1), axis=-1) == ids
+    q_ok, kv_ok = q_ok & present(q, kv), kv_ok & present(kv, q)
+  return q, kv, q_ok, kv_ok
 
 
 # --------------------------------------------------------------------------------------------
@@ -279,14 +310,29 @@ def splash_attention(query, key, value, mask, sinks, *, scale, soft_cap, block_q
   # One group of G head masks when every head shares one, else each key/value head its own.
   groups = ([(heads[0],) * G] if len(heads) == 1 else
             [tuple(heads[g * G:(g + 1) * G]) for g in range(K)])
-  q_ids, kv_ids = segment_ids(B, T, S, Tp, Sp, lengths, segments)
+  q_ids, kv_ids, q_ok, kv_ok = segment_ids(B, T, S, Tp, Sp, lengths, segments)
+
+  # Splash multiplies every key and value of a block it visits (a hidden one by a weight of 0),
+  # so inf or NaN at a position hidden from every query (padding, past a length, an empty
+  # document, a column or row the mask hides) would reach the output and gradients as 0 * NaN:
+  # such positions are zeroed first, as jattn's tiles do.
+  per_head = heads * N if len(heads) == 1 else heads
+  rows = np.stack([h.rows for h in per_head], axis=-1)  # (Tp, N)
+  cols = np.stack([np.any([h.cols for h in per_head[g * G:(g + 1) * G]], axis=0)
+                   for g in range(K)], axis=-1)  # (Sp, K)
+  q_keep = q_ok[:, :, None] & jnp.asarray(rows)[None]
+  kv_keep = kv_ok[:, :, None] & jnp.asarray(cols)[None]
 
   # Splash's layout: (B, K, G, Tp, H) queries (scaled: splash does not scale), (B, K, Sp, H).
   q = (query.astype(jnp.float32) * scale).astype(query.dtype)
   q = jnp.pad(q, ((0, 0), (0, Tp - T), (0, 0), (0, 0)))
+  q = jnp.where(q_keep[..., None], q, jnp.zeros((), q.dtype))
   q = jnp.transpose(q.reshape(B, Tp, K, G, H), (0, 2, 3, 1, 4))
-  k = jnp.transpose(jnp.pad(key, ((0, 0), (0, Sp - S), (0, 0), (0, 0))), (0, 2, 1, 3))
-  v = jnp.transpose(jnp.pad(value, ((0, 0), (0, Sp - S), (0, 0), (0, 0))), (0, 2, 1, 3))
+  pad_kv = lambda x: jnp.where(kv_keep[..., None],
+                               jnp.pad(x, ((0, 0), (0, Sp - S), (0, 0), (0, 0))),
+                               jnp.zeros((), x.dtype))
+  k = jnp.transpose(pad_kv(key), (0, 2, 1, 3))
+  v = jnp.transpose(pad_kv(value), (0, 2, 1, 3))
   snk = None if sinks is None else sinks.astype(jnp.float32).reshape(K, G)
 
   out, lse = _fused.zero_empty_rows(
@@ -300,6 +346,7 @@ def splash_attention(query, key, value, mask, sinks, *, scale, soft_cap, block_q
 
 def _empty_rows(lse):
   """Rows with nothing to attend to: splash leaves their log-sum-exp at its mask value (plus
-  the log of the hidden keys it visited) or at -inf when it skipped all their blocks."""
+  the log of the hidden keys it visited) or at -inf when it skipped all their blocks (a NaN
+  log-sum-exp, from a NaN at a visible position, is not empty: it propagates)."""
   kernel_lib, _ = _splash_modules()
   return lse < kernel_lib.DEFAULT_MASK_VALUE / 2

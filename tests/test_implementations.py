@@ -66,6 +66,14 @@ def test_sequence_falls_through_what_an_implementation_cannot_do():
     jattn.dot_product_attention(q, k, v, bias, implementation="splash")
 
 
+def test_a_sequence_of_platform_bound_kernels_serves_each_platform():
+  # cuDNN cannot take the call here (no GPU): the TPU program still gets splash.
+  q, k, v = _inputs(jnp.bfloat16)
+  f = lambda q, k, v: jattn.dot_product_attention(q, k, v, is_causal=True,
+                                                  implementation=("splash", "cudnn"))
+  assert _tpu_module(f, q, k, v).count("tpu_custom_call") == 1
+
+
 @pytest.mark.parametrize("value, error, words", [
     ([], ValueError, "empty"),
     (("dense", "flash"), ValueError, "flash"),
@@ -84,6 +92,7 @@ def test_malformed_sequences_are_refused(value, error, words):
     (dict(q_segment_ids=jnp.zeros((B, T), jnp.int32),
           kv_segment_ids=jnp.zeros((B, S), jnp.int32)), "q_segment_ids"),
     (dict(mask=jattn.masks.causal()), "mask objects"),
+    (dict(local_window_size=(None, 0)), "local_window_size"),
 ])
 def test_cudnn_refuses_what_jax_nn_cannot_express(kw, words):
   q, k, v = _inputs(jnp.bfloat16)

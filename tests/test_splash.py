@@ -60,11 +60,11 @@ CASES = {
         mask=lambda h, q, k: (q // 96 == k // 96) & (k <= q), segments=True),
     # Prefix-LM, or a look-ahead of 5 for head 3 only (heads of one group with different
     # masks); lengths: example 0 has no keys at all (every row empty: 0, zero gradients),
-    # example 1 padded queries (rows past the length: 0).
+    # example 1 padded queries (rows past the length: 0); NaN and inf at every hidden position.
     "prefix_lm_per_head_lengths_empty_rows": dict(
         T=150, S=170, N=4, K=2,
         kw=dict(mask=M.prefix_lm(40) | M.from_function(lambda b, h, q, k: (h == 3) & (k <= q + 5))),
-        lengths=([150, 90], [0, 130]),
+        lengths=([150, 90], [0, 130]), garbage=True,
         mask=lambda h, q, k: (k < 40) | (k <= q) | ((h == 3) & (k <= q + 5))),
 }
 
@@ -86,6 +86,15 @@ def test_splash_matches_reference(case):
     q_len, kv_len = c["lengths"]
     kw.update(query_seq_lengths=jnp.asarray(q_len, jnp.int32),
               key_value_seq_lengths=jnp.asarray(kv_len, jnp.int32))
+  clean = (q, k, v)
+  if c.get("garbage"):
+    # NaN and inf where nothing sees them: keys and values past the lengths, queries past theirs
+    # (the reference reads the clean arrays: hidden positions cannot matter).
+    kv_hidden = np.arange(S)[None, :] >= np.asarray(kv_len)[:, None]  # (B, S)
+    q_hidden = np.arange(T)[None, :] >= np.asarray(q_len)[:, None]
+    k = jnp.where(kv_hidden[:, :, None, None], jnp.nan, k)
+    v = jnp.where(kv_hidden[:, :, None, None], jnp.inf, v)
+    q = jnp.where(q_hidden[:, :, None, None], jnp.nan, q)
   args = (q, k, v) + ((sinks,) if c.get("sinks") else ())
 
   def f(q, k, v, *s):
@@ -100,7 +109,7 @@ def test_splash_matches_reference(case):
           np.broadcast_to(c["mask"](*_positions(N, T, S)), (B, N, T, S)))
   vis = ref.visible_mask(B, N, T, S, mask=mask, q_lengths=q_len, kv_lengths=kv_len, q_seg=q_seg,
                          kv_seg=kv_seg, **c.get("vis", {}))
-  want, _, cache = ref.attention(q, k, v, visible=vis, soft_cap=c.get("soft_cap"),
+  want, _, cache = ref.attention(*clean, visible=vis, soft_cap=c.get("soft_cap"),
                                  sinks=sinks if c.get("sinks") else None)
   want_grads = ref.grads(cache, np.asarray(do, np.float64))
   np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5)
