@@ -64,7 +64,8 @@ def cudnn_attention(query, key, value, bias, mask, *, scale, causal, window, q_l
                                         key_value_seq_lengths=kv_len, **kw)
 
   try:
-    return _fused.zero_empty_rows(forward, plain, _empty_rows, (query, key, value, bias),
+    # No second derivative on this path (pure=None): jax.nn's cuDNN backward has none either.
+    return _fused.zero_empty_rows(forward, plain, None, _empty_rows, (query, key, value, bias),
                                   (mask, q_lengths, kv_lengths))
   except ValueError as e:  # jax.nn's own limits (head dim, layout, mask shape, ...)
     raise NotImplementedError(f"implementation='cudnn': {e}") from e

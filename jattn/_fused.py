@@ -20,12 +20,17 @@ import jax.numpy as jnp
 from jattn._tile import NEG
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def zero_empty_rows(forward, plain, empty_rows, diff, aux):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def zero_empty_rows(forward, plain, pure, empty_rows, diff, aux):
   """(out, lse) of ``forward(*diff, *aux)``, with the rows where ``empty_rows(lse)`` holds set
   to 0; differentiable in ``diff`` (a tuple whose first entry is the query, laid out like the
   output; None entries are skipped) through ``plain(*diff, *aux) -> out``. ``aux``: a tuple of
-  arrays without gradient (segment ids)."""
+  arrays without gradient (segment ids).
+
+  ``pure`` (same signature as ``plain``, in plain JAX, or None) differentiates the backward
+  itself (a gradient of a gradient): the kernels have no derivative of their own backward, and
+  a platform_dependent call differentiates every platform's branch, so without it a second
+  derivative would fail on every platform, also where the kernel is never lowered."""
   out, lse = forward(*diff, *aux)
   empty = empty_rows(lse)
   # jattn's log-sum-exp of an empty row is NEG on every path (the kernel's may be -inf or its
@@ -34,25 +39,43 @@ def zero_empty_rows(forward, plain, empty_rows, diff, aux):
           jnp.where(empty, jnp.asarray(NEG, lse.dtype), lse))
 
 
-def _fwd(forward, plain, empty_rows, diff, aux):
-  out, lse = zero_empty_rows(forward, plain, empty_rows, diff, aux)
+def _fwd(forward, plain, pure, empty_rows, diff, aux):
+  out, lse = zero_empty_rows(forward, plain, pure, empty_rows, diff, aux)
   return (out, lse), (diff, aux, empty_rows(lse))
 
 
-def _bwd(forward, plain, empty_rows, res, cts):
-  diff, aux, empty = res
-  d_out, _ = cts  # the log-sum-exp is returned without gradient
-  zero = lambda x: jnp.where(empty[..., None], jnp.zeros((), x.dtype), x)
-  given = [i for i, x in enumerate(diff) if x is not None]
-
+def _pullback(fn, diff, given, xs, aux, d_out):
+  """The gradients of ``fn(*diff, *aux)`` for the entries ``given`` of ``diff`` (now ``xs``)."""
   def f(*xs):
     full = list(diff)
     for i, x in zip(given, xs):
       full[i] = x
-    return plain(*full, *aux)
+    return fn(*full, *aux)
 
-  _, pull = jax.vjp(f, *(diff[i] for i in given))
-  grads = dict(zip(given, pull(zero(d_out))))
+  _, pull = jax.vjp(f, *xs)
+  return pull(d_out)
+
+
+def _bwd(forward, plain, pure, empty_rows, res, cts):
+  diff, aux, empty = res
+  d_out, _ = cts  # the log-sum-exp is returned without gradient
+  zero = lambda x: jnp.where(empty[..., None], jnp.zeros((), x.dtype), x)
+  given = [i for i, x in enumerate(diff) if x is not None]
+  xs = tuple(diff[i] for i in given)
+  shape = [None if x is None else 0 for x in diff]  # the structure, without the arrays
+
+  def pullback(fn):
+    return lambda xs, d_out, aux: _pullback(fn, shape, given, xs, aux, d_out)
+
+  if pure is None:
+    grads = pullback(plain)(xs, zero(d_out), aux)
+  else:
+    grads_of = jax.custom_jvp(pullback(plain))
+    # aux (integer ids) has no tangent: the rule differentiates in xs and d_out only.
+    grads_of.defjvp(lambda primals, tangents: jax.jvp(
+        lambda xs, d: pullback(pure)(xs, d, primals[2]), primals[:2], tangents[:2]))
+    grads = grads_of(xs, zero(d_out), aux)
+  grads = dict(zip(given, grads))
   grads[0] = zero(grads[0])
   return tuple(grads.get(i) for i in range(len(diff))), tuple(None for _ in aux)
 

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jattn import _fused
+from jattn._tile import NEG
 from jattn import masks as _masks
 
 LANES = 128  # splash's block sizes are multiples of the TPU's 128 lanes
@@ -116,8 +117,13 @@ class _Static:
   """One head's splash mask for a (Tp, Sp) problem: a cache key, how to build it, and its (Tp,)
   rows and (Sp,) columns that see / are seen by anything (NumPy booleans)."""
 
-  def __init__(self, key, build, rows, cols):
-    self.key, self.build, self.rows, self.cols = key, build, rows, cols
+  def __init__(self, key, build, rows, cols, dense):
+    self.key, self.build, self.rows, self.cols, self.dense = key, build, rows, cols, dense
+
+
+def _band_dense(lo, hi, padded):
+  q, k = np.arange(padded[0])[:, None], np.arange(padded[1])[None, :]
+  return (k >= q + (-np.inf if lo is None else lo)) & (k <= q + (np.inf if hi is None else hi))
 
 
 def _band_rows_cols(lo, hi, T, S, padded):
@@ -139,7 +145,8 @@ def static_masks(static, shape, padded) -> list[_Static]:
   if static is None or isinstance(static, _masks._Full) or (
       isinstance(static, _masks._Band) and static.lo is None and static.hi is None):
     rows, cols = _band_rows_cols(None, None, T, S, padded)
-    return [_Static(("full", padded), lambda: mask_lib.FullMask(padded), rows, cols)]
+    return [_Static(("full", padded), lambda: mask_lib.FullMask(padded), rows, cols,
+                    lambda: np.ones(padded, bool))]
   if isinstance(static, _masks._Band):
     lo, hi = static.lo, static.hi
     rows, cols = _band_rows_cols(lo, hi, T, S, padded)
@@ -147,10 +154,10 @@ def static_masks(static, shape, padded) -> list[_Static]:
       refuse("a mask that hides every position", "splash's block lists cannot be empty")
     if lo is None:  # causal-like: keys up to q + hi
       return [_Static(("causal", padded, hi), lambda: mask_lib.CausalMask(padded, offset=hi),
-                      rows, cols)]
+                      rows, cols, lambda: _band_dense(lo, hi, padded))]
     return [_Static(("band", padded, lo, hi),
                     lambda: mask_lib.LocalMask(padded, window_size=(-lo, hi), offset=0),
-                    rows, cols)]
+                    rows, cols, lambda: _band_dense(lo, hi, padded))]
   if T * S > MAX_EVALUATED_POSITIONS:
     refuse(f"a {type(static).__name__} mask at T x S = {T} x {S}",
            "a mask other than causal or a window is evaluated into a (T, S) array when the "
@@ -178,7 +185,7 @@ def static_masks(static, shape, padded) -> list[_Static]:
   for h in heads:
     digest = hashlib.sha1(np.packbits(h).tobytes()).hexdigest()
     out.append(_Static(("array", padded, digest), functools.partial(mask_lib.NumpyMask, h),
-                       h.any(1), h.any(0)))
+                       h.any(1), h.any(0), lambda h=h: h))
   return out[:1] if len({m.key for m in out}) == 1 else out
 
 
@@ -337,11 +344,35 @@ def splash_attention(query, key, value, mask, sinks, *, scale, soft_cap, block_q
 
   out, lse = _fused.zero_empty_rows(
       _kernels(groups, bq, bk, soft_cap, True),
-      lambda *a: _kernels(groups, bq, bk, soft_cap, False)(*a)[0], _empty_rows, (q, k, v, snk),
-      (q_ids, kv_ids))
+      lambda *a: _kernels(groups, bq, bk, soft_cap, False)(*a)[0], _pure(groups, soft_cap),
+      _empty_rows, (q, k, v, snk), (q_ids, kv_ids))
   out = jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(B, Tp, N, -1)[:, :T]
   lse = jnp.transpose(lse.reshape(B, K, G, Tp), (0, 3, 1, 2)).reshape(B, Tp, N)[:, :T]
   return out, lse
+
+
+def _pure(groups, soft_cap):
+  """What the kernels compute, in plain JAX with (T, S) scores: the derivative of splash's
+  backward (a gradient of a gradient), which its kernels do not have (see _fused)."""
+
+  def run(q, k, v, sinks, q_ids, kv_ids):
+    masks = jnp.asarray(np.stack([np.stack([h.dense() for h in g]) for g in groups]))
+    s = jnp.einsum("bkgth,bksh->bkgts", q.astype(jnp.float32), k.astype(jnp.float32))
+    if soft_cap is not None:
+      s = soft_cap * jnp.tanh(s / soft_cap)
+    vis = masks[None] & (q_ids[:, None, None, :, None] == kv_ids[:, None, None, None, :])
+    s = jnp.where(vis, s, NEG)
+    m = s.max(-1, keepdims=True)
+    if sinks is not None:
+      m = jnp.maximum(m, sinks[None, :, :, None, None])
+    p = jnp.where(vis, jnp.exp(s - m), 0.0)
+    l = p.sum(-1, keepdims=True)
+    if sinks is not None:
+      l = l + jnp.exp(sinks[None, :, :, None, None] - m)
+    out = jnp.einsum("bkgts,bksh->bkgth", p / jnp.where(l == 0, 1.0, l), v.astype(jnp.float32))
+    return out.astype(q.dtype)
+
+  return run
 
 
 def _empty_rows(lse):

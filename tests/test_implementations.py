@@ -156,3 +156,13 @@ def test_diagnostics_reads_logits_with_jattn_kernels_only():
   want = jattn.diagnostics.attention_stats(q, k, is_causal=True, implementation="chunked")
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_array_equal(a, b)
+
+
+def test_automatic_choice_keeps_second_derivatives():
+  # At these sizes implementation=None also traces splash's branch (for a TPU); differentiating
+  # twice must still work where the program runs jattn's kernels.
+  q = jax.random.normal(jax.random.key(2), (1, 512, 2, 16))
+  f = lambda impl: lambda q: (jattn.dot_product_attention(
+      q, q, q, is_causal=True, implementation=impl) ** 2).sum()
+  gg = lambda impl: jax.grad(lambda q: (jax.grad(f(impl))(q) ** 2).sum())(q)
+  np.testing.assert_allclose(gg(None), gg("dense"), rtol=1e-4, atol=1e-5)

@@ -174,3 +174,22 @@ def test_splash_lowers_to_fused_tpu_kernels():
   assert fwd.count("tpu_custom_call") == 1
   # The forward (with its log-sum-exp), the forward that splash's VJP recomputes, dq and dk/dv.
   assert both.count("tpu_custom_call") == 4
+
+
+def test_splash_second_derivative_equals_dense():
+  """A gradient of a gradient through splash (its kernels have no derivative of their own
+  backward: jattn differentiates a plain-JAX twin of the kernels there)."""
+  q, k, v, _, sinks = _inputs(136, 150, 4, 2)
+  mask = M.causal() & M.local_window(60)
+
+  def grad_sum(impl):
+    f = lambda q, k, v, s: (jattn.dot_product_attention(
+        q, k, v, mask=mask, sinks=s, logits_soft_cap=5.0, implementation=impl,
+        **({"block_q": 128, "block_kv": 128} if impl == "splash" else {})) ** 2).sum()
+    return lambda *a: (jax.grad(f, argnums=(0, 1, 2, 3))(*a)[0] ** 2).sum()
+
+  with pltpu.force_tpu_interpret_mode():
+    got = jax.grad(grad_sum("splash"), argnums=(0, 1, 2, 3))(q, k, v, sinks)
+  want = jax.grad(grad_sum("dense"), argnums=(0, 1, 2, 3))(q, k, v, sinks)
+  for name, a, b in zip(("q", "k", "v", "sinks"), got, want):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4, err_msg=name)
