@@ -113,7 +113,7 @@ def dot_product_attention(
       (jax.nn's cuDNN kernel, 16-bit inputs on an NVIDIA GPU); a sequence of these, tried in
       order, skipping one that cannot take the call (NotImplementedError) and one that lowers
       for another platform than the program's; or ``None``: splash on TPU when the call fits it
-      (2^18 <= T x S <= 2^26), else dense or chunked by problem size. Every path keeps jattn's
+      (2^20 <= T x S <= 2^26), else dense or chunked by problem size. Every path keeps jattn's
       semantics (empty rows 0, float32 statistics).
     block_q, block_kv: chunked block sizes (default 512 and 256, clipped to T and S); splash's
       (multiples of 128, default 512).

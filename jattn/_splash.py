@@ -43,14 +43,16 @@ from jattn import masks as _masks
 
 LANES = 128  # splash's block sizes are multiples of the TPU's 128 lanes
 DEFAULT_BLOCK = 512
-# implementation=None tries splash (for TPU) only for 2^18 <= T x S <= 2^26 positions. The
+# implementation=None tries splash (for TPU) only for 2^20 <= T x S <= 2^26 positions. The
 # platform is chosen where the program is lowered, so splash is traced on every platform, and
 # that costs time when the call is first traced: building a kernel classifies every block of its
 # mask in NumPy, element by element (measured here about 0.35 s at T = S = 8192 and 6 s at 32768
 # for a causal mask), and tracing splash's three Pallas kernels for a gradient about 0.3 s at any
-# size. Below the range a TPU runs dense attention on small scores anyway; above it
-# implementation=None keeps jattn's kernels. implementation="splash" has neither limit.
-AUTOMATIC_POSITIONS = (1 << 18, 1 << 26)
+# size. It also makes forward-mode autodiff (jax.jvp) fail on every platform, as a custom VJP
+# does: from 2^20 on that is already so on a CPU (chunked). Below the range a TPU runs dense
+# attention on small scores; above it implementation=None keeps jattn's kernels.
+# implementation="splash" has neither limit.
+AUTOMATIC_POSITIONS = (1 << 20, 1 << 26)
 # A mask that is not a band is evaluated into a (T, S) NumPy array per distinct head.
 MAX_EVALUATED_POSITIONS = 1 << 28
 

@@ -161,7 +161,7 @@ def test_diagnostics_reads_logits_with_jattn_kernels_only():
 def test_automatic_choice_keeps_second_derivatives():
   # At these sizes implementation=None also traces splash's branch (for a TPU); differentiating
   # twice must still work where the program runs jattn's kernels.
-  q = jax.random.normal(jax.random.key(2), (1, 512, 2, 16))
+  q = jax.random.normal(jax.random.key(2), (1, 1024, 2, 16))
   f = lambda impl: lambda q: (jattn.dot_product_attention(
       q, q, q, is_causal=True, implementation=impl) ** 2).sum()
   gg = lambda impl: jax.grad(lambda q: (jax.grad(f(impl))(q) ** 2).sum())(q)
