@@ -161,8 +161,10 @@ def test_diagnostics_reads_logits_with_jattn_kernels_only():
 def test_automatic_choice_keeps_second_derivatives():
   # At these sizes implementation=None also traces splash's branch (for a TPU); differentiating
   # twice must still work where the program runs jattn's kernels.
-  q = jax.random.normal(jax.random.key(2), (1, 1024, 2, 16))
+  q, k, v = (0.5 * jax.random.normal(key, (1, 1024, 2, 16))
+             for key in jax.random.split(jax.random.key(2), 3))
   f = lambda impl: lambda q: (jattn.dot_product_attention(
-      q, q, q, implementation=impl) ** 2).sum()
+      q, k, v, implementation=impl) ** 2).sum()
   gg = lambda impl: jax.grad(lambda q: (jax.grad(f(impl))(q) ** 2).sum())(q)
-  np.testing.assert_allclose(gg(None), gg("dense"), rtol=1e-3, atol=1e-4)  # float32, twice
+  want = gg("dense")
+  np.testing.assert_allclose(gg(None), want, rtol=1e-3, atol=1e-4 * float(jnp.abs(want).max()))
