@@ -112,8 +112,8 @@ def dot_product_attention(
       (JAX's Pallas TPU kernel; on a CPU only under Pallas's TPU interpret mode); ``"cudnn"``
       (jax.nn's cuDNN kernel, 16-bit inputs on an NVIDIA GPU); a sequence of these, tried in
       order, skipping one that cannot take the call (NotImplementedError) and one that lowers
-      for another platform than the program's; or ``None``: splash on TPU when the call fits it
-      (2^20 <= T x S <= 2^26), else dense or chunked by problem size. Every path keeps jattn's
+      for another platform than the program's; or ``None``: dense or chunked by problem size
+      and platform (never a fused kernel: see the README). Every path keeps jattn's
       semantics (empty rows 0, float32 statistics).
     block_q, block_kv: chunked block sizes (default 512 and 256, clipped to T and S); splash's
       (multiples of 128, default 512).
@@ -269,26 +269,15 @@ def _attention(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_s
       out = jax.sharding.reshard(out, seq_spec)
     return out, lse
 
-  def run_splash(automatic=False):
+  def run_splash():
     for name, given in (("bias", args.bias is not None), ("dropout", opts.dropout_rate > 0),
                         ("score_mod", opts.score_mod is not None),
                         ("sequence-sharded inputs under an Explicit mesh", seq_spec is not None)):
       if given:
         _splash.refuse(name, "the fused kernel has no such input")
-    run = functools.partial(_splash.splash_attention, query, key, value, combined, args.sinks,
-                            scale=scale, soft_cap=opts.logits_soft_cap, block_q=opts.block_q,
-                            block_kv=opts.block_kv)
-    if not automatic:
-      return run()
-    _splash.check_automatic(T, S)
-    try:
-      return run()
-    except NotImplementedError:
-      raise
-    except Exception as e:  # noqa: BLE001 - an automatic choice must not break the call
-      # Chosen automatically, splash is traced on every platform (the TPU branch is picked
-      # where the program is lowered); a call it trips over goes to jattn's kernels instead.
-      raise NotImplementedError(f"splash could not trace this call: {type(e).__name__}: {e}")
+    return _splash.splash_attention(query, key, value, combined, args.sinks, scale=scale,
+                                    soft_cap=opts.logits_soft_cap, block_q=opts.block_q,
+                                    block_kv=opts.block_kv)
 
   def run_cudnn():
     for name, given in (
@@ -307,11 +296,12 @@ def _attention(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_s
     return _by_platform({p: runners[impl] for p, impl in choice.items()})
 
   runners = {"dense": run_dense, "chunked": run_chunked, "splash": run_splash,
-             "cudnn": run_cudnn, "automatic": run_automatic,
-             "splash-automatic": functools.partial(run_splash, automatic=True)}
-  # implementation=None: splash where the program is lowered for a TPU and the call fits it,
-  # else jattn's own choice.
-  names = opts.implementation or ("splash-automatic", "automatic")
+             "cudnn": run_cudnn, "automatic": run_automatic}
+  # implementation=None is jattn's own kernels on every platform, never a fused kernel: a
+  # Pallas (Mosaic) kernel cannot be partitioned automatically -- lowered into a multi-device
+  # program outside shard_map, TPU lowering refuses it -- and whether the program will be
+  # partitioned is not known while the call is traced. Splash and cuDNN are asked for by name.
+  names = opts.implementation or ("automatic",)
   out, lse = _in_order((names,) if isinstance(names, str) else names, runners)
 
   if args.unbatched:
@@ -328,7 +318,7 @@ def _attention(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_s
 # kernels are XLA programs). What each supports it declares by raising NotImplementedError, at
 # trace time, for what it cannot do.
 PLATFORMS = {"dense": None, "chunked": None, "automatic": None, "splash": ("tpu",),
-             "splash-automatic": ("tpu",), "cudnn": ("cuda",)}
+             "cudnn": ("cuda",)}
 
 
 def _in_order(names, runners):

@@ -43,16 +43,6 @@ from jattn import masks as _masks
 
 LANES = 128  # splash's block sizes are multiples of the TPU's 128 lanes
 DEFAULT_BLOCK = 512
-# implementation=None tries splash (for TPU) only for 2^20 <= T x S <= 2^26 positions. The
-# platform is chosen where the program is lowered, so splash is traced on every platform, and
-# that costs time when the call is first traced: building a kernel classifies every block of its
-# mask in NumPy, element by element (measured here about 0.35 s at T = S = 8192 and 6 s at 32768
-# for a causal mask), and tracing splash's three Pallas kernels for a gradient about 0.3 s at any
-# size. It also makes forward-mode autodiff (jax.jvp) fail on every platform, as a custom VJP
-# does: from 2^20 on that is already so on a CPU (chunked). Below the range a TPU runs dense
-# attention on small scores; above it implementation=None keeps jattn's kernels.
-# implementation="splash" has neither limit.
-AUTOMATIC_POSITIONS = (1 << 20, 1 << 26)
 # A mask that is not a band is evaluated into a (T, S) NumPy array per distinct head.
 MAX_EVALUATED_POSITIONS = 1 << 28
 
@@ -77,16 +67,6 @@ def block_size(name: str, value: int | None, length: int) -> int:
 
 def refuse(name: str, reason: str):
   raise NotImplementedError(f"implementation='splash' does not support {name}: {reason}")
-
-
-def check_automatic(T: int, S: int) -> None:
-  """implementation=None's range for splash (see AUTOMATIC_POSITIONS)."""
-  lo, hi = AUTOMATIC_POSITIONS
-  if not lo <= T * S <= hi:
-    refuse(f"T x S = {T} x {S} when chosen automatically",
-           f"implementation=None uses it for {lo} <= T x S <= {hi} only (tracing it on every "
-           "platform costs time: see jattn._splash.AUTOMATIC_POSITIONS); ask for "
-           "implementation='splash' to use it")
 
 
 # --------------------------------------------------------------------------------------------
@@ -263,9 +243,9 @@ def _kernel(heads: tuple, bq: int, bk: int, soft_cap, save_residuals: bool):
 
 def _kernels(groups, bq, bk, soft_cap, save_residuals):
   """f(q (B, K, G, Tp, H), k (B, K, Sp, H), v, sinks (K, G) | None, q_ids (B, Tp),
-  kv_ids (B, Sp)) -> (out (B, K, G, Tp, H), lse (B, K, G, Tp) | None): one splash call per example and
-  key/value head (``groups``: the G head masks of every key/value head, or one tuple that all
-  share).
+  kv_ids (B, Sp)) -> (out (B, K, G, Tp, H), lse (B, K, G, Tp) | None): one splash call per
+  example and key/value head (``groups``: the G head masks of every key/value head, or one
+  tuple that all share).
 
   The calls run under `lax.map`, not `vmap`: a TPU walks a kernel's grid in sequence anyway, so
   a loop around whole (G, T, S) attentions costs little there, and Pallas's TPU interpret mode
@@ -290,9 +270,10 @@ def _kernels(groups, bq, bk, soft_cap, save_residuals):
                              (flat(q), flat(k), flat(v), per_head(q_ids), per_head(kv_ids), snk))
       unflat = lambda x: None if x is None else x.reshape((B, K) + x.shape[1:])
       return unflat(out), unflat(lse)
+    per_batch = lambda x: None if x is None else jnp.broadcast_to(x, (B,) + x.shape)
     outs = [jax.lax.map(functools.partial(one, kern),
                         (q[:, i], k[:, i], v[:, i], q_ids, kv_ids,
-                         None if sinks is None else jnp.broadcast_to(sinks[i], (B,) + sinks[i].shape)))
+                         per_batch(None if sinks is None else sinks[i])))
             for i, kern in enumerate(kernels)]
     return jax.tree.map(lambda *xs: jnp.stack(xs, axis=1), *outs)
 
