@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn import (_chunked, _cudnn, _dense, _dropout, _plan, _sharding, _splash, _tile,
-                   _tuning, _validation)
+from jattn import (_chunked, _cudnn, _dense, _dropout, _fused, _plan, _sharding, _splash,
+                   _tile, _tuning, _validation)
 from jattn._plan import Operands
 from jattn import masks as _masks
 from jattn._tile import Config
@@ -171,9 +171,8 @@ def dot_product_attention(
   )
   if opts.dropout_rate == 0.0:
     dropout_rng = None
-  if isinstance(mask, np.ndarray) and mask.dtype == np.bool_ and mask.ndim <= 4 and "splash" in (
-      (opts.implementation,) if isinstance(opts.implementation, str) else
-      opts.implementation or ()):
+  if (isinstance(mask, np.ndarray) and mask.dtype == np.bool_ and mask.ndim <= 4
+      and "splash" in _names(opts.implementation)):
     # Splash builds its block lists from the mask when the call is traced: a NumPy boolean mask
     # asked to run there becomes part of the program instead of a run-time argument.
     mask = _masks.static_array(mask)
@@ -270,23 +269,22 @@ def _attention(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_s
     return out, lse
 
   def run_splash():
-    for name, given in (("bias", args.bias is not None), ("dropout", opts.dropout_rate > 0),
-                        ("score_mod", opts.score_mod is not None),
-                        ("sequence-sharded inputs under an Explicit mesh", seq_spec is not None)):
-      if given:
-        _splash.refuse(name, "the fused kernel has no such input")
+    _fused.refuse_given("splash", (
+        ("bias", args.bias is not None), ("dropout", opts.dropout_rate > 0),
+        ("score_mod", opts.score_mod is not None),
+        ("sequence-sharded inputs under an Explicit mesh", seq_spec is not None)),
+        "the fused kernel has no such input")
     return _splash.splash_attention(query, key, value, combined, args.sinks, scale=scale,
                                     soft_cap=opts.logits_soft_cap, block_q=opts.block_q,
                                     block_kv=opts.block_kv)
 
   def run_cudnn():
-    for name, given in (
+    _fused.refuse_given("cudnn", (
         ("mask objects", isinstance(args.mask, _masks.Mask)),
         ("q_segment_ids", args.q_seg is not None), ("sinks", args.sinks is not None),
         ("score_mod", opts.score_mod is not None), ("dropout", opts.dropout_rate > 0),
-        ("logits_soft_cap", opts.logits_soft_cap is not None)):
-      if given:
-        _cudnn.refuse(name, "jax.nn's cuDNN call has no such input")
+        ("logits_soft_cap", opts.logits_soft_cap is not None)),
+        "jax.nn's cuDNN call has no such input")
     return _cudnn.cudnn_attention(query, key, value, args.bias, args.mask, scale=scale,
                                   causal=opts.causal, window=opts.window,
                                   q_lengths=args.q_lengths, kv_lengths=args.kv_lengths)
@@ -301,8 +299,7 @@ def _attention(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_s
   # Pallas (Mosaic) kernel cannot be partitioned automatically -- lowered into a multi-device
   # program outside shard_map, TPU lowering refuses it -- and whether the program will be
   # partitioned is not known while the call is traced. Splash and cuDNN are asked for by name.
-  names = opts.implementation or ("automatic",)
-  out, lse = _in_order((names,) if isinstance(names, str) else names, runners)
+  out, lse = _in_order(_names(opts.implementation) or ("automatic",), runners)
 
   if args.unbatched:
     out = out[0]
@@ -312,6 +309,11 @@ def _attention(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_s
   if args.unbatched:
     lse = lse[0]
   return out, jax.lax.stop_gradient(lse)
+
+
+def _names(implementation) -> tuple[str, ...]:
+  """The validated ``implementation`` (None, a name or a tuple of names) as a tuple."""
+  return (implementation,) if isinstance(implementation, str) else implementation or ()
 
 
 # The implementations and the platforms each lowers for (None: every platform; jattn's own

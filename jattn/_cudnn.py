@@ -10,14 +10,15 @@ next. Shape vocabulary: B T S N K H.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
 from jattn import _fused
 
 
-def refuse(name: str, reason: str):
-  raise NotImplementedError(f"implementation='cudnn' does not support {name}: {reason}")
+refuse = functools.partial(_fused.refuse, "cudnn")
 
 
 def _check_gpu():

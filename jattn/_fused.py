@@ -20,6 +20,19 @@ import jax.numpy as jnp
 from jattn._tile import NEG
 
 
+def refuse(implementation: str, name: str, reason: str):
+  """The NotImplementedError of a kernel that cannot take the call (a sequence falls through)."""
+  raise NotImplementedError(
+      f"implementation={implementation!r} does not support {name}: {reason}")
+
+
+def refuse_given(implementation: str, inputs, reason: str):
+  """Refuse the first of ``inputs`` ((name, given) pairs) that the call gives."""
+  for name, given in inputs:
+    if given:
+      refuse(implementation, name, reason)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
 def zero_empty_rows(forward, plain, pure, empty_rows, diff, aux):
   """(out, lse) of ``forward(*diff, *aux)``, with the rows where ``empty_rows(lse)`` holds set

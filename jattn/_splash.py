@@ -65,8 +65,7 @@ def block_size(name: str, value: int | None, length: int) -> int:
   return value
 
 
-def refuse(name: str, reason: str):
-  raise NotImplementedError(f"implementation='splash' does not support {name}: {reason}")
+refuse = functools.partial(_fused.refuse, "splash")
 
 
 # --------------------------------------------------------------------------------------------
