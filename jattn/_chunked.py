@@ -177,6 +177,11 @@ def _query_major(x):
   return jnp.transpose(x, (0, 1, 3, 4, 2))
 
 
+def _rows(x):
+  """(B, K, G, bq[, X]) -> (B, K, G * bq[, X]): the G query heads of a group stacked as rows."""
+  return x.reshape(x.shape[:2] + (-1,) + x.shape[4:])
+
+
 def q_tile(x, i, bq, K, G):
   """Query block i of a (B, Tp, N, X) array as a (B, K, G, bq, X) tile (head n = k * G + g)."""
   # Transposing the 4-D block and then splitting N keeps to standard layouts; transposing after
@@ -225,9 +230,13 @@ def forward(plan: Plan, ops: Operands):
   inputs = (q, k, v, ops.states)
 
   parallel = plan.schedule == "parallel"
+  # The scale multiplies Q once, where that rounds no coarser than the logits do, instead of
+  # every (bq, bk) tile of logits (the backward applies it to dQ and dK blocks instead).
+  scaled = _tile.query_takes_scale(cfg, q.dtype)
+  q_scaled = q * jnp.asarray(cfg.scale, q.dtype) if scaled else q
 
   def start(i):
-    qb = q_tile(q, i, bq, K, G)
+    qb = q_tile(q_scaled, i, bq, K, G)
     # Carries are made from the tiles they accumulate, so they share the inputs' sharding when
     # that is part of the type (an Explicit-axis mesh): a fresh jnp.zeros would be replicated.
     row0 = jnp.zeros_like(qb[..., 0], dtype=sd)  # (B, K, G, bq)
@@ -239,28 +248,34 @@ def forward(plan: Plan, ops: Operands):
       m0 = row0 + ops.sink.astype(sd)  # (1, K, G, 1) -> (B, K, G, bq)
       l0 = row0 + jnp.ones((), sd)
     acc0 = jnp.zeros_like(qb, dtype=sd)  # (B, K, G, bq, Hv): Hv = H (value has key's shape)
-    return qb, _sharding.varying_tree((m0, l0, acc0), *inputs)
+    # The tile math runs in rows layout, the G query heads of a group stacked as rows: a
+    # separate (often size-1) G axis makes XLA's CPU backend copy every (bq, bk) tile of logits
+    # to a new layout before its row max.
+    return _rows(qb), _sharding.varying_tree((m0, l0, acc0), *inputs)
 
   def tile(qb, view: TileView, carry):
     m, l, acc = carry
     kb, vb = kv_tile(k, view.j, bk), kv_tile(v, view.j, bk)
+    vis = None if view.vis is None else _tile.as_rows(view.vis, G, bq)
     qt = qb
-    if view.vis is not None:
-      qt, kb, vb = _tile.sanitize(view.vis, qb, kb, vb)
-    s, _ = _tile.logits(cfg, qt, kb, view.bias, view.idx, ops.score_args)
-    if view.vis is not None:
-      s = jnp.where(view.vis, s, jnp.asarray(_tile.NEG, sd))
-    m_new = jnp.maximum(m, s.max(axis=-1))
+    if vis is not None:
+      qt, kb, vb = _tile.sanitize(vis, qb, kb, vb)
+    s, _ = _tile.logits(cfg, qt, kb, view.bias, view.idx, ops.score_args, scaled=scaled)
+    if vis is not None:
+      s = jnp.where(vis, s, jnp.asarray(_tile.NEG, sd))
+    m_r, l_r, acc_r = _rows(m), _rows(l), _rows(acc)
+    m_new = jnp.maximum(m_r, s.max(axis=-1))
     # Masked entries give exact zeros once the row has seen a visible key; before that
     # (m_new = NEG) they add junk that corr = exp(NEG - m) = 0 wipes when a visible key comes,
     # and safe_normalize discards if none ever does.
     p = jnp.exp(s - m_new[..., None])
-    corr = jnp.exp(m - m_new)
-    l = l * corr + p.sum(axis=-1)
+    corr = jnp.exp(m_r - m_new)
+    l_r = l_r * corr + p.sum(axis=-1)
     if cfg.dropout_rate > 0:
-      p = jnp.where(_tile.keep(cfg, ops.seed, view.idx), p, jnp.zeros((), sd))
-    acc = acc * corr[..., None] + _tile.pv(p, vb)
-    return m_new, l, acc
+      keep = _tile.as_rows(_tile.keep(cfg, ops.seed, view.idx), G, bq)
+      p = jnp.where(keep, p, jnp.zeros((), sd))
+    acc_r = acc_r * corr[..., None] + _tile.pv(p, vb)
+    return m_new.reshape(m.shape), l_r.reshape(l.shape), acc_r.reshape(acc.shape)
 
   def finish(i, carry, outs):
     m, l, acc = carry

@@ -56,11 +56,12 @@ def stat_dtype(dtype) -> Any:
 def matmul(a, b, spec: str, out_dtype, fold: bool = True):
   """A per-(batch, kv-head) matmul with the G query heads of a group stacked as extra rows.
 
-  ``a`` is (B, K, G, t, x) and ``b`` (B, K, y, z); ``spec`` names the contraction of the last two
-  axes of each (e.g. "qh,sh->qs"); when the output has the row axis q, the result is
-  (B, K, G, t, .) (else G is contracted away with q, as in dK = dS^T Q). Folding G into the row
-  axis keeps every operand and result in plain row-major order: with a separate, often size-1,
-  G axis XLA's CPU backend copies the (t, s) result to a new layout on every tile.
+  ``a`` is (B, K, G, t, x), or already in rows layout (B, K, G * t, x) (see `as_rows`), and ``b``
+  (B, K, y, z); ``spec`` names the contraction of the last two axes of each (e.g.
+  "qh,sh->qs"); when the output has the row axis q, the result is (B, K, G, t, .), or
+  (B, K, G * t, .) for rows (else G is contracted away with q, as in dK = dS^T Q). Folding G
+  into the row axis keeps every operand and result in plain row-major order: with a separate,
+  often size-1, G axis XLA's CPU backend copies the (t, s) result to a new layout on every tile.
 
   ``fold=False`` keeps G and t separate dimensions of one dot_general (XLA merges them only
   after partitioning): merging puts t below G, where a sharded t cannot stay sharded, so the
@@ -71,12 +72,35 @@ def matmul(a, b, spec: str, out_dtype, fold: bool = True):
   la, lb = lhs.split(",")
   if not fold:
     return jnp.einsum(f"bkg{la},bk{lb}->bkg{out}", a, b, preferred_element_type=out_dtype)
+  if a.ndim == 4:
+    return jnp.einsum(f"bk{la},bk{lb}->bk{out}", a, b, preferred_element_type=out_dtype)
   B, K, G, t = a.shape[:4]
   a2 = a.reshape(B, K, G * t, a.shape[-1])
   out2 = jnp.einsum(f"bk{la},bk{lb}->bk{out}", a2, b, preferred_element_type=out_dtype)
   if out[0] == la[0]:
     return out2.reshape(B, K, G, t, out2.shape[-1])
   return out2
+
+
+def as_rows(x, G: int, t: int):
+  """A (B|1, K|1, G|1, t|1, X|1) tile quantity (visibility, bias, dropout's keep-mask) in the
+  rows layout (B|1, K|1, G * t, X|1) of a tile whose G query heads are stacked as rows."""
+  b, k, g, tt, xx = x.shape
+  if g == 1 and tt == 1:
+    return x.reshape(b, k, 1, xx)
+  return jnp.broadcast_to(x, (b, k, G, t, xx)).reshape(b, k, G * t, xx)
+
+
+def query_takes_scale(cfg: "Config", dtype) -> bool:
+  """Whether the logit scale may multiply the query once instead of every (tq, tk) tile of
+  logits: (c q).k = c (q.k) up to one rounding, and a whole pass over each tile cheaper. Only
+  where that rounding is no coarser than the logits' own: float32 and float64 queries, or a
+  power-of-two scale (exact in any dtype). A 16-bit query times 1/sqrt(H) would be rounded
+  to 8 bits of mantissa before the float32 matmul."""
+  if jnp.dtype(dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.float64)):
+    return True
+  mantissa, _ = np.frexp(cfg.scale)
+  return abs(mantissa) == 0.5
 
 
 def group_heads(x, K: int, G: int):
@@ -98,23 +122,30 @@ class Index(NamedTuple):
   head0: Any = 0
 
 
-def logits(cfg: Config, q, k, bias, idx: Index, score_args=(), fold: bool = True):
+def logits(cfg: Config, q, k, bias, idx: Index, score_args=(), fold: bool = True,
+           scaled: bool = False):
   """Scaled logits of a tile in the statistics dtype, before masking.
 
   Order: scale * q.k, then soft-cap (cap * tanh(x / cap)), then + bias, then score_mod.
   Returns (scores, tanh_or_None); the tanh is kept for the soft-cap derivative. ``fold``: see
-  `matmul`.
+  `matmul`; a query in rows layout gives scores in rows layout (``bias`` is converted).
+  ``scaled``: the query already carries the scale (see `query_takes_scale`).
   """
-  s, t = scale_cap_bias(cfg, matmul(q, k, "qh,sh->qs", stat_dtype(q.dtype), fold), bias)
+  if q.ndim == 4 and bias is not None:
+    bias = as_rows(bias, cfg.G, q.shape[2] // cfg.G)
+  s = matmul(q, k, "qh,sh->qs", stat_dtype(q.dtype), fold)
+  s, t = scale_cap_bias(cfg, s, bias, scaled)
   if cfg.score_mod is not None:
     s = apply_score_mod(cfg, s, idx, score_args)
   return s, t
 
 
-def scale_cap_bias(cfg: Config, s, bias):
+def scale_cap_bias(cfg: Config, s, bias, scaled: bool = False):
   """The steps of `logits` after the matmul and before score_mod, on raw q.k scores in the
-  statistics dtype, in any layout that ``bias`` broadcasts against. Returns (scores, tanh|None)."""
-  s = s * jnp.asarray(cfg.scale, s.dtype)
+  statistics dtype, in any layout that ``bias`` broadcasts against. Returns (scores, tanh|None).
+  ``scaled``: the scores already carry the scale."""
+  if not scaled:
+    s = s * jnp.asarray(cfg.scale, s.dtype)
   t = None
   if cfg.logits_soft_cap is not None:
     cap = jnp.asarray(cfg.logits_soft_cap, s.dtype)
@@ -136,17 +167,18 @@ def index_grids(cfg: Config, idx: Index):
 
 
 def apply_score_mod(cfg: Config, s, idx: Index, score_args):
-  """score_mod on a tile, presented to the user in (B, N, tq, tk) layout with index arrays of
-  shapes (B,1,1,1), (1,N,1,1), (1,1,tq,1), (1,1,1,tk)."""
-  shape5 = s.shape
-  s4 = s.reshape(shape5[0], cfg.N, shape5[3], shape5[4])
+  """score_mod on a tile (B, K, G, tq, tk), or in rows layout (B, K, G * tq, tk), presented to
+  the user in (B, N, tq, tk) layout with index arrays of shapes (B,1,1,1), (1,N,1,1),
+  (1,1,tq,1), (1,1,1,tk)."""
+  shape = s.shape
+  s4 = s.reshape(shape[0], cfg.N, idx.q.shape[0], shape[-1])
   b = jnp.arange(cfg.B, dtype=jnp.int32).reshape(cfg.B, 1, 1, 1) + idx.batch0
   h = jnp.arange(cfg.N, dtype=jnp.int32).reshape(1, cfg.N, 1, 1) + idx.head0
   q = idx.q.astype(jnp.int32).reshape(1, 1, -1, 1)
   k = idx.kv.astype(jnp.int32).reshape(1, 1, 1, -1)
   # The shape and dtype of the result were checked when the call was traced.
   out = cfg.score_mod(s4, b, h, q, k, *score_args)
-  return out.astype(s.dtype).reshape(shape5)
+  return out.astype(s.dtype).reshape(shape)
 
 
 def visible(cfg: Config, mask, q_pos, kv_pos, *, ragged_kv: bool):
@@ -167,8 +199,8 @@ def sanitize(vis, q, k, v):
   A masked probability is an exact 0, but 0 * NaN = NaN: garbage (inf/NaN) in padded keys, values
   or queries would otherwise leak into outputs and gradients through the matmuls.
   """
-  row = vis.any(axis=4)[..., None]  # (B|1, K|1, G|1, tq, 1)
-  col = vis.any(axis=(2, 3))[..., None]  # (B|1, K|1, tk, 1)
+  row = vis.any(axis=-1)[..., None]  # (B|1, K|1, G|1, tq, 1), or rows (B|1, K|1, G * tq, 1)
+  col = vis.any(axis=tuple(range(2, vis.ndim - 1)))[..., None]  # (B|1, K|1, tk, 1)
   zero = lambda x: jnp.zeros((), x.dtype)
   return (jnp.where(row, q, zero(q)), jnp.where(col, k, zero(k)), jnp.where(col, v, zero(v)))
 
@@ -183,7 +215,7 @@ def keep(cfg: Config, seed, idx: Index):
 
 
 def pv(p, v, fold: bool = True):
-  """(B,K,G,tq,tk) weights times (B,K,tk,H) values; weights in the value dtype, fp32 accumulate."""
+  """(B,K,G,tq,tk) (or rows: (B,K,G*tq,tk)) weights times (B,K,tk,H) values; weights in the value dtype, fp32 accumulate."""
   return matmul(p.astype(v.dtype), v, "qs,sh->qh", stat_dtype(v.dtype), fold)
 
 
