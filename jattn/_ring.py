@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -46,7 +46,7 @@ import numpy as np
 from jattn import _chunked, _dropout, _plan, _sharding, _tile, _validation
 from jattn import masks as _masks
 from jattn._tile import NEG, Config
-from jattn._types import ArrayLike, IsCausal, Layout, LocalWindowSize
+from jattn._types import ArrayLike, Implementation, IsCausal, Layout, LocalWindowSize
 
 LAYOUTS = _validation.LAYOUTS
 
@@ -361,6 +361,32 @@ class _RingOptions:
   block_kv: int | None
   return_residual: bool
   score_mod: Callable | None
+  kernel: str  # the per-shard kernel: "chunked" or "dense"
+
+
+# What ring attention runs on each (query shard, key/value shard) pair. Its loop decides at run
+# time which key/value shard a device holds, so the pair's part of the mask is a run-time value;
+# the pairs' results are merged through their log-sum-exp, and the backward recomputes each
+# pair from the merged one. jattn's kernels take all three; the fused ones take none.
+_FUSED_REFUSAL = (
+    "ring_attention cannot run {name} per shard pair: which part of the mask a pair sees "
+    "depends on the ring step (a run-time device index), {why}, and the backward must recompute "
+    "each pair from the log-sum-exp merged over all pairs")
+_FUSED_WHY = {"splash": "while splash attention compiles its mask in",
+              "cudnn": "while cuDNN's kernel takes only its own causal/window/length options"}
+
+
+def _ring_kernel(implementation) -> str:
+  """The per-shard kernel for ``implementation`` (None, a name or a sequence tried in order):
+  "chunked" (None too) or "dense"; the fused kernels are skipped with their reason."""
+  names = _validation.implementation(implementation)
+  names = ("chunked",) if names is None else (names,) if isinstance(names, str) else names
+  reasons = []
+  for name in names:
+    if name in ("chunked", "dense"):
+      return name
+    reasons.append(_FUSED_REFUSAL.format(name=repr(name), why=_FUSED_WHY[name]))
+  raise NotImplementedError("; ".join(reasons) + ". Use implementation='chunked' or 'dense'.")
 
 
 def ring_attention(
@@ -388,6 +414,7 @@ def ring_attention(
     return_residual: bool = False,
     score_mod: Callable | None = None,
     sinks: ArrayLike | None = None,
+    implementation: Implementation | Sequence[Implementation] | None = None,
     _index_offsets=None,
 ):
   r"""Ring (context-parallel) attention; call it inside `jax.shard_map`.
@@ -431,6 +458,13 @@ def ring_attention(
       mask; permute with `zigzag_permute` first). Ts and Ss must be even for zigzag.
     block_q, block_kv: kernel block sizes within a shard (default 512 and 256, at most the
       shard, and for zigzag at most one chunk, so that no block straddles two chunks).
+    implementation: the kernel each device runs on a (query shard, key/value shard) pair:
+      ``None`` or ``"chunked"`` (blocks of ``block_q`` x ``block_kv``), ``"dense"`` (alias
+      ``"xla"``: the pair's whole score matrix at once -- one tile, or one per pair of zigzag
+      chunks; ``block_q``/``block_kv`` do not apply), or a sequence of names tried in order.
+      ``"splash"`` and ``"cudnn"`` cannot serve a ring (NotImplementedError with the reason;
+      in a sequence they are skipped): a pair's part of the mask is known only at run time,
+      and the backward recomputes each pair from the merged log-sum-exp.
     return_residual: also return this device's log-sum-exp (B, Ts, N), without gradient.
     score_mod: as in ``dot_product_attention``, called with global query and key indices.
     sinks: float (N,) per-head sink logits, the same on every device; each row's sink joins its
@@ -480,6 +514,7 @@ def ring_attention(
       block_kv=_validation.block("block_kv", block_kv),
       return_residual=_validation.flag("return_residual", return_residual),
       score_mod=_validation.callable_or_none("score_mod", score_mod),
+      kernel=_ring_kernel(implementation),
   )
   if opts.dropout_rate == 0.0:
     dropout_rng = None
@@ -514,8 +549,13 @@ def _ring_attention(query, key, value, mask, q_lengths, kv_lengths, q_seg, kv_se
   global_mask = _plan.build_mask(global_shape, mask, opts.causal, opts.window,
                                  q_lengths=args.q_lengths, kv_lengths=args.kv_lengths)
 
-  bq, bk = _plan.block_sizes(Ts, Ss, opts.block_q, opts.block_kv,
-                             cap_q=Ts // 2 if zigzag else None, cap_kv=Ss // 2 if zigzag else None)
+  if opts.kernel == "dense":
+    # The whole pair in one tile (no block may straddle two zigzag chunks).
+    bq, bk = (Ts // 2, Ss // 2) if zigzag else (Ts, Ss)
+  else:
+    bq, bk = _plan.block_sizes(Ts, Ss, opts.block_q, opts.block_kv,
+                               cap_q=Ts // 2 if zigzag else None,
+                               cap_kv=Ss // 2 if zigzag else None)
   sd = _tile.stat_dtype(query.dtype)
   score_mod, score_args = None, ()
   if opts.score_mod is not None:

@@ -109,6 +109,12 @@ CASES = {
         devices=4, mesh=(4,), names=("seq",), seq="seq", T=64, S=32, N=4, K=2,
         layout="zigzag", block_q=4, block_kv=2, kw=dict(is_causal="bottom_right"),
         q_lengths=(64, 50), kv_lengths=(32, 21)),
+    # implementation="dense" per shard pair (one tile per pair of zigzag chunks), reached
+    # through a sequence whose first name (splash) cannot serve a ring.
+    "p4_dense_zigzag_causal_segments_lengths": dict(
+        devices=4, mesh=(4,), names=("seq",), seq="seq", T=32, S=32, N=4, K=2,
+        layout="zigzag", kw=dict(is_causal=True, implementation=("splash", "dense")),
+        segments=((0, 7, 19), (0, 25)), kv_lengths=(32, 29)),
     "p4_zigzag_bottom_right_window_softcap_bf16": dict(
         devices=4, mesh=(4,), names=("seq",), seq="seq", T=32, S=48, N=4, K=1,
         layout="zigzag", block_q=2, block_kv=3,
