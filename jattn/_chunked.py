@@ -178,8 +178,15 @@ def _query_major(x):
 
 
 def _rows(x):
-  """(B, K, G, bq[, X]) -> (B, K, G * bq[, X]): the G query heads of a group stacked as rows."""
+  """(B, K, G, bq[, X]) -> (B, K, G * bq[, X]): the G query heads of a group stacked as rows
+  (query head k * G + g's row t becomes row g * bq + t of kv head k)."""
   return x.reshape(x.shape[:2] + (-1,) + x.shape[4:])
+
+
+def _unrows(x, G, lead=0):
+  """The inverse of `_rows`; ``lead`` leading axes (lanes) come first."""
+  at = lead + 2
+  return x.reshape(x.shape[:at] + (G, -1) + x.shape[at + 1:])
 
 
 def q_tile(x, i, bq, K, G):
@@ -248,10 +255,11 @@ def forward(plan: Plan, ops: Operands):
       m0 = row0 + ops.sink.astype(sd)  # (1, K, G, 1) -> (B, K, G, bq)
       l0 = row0 + jnp.ones((), sd)
     acc0 = jnp.zeros_like(qb, dtype=sd)  # (B, K, G, bq, Hv): Hv = H (value has key's shape)
-    # The tile math runs in rows layout, the G query heads of a group stacked as rows: a
-    # separate (often size-1) G axis makes XLA's CPU backend copy every (bq, bk) tile of logits
-    # to a new layout before its row max.
-    return _rows(qb), _sharding.varying_tree((m0, l0, acc0), *inputs)
+    # The tile math and its carries are in rows layout, the G query heads of a group stacked as
+    # rows: a separate (often size-1) G axis makes XLA's CPU backend copy every (bq, bk) tile of
+    # logits to a new layout before its row max, and the carries on every step.
+    carry0 = tuple(_rows(x) for x in (m0, l0, acc0))
+    return _rows(qb), _sharding.varying_tree(carry0, *inputs)
 
   def tile(qb, view: TileView, carry):
     m, l, acc = carry
@@ -263,22 +271,21 @@ def forward(plan: Plan, ops: Operands):
     s, _ = _tile.logits(cfg, qt, kb, view.bias, view.idx, ops.score_args, scaled=scaled)
     if vis is not None:
       s = jnp.where(vis, s, jnp.asarray(_tile.NEG, sd))
-    m_r, l_r, acc_r = _rows(m), _rows(l), _rows(acc)
-    m_new = jnp.maximum(m_r, s.max(axis=-1))
+    m_new = jnp.maximum(m, s.max(axis=-1))
     # Masked entries give exact zeros once the row has seen a visible key; before that
     # (m_new = NEG) they add junk that corr = exp(NEG - m) = 0 wipes when a visible key comes,
     # and safe_normalize discards if none ever does.
     p = jnp.exp(s - m_new[..., None])
-    corr = jnp.exp(m_r - m_new)
-    l_r = l_r * corr + p.sum(axis=-1)
+    corr = jnp.exp(m - m_new)
+    l = l * corr + p.sum(axis=-1)
     if cfg.dropout_rate > 0:
       keep = _tile.as_rows(_tile.keep(cfg, ops.seed, view.idx), G, bq)
       p = jnp.where(keep, p, jnp.zeros((), sd))
-    acc_r = acc_r * corr[..., None] + _tile.pv(p, vb)
-    return m_new.reshape(m.shape), l_r.reshape(l.shape), acc_r.reshape(acc.shape)
+    acc = acc * corr[..., None] + _tile.pv(p, vb)
+    return m_new, l, acc
 
   def finish(i, carry, outs):
-    m, l, acc = carry
+    m, l, acc = (_unrows(x, G) for x in carry)
     out, lse = outs
     out = put_q_tile(out, _tile.safe_normalize(acc, l, m, cfg.dropout_rate), i, bq)
     lse = put_q_tile(lse, _tile.safe_lse(m, l), i, bq)
@@ -396,6 +403,8 @@ def _forward_parallel(plan: Plan, ops: Operands, start, tile):
     return tile(qb, tile_view(plan, ops, i, j, masked, live), carry)
 
   m, l, acc = _lane_steps(lanes, steps, masked, carry0, visit, qbs, plan.width, name="fwd")
+  # Rows layout (V, B, K, G * bq[, H]) -> (V, B, K, G, bq[, H]).
+  m, l, acc = (_unrows(x, cfg.G, lead=1) for x in (m, l, acc))
   # Merge: the lanes of a row saw disjoint key blocks. Scatter-max and scatter-add by row.
   R = plan.grid.num_q_blocks
   m_r = (jnp.zeros_like(m[:1]) + jnp.asarray(_tile.NEG, sd)).repeat(R, axis=0).at[rows].max(m)
