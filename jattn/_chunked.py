@@ -18,7 +18,8 @@ skips any EMPTY block inside that range, and FULL blocks take a branch without m
 Layout: the kernels take and return arrays sequence-major, as callers hold them -- q and out
 (B, Tp, N, H), k/v (B, Sp, K, H), lse (B, Tp, N), with Tp, Sp padded up to whole blocks -- and
 transpose one block at a time into the head-major tiles of `jattn._tile` ((B, K, G, bq, H) and
-(B, K, bk, H)). Transposing whole arrays up front instead costs a full-size copy of every input
+(B, K, bk, H)); the forward's tile math stacks the G query heads of a group as rows,
+(B, K, G * bq, .), see `_rows`. Transposing whole arrays up front instead costs a full-size copy of every input
 and output per call (at T = 4096, N = 8, H = 64: 34.5 MiB of XLA temporaries against 10.5).
 The backward keeps its score tiles key-major, (B, K, bk, G, bq): see `_rows_matmul`.
 """
@@ -238,7 +239,7 @@ def forward(plan: Plan, ops: Operands):
 
   parallel = plan.schedule == "parallel"
   # The scale multiplies Q once, where that rounds no coarser than the logits do, instead of
-  # every (bq, bk) tile of logits (the backward applies it to dQ and dK blocks instead).
+  # every (bq, bk) tile of logits (the backward recomputes the logits the same way).
   scaled = _tile.query_takes_scale(cfg, q.dtype)
   q_scaled = q * jnp.asarray(cfg.scale, q.dtype) if scaled else q
 
@@ -456,8 +457,13 @@ def backward(plan: Plan, res: Residuals, dout) -> Operands:
   delta = output_delta(dout, res.out)
   keep_scale = 1.0 / (1.0 - cfg.dropout_rate) if cfg.dropout_rate > 0 else None
   lse_r = _tile.lse_for_recompute(res.lse)
-  # The logit scale is applied to each finished dQ, dK block, not to every (tq, tk) tile.
+  # The logit scale is applied to each finished dQ block, not to every (tq, tk) tile; as in the
+  # forward (and with the same rounding) it multiplies Q where that rounds no coarser than the
+  # logits, and then dK = dS^T (scale Q) carries it already; else each finished dK block too.
   scale = jnp.asarray(cfg.scale, sd)
+  scaled = _tile.query_takes_scale(cfg, q.dtype)
+  q_in = q * jnp.asarray(cfg.scale, q.dtype) if scaled else q
+  dk_scale = jnp.ones((), sd) if scaled else scale
   # The (B, Tp, N, H) dQ and a full-size dBias stay outside the switch: a conditional that
   # threads a large array through its branches can copy it on every tile. The branches return
   # a tile's block contributions instead, added in place after the switch.
@@ -468,7 +474,7 @@ def backward(plan: Plan, res: Residuals, dout) -> Operands:
     """One tile's contributions to dK, dV (B, K, bk, H), dQ^T (B, K, H, G * bq), dBias and the
     score_mod arrays' gradient, from P recomputed with the saved log-sum-exp."""
     i = view.i
-    qb = q_tile(q, i, bq, K, G)
+    qb = q_tile(q_in, i, bq, K, G)
     dob = q_tile(dout, i, bq, K, G)
     # Per-query statistics broadcast along the key axis of the (B, K, bk, G, bq) tiles.
     lse_b = _row_tile(lse_r, i, bq, K, G)[:, :, None]
@@ -480,7 +486,8 @@ def backward(plan: Plan, res: Residuals, dout) -> Operands:
     q2 = qb.reshape(B, K, G * bq, H)  # the G heads of a group stacked as rows
     do2 = dob.reshape(B, K, G * bq, Hv)
     s = _kv_rows_matmul(kb, q2, sd).reshape(B, K, bk, G, bq)
-    s, t = _tile.scale_cap_bias(cfg, s, None if view.bias is None else _key_major(view.bias))
+    s, t = _tile.scale_cap_bias(cfg, s, None if view.bias is None else _key_major(view.bias),
+                                scaled)
     if cfg.score_mod is not None:
       # score_mod sees the tile in its documented (B, N, tq, tk) layout.
       s, mod_vjp = jax.vjp(
@@ -548,12 +555,12 @@ def backward(plan: Plan, res: Residuals, dout) -> Operands:
     dkb, dvb, dq, dbias, dargs = jax.lax.fori_loop(lo(j), hi(j), body,
                                                    (dkb0, dvb0, dq, dbias, dargs))
     # Every key block is finished here, so dK and dV are written once, in their own dtype.
-    dk = _put_kv_tile(dk, dkb * scale, j, bk)
+    dk = _put_kv_tile(dk, dkb * dk_scale, j, bk)
     dv = _put_kv_tile(dv, dvb, j, bk)
     return dq, dk, dv, dbias, dargs
 
   if plan.schedule == "parallel":
-    dq, dk, dv, dbias, dargs = _backward_parallel(plan, ops, tile_grads, scale)
+    dq, dk, dv, dbias, dargs = _backward_parallel(plan, ops, tile_grads, scale, dk_scale)
   else:
     dq0 = jnp.zeros_like(q, dtype=sd)
     dk0 = jnp.zeros_like(k)
@@ -581,7 +588,7 @@ class _TileGrads(NamedTuple):
   dargs: Any  # score_mod arrays' gradient (a tuple)
 
 
-def _backward_parallel(plan: Plan, ops: Operands, tile_grads, scale):
+def _backward_parallel(plan: Plan, ops: Operands, tile_grads, scale, dk_scale):
   """The parallel schedule's backward in two passes that each recompute P (as FlashAttention-2
   and Pallas TPU flash attention do): dK, dV (and dBias, score_mod's arrays) with key blocks side
   by side, each walking its query blocks; dQ with query blocks side by side, each walking its
@@ -644,7 +651,7 @@ def _backward_parallel(plan: Plan, ops: Operands, tile_grads, scale):
   # (nk, B, K, bk, H) -> (B, Sp, K, H)
   to_seq = lambda x: _sharding.reshape(jnp.transpose(x, (1, 0, 3, 2, 4)),
                                        (B, nk * bk, K, x.shape[-1]))
-  dk = to_seq(_sum_by_row(kv_rows, dk_l, nk) * scale).astype(k.dtype)
+  dk = to_seq(_sum_by_row(kv_rows, dk_l, nk) * dk_scale).astype(k.dtype)
   dv = to_seq(_sum_by_row(kv_rows, dv_l, nk)).astype(v.dtype)
   dbias = None
   if blocked is not None:

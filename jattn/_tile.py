@@ -7,6 +7,8 @@ apart.
 Inside the kernels, arrays are head-major and grouped for GQA (K key/value heads, G = N // K query
 heads per key/value head; query head n = k * G + g, as `jax.nn` numbers them):
   q  (B, K, G, tq, H)      k, v  (B, K, tk, H)      scores  (B, K, G, tq, tk)
+or, in rows layout (the chunked forward), the G heads of a group stacked as rows (g * tq + t):
+  q  (B, K, G * tq, H)                               scores  (B, K, G * tq, tk)
 """
 
 from __future__ import annotations
@@ -94,13 +96,16 @@ def as_rows(x, G: int, t: int):
 def query_takes_scale(cfg: "Config", dtype) -> bool:
   """Whether the logit scale may multiply the query once instead of every (tq, tk) tile of
   logits: (c q).k = c (q.k) up to one rounding, and a whole pass over each tile cheaper. Only
-  where that rounding is no coarser than the logits' own: float32 and float64 queries, or a
-  power-of-two scale (exact in any dtype). A 16-bit query times 1/sqrt(H) would be rounded
-  to 8 bits of mantissa before the float32 matmul."""
-  if jnp.dtype(dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.float64)):
+  where that rounding is no coarser than the logits' own: float32 and float64 queries, or
+  bfloat16 with a power-of-two scale (exact: bfloat16 has float32's exponent range). Not
+  bfloat16 with another scale (the product would be rounded to bfloat16's 8-bit mantissa
+  before the float32 matmul), and never float16: its narrow exponent range can overflow
+  (scale 2, |q| > 32768) or flush small products to subnormals, even for a power of two."""
+  dtype = jnp.dtype(dtype)
+  if dtype in (jnp.dtype(jnp.float32), jnp.dtype(jnp.float64)):
     return True
   mantissa, _ = np.frexp(cfg.scale)
-  return abs(mantissa) == 0.5
+  return dtype == jnp.dtype(jnp.bfloat16) and abs(mantissa) == 0.5
 
 
 def group_heads(x, K: int, G: int):
@@ -215,7 +220,8 @@ def keep(cfg: Config, seed, idx: Index):
 
 
 def pv(p, v, fold: bool = True):
-  """(B,K,G,tq,tk) (or rows: (B,K,G*tq,tk)) weights times (B,K,tk,H) values; weights in the value dtype, fp32 accumulate."""
+  """(B,K,G,tq,tk) (rows layout: (B,K,G*tq,tk)) weights times (B,K,tk,H) values; weights in
+  the value dtype, fp32 accumulate."""
   return matmul(p.astype(v.dtype), v, "qs,sh->qh", stat_dtype(v.dtype), fold)
 
 

@@ -177,6 +177,23 @@ def test_scale_as_array_and_traced_equals_jax_nn(impl):
   np.testing.assert_allclose(ds, fd, rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_float16_query_near_its_range_with_a_power_of_two_scale(impl):
+  # The chunked kernels fold the scale into the query only where that product cannot round
+  # worse than the float32 logits: never for float16, where 2 * 40000 overflows to inf.
+  rng = np.random.default_rng(0)
+  q = rng.uniform(-4e4, 4e4, size=(1, 6, 2, 8))  # representable; twice it is not
+  k = rng.normal(size=(1, 6, 1, 8)) * 1e-4
+  v = rng.normal(size=(1, 6, 1, 8))
+  q, k, v = (np.asarray(x, np.float16) for x in (q, k, v))
+  assert np.abs(q).max() * 2 > np.finfo(np.float16).max
+  out = jattn.dot_product_attention(q, k, v, scale=2.0, is_causal=True, **IMPLS[impl])
+  want, _, _ = ref.attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64),
+                             visible=ref.visible_mask(1, 2, 6, 6, causal="top_left"), scale=2.0)
+  assert np.isfinite(np.asarray(out, np.float32)).all()
+  np.testing.assert_allclose(np.asarray(out, np.float32), want, atol=5e-3, rtol=5e-3)
+
+
 def test_bad_scales_raise():
   q, k, v, _ = _inputs()
   with pytest.raises(ValueError, match=r"scale must be a scalar, got an array of shape \(2,\)"):
