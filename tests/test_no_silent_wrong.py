@@ -186,7 +186,7 @@ def test_float16_query_near_its_range_with_a_power_of_two_scale(impl):
   k = rng.normal(size=(1, 6, 1, 8)) * 1e-4
   v = rng.normal(size=(1, 6, 1, 8))
   q, k, v = (np.asarray(x, np.float16) for x in (q, k, v))
-  assert np.abs(q).max() * 2 > np.finfo(np.float16).max
+  assert float(np.abs(q).max()) * 2 > float(np.finfo(np.float16).max)
   out = jattn.dot_product_attention(q, k, v, scale=2.0, is_causal=True, **IMPLS[impl])
   want, _, _ = ref.attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64),
                              visible=ref.visible_mask(1, 2, 6, 6, causal="top_left"), scale=2.0)
