@@ -172,7 +172,7 @@ def dot_product_attention(
   if opts.dropout_rate == 0.0:
     dropout_rng = None
   if (isinstance(mask, np.ndarray) and mask.dtype == np.bool_ and mask.ndim <= 4
-      and "splash" in _names(opts.implementation)):
+      and "splash" in _validation.implementation_names(opts.implementation)):
     # Splash builds its block lists from the mask when the call is traced: a NumPy boolean mask
     # asked to run there becomes part of the program instead of a run-time argument.
     mask = _masks.static_array(mask)
@@ -299,7 +299,8 @@ def _attention(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_s
   # Pallas (Mosaic) kernel cannot be partitioned automatically -- lowered into a multi-device
   # program outside shard_map, TPU lowering refuses it -- and whether the program will be
   # partitioned is not known while the call is traced. Splash and cuDNN are asked for by name.
-  out, lse = _in_order(_names(opts.implementation) or ("automatic",), runners)
+  out, lse = _in_order(_validation.implementation_names(opts.implementation) or ("automatic",),
+                       runners)
 
   if args.unbatched:
     out = out[0]
@@ -309,11 +310,6 @@ def _attention(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_s
   if args.unbatched:
     lse = lse[0]
   return out, jax.lax.stop_gradient(lse)
-
-
-def _names(implementation) -> tuple[str, ...]:
-  """The validated ``implementation`` (None, a name or a tuple of names) as a tuple."""
-  return (implementation,) if isinstance(implementation, str) else implementation or ()
 
 
 # The implementations and the platforms each lowers for (None: every platform; jattn's own

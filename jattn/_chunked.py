@@ -240,8 +240,7 @@ def forward(plan: Plan, ops: Operands):
   parallel = plan.schedule == "parallel"
   # The scale multiplies Q once, where that rounds no coarser than the logits do, instead of
   # every (bq, bk) tile of logits (the backward recomputes the logits the same way).
-  scaled = _tile.query_takes_scale(cfg, q.dtype)
-  q_scaled = q * jnp.asarray(cfg.scale, q.dtype) if scaled else q
+  q_scaled, scaled = _tile.prescaled_query(cfg, q)
 
   def start(i):
     qb = q_tile(q_scaled, i, bq, K, G)
@@ -461,8 +460,7 @@ def backward(plan: Plan, res: Residuals, dout) -> Operands:
   # forward (and with the same rounding) it multiplies Q where that rounds no coarser than the
   # logits, and then dK = dS^T (scale Q) carries it already; else each finished dK block too.
   scale = jnp.asarray(cfg.scale, sd)
-  scaled = _tile.query_takes_scale(cfg, q.dtype)
-  q_in = q * jnp.asarray(cfg.scale, q.dtype) if scaled else q
+  q_in, scaled = _tile.prescaled_query(cfg, q)
   dk_scale = jnp.ones((), sd) if scaled else scale
   # The (B, Tp, N, H) dQ and a full-size dBias stay outside the switch: a conditional that
   # threads a large array through its branches can copy it on every tile. The branches return

@@ -379,8 +379,8 @@ _FUSED_WHY = {"splash": "while splash attention compiles its mask in",
 def _ring_kernel(implementation) -> str:
   """The per-shard kernel for ``implementation`` (None, a name or a sequence tried in order):
   "chunked" (None too) or "dense"; the fused kernels are skipped with their reason."""
-  names = _validation.implementation(implementation)
-  names = ("chunked",) if names is None else (names,) if isinstance(names, str) else names
+  names = (_validation.implementation_names(_validation.implementation(implementation))
+           or ("chunked",))
   reasons = []
   for name in names:
     if name in ("chunked", "dense"):

@@ -108,6 +108,14 @@ def query_takes_scale(cfg: "Config", dtype) -> bool:
   return dtype == jnp.dtype(jnp.bfloat16) and abs(mantissa) == 0.5
 
 
+def prescaled_query(cfg: "Config", q):
+  """(q, scaled): the query times the scale where `query_takes_scale` allows it (scaled True),
+  else the query as it is. The chunked forward and backward both take Q from here, so that
+  both compute the logits with the same rounding."""
+  scaled = query_takes_scale(cfg, q.dtype)
+  return (q * jnp.asarray(cfg.scale, q.dtype) if scaled else q), scaled
+
+
 def group_heads(x, K: int, G: int):
   """(B|1, N|1, t, s) -> (B|1, K|1, G|1, t, s), following query head n = k * G + g."""
   b, n, t, s = x.shape

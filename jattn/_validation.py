@@ -345,6 +345,11 @@ def implementation(value):
   return seq[0] if len(seq) == 1 else seq
 
 
+def implementation_names(implementation) -> tuple[str, ...]:
+  """A validated ``implementation`` (None, a name or a tuple of names) as a tuple (None: ())."""
+  return (implementation,) if isinstance(implementation, str) else implementation or ()
+
+
 def block(name, value):
   return positive_int(name, value, optional=True)
 

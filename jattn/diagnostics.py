@@ -159,9 +159,10 @@ def attention_stats(
 def _own_implementation(impl):
   """The statistics read the logits, which only jattn's own kernels expose: the first of dense
   and chunked that ``impl`` names (None: the automatic choice), else NotImplementedError."""
-  names = (impl,) if impl is None or isinstance(impl, str) else impl
-  for name in names:
-    if name in (None, "dense", "chunked"):
+  if impl is None:
+    return None
+  for name in _validation.implementation_names(impl):
+    if name in ("dense", "chunked"):
       return name
   raise NotImplementedError(
       f"diagnostics computes its statistics with jattn's dense or chunked kernels; "
