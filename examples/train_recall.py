@@ -132,9 +132,10 @@ def _loss_and_accuracy(model, batch, *, deterministic, rngs=None):
 # ---- training ------------------------------------------------------------------------------
 
 
-def train(cfg: dict, implementation: str, dtype: str, *, steps: int | None = None,
+def train(cfg: dict, implementation: str | None, dtype: str, *, steps: int | None = None,
           log=print) -> dict:
-  """Train one model; returns its per-step training losses and the eval history.
+  """Train one model; returns its per-step training losses, the eval history, the trained
+  model and the task (examples/generate.py generates from them).
 
   Everything random (initialisation, batches, dropout) derives from ``cfg['train']['seed']``
   alone, so two runs that differ only in ``implementation`` see identical data and dropout.
@@ -190,7 +191,7 @@ def train(cfg: dict, implementation: str, dtype: str, *, steps: int | None = Non
           f"eval acc {ea:.3f}")
   losses = np.asarray(jax.device_get(losses), np.float64)
   return dict(losses=losses, evals=evals, seconds=time.perf_counter() - start,
-              chance=1.0 / task.num_values)
+              chance=1.0 / task.num_values, model=model, task=task)
 
 
 def load_config(path: str) -> dict:

@@ -306,14 +306,15 @@ def forward(plan: Plan, ops: Operands):
 # --------------------------------------------------------------------------------------------
 
 
-def _lanes(plan: Plan, packed, states):
+def _lanes(plan: Plan, packed, states, per_row: int = 1):
   """(rows, columns, kinds) as jax arrays, the number of steps, and whether any tile
-  needs mask arithmetic: static lanes from the plan, or run-time ones from the block map."""
+  needs mask arithmetic: static lanes from the plan, or run-time ones from the block map
+  (``per_row`` lanes per row)."""
   if packed is not None:
     ln = _plan.lanes_of(packed)
     masked = PARTIAL in plan.kinds or bool((ln.kinds == EMPTY).any())
     return tuple(jnp.asarray(a) for a in ln), ln.columns.shape[1], masked
-  ln, steps = _plan.run_time_lanes(states)
+  ln, steps = _plan.run_time_lanes(states, per_row)
   return tuple(ln), steps, True
 
 
@@ -395,7 +396,7 @@ def _forward_parallel(plan: Plan, ops: Operands, start, tile):
   are merged through their running max and sum, then the sink joins once."""
   cfg = plan.cfg
   sd = _tile.stat_dtype(ops.q.dtype)
-  lanes, steps, masked = _lanes(plan, plan.row_lanes, ops.states)
+  lanes, steps, masked = _lanes(plan, plan.row_lanes, ops.states, plan.row_split)
   rows = lanes[0]
   qbs, carry0 = jax.vmap(start)(rows)
 
@@ -656,7 +657,7 @@ def _backward_parallel(plan: Plan, ops: Operands, tile_grads, scale, dk_scale):
     dbias = _sharding.reshape(jnp.transpose(blocked, (2, 3, 4, 0, 5, 1, 6)), bias.shape)
 
   # dQ: lanes over query blocks, as in the forward pass.
-  lanes, steps, masked = _lanes(plan, plan.row_lanes, ops.states)
+  lanes, steps, masked = _lanes(plan, plan.row_lanes, ops.states, plan.row_split)
   q_rows = lanes[0]
 
   def visit(i, j, live, masked, const, dq_l):

@@ -58,6 +58,21 @@ SCHEDULES = ("serial", "parallel")
 # each step as wide as the call), not yet measured on hardware.
 SCHEDULE_DEFAULTS = {"cpu": "serial", "default": "parallel"}
 
+# Decoding (a few new tokens against a long KV cache) gives the parallel schedule one row of
+# blocks: one lane walking every key block in turn. Split-KV (FlashDecoding) instead spreads the
+# row's key blocks over lanes side by side and merges their partial softmaxes by log-sum-exp.
+# Reasoned, not measured (no accelerator here): a call is decoding-shaped (`decoding`) when its
+# query rows (T x G per key/value head) fit one query block of at most DECODE_MAX_ROWS rows,
+# and its row is dealt over up to SPLIT_KV_LANES lanes: with B x K (batch x key/value heads)
+# tiles per lane that is enough side by side to fill a GPU's or TPU's cores at B x K >= 8, and
+# the steps fall from S / block_kv to S / (block_kv x SPLIT_KV_LANES) (4 at S = 16384 and
+# 256-key blocks). DECODE_MIN_KEYS: below it the whole cache is a few blocks and dense's one
+# pass is as good (on this CPU chunked already wins at S = 512 in float32; see
+# `choose_implementation`).
+DECODE_MAX_ROWS = 256
+DECODE_MIN_KEYS = 512
+SPLIT_KV_LANES = 16
+
 
 def default_scale(H: int) -> float:
   """1 / sqrt(H): q.k of unit-variance vectors has variance H; this keeps the logits at unit
@@ -72,17 +87,48 @@ def default_scale(H: int) -> float:
 ACCELERATOR_DENSE_SCORES_BYTES = 1 << 30
 
 
-def choose_implementation(T: int, S: int) -> str:
+def decoding(T: int, S: int, G: int = 1) -> bool:
+  """Whether a call is decoding-shaped: its T x G query rows per key/value head fit one default
+  query block of at most DECODE_MAX_ROWS rows, against at least DECODE_MIN_KEYS keys (a few new
+  tokens against a KV cache). The chunked kernels then read the cache block by block where it
+  lies; dense attention transposes the whole cache to head-major on every call."""
+  return T <= DEFAULT_BLOCK_Q and T * G <= DECODE_MAX_ROWS and S >= DECODE_MIN_KEYS
+
+
+def choose_implementation(T: int, S: int, G: int = 1, dtype=None,
+                          static_map: bool = False) -> str:
   """The CPU's rule behind implementation=None: dense for small score matrices, chunked
-  otherwise (the crossover measured here)."""
-  return "chunked" if T * S >= AUTO_CHUNKED_MIN_SCORES else "dense"
+  otherwise (the crossover measured here), and chunked for decoding-shaped calls. Measured here
+  (B = 4, N = 32, K = 8, H = 128, T = 1; chunked against dense): float32 7 against 11 ms at
+  S = 512, 148 against 354 at S = 16384; with the cache's fill level given at run time (lengths
+  or a causal offset as arrays, what a decoding loop has) bfloat16 175 against 411 ms at
+  S = 16384. The exception is a 16-bit call whose block map is known at trace time
+  (``static_map``): XLA's CPU backend then converts the whole cache to float32 ahead of the
+  kernel's loop, and dense wins (bfloat16, no mask: 249 against 331 ms)."""
+  if T * S >= AUTO_CHUNKED_MIN_SCORES:
+    return "chunked"
+  narrow = dtype is not None and jnp.dtype(dtype).itemsize < 4
+  return "chunked" if decoding(T, S, G) and not (narrow and static_map) else "dense"
 
 
-def implementation_by_platform(B: int, N: int, T: int, S: int) -> dict[str, str]:
+def static_block_map(mask, T: int, S: int, shape) -> bool:
+  """Whether ``mask`` (a `jattn.masks` object or None) has a block map known at trace time."""
+  if mask is None:
+    return True
+  grid = BlockGrid(T, S, *block_sizes(T, S, None, None))
+  return isinstance(_masks.reduce_states(mask.block_states(grid, shape), shape), np.ndarray)
+
+
+def implementation_by_platform(B: int, N: int, T: int, S: int, G: int = 1, dtype=None,
+                               static_map: bool = False) -> dict[str, str]:
   """implementation=None per platform ({"cpu": ..., "default": ...}, the default for GPU and
-  TPU), picked where the program is lowered."""
-  accelerator = "dense" if B * N * T * S * 4 <= ACCELERATOR_DENSE_SCORES_BYTES else "chunked"
-  return {"cpu": choose_implementation(T, S), "default": accelerator}
+  TPU), picked where the program is lowered. GPU and TPU (reasoned, not measured): decoding-
+  shaped calls go to the chunked kernels (their parallel schedule splits the cache over lanes,
+  split-KV), others to dense while the (B, N, T, S) float32 scores fit
+  ACCELERATOR_DENSE_SCORES_BYTES."""
+  fits = B * N * T * S * 4 <= ACCELERATOR_DENSE_SCORES_BYTES
+  accelerator = "dense" if fits and not decoding(T, S, G) else "chunked"
+  return {"cpu": choose_implementation(T, S, G, dtype, static_map), "default": accelerator}
 
 
 def block_sizes(T: int, S: int, block_q: int | None, block_kv: int | None, *,
@@ -250,17 +296,19 @@ class Lanes(NamedTuple):
   kinds: np.ndarray
 
 
-def lanes(states: np.ndarray) -> Lanes:
-  """Split every row's block list into lanes of at most L = ceil(total / rows) blocks.
+def lanes(states: np.ndarray, min_lanes: int = 1) -> Lanes:
+  """Split every row's block list into lanes of at most L = ceil(total / max(rows, min_lanes))
+  blocks.
 
   Rows of equal length (an unmasked call, a band) stay one lane each, L = their length. A causal
   map's rows hold 1 .. R blocks: they split into about R + R/4 lanes of L = ceil((R + 1) / 2)
   blocks, so the schedule runs about half the steps of the unmasked call, each as wide (the
   long rows are spread over several lanes and merged through their log-sum-exps, split-KV
-  style)."""
+  style). ``min_lanes`` above the number of rows (a decoding step: one row of blocks, see
+  `split_kv_lanes`) splits the rows further, into about that many lanes."""
   columns, kinds, counts = block_lists(np.asarray(states))
   R = states.shape[0]
-  L = max(1, -(-int(counts.sum()) // R))
+  L = max(1, -(-int(counts.sum()) // max(R, int(min_lanes))))
   rows, cols, knds = [], [], []
   for r in range(R):
     n = int(counts[r])
@@ -275,13 +323,27 @@ def lanes(states: np.ndarray) -> Lanes:
                np.array(knds, np.int8).reshape(V, L))
 
 
-def run_time_lanes(states):
-  """`Lanes` of a run-time (jax) block map: one lane per row over every column, and the number
-  of steps that matter, max(counts), as a jax scalar (the loop runs that many)."""
+def run_time_lanes(states, per_row: int = 1):
+  """`Lanes` of a run-time (jax) block map: ``per_row`` lanes per row over every column, and the
+  number of steps that matter, as a jax scalar (the loop runs that many).
+
+  A row's lanes take its compact block list in turn (lane p: entries p, p + per_row, ...), so
+  however many blocks a row turns out to have at run time, they are spread evenly: the steps
+  are ceil(max(counts) / per_row)."""
   columns, kinds, counts = block_lists(states)
-  R = states.shape[0]
+  R, C = columns.shape
+  P = max(1, min(int(per_row), C))
   rows = jnp.arange(R, dtype=jnp.int32)
-  return Lanes(rows, columns, kinds), counts.max()
+  if P == 1:
+    return Lanes(rows, columns, kinds), counts.max()
+  L = -(-C // P)
+  pad = L * P - C
+  if pad:  # padding re-reads the row's last listed block, as EMPTY
+    columns = jnp.concatenate([columns, jnp.repeat(columns[:, -1:], pad, axis=1)], axis=1)
+    kinds = jnp.concatenate([kinds, jnp.full((R, pad), EMPTY, kinds.dtype)], axis=1)
+  deal = lambda x: jnp.transpose(x.reshape(R, L, P), (0, 2, 1)).reshape(R * P, L)
+  steps = (counts.max() + (P - 1)) // P
+  return Lanes(jnp.repeat(rows, P), deal(columns), deal(kinds)), steps
 
 
 def _loop_bounds(ranges, states):
@@ -354,6 +416,9 @@ class Plan:
   # Parallel schedule: lanes computed per step (None: all). A step holds one tile per lane, so
   # this bounds the schedule's memory; more lanes than this run group after group.
   width: int | None = None
+  # Parallel schedule: the lanes each row of a run-time map is dealt over (see `split_kv_lanes`;
+  # static maps have the split in `row_lanes`).
+  row_split: int = 1
 
   @property
   def Tp(self) -> int:
@@ -387,6 +452,14 @@ class Plan:
 DEFAULT_STEP_WIDTH = 64
 
 
+def split_kv_lanes(cfg: Config, grid: BlockGrid, width: int | None) -> int:
+  """The lanes the parallel schedule splits a call's single row of blocks over when its query
+  rows fit one block of at most DECODE_MAX_ROWS (1: no split)."""
+  if grid.num_q_blocks != 1 or cfg.T * cfg.G > DECODE_MAX_ROWS:
+    return 1
+  return max(1, min(SPLIT_KV_LANES, width or DEFAULT_STEP_WIDTH, grid.num_kv_blocks))
+
+
 def make_plan(cfg: Config, mask, block_q: int, block_kv: int, schedule: str = "serial",
               width: int | None = None):
   """(Plan, states): the plan over (cfg.T, cfg.S) in blocks of (block_q, block_kv), and its block
@@ -394,13 +467,15 @@ def make_plan(cfg: Config, mask, block_q: int, block_kv: int, schedule: str = "s
   DEFAULT_STEP_WIDTH)."""
   grid = BlockGrid(cfg.T, cfg.S, block_q, block_kv)
   states, kinds = block_map_and_kinds(mask, grid, (cfg.B, cfg.N, cfg.T, cfg.S))
+  parallel = schedule == "parallel"
+  split = split_kv_lanes(cfg, grid, width) if parallel else 1
   plan = Plan(cfg, grid, kinds, schedule=schedule,
-              width=(width or DEFAULT_STEP_WIDTH) if schedule == "parallel" else None)
+              width=(width or DEFAULT_STEP_WIDTH) if parallel else None, row_split=split)
   if isinstance(states, np.ndarray):
     plan = dataclasses.replace(plan, q_ranges=static_ranges(states),
                                kv_ranges=static_ranges(states.T))
-    if schedule == "parallel":
-      plan = dataclasses.replace(plan, row_lanes=_hashable(lanes(states)),
+    if parallel:
+      plan = dataclasses.replace(plan, row_lanes=_hashable(lanes(states, split)),
                                  column_lanes=_hashable(lanes(states.T)))
   return plan, jnp.asarray(states, jnp.int8)
 

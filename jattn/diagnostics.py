@@ -186,7 +186,8 @@ def _stats(query, key, bias, mask, q_lengths, kv_lengths, q_seg, kv_seg, sinks, 
   combined = _plan.build_mask(shape, args.mask, opts.causal, opts.window,
                               q_lengths=args.q_lengths, kv_lengths=args.kv_lengths,
                               q_segment_ids=args.q_seg, kv_segment_ids=args.kv_seg)
-  impl = opts.implementation or _plan.choose_implementation(T, S)
+  impl = opts.implementation or _plan.choose_implementation(
+      T, S, G, query.dtype, _plan.static_block_map(combined, T, S, shape))
   bq, bk = (T, S) if impl == "dense" else _plan.block_sizes(T, S, opts.block_q, opts.block_kv)
 
   score_mod, score_args = None, ()

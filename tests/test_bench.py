@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jattn.bench import (cli, config, flops, masks, report, ring_bench, runner, sharding_bench,
-                         torch_peer)
+from jattn.bench import (cli, config, decode_bench, flops, masks, report, ring_bench, runner,
+                         sharding_bench, torch_peer)
 
 _JAX_IMPLS = {"jattn-dense", "jattn-chunked-32x32", "jax-nn", "flax"}
 
@@ -717,3 +717,39 @@ def test_compared_cases_are_grouped_to_run_together():
   assert [[(c.T, c.mask.name) for _, c in g] for g in groups] == [
       [(8, "full"), (8, "causal")], [(16, "full"), (16, "causal")]]
   assert [len(g) for g in cli._groups(list(cfg.cases), ())] == [1, 1, 1, 1]
+
+
+# ---------------------------------------------------------------------------- the decode benchmark
+
+def test_decode_bench_times_a_step_against_the_floor(tmp_path, capsys):
+  # `jattn-bench decode` on a tiny cache: every implementation agrees with jattn dense, ratios
+  # are computed from the medians, and a case that needs more than max_memory_gib is skipped
+  # with the reason; a bad config is an error naming the problem.
+  path = _write_config(tmp_path, """
+name = "tiny-decode"
+repeats = 2
+warmup = 0
+batch = 2
+heads = 4
+kv_heads = 2
+head_dim = 16
+T = 1
+S = [600, 1000000000]
+dtypes = ["float32"]
+max_memory_gib = 1.0
+""")
+  out = tmp_path / "decode.json"
+  assert cli.main(["decode", path, "--json", str(out)]) == 0
+  printed = capsys.readouterr().out
+  rows = json.loads(out.read_text())["rows"]
+  ok, skipped = rows
+  assert ok["status"] == "ok" and skipped["status"] == "skipped" and "GiB" in skipped["reason"]
+  assert set(ok["ms"]) == set(decode_bench.IMPLS)
+  assert max(ok["max_abs_diff"].values()) < 1e-5
+  assert ok["vs_floor"]["jattn"] == pytest.approx(ok["ms"]["jattn"] / ok["ms"]["floor"])
+  assert ok["jattn_speedup_vs_jax_nn"] == pytest.approx(ok["ms"]["jax.nn"] / ok["ms"]["jattn"])
+  lines = [ln for ln in printed.splitlines() if ln.startswith("| float32")]
+  assert len(lines) == 2 and lines[0].split("|")[2].strip() == "600"
+  assert decode_bench.main([str(tmp_path / "missing.toml")]) == 2
+  bad = _write_config(tmp_path, 'S = [4]\nT = 8\n')
+  assert decode_bench.main([bad]) == 2 and "every S must be" in capsys.readouterr().err

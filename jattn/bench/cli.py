@@ -162,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
   if argv[:1] == ["tune"]:
     from jattn.bench import tune as _tune
     return _tune.main(argv[1:])
+  if argv[:1] == ["decode"]:
+    from jattn.bench import decode_bench
+    return decode_bench.main(argv[1:])
   if argv[:1] == ["sharding"]:
     # Needs several host devices, set up before JAX starts: its own runner.
     from jattn.bench import sharding_bench

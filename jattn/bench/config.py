@@ -157,6 +157,18 @@ def configs_dir() -> Path:
   return Path(__file__).resolve().parent.parent.parent / "configs"
 
 
+def read_table(path, keys, defaults: dict) -> dict:
+  """A subcommand's flat TOML config: ``defaults`` updated by the file, whose keys must be a
+  subset of ``keys`` (a ValueError naming the file and the unknown keys otherwise)."""
+  import tomllib
+  with open(path, "rb") as f:
+    cfg = tomllib.load(f)
+  unknown = set(cfg) - set(keys)
+  if unknown:
+    raise ValueError(f"{path}: unknown keys {sorted(unknown)}; expected a subset of {sorted(keys)}")
+  return {**defaults, **cfg}
+
+
 def resolve_path(arg: str | None) -> Path:
   """A config argument -> a file: a path, or a bare name like ``quick`` for the shipped
   configs/quick.toml (see configs_dir)."""

@@ -25,7 +25,7 @@ import statistics
 import time
 
 from jattn.bench import host_devices
-from jattn.bench.config import configs_dir
+from jattn.bench.config import configs_dir, read_table
 
 DEFAULT_CONFIG = configs_dir() / "ring.toml"
 KEYS = {"name", "description", "devices", "repeats", "warmup", "batch", "heads", "kv_heads",
@@ -35,15 +35,10 @@ PASSES = ("forward", "forward+backward")
 
 
 def load_config(path, overrides):
-  import tomllib
-  with open(path, "rb") as f:
-    cfg = tomllib.load(f)
-  unknown = set(cfg) - KEYS
-  if unknown:
-    raise ValueError(f"{path}: unknown keys {sorted(unknown)}; expected a subset of {sorted(KEYS)}")
-  cfg = {"devices": 4, "repeats": 3, "warmup": 1, "batch": 1, "heads": 8, "head_dim": 64,
-         "T": [2048], "block": 512, "dtype": "float32", "layouts": ["contiguous", "zigzag"],
-         "masks": ["causal"], "passes": list(PASSES), **cfg}
+  cfg = read_table(path, KEYS, {
+      "devices": 4, "repeats": 3, "warmup": 1, "batch": 1, "heads": 8, "head_dim": 64,
+      "T": [2048], "block": 512, "dtype": "float32", "layouts": ["contiguous", "zigzag"],
+      "masks": ["causal"], "passes": list(PASSES)})
   cfg.update({k: v for k, v in overrides.items() if v is not None})
   cfg.setdefault("kv_heads", cfg["heads"])
   if isinstance(cfg["T"], int):
