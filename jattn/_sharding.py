@@ -132,8 +132,11 @@ def reshape(x, shape):
   for d, entry in enumerate(entries):
     if entry is None:
       continue
-    o = int(np.searchsorted(out_start, in_start[d]))
-    if o >= len(shape) or out_start[o] != in_start[d] or shape[o] % x.shape[d]:
+    # The output dimension that starts where d does and holds whole multiples of it (size-1
+    # dimensions share their start with the next one: (1, B, ..) -> (1, B, .., 1) keeps B's).
+    fits = [o for o in range(len(shape))
+            if out_start[o] == in_start[d] and shape[o] % x.shape[d] == 0 and out[o] is None]
+    if not fits:
       raise ValueError(f"reshape {x.shape} -> {shape} would split sharded dimension {d}")
-    out[o] = entry
+    out[fits[0]] = entry
   return jax.lax.reshape(x, shape, out_sharding=PartitionSpec(*out))

@@ -1,8 +1,8 @@
 """Sharded inputs under plain `jit`, on 4 host devices in a subprocess.
 
 Explicit-axis mesh (sharding in types): batch-, head- and sequence-sharded calls of every
-implementation (the chunked kernels in both schedules) equal the unsharded call, forward and
-gradients, and the output keeps the query's sharding.
+implementation (the chunked kernels in both schedules, and a decoding step split over lanes)
+equal the unsharded call, forward and gradients, and the output keeps the query's sharding.
 
 Auto mesh (the compiler propagates shardings), causal, dense and both chunked schedules: every
 call equals the unsharded one, forward and gradients; batch- and head-sharded calls run without
@@ -37,8 +37,12 @@ WORKER = textwrap.dedent('''
               for where, spec in (("heads", P(None, None, "x")), ("sequence", P(None, "x")))
               for impl in ("dense", "chunked", "parallel")
               if not (where == "heads" and impl == "parallel")]
+    # A decoding step (T = 1 against S = 96): the parallel schedule splits its one row of key
+    # blocks over lanes (split-KV), batch- and head-sharded.
+    cases += [(where, spec, "parallel", "bottom_right", 1)
+              for where, spec in (("batch", P("x")), ("heads", P(None, None, "x")))]
     for where, spec, impl, causal, T in cases:
-          S = T
+          S = 96 if T == 1 else T
           ks = jax.random.split(jax.random.key(0), 3)
           q = jax.random.normal(ks[0], (B, T, N, H))
           k = jax.random.normal(ks[1], (B, S, K, H))
