@@ -5,7 +5,9 @@ The parallel schedule splits such a call's single row of key blocks over lanes s
 tile. Each is compared with the float64 reference (forward, lse, and the gradients of q, k, v and
 the sinks) on a ragged cache length (S not a multiple of the block) with per-example fill
 levels as a run-time `masks.causal(offset=...)`, bottom-right causality with a window, sinks,
-soft cap, GQA, and an example whose cache is empty (its rows 0, their gradients 0).
+soft cap, GQA, and an example whose cache is empty (its rows 0, their gradients 0). Which
+implementation `implementation=None` picks for a decoding step is read from the programs it
+compiles, here and exported for cuda and tpu (last test); tests/test_generate.py decodes with it.
 """
 
 import jax
@@ -27,9 +29,9 @@ IMPLEMENTATIONS = {
     "dense": dict(implementation="dense"),
     "serial": dict(implementation="chunked", schedule="serial", block_kv=BLOCK_KV),
     "split": dict(implementation="chunked", schedule="parallel", block_kv=BLOCK_KV),
+    # 3 lanes per step: the 10 lanes run in groups, the last one padded.
     "split_width3": dict(implementation="chunked", schedule="parallel", block_kv=BLOCK_KV,
                          step_width=3),
-    "automatic": dict(),
 }
 
 
@@ -76,6 +78,9 @@ def test_decoding_steps_match_reference(T):
     dq_w, dk_w, dv_w, _, ds_w = ref.grads(cache, do)
     rows = np.isfinite(want_lse)
     for impl, ikw in IMPLEMENTATIONS.items():
+      if impl == "split_width3" and T != 7:
+        continue  # the grouping does not depend on T: once is enough
+
       def f(q, k, v, sinks):
         extra = dict(kw, sinks=sinks)
         return jattn.dot_product_attention(q, k, v, return_residual=True, **extra, **ikw)
