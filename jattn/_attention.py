@@ -290,8 +290,7 @@ def _attention(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_s
                                   q_lengths=args.q_lengths, kv_lengths=args.kv_lengths)
 
   def run_automatic():
-    static = _plan.static_block_map(combined, T, S, shape)
-    choice = _plan.implementation_by_platform(B, N, T, S, G, query.dtype, static)
+    choice = _plan.implementation_by_platform(B, N, T, S, G, query.dtype, combined)
     return _by_platform({p: runners[impl] for p, impl in choice.items()})
 
   runners = {"dense": run_dense, "chunked": run_chunked, "splash": run_splash,

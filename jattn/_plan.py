@@ -88,27 +88,33 @@ ACCELERATOR_DENSE_SCORES_BYTES = 1 << 30
 
 
 def decoding(T: int, S: int, G: int = 1) -> bool:
-  """Whether a call is decoding-shaped: its T x G query rows per key/value head fit one default
-  query block of at most DECODE_MAX_ROWS rows, against at least DECODE_MIN_KEYS keys (a few new
-  tokens against a KV cache). The chunked kernels then read the cache block by block where it
-  lies; dense attention transposes the whole cache to head-major on every call."""
-  return T <= DEFAULT_BLOCK_Q and T * G <= DECODE_MAX_ROWS and S >= DECODE_MIN_KEYS
+  """Whether a call is decoding-shaped: its T x G query rows per key/value head are at most
+  DECODE_MAX_ROWS (so they fit one default query block), against at least DECODE_MIN_KEYS keys
+  (a few new tokens against a KV cache). The chunked kernels then read the cache block by block
+  where it lies; dense attention transposes the whole cache to head-major on every call."""
+  return T * G <= DECODE_MAX_ROWS and S >= DECODE_MIN_KEYS
 
 
-def choose_implementation(T: int, S: int, G: int = 1, dtype=None,
-                          static_map: bool = False) -> str:
+def choose_implementation(T: int, S: int, G: int = 1, dtype=None, mask=None,
+                          shape=None) -> str:
   """The CPU's rule behind implementation=None: dense for small score matrices, chunked
-  otherwise (the crossover measured here), and chunked for decoding-shaped calls. Measured here
-  (B = 4, N = 32, K = 8, H = 128, T = 1; chunked against dense): float32 7 against 11 ms at
-  S = 512, 148 against 354 at S = 16384; with the cache's fill level given at run time (lengths
-  or a causal offset as arrays, what a decoding loop has) bfloat16 175 against 411 ms at
-  S = 16384. The exception is a 16-bit call whose block map is known at trace time
-  (``static_map``): XLA's CPU backend then converts the whole cache to float32 ahead of the
-  kernel's loop, and dense wins (bfloat16, no mask: 249 against 331 ms)."""
+  otherwise (the crossover measured here), and chunked for decoding-shaped calls.
+
+  Measured here for decoding (B = 4, N = 32, K = 8, H = 128, chunked against dense): T = 1,
+  float32, no mask 7 against 11 ms at S = 512 and 148 against 354 at S = 16384; T = 8 and 64
+  (G = 4: 32 and 256 rows) at S = 4096, 77 against 178 and 270 against 406; with the cache's fill
+  level given at run time (lengths or a causal offset as arrays, what a decoding loop has) see
+  README "Decoding" (bfloat16 at S = 16384: 145 against 399). The exception: a 16-bit call whose
+  ``mask`` (the call's `jattn.masks` object over ``shape``) has a block map known at trace time.
+  XLA's CPU backend then converts the whole cache to float32 ahead of the kernel's loop, and dense
+  wins for a few rows (bfloat16, no mask, T = 1, G = 4: 249 against 331 ms at S = 16384); from
+  T x G = 32 rows on chunked wins again (T = 8: 81 against 126 ms at S = 4096)."""
   if T * S >= AUTO_CHUNKED_MIN_SCORES:
     return "chunked"
+  if not decoding(T, S, G):
+    return "dense"
   narrow = dtype is not None and jnp.dtype(dtype).itemsize < 4
-  return "chunked" if decoding(T, S, G) and not (narrow and static_map) else "dense"
+  return "dense" if narrow and T * G <= 8 and static_block_map(mask, T, S, shape) else "chunked"
 
 
 def static_block_map(mask, T: int, S: int, shape) -> bool:
@@ -120,7 +126,7 @@ def static_block_map(mask, T: int, S: int, shape) -> bool:
 
 
 def implementation_by_platform(B: int, N: int, T: int, S: int, G: int = 1, dtype=None,
-                               static_map: bool = False) -> dict[str, str]:
+                               mask=None) -> dict[str, str]:
   """implementation=None per platform ({"cpu": ..., "default": ...}, the default for GPU and
   TPU), picked where the program is lowered. GPU and TPU (reasoned, not measured): decoding-
   shaped calls go to the chunked kernels (their parallel schedule splits the cache over lanes,
@@ -128,7 +134,8 @@ def implementation_by_platform(B: int, N: int, T: int, S: int, G: int = 1, dtype
   ACCELERATOR_DENSE_SCORES_BYTES."""
   fits = B * N * T * S * 4 <= ACCELERATOR_DENSE_SCORES_BYTES
   accelerator = "dense" if fits and not decoding(T, S, G) else "chunked"
-  return {"cpu": choose_implementation(T, S, G, dtype, static_map), "default": accelerator}
+  return {"cpu": choose_implementation(T, S, G, dtype, mask, (B, N, T, S)),
+          "default": accelerator}
 
 
 def block_sizes(T: int, S: int, block_q: int | None, block_kv: int | None, *,

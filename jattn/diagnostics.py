@@ -127,8 +127,9 @@ def attention_stats(
       q_segment_ids, kv_segment_ids, logits_soft_cap, score_mod, sinks: exactly as in
       `jattn.dot_product_attention` (dropout does not change the softmax, so it is not taken).
       A bias of -inf hides a position like the mask does; any finite bias counts as a logit.
-    implementation: ``None`` (dense below ~1M scores per head, else chunked, the rule of
-      `jattn.dot_product_attention`), ``"dense"`` or ``"chunked"`` (no (T, S) array; memory
+    implementation: ``None`` (dense below ~1M scores per head, else chunked, and chunked for a
+      few queries against a long cache: the CPU's rule of `jattn.dot_product_attention`, on
+      every platform), ``"dense"`` or ``"chunked"`` (no (T, S) array; memory
       O(B N block_q block_kv)); in a sequence, the first of these two (fused kernels such as
       ``"splash"`` do not expose their logits).
     block_q, block_kv: chunked block sizes (default 512 and 256, clipped to T and S).
@@ -186,8 +187,7 @@ def _stats(query, key, bias, mask, q_lengths, kv_lengths, q_seg, kv_seg, sinks, 
   combined = _plan.build_mask(shape, args.mask, opts.causal, opts.window,
                               q_lengths=args.q_lengths, kv_lengths=args.kv_lengths,
                               q_segment_ids=args.q_seg, kv_segment_ids=args.kv_seg)
-  impl = opts.implementation or _plan.choose_implementation(
-      T, S, G, query.dtype, _plan.static_block_map(combined, T, S, shape))
+  impl = opts.implementation or _plan.choose_implementation(T, S, G, query.dtype, combined, shape)
   bq, bk = (T, S) if impl == "dense" else _plan.block_sizes(T, S, opts.block_q, opts.block_kv)
 
   score_mod, score_args = None, ()

@@ -29,7 +29,8 @@ IMPLEMENTATIONS = {
     "dense": dict(implementation="dense"),
     "serial": dict(implementation="chunked", schedule="serial", block_kv=BLOCK_KV),
     "split": dict(implementation="chunked", schedule="parallel", block_kv=BLOCK_KV),
-    # 3 lanes per step: the 10 lanes run in groups, the last one padded.
+    # At most 3 lanes per step: the row is split over 3 lanes, dealt unevenly (static lanes of
+    # 4, 4 and 2 blocks; at run time 4 steps, the last partly padding).
     "split_width3": dict(implementation="chunked", schedule="parallel", block_kv=BLOCK_KV,
                          step_width=3),
 }

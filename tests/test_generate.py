@@ -4,7 +4,8 @@ A briefly trained one-layer model of examples/train_recall.py generates greedily
 sampling; every step's logits equal those of one uncached forward pass over the finished
 sequence, the T = 1 step compiles once for the whole generation, and dense and chunked attention
 generate the same tokens. With a 640-position float32 cache the steps are decoding-shaped, so
-implementation=None runs them through the chunked kernels on this CPU.
+implementation=None runs them through the chunked kernels on this CPU (with a cache just long
+enough, through dense): which kernel each generation traced is recorded and checked.
 """
 
 import functools
@@ -14,6 +15,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import jattn
 import numpy as np
 import pytest
 from flax import nnx
@@ -52,24 +54,36 @@ def _model(implementation):
   return nnx.merge(graphdef, nnx.state(trained)), task
 
 
-def test_cached_generation_equals_recomputing():
+def test_cached_generation_equals_recomputing(monkeypatch):
   tokens = {}
-  # implementation=None with a 640-position cache: decoding-shaped steps, the chunked kernels.
-  for implementation, max_length in (("dense", None), ("chunked", None), (None, 640)):
+  # Which kernels each model's programs trace (jit traces every new shape once).
+  traced = []
+  for name, module in (("chunked", jattn._chunked), ("dense", jattn._dense)):
+    fn = {"chunked": "chunked_attention", "dense": "dense_attention"}[name]
+    original = getattr(module, fn)
+    monkeypatch.setattr(module, fn, lambda *a, _f=original, _n=name, **k: (traced.append(_n),
+                                                                           _f(*a, **k))[1])
+  # implementation=None with a 640-position cache: decoding-shaped steps, the chunked kernels;
+  # with a cache just long enough (33 positions) dense.
+  for implementation, max_length, kernel in (("dense", None, "dense"), ("chunked", None, "chunked"),
+                                             (None, 640, "chunked"), (None, None, "dense")):
     model, task = _model(implementation)
     seqs, _, _ = task.batch(jax.random.key(3), 4)
     prompt = seqs[:, :2 * task.num_pairs + 1]
     # Sampling differs from greedy decoding only in how a token is drawn: one model is enough.
-    modes = (("greedy", None),) + ((("sampled", jax.random.key(1)),) if implementation is None
+    modes = (("greedy", None),) + ((("sampled", jax.random.key(1)),) if max_length == 640
                                    else ())
     for name, key in modes:
+      traced.clear()
       out, logits, _, compiled = generate.generate(model, prompt, 5, key, max_length=max_length)
+      if name == "greedy":  # sampling retraces only the step around the same attention calls
+        assert traced and set(traced) == {kernel}, (implementation, max_length, traced)
       assert compiled == 2, compiled  # the prefill and one T = 1 step for every token
       diff, same = generate.check_against_recomputing(model, prompt, out, logits, atol=1e-4)
       assert same and diff < 1e-4, (implementation, name, diff)
-      tokens[implementation, name] = np.asarray(out)
-  np.testing.assert_array_equal(tokens["chunked", "greedy"], tokens["dense", "greedy"])
-  np.testing.assert_array_equal(tokens[None, "greedy"], tokens["dense", "greedy"])
+      tokens[implementation, max_length, name] = np.asarray(out)
+  for other in (("chunked", None), (None, 640), (None, None)):
+    np.testing.assert_array_equal(tokens[other + ("greedy",)], tokens["dense", None, "greedy"])
 
 
 def test_check_against_recomputing_catches_a_wrong_cache():

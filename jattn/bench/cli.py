@@ -27,6 +27,7 @@ examples:
   jattn-bench quick --platform cuda            # the structure of the programs a GPU would run
   jattn-bench tune --T 1024 4096 --mask full causal --out tuning.json   # see jattn.tuning
   jattn-bench sharding --devices 4 --T 1024     # collectives and memory per device, sharded inputs
+  jattn-bench decode --S 4096 16384             # one decoding step vs jax.nn and the memory floor
 
 columns: compile_s (lower+compile, apart from run time); median_s and min..max_s over the timed
 repeats; temp_MiB (XLA compiled temporaries); GFLOP/s (visible pairs only, see docs); %peak (of
