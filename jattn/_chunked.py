@@ -19,8 +19,9 @@ Layout: the kernels take and return arrays sequence-major, as callers hold them 
 (B, Tp, N, H), k/v (B, Sp, K, H), lse (B, Tp, N), with Tp, Sp padded up to whole blocks -- and
 transpose one block at a time into the head-major tiles of `jattn._tile` ((B, K, G, bq, H) and
 (B, K, bk, H)); the forward's tile math stacks the G query heads of a group as rows,
-(B, K, G * bq, .), see `_rows`. Transposing whole arrays up front instead costs a full-size copy of every input
-and output per call (at T = 4096, N = 8, H = 64: 34.5 MiB of XLA temporaries against 10.5).
+(B, K, G * bq, .), see `_rows`. Transposing whole arrays up front instead costs a full-size copy
+of every input and output per call (at T = 4096, N = 8, H = 64: 34.5 MiB of XLA temporaries
+against 10.5).
 The backward keeps its score tiles key-major, (B, K, bk, G, bq): see `_rows_matmul`.
 """
 
