@@ -189,9 +189,9 @@ def _attention(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_s
   seq_spec = None
   if _sharding.explicit_mesh():
     # Sequence-sharded inputs under an Explicit mesh: every query needs every key, so K and V
-    # are gathered along S (as jax.nn's XLA path does). The chunked kernels slice query blocks
-    # out of Q as well, so there Q is gathered along T and the output given back the query's
-    # sharding. Batch- and head-sharded inputs pass unchanged.
+    # are gathered along S (as jax.nn's XLA path does); the query stays sharded (the chunked
+    # kernels run per query shard: see query_sharded). Batch- and head-sharded inputs pass
+    # unchanged.
     key, value = _sharding.unshard_axis(key, 1), _sharding.unshard_axis(value, 1)
     seq_spec = _sharding.spec_of(query)
   if scale_operand is not None:
@@ -219,11 +219,13 @@ def _attention(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_s
   seed = (_dropout.seed_words(dropout_rng) if opts.dropout_rate > 0
           else jnp.zeros((2,), jnp.uint32))
 
-  def config(tile_shape):
-    """The static config for tiles of ``tile_shape`` (score_mod's arrays are hoisted for it)."""
+  def config(tile_shape, T=T, replay=False):
+    """The static config for tiles of ``tile_shape`` (score_mod's arrays are hoisted for it)
+    over ``T`` query rows; ``replay``: score_mod to be called inside a shard_map."""
     score_mod, score_args = None, ()
     if opts.score_mod is not None:
-      score_mod, score_args = _plan.closure_convert_score_mod(opts.score_mod, tile_shape, sd)
+      score_mod, score_args = _plan.closure_convert_score_mod(opts.score_mod, tile_shape, sd,
+                                                              replay=replay)
     cfg = Config(B=B, T=T, S=S, K=K, G=G, H=H, scale=scale,
                  logits_soft_cap=opts.logits_soft_cap, dropout_rate=opts.dropout_rate,
                  score_mod=score_mod, dropout_broadcast=opts.dropout_broadcast)
@@ -250,23 +252,72 @@ def _attention(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_s
     return (jnp.transpose(out.reshape(B, N, T, Hv), (0, 2, 1, 3)),
             jnp.transpose(lse.reshape(B, N, T), (0, 2, 1)))
 
-  def run_chunked():
-    # The chunked kernels read blocks of the (B, T, N, H) arrays as they are (see _chunked).
-    cfg, score_args = config((B, N, bq, bk))
-    q = query if seq_spec is None else _sharding.unshard_axis(query, 1)
+  def chunked(q, k, v, bias, mask, seed, sink, score_args, cfg, q_offset=None):
+    """The chunked kernels on queries (B, cfg.T, N, H); ``q_offset``: the global position of
+    q's first row when q is one device's shard of the sequence (masks, score_mod and dropout
+    then see global positions)."""
+    bq_, bk_ = _plan.block_sizes(cfg.T, S, opts.block_q, opts.block_kv)
+    positions = None
+    if q_offset is not None:
+      Tp = -(-cfg.T // bq_) * bq_
+      # Padding rows repeat the last row's position; their output is sliced off.
+      q_table = q_offset + jnp.minimum(jnp.arange(Tp, dtype=jnp.int32), cfg.T - 1)
+      kv_table = jnp.arange(-(-S // bk_) * bk_, dtype=jnp.int32)
+      mask = None if mask is None else _masks.remap(mask, q_table, kv_table)
+      if cfg.score_mod is not None or cfg.dropout_rate > 0:
+        positions = _plan.Positions(q_table, kv_table, 0, 0)
     run = {}
     for schedule in (opts.schedule,) if opts.schedule else _plan.SCHEDULES:
-      plan, states = _plan.make_plan(cfg, combined, bq, bk, schedule, opts.step_width)
-      ops = Operands(q=q, k=key, v=value, bias=bias5, mask=combined, states=states, seed=seed,
-                     score_args=score_args, sink=sink)
+      plan, states = _plan.make_plan(cfg, mask, bq_, bk_, schedule, opts.step_width)
+      ops = Operands(q=q, k=k, v=v, bias=bias, mask=mask, states=states, seed=seed,
+                     score_args=score_args, sink=sink, positions=positions)
       run[schedule] = functools.partial(_chunked.chunked_attention, plan, ops)
     if opts.schedule:
-      out, lse = run[opts.schedule]()
+      return run[opts.schedule]()
+    return _by_platform({p: run[s] for p, s in _plan.SCHEDULE_DEFAULTS.items()})
+
+  def run_chunked():
+    # The chunked kernels read blocks of the (B, T, N, H) arrays as they are (see _chunked).
+    shards = None if seq_spec is None else _sharding.query_shards(query)
+    if shards is None:
+      cfg, score_args = config((B, N, bq, bk))
+      q = query if seq_spec is None else _sharding.unshard_axis(query, 1)
+      out, lse = chunked(q, key, value, bias5, combined, seed, sink, score_args, cfg)
     else:
-      out, lse = _by_platform({p: run[s] for p, s in _plan.SCHEDULE_DEFAULTS.items()})
+      out, lse = query_sharded(*shards)
     if seq_spec is not None and _sharding.spec_of(out) != seq_spec:
       out = jax.sharding.reshard(out, seq_spec)
     return out, lse
+
+  def query_sharded(axes, count):
+    """A sequence-sharded query under an Explicit mesh: each device runs the chunked kernels on
+    its own rows against the whole (gathered) K and V, as dense attention's partitioned matmuls
+    do -- the query and output stay sharded and each device does 1/count of the work. The
+    kernels take query blocks out of Q at loop indices, so without this the partitioner would
+    need the whole Q on every device. The dK/dV partial sums of the devices are added by the
+    shard_map's transpose (a psum, as jax.nn's backward all-reduces them)."""
+    Tl = T // count
+    tile = (B, N) + _plan.block_sizes(Tl, S, opts.block_q, opts.block_kv)
+    cfg, score_args = config(tile, T=Tl, replay=True)
+    P = jax.sharding.PartitionSpec
+    seq = axes[0] if len(axes) == 1 else axes
+    rows = _sharding.shard_dim(query, 1, axes)
+    local_bias = bias5 is not None and bias5.shape[3] != 1
+    bias = (_sharding.shard_dim(bias5, 3, axes) if local_bias
+            else _sharding.replicate_over(bias5, axes))
+    whole = _sharding.replicate_over((key, value, combined, seed, sink, score_args), axes)
+
+    def body(q, bias, whole):
+      k, v, mask, seed, sink, score_args = whole
+      offset = jax.lax.axis_index(axes) * Tl
+      return chunked(q, k, v, bias, mask, seed, sink, score_args, cfg, q_offset=offset)
+
+    fn = jax.shard_map(body, mesh=jax.sharding.get_abstract_mesh(),
+                       in_specs=(P(None, seq), P(None, None, None, seq) if local_bias else P(),
+                                 P()),
+                       out_specs=(P(None, seq), P(None, seq)), axis_names=frozenset(axes),
+                       check_vma=False)
+    return fn(rows, bias, whole)
 
   def run_splash():
     _fused.refuse_given("splash", (

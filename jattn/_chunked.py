@@ -732,7 +732,16 @@ def _kernel_fwd(plan: Plan, ops: Operands):
 
 def _kernel_bwd(plan: Plan, res: Residuals, cts):
   dout, _ = cts  # the log-sum-exp output carries no gradient (as in jax.nn)
-  return (backward(plan, res, dout),)
+  grads = backward(plan, res, dout)
+  if _sharding.explicit_mesh():
+    # A cotangent must have its operand's type, sharding included: the sinks' gradient, summed
+    # from head-sharded statistics, comes out sharded like the heads even where the sinks are
+    # replicated.
+    ops, fields = res.ops, ("q", "k", "v", "bias", "sink", "score_args")
+    want = [jax.tree.map(jax.typeof, getattr(ops, f)) for f in fields]
+    got = _sharding.reshard_like([getattr(grads, f) for f in fields], want)
+    grads = grads._replace(**dict(zip(fields, got)))
+  return (grads,)
 
 
 _kernel.defvjp(_kernel_fwd, _kernel_bwd)

@@ -365,13 +365,16 @@ def _loop_bounds(ranges, states):
   return (lambda i: lo[i]), (lambda i: hi[i])
 
 
-def closure_convert_score_mod(score_mod, tile_shape, dtype, varying_like=()):
+def closure_convert_score_mod(score_mod, tile_shape, dtype, varying_like=(), replay=False):
   """Hoist the arrays a score_mod closes over into explicit arguments, so the chunked custom VJP
   can return their gradients (a learned relative-position table gets its gradient).
 
   Inside `shard_map` (ring attention) the function is traced on arguments typed device-varying
   like ``varying_like``, and must then be called with arguments typed that way: the jaxpr it
   becomes is replayed as traced, with no automatic casts between varying and invariant values.
+  ``replay=True`` returns it as a `jattn._sharding.VaryingReplay`, whose equations are bound
+  without the mesh context they were traced under: what a function traced outside a shard_map
+  (or in one, on arguments already varying) needs to be called inside it.
   """
   B, N, tq, tk = tile_shape
   ex = (jax.ShapeDtypeStruct((B, N, tq, tk), dtype),
@@ -391,6 +394,8 @@ def closure_convert_score_mod(score_mod, tile_shape, dtype, varying_like=()):
   if varying_like:
     ex = tuple(_sharding.varying(jnp.zeros(x.shape, x.dtype), *varying_like) for x in ex)
   converted, consts = jax.closure_convert(score_mod, *ex)
+  if replay:
+    converted = _sharding.VaryingReplay(jax.make_jaxpr(converted)(*ex, *consts))
   return converted, tuple(consts)
 
 

@@ -559,13 +559,10 @@ def _ring_attention(query, key, value, mask, q_lengths, kv_lengths, q_seg, kv_se
   sd = _tile.stat_dtype(query.dtype)
   score_mod, score_args = None, ()
   if opts.score_mod is not None:
-    score_mod, score_args = _plan.closure_convert_score_mod(opts.score_mod, (B, N, bq, bk), sd,
-                                                            varying_like=(query, key))
     # Replayed with its arrays passed in varying (see _sharding.VaryingReplay).
-    ex = [_sharding.varying(jnp.zeros(shape, dtype), query, key) for shape, dtype in (
-        ((B, N, bq, bk), sd), ((B, 1, 1, 1), jnp.int32), ((1, N, 1, 1), jnp.int32),
-        ((1, 1, bq, 1), jnp.int32), ((1, 1, 1, bk), jnp.int32))]
-    score_mod = _sharding.VaryingReplay(jax.make_jaxpr(score_mod)(*ex, *score_args))
+    score_mod, score_args = _plan.closure_convert_score_mod(opts.score_mod, (B, N, bq, bk), sd,
+                                                            varying_like=(query, key),
+                                                            replay=True)
   cfg = Config(B=B, T=Ts, S=Ss, K=K, G=G, H=H,
                scale=opts.scale if opts.scale is not None else _plan.default_scale(H),
                logits_soft_cap=opts.logits_soft_cap, dropout_rate=opts.dropout_rate,

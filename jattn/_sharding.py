@@ -53,6 +53,55 @@ def unshard_axis(x, axis: int):
   return jax.sharding.reshard(x, PartitionSpec(*entries))
 
 
+def query_shards(query):
+  """Under an Explicit mesh, the mesh axes the sequence dimension (axis 1) of a (B, T, N, H)
+  ``query`` is sharded over, as a tuple, and the number of shards; None when it is whole (or the
+  shards would be uneven)."""
+  spec = spec_of(query) if explicit_mesh() else None
+  if spec is None or len(spec) < 2 or spec[1] is None:
+    return None
+  axes = spec[1] if isinstance(spec[1], tuple) else (spec[1],)
+  mesh = jax.sharding.get_abstract_mesh()
+  count = int(np.prod([mesh.shape[a] for a in axes]))
+  if query.shape[1] % count:
+    return None
+  return axes, count
+
+
+def _without(spec, ndim, axes):
+  """``spec``'s entries (padded to ``ndim``) with the mesh ``axes`` removed."""
+  entries = tuple(spec) + (None,) * (ndim - len(spec))
+  out = []
+  for e in entries:
+    names = () if e is None else (e if isinstance(e, tuple) else (e,))
+    kept = tuple(n for n in names if n not in axes)
+    out.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+  return out
+
+
+def replicate_over(tree, axes):
+  """Every array of ``tree`` whole along the mesh ``axes`` (gathered where it was sharded over
+  them); other shardings are kept."""
+
+  def one(x):
+    spec = spec_of(x)
+    if spec is None:
+      return x
+    want = PartitionSpec(*_without(spec, x.ndim, axes))
+    return x if want == spec else jax.sharding.reshard(x, want)
+
+  return jax.tree.map(one, tree)
+
+
+def shard_dim(x, dim: int, axes):
+  """``x`` with dimension ``dim`` sharded over the mesh ``axes`` (and no other dimension
+  over them); other shardings are kept."""
+  entries = _without(spec_of(x) or (), x.ndim, axes)
+  entries[dim] = axes[0] if len(axes) == 1 else tuple(axes)
+  want = PartitionSpec(*entries)
+  return x if spec_of(x) == want else jax.sharding.reshard(x, want)
+
+
 def varying(x, *like):
   """Type a fresh loop carry as device-varying over the manual mesh axes of ``like``.
 

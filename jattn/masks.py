@@ -535,7 +535,10 @@ class _ArrayMask(Mask):
 
 def _array_block_states(xp, a, grid):
   """EMPTY/PARTIAL/FULL per block of a (b, n, t, s) boolean array (t, s: 1 or the full length),
-  in NumPy for an array known at trace time, else in jax."""
+  in NumPy for an array known at trace time, else in jax. On a `_TableGrid` (a `remap`ped mask)
+  the array's rows and columns are first taken where the kernel's rows sit."""
+  if isinstance(grid, _TableGrid):
+    a, grid, xp = _table_rows(a, grid), grid.grid, jnp
   b, n, t, s = a.shape
   nq = grid.num_q_blocks if t != 1 else 1
   nk = grid.num_kv_blocks if s != 1 else 1
@@ -546,6 +549,17 @@ def _array_block_states(xp, a, grid):
   anyv = xp.pad(a, pad, constant_values=False).reshape(b, n, nq, bq, nk, bk).any(axis=(3, 5))
   allv = xp.pad(a, pad, constant_values=True).reshape(b, n, nq, bq, nk, bk).all(axis=(3, 5))
   return _summary(xp, ~anyv, allv)
+
+
+def _table_rows(a, grid):
+  """The rows (axis 2) and columns (axis 3) of a (b, n, t, s) array at a `_TableGrid`'s
+  positions (of its T and S valid rows; axes of length 1 stay)."""
+  a = jnp.asarray(a)
+  if a.shape[2] != 1:
+    a = jnp.take(a, grid.q_table[:grid.grid.T], axis=2, mode="clip")
+  if a.shape[3] != 1:
+    a = jnp.take(a, grid.kv_table[:grid.grid.S], axis=3, mode="clip")
+  return a
 
 
 _register(_ArrayMask, data_fields=("array",))

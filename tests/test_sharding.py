@@ -18,13 +18,14 @@ import textwrap
 import pytest
 
 WORKER = textwrap.dedent('''
-    import os
+    import functools, os
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
     os.environ["JAX_PLATFORMS"] = "cpu"
     import jax, jax.numpy as jnp, numpy as np, jattn
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-    B, N, K, H = 4, 4, 4, 8
+    from jattn.bench import structure
+    B, N, K, H = 4, 8, 4, 8  # GQA: a gathered K or V is not query-sized
     mesh = jax.make_mesh((4,), ("x",), axis_types=(AxisType.Explicit,))
     failures = []
     unsharded = {}
@@ -41,6 +42,11 @@ WORKER = textwrap.dedent('''
     # blocks over lanes (split-KV), batch- and head-sharded.
     cases += [(where, spec, "parallel", "bottom_right", 1)
               for where, spec in (("batch", P("x")), ("heads", P(None, None, "x")))]
+    # Sequence-sharded with every kind of mask input and option: a full bias and a boolean
+    # array (both sliced per query shard), segment ids, a score_mod closing over a traced
+    # array, dropout, a mask object.
+    cases += [("sequence+", P(None, "x"), impl, "bottom_right", 96)
+              for impl in ("chunked", "parallel")]
     for where, spec, impl, causal, T in cases:
           S = 96 if T == 1 else T
           ks = jax.random.split(jax.random.key(0), 3)
@@ -55,59 +61,90 @@ WORKER = textwrap.dedent('''
             # Both schedules of the chunked kernels ("chunked": serial).
             kw.update(implementation="chunked", block_q=32, block_kv=16,
                       schedule="parallel" if impl == "parallel" else "serial")
-          def step(q, k, v):  # forward and gradients in one program: one compile per case
-            def loss(q, k, v):
-              out = jattn.dot_product_attention(q, k, v, **kw)
+          extra = dict(w=jnp.linspace(0.5, 1.5, N))
+          if where == "sequence+":
+            kr = jax.random.split(jax.random.key(2), 3)
+            extra.update(bias=jax.random.normal(kr[0], (B, N, T, S)),
+                         mask=jax.random.bernoulli(kr[1], 0.8, (B, 1, T, S)),
+                         seg=jnp.arange(T)[None].repeat(B, 0) // 40)
+            kw.update(dropout_rate=0.2, dropout_rng=jax.random.key(3),
+                      local_window_size=(50, None))
+          def step(q, k, v, extra):  # forward and gradients in one program: one compile per case
+            def loss(q, k, v, w):
+              more = {}
+              if "bias" in extra:
+                more = dict(bias=extra["bias"], mask=extra["mask"],
+                            q_segment_ids=extra["seg"], kv_segment_ids=extra["seg"],
+                            score_mod=lambda s, b, h, i, j: s + w[h] * 0.01 * (i - j))
+              out = jattn.dot_product_attention(q, k, v, **kw, **more)
               return (out ** 2).sum(), out
-            return jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+            return jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(q, k, v, extra["w"])
           # The unsharded result depends on the case, not on the sharding: computed once.
-          key = (impl, causal, T)
+          key = (impl, causal, T, where == "sequence+")
           if key not in unsharded:
-            unsharded[key] = jax.jit(step)(q, k, v)
+            unsharded[key] = jax.jit(step)(q, k, v, extra)
           gwant, want = unsharded[key]
           with jax.set_mesh(mesh):
             put = lambda x: jax.device_put(x, NamedSharding(mesh, spec))
-            got, out = jax.jit(step)(*[put(x) for x in (q, k, v)])
+            rep = lambda x: jax.device_put(x, NamedSharding(mesh, P()))
+            args = [put(x) for x in (q, k, v)] + [jax.tree.map(rep, extra)]
+            compiled = jax.jit(step).lower(*args).compile()
+            got, out = compiled(*args)
           name = f"{where} {impl} causal={causal}"
+          if where.startswith("sequence"):
+            # Each device computes its own query rows: K and V are gathered, the query and
+            # output never move.
+            moved = structure.query_sized(structure.collectives(compiled.as_text()), B, T, N, H)
+            if moved:
+              failures.append(f"{name}: query- or output-sized collectives {moved}")
           if out.sharding.spec != spec and tuple(out.sharding.spec) != tuple(spec) + (None,) * (4 - len(spec)):
             failures.append(f"{name}: output sharding {out.sharding.spec}")
           np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5, err_msg=name)
           for a, b in zip(got, gwant):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4, err_msg=name)
     # Auto axes: shardings are not part of the types; the partitioner propagates them.
-    from jattn.bench import structure
     T = 256
     mesh = jax.make_mesh((4,), ("x",), axis_types=(AxisType.Auto,))
     ks = jax.random.split(jax.random.key(1), 3)
-    q = jax.random.normal(ks[0], (B, T, 8, H))  # GQA: N = 8 query heads, K = 4
+    q = jax.random.normal(ks[0], (B, T, N, H))
     k = jax.random.normal(ks[1], (B, T, K, H))
     v = jax.random.normal(ks[2], (B, T, K, H))
-    for impl in ("dense", "serial", "parallel"):
-      kw = dict(implementation=impl, is_causal=True)
-      if impl != "dense":
-        kw.update(implementation="chunked", schedule=impl, block_q=32, block_kv=32)
-      f = lambda q, k, v: jattn.dot_product_attention(q, k, v, **kw)
+    seq = P(None, "x")
+    wheres = (("batch", P("x")), ("heads", P(None, None, "x")), ("sequence", seq))
+    # (name, options, wheres, whether a sequence-sharded query must stay sharded). The chunked
+    # kernels, called plainly, gather a sequence-sharded Q (its sharding is not known while
+    # jattn traces); called through jax.sharding.explicit_axes they see it and keep it.
+    impls = [("dense", dict(implementation="dense"), wheres, True)]
+    for sched in ("serial", "parallel"):
+      kw = dict(implementation="chunked", schedule=sched, block_q=32, block_kv=32)
+      impls += [(sched, kw, wheres, False), (sched + " explicit_axes", kw, wheres[2:], True)]
+    for impl, kw, cases, stays in impls:
+      plain = lambda q, k, v, kw=kw: jattn.dot_product_attention(q, k, v, is_causal=True, **kw)
+      f = plain
+      if impl.endswith("explicit_axes"):
+        f = jax.sharding.explicit_axes(plain, axes="x", in_sharding=(seq, seq, seq))
       # Forward and gradients in one program (one compile per case).
-      def loss(q, k, v, f=f):
+      def loss(q, k, v, f):
         out = f(q, k, v)
         return (out ** 2).sum(), out
-      step = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)
-      want = jax.jit(step)(q, k, v)
-      for where, spec in (("batch", P("x")), ("heads", P(None, None, "x")),
-                          ("sequence", P(None, "x"))):
+      grad = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)
+      step = functools.partial(grad, f=f)
+      want = jax.jit(functools.partial(grad, f=plain))(q, k, v)
+      for where, spec in cases:
         args = [jax.device_put(x, NamedSharding(mesh, spec)) for x in (q, k, v)]
         name = f"auto {where} {impl}"
-        compiled = jax.jit(step).lower(*args).compile()
-        got = compiled(*args)
+        with jax.set_mesh(mesh):
+          compiled = jax.jit(step).lower(*args).compile()
+          got = compiled(*args)
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
           np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4, err_msg=name)
         colls = structure.collectives(compiled.as_text())
         if where != "sequence" and colls:
           failures.append(f"{name}: collectives {colls}")
-        if where == "sequence" and impl == "dense":
+        if where == "sequence" and stays:
           # K and V gathered, once each, whole; the dK/dV partial sums reduced; nothing query-
           # or output-sized moves.
-          moved = structure.query_sized(colls, B, T, 8, H)
+          moved = structure.query_sized(colls, B, T, N, H)
           if moved:
             failures.append(f"{name}: query- or output-sized collectives {moved}")
           gathers = [(c.bytes, c.runs) for c in colls if c.kind == "all-gather"]

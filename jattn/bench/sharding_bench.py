@@ -3,8 +3,8 @@ collectives its partitioned program runs, for batch, head and sequence sharding,
 Explicit mesh axes.
 
   jattn-bench sharding [--devices 4] [--T 1024] [--impls dense ring ...] [--json out]
-      (--impls takes jax.nn, dense, "chunked serial", "chunked parallel", ring: quote the
-      names with a space)
+      (--impls takes jax.nn, dense, "chunked serial", "chunked parallel", "chunked
+      explicit_axes", ring: quote the names with a space)
   python -m jattn.bench.sharding_bench [...]   # the same
 
 Nothing is timed: host devices share this machine's cores. What is read from each compiled
@@ -23,7 +23,7 @@ import argparse
 from jattn.bench import host_devices
 
 SHARDINGS = ("batch", "heads", "sequence")
-IMPLS = ("jax.nn", "dense", "chunked serial", "chunked parallel", "ring")
+IMPLS = ("jax.nn", "dense", "chunked serial", "chunked parallel", "chunked explicit_axes", "ring")
 PASSES = ("forward", "forward+backward")
 
 
@@ -32,7 +32,18 @@ def _spec(where):
   return {"batch": P("x"), "heads": P(None, None, "x"), "sequence": P(None, "x")}[where]
 
 
-def _fn(impl, causal, mesh):
+def _runs(impl, axis_type, where) -> bool:
+  """Ring attention shards the sequence; "chunked explicit_axes" (the chunked kernels called
+  through `jax.sharding.explicit_axes` with the query's sharding) is the Auto-mesh recipe for a
+  sequence-sharded query (under an Explicit mesh every call already is one)."""
+  if impl == "ring":
+    return where == "sequence"
+  if impl == "chunked explicit_axes":
+    return where == "sequence" and axis_type == "Auto"
+  return True
+
+
+def _fn(impl, causal, mesh, spec):
   import jax
   import jattn
 
@@ -43,6 +54,10 @@ def _fn(impl, causal, mesh):
     return lambda q, k, v: jattn.ring_attention_sharded(q, k, v, mesh=mesh, seq_axis="x", **kw)
   if impl == "dense":
     kw.update(implementation="dense")
+  elif impl == "chunked explicit_axes":
+    kw.update(implementation="chunked")
+    fn = lambda q, k, v: jattn.dot_product_attention(q, k, v, **kw)
+    return jax.sharding.explicit_axes(fn, axes="x", in_sharding=(spec, spec, spec))
   else:
     kw.update(implementation="chunked", schedule=impl.split()[1])
   return lambda q, k, v: jattn.dot_product_attention(q, k, v, **kw)
@@ -83,11 +98,11 @@ def child(cfg):
       spec = _spec(where)
       args = [jax.device_put(x, NamedSharding(mesh, spec)) for x in (q, k, v)]
       for impl in cfg["impls"]:
-        if impl == "ring" and where != "sequence":
+        if not _runs(impl, axis_type, where):
           continue
         for pss in PASSES:
           row = dict(mesh=axis_type, sharding=where, impl=impl, passes=pss)
-          fn = jax.jit(_pass(_fn(impl, cfg["causal"], mesh), pss))
+          fn = jax.jit(_pass(_fn(impl, cfg["causal"], mesh, spec), pss))
           try:
             with jax.set_mesh(mesh):
               compiled = fn.lower(*args).compile()
@@ -127,10 +142,10 @@ def print_table(rows, cfg):
   print(f"{cfg['devices']} host CPU devices; B={cfg['batch']} T=S={cfg['T']} N={cfg['heads']} "
         f"K={cfg['kv_heads']} H={cfg['head_dim']} float32, causal={cfg['causal']}; per device and "
         f"call, from the compiled program (collectives in loops counted once per step)")
-  print(f"{'mesh':8} {'sharding':9} {'impl':17} {'pass':16} {'out spec':26} {'temp MiB':>8}  "
+  print(f"{'mesh':8} {'sharding':9} {'impl':21} {'pass':16} {'out spec':26} {'temp MiB':>8}  "
         f"{'Q/O-sized':9} collectives")
   for r in rows:
-    head = f"{r['mesh']:8} {r['sharding']:9} {r['impl']:17} {r['passes']:16}"
+    head = f"{r['mesh']:8} {r['sharding']:9} {r['impl']:21} {r['passes']:16}"
     if "error" in r:
       print(f"{head} refused: {r['error']}")
       continue
