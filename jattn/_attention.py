@@ -113,8 +113,9 @@ def dot_product_attention(
       (jax.nn's cuDNN kernel, 16-bit inputs on an NVIDIA GPU); a sequence of these, tried in
       order, skipping one that cannot take the call (NotImplementedError) and one that lowers
       for another platform than the program's; or ``None``: dense or chunked by problem size
-      and platform (never a fused kernel: see the README). Every path keeps jattn's
-      semantics (empty rows 0, float32 statistics).
+      and platform, on a TPU splash first for long calls where the program cannot be
+      partitioned (see the README). Every path keeps jattn's semantics (empty rows 0, float32
+      statistics).
     block_q, block_kv: chunked block sizes (default 512 and 256, clipped to T and S); splash's
       (multiples of 128, default 512).
     schedule: how the chunked kernels walk their blocks: ``"serial"`` (one tile per step, the
@@ -325,6 +326,10 @@ def _attention(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_s
         ("score_mod", opts.score_mod is not None),
         ("sequence-sharded inputs under an Explicit mesh", seq_spec is not None)),
         "the fused kernel has no such input")
+    if _sharding.checks_vma(query):
+      _fused.refuse("splash", "jax.shard_map(check_vma=True)",
+                    "its Pallas kernels do not type their outputs as device-varying (JAX's "
+                    "pallas_call raises); use check_vma=False")
     return _splash.splash_attention(query, key, value, combined, args.sinks, scale=scale,
                                     soft_cap=opts.logits_soft_cap, block_q=opts.block_q,
                                     block_kv=opts.block_kv)
@@ -341,15 +346,19 @@ def _attention(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_s
                                   q_lengths=args.q_lengths, kv_lengths=args.kv_lengths)
 
   def run_automatic():
-    choice = _plan.implementation_by_platform(B, N, T, S, G, query.dtype, combined)
-    return _by_platform({p: runners[impl] for p, impl in choice.items()})
+    # Splash only where the program cannot be partitioned: a Pallas (Mosaic) kernel lowered
+    # into a multi-device program outside shard_map is refused by TPU lowering, and under an
+    # Auto mesh whether the program will be partitioned is not known while the call is traced.
+    choice = _plan.implementation_by_platform(B, N, T, S, G, query.dtype, combined,
+                                              fused=_sharding.unpartitioned())
+    fns = {}
+    for platform, names in choice.items():
+      takers = _takers(names, runners)
+      fns[platform] = takers.get(platform, takers.get("default"))
+    return _by_platform(fns)
 
   runners = {"dense": run_dense, "chunked": run_chunked, "splash": run_splash,
              "cudnn": run_cudnn, "automatic": run_automatic}
-  # implementation=None is jattn's own kernels on every platform, never a fused kernel: a
-  # Pallas (Mosaic) kernel cannot be partitioned automatically -- lowered into a multi-device
-  # program outside shard_map, TPU lowering refuses it -- and whether the program will be
-  # partitioned is not known while the call is traced. Splash and cuDNN are asked for by name.
   out, lse = _in_order(_validation.implementation_names(opts.implementation) or ("automatic",),
                        runners)
 
@@ -372,15 +381,23 @@ PLATFORMS = {"dense": None, "chunked": None, "automatic": None, "splash": ("tpu"
 
 def _in_order(names, runners):
   """The first implementation of ``names`` that takes the call, per platform (tokamax's rule:
-  fall through on NotImplementedError). One that lowers only for some platforms serves those,
-  chosen where the program is lowered; the first that lowers anywhere serves the rest. A name
-  given alone runs as asked.
+  fall through on NotImplementedError), chosen where the program is lowered (see `_takers`).
+  A name given alone runs as asked."""
+  if len(names) == 1:
+    return runners[names[0]]()
+  return _by_platform(_takers(names, runners))
+
+
+def _takers(names, runners):
+  """{platform or "default": runner}: per platform, the first of ``names`` that takes the call.
+  One that lowers only for some platforms serves those; the first that lowers anywhere serves
+  the rest ("default").
 
   Whether an implementation takes the call is found by tracing it once aside
   (`jax.eval_shape`): inside `platform_dependent` an error could not be told from its siblings'.
   The last universal candidate is not tried aside: its own error, if any, is the call's."""
   if len(names) == 1:
-    return runners[names[0]]()
+    return {"default": runners[names[0]]}
   fns, errors = {}, []
   for i, name in enumerate(names):
     platforms = PLATFORMS[name]
@@ -399,7 +416,7 @@ def _in_order(names, runners):
       fns.setdefault(p, runners[name])
   if not fns:
     raise NotImplementedError("no implementation takes this call: " + "; ".join(errors))
-  return _by_platform(fns)
+  return fns
 
 
 def _by_platform(fns):

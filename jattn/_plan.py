@@ -126,16 +126,23 @@ def static_block_map(mask, T: int, S: int, shape) -> bool:
 
 
 def implementation_by_platform(B: int, N: int, T: int, S: int, G: int = 1, dtype=None,
-                               mask=None) -> dict[str, str]:
-  """implementation=None per platform ({"cpu": ..., "default": ...}, the default for GPU and
-  TPU), picked where the program is lowered. GPU and TPU (reasoned, not measured): decoding-
-  shaped calls go to the chunked kernels (their parallel schedule splits the cache over lanes,
-  split-KV), others to dense while the (B, N, T, S) float32 scores fit
-  ACCELERATOR_DENSE_SCORES_BYTES."""
+                               mask=None, fused: bool = False) -> dict[str, tuple[str, ...]]:
+  """implementation=None per platform ({"cpu": names, "default": names, maybe "tpu": names}):
+  the implementations to try in order, picked where the program is lowered.
+
+  GPU and TPU (reasoned, not measured): decoding-shaped calls go to the chunked kernels (their
+  parallel schedule splits the cache over lanes, split-KV), others to dense while the
+  (B, N, T, S) float32 scores fit ACCELERATOR_DENSE_SCORES_BYTES, and beyond that to the chunked
+  kernels -- on a TPU first to splash attention, JAX's fused Pallas kernel, when ``fused`` (the
+  program cannot be partitioned, see `jattn._sharding.unpartitioned`) and splash takes the call.
+  On GPU the default stays with jattn's kernels, as jax.nn's stays with XLA."""
   fits = B * N * T * S * 4 <= ACCELERATOR_DENSE_SCORES_BYTES
   accelerator = "dense" if fits and not decoding(T, S, G) else "chunked"
-  return {"cpu": choose_implementation(T, S, G, dtype, mask, (B, N, T, S)),
-          "default": accelerator}
+  choice = {"cpu": (choose_implementation(T, S, G, dtype, mask, (B, N, T, S)),),
+            "default": (accelerator,)}
+  if fused and not fits and not decoding(T, S, G):
+    choice["tpu"] = ("splash", accelerator)
+  return choice
 
 
 def block_sizes(T: int, S: int, block_q: int | None, block_kv: int | None, *,

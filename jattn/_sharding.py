@@ -22,6 +22,30 @@ def explicit_mesh() -> bool:
   return any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
 
 
+def unpartitioned() -> bool:
+  """Whether the program being traced runs on one device as written: no mesh is set and the
+  process has one device, or every axis of the mesh is manual (inside a `jax.shard_map`, each
+  device's part). Only then may a Pallas TPU kernel stand outside a shard_map: XLA cannot
+  partition one, and under an Auto mesh (or plain `jit` on sharded arrays) whether the program
+  will be partitioned is decided after the call is traced."""
+  get = getattr(jax.sharding, "get_abstract_mesh", None)
+  mesh = get() if get is not None else None
+  if mesh is None or getattr(mesh, "empty", True):
+    return jax.device_count() == 1
+  return all(t == jax.sharding.AxisType.Manual for t in mesh.axis_types)
+
+
+def checks_vma(x) -> bool:
+  """Whether the call is traced inside a `jax.shard_map` with ``check_vma=True`` (values typed
+  device-varying or invariant). JAX's own flag when it has one, else whether ``x`` is typed
+  varying over some manual axis."""
+  from jax._src import config  # noqa: PLC0415 -- the flag has no public name
+  flag = getattr(config, "_check_vma", None)
+  if flag is not None and hasattr(flag, "value"):
+    return bool(flag.value)
+  return bool(varying_axes(x))
+
+
 def spec_of(x) -> PartitionSpec | None:
   sharding = getattr(jax.typeof(x), "sharding", None)
   return getattr(sharding, "spec", None)

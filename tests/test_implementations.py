@@ -74,6 +74,33 @@ def test_a_sequence_of_platform_bound_kernels_serves_each_platform():
   assert _tpu_module(f, q, k, v).count("tpu_custom_call") == 1
 
 
+def test_implementation_none_on_tpu_tries_splash_where_jattn_would_go_chunked():
+  # Lowered for a TPU from this one-device process (a program that cannot be partitioned),
+  # implementation=None runs splash where the accelerator rule would leave dense (its float32
+  # scores past 1 GiB) ...
+  causal = lambda q, k, v: jattn.dot_product_attention(q, k, v, is_causal=True)
+  big = (jax.ShapeDtypeStruct((8, 4096, 16, 64), jnp.bfloat16),) * 3  # 8 GiB of scores
+  assert _tpu_module(causal, *big).count("tpu_custom_call") == 1
+  # ... and gradients through splash's own backward kernels.
+  grad = jax.grad(lambda q, k, v: causal(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+  assert _tpu_module(grad, *big).count("tpu_custom_call") > 1
+  # A call splash cannot take (a bias array) falls back to jattn's kernels: no custom call,
+  # the chunked kernels' loop instead.
+  bias = jax.ShapeDtypeStruct((1, 1, 4096, 4096), jnp.float32)
+  with_bias = lambda q, k, v, b: jattn.dot_product_attention(q, k, v, b, is_causal=True)
+  module = _tpu_module(with_bias, *big, bias)
+  assert "tpu_custom_call" not in module and "stablehlo.while" in module
+  # Calls dense serves (scores within the budget) and decoding steps (split-KV) stay jattn's;
+  # GPU programs never get a fused kernel by default.
+  small = (jax.ShapeDtypeStruct((1, 1024, 4, 64), jnp.bfloat16),) * 3
+  step = (jax.ShapeDtypeStruct((8, 1, 16, 64), jnp.bfloat16),
+          *(jax.ShapeDtypeStruct((8, 65536, 4, 64), jnp.bfloat16),) * 2)
+  assert "tpu_custom_call" not in _tpu_module(causal, *small)
+  assert "tpu_custom_call" not in _tpu_module(causal, *step)
+  cuda = jax.export.export(jax.jit(causal), platforms=["cuda"])(*big).mlir_module()
+  assert "cudnn" not in cuda and "tpu_custom_call" not in cuda
+
+
 @pytest.mark.parametrize("value, error, words", [
     ([], ValueError, "empty"),
     (("dense", "flash"), ValueError, "flash"),

@@ -154,6 +154,28 @@ WORKER = textwrap.dedent('''
             failures.append(f"{name}: collectives {colls}")
           if tuple(got[1].sharding.spec)[:2] != (None, "x"):
             failures.append(f"{name}: output sharding {got[1].sharding.spec}")
+    # implementation=None gives a TPU program splash only where it cannot be partitioned:
+    # with 4 devices, not in a plain jit (the inputs may be sharded; XLA cannot partition a
+    # Pallas kernel), but inside a shard_map over every mesh axis -- one with check_vma=False:
+    # splash's kernels do not type their outputs as device-varying.
+    big = (jax.ShapeDtypeStruct((8, 4096, 16, 64), jnp.bfloat16),) * 3
+    causal = lambda q, k, v: jattn.dot_product_attention(q, k, v, is_causal=True)
+    splash = lambda q, k, v: jattn.dot_product_attention(q, k, v, is_causal=True,
+                                                         implementation="splash")
+    tpu = lambda fn: jax.export.export(jax.jit(fn), platforms=["tpu"])(*big).mlir_module()
+    per_device = lambda fn, check: jax.shard_map(fn, mesh=mesh, in_specs=P("x"),
+                                                 out_specs=P("x"), check_vma=check)
+    found = {name: tpu(fn).count("tpu_custom_call") for name, fn in (
+        ("plain", causal), ("shard_map", per_device(causal, False)),
+        ("shard_map check_vma", per_device(causal, True)))}
+    if found != {"plain": 0, "shard_map": 1, "shard_map check_vma": 0}:
+      failures.append(f"implementation=None's fused kernels: {found}")
+    try:
+      tpu(per_device(splash, True))
+      failures.append("splash in shard_map(check_vma=True) was not refused")
+    except NotImplementedError as e:
+      if "check_vma" not in str(e):
+        failures.append(f"splash's refusal: {e}")
     assert not failures, failures
     print("OK")
 ''')
