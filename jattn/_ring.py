@@ -605,6 +605,12 @@ def merge_attention(outs, lses):
   sentinel) gets weight 0 there; a row with nothing in any part returns out 0 and keeps its very
   negative lse, without NaN.
 
+  Gradients: the log-sum-exp that ``dot_product_attention(..., return_residual=True)`` returns
+  carries no gradient (as jax.nn's does not), so differentiating a merge of such parts gives
+  the right dV but not dQ and dK: the weights ``exp(lse_i - lse)`` depend on q and k through
+  the lses. To differentiate attention split over keys, use one call with the union's mask, or
+  `ring_attention`, whose merges are part of its own VJP.
+
   Args:
     outs: a sequence of n arrays (B, T, N, H) -- or any (..., H) -- or one stacked (n, ..., H)
       array.
