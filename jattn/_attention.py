@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn import (_chunked, _cudnn, _dense, _dropout, _fused, _plan, _sharding, _splash,
-                   _tile, _tuning, _validation)
+from jattn import (_chunked, _cudnn, _dense, _dropout, _fused, _plan, _ring, _sharding,
+                   _splash, _tile, _tuning, _validation)
 from jattn._plan import Operands
 from jattn import masks as _masks
 from jattn._tile import Config
@@ -188,13 +188,20 @@ def _attention(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_s
                             sinks)
   query, key, value = args.query, args.key, args.value
   seq_spec = None
+  kv_shards = None
   if _sharding.explicit_mesh():
     # Sequence-sharded inputs under an Explicit mesh: every query needs every key, so K and V
     # are gathered along S (as jax.nn's XLA path does); the query stays sharded (the chunked
-    # kernels run per query shard: see query_sharded). Batch- and head-sharded inputs pass
+    # kernels run per query shard: see query_sharded). With the query whole and K, V sharded
+    # along S (a decoding step against a sharded cache), the chunked kernels instead run per
+    # key/value shard and merge (see key_sharded). Batch- and head-sharded inputs pass
     # unchanged.
-    key, value = _sharding.unshard_axis(key, 1), _sharding.unshard_axis(value, 1)
     seq_spec = _sharding.spec_of(query)
+    if (_sharding.sequence_shards(query) is None and _sharding.spec_of(key) is not None
+        and _sharding.spec_of(key) == _sharding.spec_of(value)):
+      kv_shards = _sharding.sequence_shards(key)
+      key_shards_of = (key, value)
+    key, value = _sharding.unshard_axis(key, 1), _sharding.unshard_axis(value, 1)
   if scale_operand is not None:
     # A scale given as an array (traced under jit) is an operand, not a compile-time constant:
     # it scales the query (in its dtype, as splash attention folds its scale), q.k * s = (s q).k,
@@ -220,9 +227,10 @@ def _attention(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_s
   seed = (_dropout.seed_words(dropout_rng) if opts.dropout_rate > 0
           else jnp.zeros((2,), jnp.uint32))
 
-  def config(tile_shape, T=T, replay=False):
+  def config(tile_shape, T=T, S=S, replay=False):
     """The static config for tiles of ``tile_shape`` (score_mod's arrays are hoisted for it)
-    over ``T`` query rows; ``replay``: score_mod to be called inside a shard_map."""
+    over ``T`` query rows and ``S`` keys; ``replay``: score_mod to be called inside a
+    shard_map."""
     score_mod, score_args = None, ()
     if opts.score_mod is not None:
       score_mod, score_args = _plan.closure_convert_score_mod(opts.score_mod, tile_shape, sd,
@@ -253,17 +261,18 @@ def _attention(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_s
     return (jnp.transpose(out.reshape(B, N, T, Hv), (0, 2, 1, 3)),
             jnp.transpose(lse.reshape(B, N, T), (0, 2, 1)))
 
-  def chunked(q, k, v, bias, mask, seed, sink, score_args, cfg, q_offset=None):
-    """The chunked kernels on queries (B, cfg.T, N, H); ``q_offset``: the global position of
-    q's first row when q is one device's shard of the sequence (masks, score_mod and dropout
-    then see global positions)."""
-    bq_, bk_ = _plan.block_sizes(cfg.T, S, opts.block_q, opts.block_kv)
+  def chunked(q, k, v, bias, mask, seed, sink, score_args, cfg, q_offset=None, kv_offset=None):
+    """The chunked kernels on queries (B, cfg.T, N, H) and keys (B, cfg.S, K, H); ``q_offset``,
+    ``kv_offset``: the global position of the first row when q, or k and v, are one device's
+    shard of the sequence (masks, score_mod and dropout then see global positions)."""
+    bq_, bk_ = _plan.block_sizes(cfg.T, cfg.S, opts.block_q, opts.block_kv)
     positions = None
-    if q_offset is not None:
-      Tp = -(-cfg.T // bq_) * bq_
-      # Padding rows repeat the last row's position; their output is sliced off.
-      q_table = q_offset + jnp.minimum(jnp.arange(Tp, dtype=jnp.int32), cfg.T - 1)
-      kv_table = jnp.arange(-(-S // bk_) * bk_, dtype=jnp.int32)
+    if q_offset is not None or kv_offset is not None:
+      def table(offset, n, block):
+        # Padding rows repeat the last row's position (hidden, or sliced off).
+        rows = jnp.minimum(jnp.arange(-(-n // block) * block, dtype=jnp.int32), n - 1)
+        return rows if offset is None else offset + rows
+      q_table, kv_table = table(q_offset, cfg.T, bq_), table(kv_offset, cfg.S, bk_)
       mask = None if mask is None else _masks.remap(mask, q_table, kv_table)
       if cfg.score_mod is not None or cfg.dropout_rate > 0:
         positions = _plan.Positions(q_table, kv_table, 0, 0)
@@ -279,13 +288,15 @@ def _attention(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_s
 
   def run_chunked():
     # The chunked kernels read blocks of the (B, T, N, H) arrays as they are (see _chunked).
-    shards = None if seq_spec is None else _sharding.query_shards(query)
-    if shards is None:
+    shards = None if seq_spec is None else _sharding.sequence_shards(query)
+    if shards is not None:
+      out, lse = query_sharded(*shards)
+    elif kv_shards is not None:
+      out, lse = key_sharded(*kv_shards)
+    else:
       cfg, score_args = config((B, N, bq, bk))
       q = query if seq_spec is None else _sharding.unshard_axis(query, 1)
       out, lse = chunked(q, key, value, bias5, combined, seed, sink, score_args, cfg)
-    else:
-      out, lse = query_sharded(*shards)
     if seq_spec is not None and _sharding.spec_of(out) != seq_spec:
       out = jax.sharding.reshard(out, seq_spec)
     return out, lse
@@ -319,6 +330,39 @@ def _attention(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_s
                        out_specs=(P(None, seq), P(None, seq)), axis_names=frozenset(axes),
                        check_vma=False)
     return fn(rows, bias, whole)
+
+  def key_sharded(axes, count):
+    """The query whole, K and V sharded along S under an Explicit mesh (a decoding step against
+    a sequence-sharded cache): each device attends all queries to its own S/count keys, and
+    the parts are merged through their log-sum-exps across the devices (split-KV over
+    devices): a (B, T, N, H) partial output moves instead of the whole cache being gathered.
+    The sinks join once, after the merge. Gradients flow through the merge: the kernels' VJP
+    takes the lse's cotangent."""
+    Sl = S // count
+    tile = (B, N) + _plan.block_sizes(T, Sl, opts.block_q, opts.block_kv)
+    cfg, score_args = config(tile, S=Sl, replay=True)
+    P = jax.sharding.PartitionSpec
+    seq = axes[0] if len(axes) == 1 else axes
+    k_rows, v_rows = (_sharding.shard_dim(x, 1, axes) for x in key_shards_of)
+    local_bias = bias5 is not None and bias5.shape[4] != 1
+    bias = (_sharding.shard_dim(bias5, 4, axes) if local_bias
+            else _sharding.replicate_over(bias5, axes))
+    whole = _sharding.replicate_over((query, combined, seed, score_args), axes)
+
+    def body(k, v, bias, whole):
+      q, mask, seed, score_args = whole
+      offset = jax.lax.axis_index(axes) * Sl
+      out, lse = chunked(q, k, v, bias, mask, seed, None, score_args, cfg, kv_offset=offset)
+      return _ring.merge_over_devices(out, lse, axes)
+
+    fn = jax.shard_map(body, mesh=jax.sharding.get_abstract_mesh(),
+                       in_specs=(P(None, seq), P(None, seq),
+                                 P(None, None, None, None, seq) if local_bias else P(), P()),
+                       out_specs=(P(), P()), axis_names=frozenset(axes), check_vma=False)
+    out, lse = fn(k_rows, v_rows, bias, whole)
+    if args.sinks is not None:
+      out, lse = _ring.add_sink(out, lse, args.sinks)
+    return out.astype(query.dtype), lse
 
   def run_splash():
     _fused.refuse_given("splash", (

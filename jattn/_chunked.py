@@ -442,9 +442,10 @@ class Residuals(NamedTuple):
   lse: Any  # (B, Tp, N)
 
 
-def backward(plan: Plan, res: Residuals, dout) -> Operands:
+def backward(plan: Plan, res: Residuals, dout, dlse=None) -> Operands:
   """Cotangents of every operand (an `Operands`: dq, dk, dv, dbias, the score_mod arrays' and the
-  sinks' gradients; zeros for the integer and mask operands), in the layout of `forward`."""
+  sinks' gradients; zeros for the integer and mask operands), in the layout of `forward`, from
+  the output's cotangent ``dout`` and (optionally) the log-sum-exp's ``dlse`` (B, Tp, N)."""
   ops = res.ops
   cfg, grid = plan.cfg, plan.grid
   q, k, v, bias = ops.q, ops.k, ops.v, ops.bias
@@ -456,6 +457,11 @@ def backward(plan: Plan, res: Residuals, dout) -> Operands:
   inputs = (q, k, v, dout, ops.states)
   # rowsum(dO * O) = rowsum(P * dP): the softmax Jacobian's correction term, one per query.
   delta = output_delta(dout, res.out)
+  if dlse is not None:
+    # d lse / d s = P: a cotangent g of the lse adds g * P to dS = P * (dP - delta), the same
+    # as lowering delta by g (and the sink's gradient follows from delta alike). Used where the
+    # lse is merged with other parts (key/value shards on several devices).
+    delta = delta - dlse.astype(delta.dtype)
   keep_scale = 1.0 / (1.0 - cfg.dropout_rate) if cfg.dropout_rate > 0 else None
   lse_r = _tile.lse_for_recompute(res.lse)
   # The logit scale is applied to each finished dQ block, not to every (tq, tk) tile; as in the
@@ -731,8 +737,10 @@ def _kernel_fwd(plan: Plan, ops: Operands):
 
 
 def _kernel_bwd(plan: Plan, res: Residuals, cts):
-  dout, _ = cts  # the log-sum-exp output carries no gradient (as in jax.nn)
-  grads = backward(plan, res, dout)
+  # The public lse carries no gradient (as in jax.nn: `_attention` stops it); inside jattn a
+  # merge of parts over key/value shards differentiates through it.
+  dout, dlse = cts
+  grads = backward(plan, res, dout, dlse)
   if _sharding.explicit_mesh():
     # A cotangent must have its operand's type, sharding included: the sinks' gradient, summed
     # from head-sharded statistics, comes out sharded like the heads even where the sinks are

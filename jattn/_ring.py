@@ -232,7 +232,20 @@ def _merge_pair(out_a, lse_a, out_b, lse_b):
   return out, m + jnp.log(tot)
 
 
-def _add_sink(out, lse, sink):
+def merge_over_devices(out, lse, axes):
+  """Inside a shard_map: the exact merge of every device's result over its own key shard (out
+  (B, T, N, H), lse (B, T, N)) into the result over all keys, on every device; a psum of the
+  weighted outputs and of the weights, as `_merge_pair` does for two parts (rows empty
+  everywhere stay out 0, lse about NEG). Differentiable: only the shift is held constant."""
+  sd = lse.dtype
+  m = jax.lax.pmax(jax.lax.stop_gradient(lse), axes)
+  w = jnp.exp(lse - m)
+  tot = jax.lax.psum(w, axes)  # >= 1
+  merged = jax.lax.psum(out.astype(sd) * w[..., None], axes) / tot[..., None]
+  return merged, m + jnp.log(tot)
+
+
+def add_sink(out, lse, sink):
   """Merge the sink -- one more logit per row, with no value -- into a finished result: the
   softmax denominator gains exp(sink), so the output shrinks by exp(lse - lse').
   An empty row (lse NEG, out 0) ends with lse = sink and out 0, as in the single-device kernel."""
@@ -274,7 +287,7 @@ def _ring_forward(rc: _RingConfig, q, k, v, ro: _RingOperands):
   _, _, _, out, lse = jax.lax.fori_loop(0, P, body, (k, v, ro.kv_seg, out0, lse0))
   if ro.sink is not None:
     # The sink is one term of the whole row's softmax: added once, after every shard's part.
-    out, lse = _add_sink(out, lse, ro.sink)
+    out, lse = add_sink(out, lse, ro.sink)
   return out.astype(q.dtype), lse
 
 

@@ -77,17 +77,17 @@ def unshard_axis(x, axis: int):
   return jax.sharding.reshard(x, PartitionSpec(*entries))
 
 
-def query_shards(query):
-  """Under an Explicit mesh, the mesh axes the sequence dimension (axis 1) of a (B, T, N, H)
-  ``query`` is sharded over, as a tuple, and the number of shards; None when it is whole (or the
+def sequence_shards(x):
+  """Under an Explicit mesh, the mesh axes the sequence dimension (axis 1) of a (B, T|S, n, H)
+  array is sharded over, as a tuple, and the number of shards; None when it is whole (or the
   shards would be uneven)."""
-  spec = spec_of(query) if explicit_mesh() else None
+  spec = spec_of(x) if explicit_mesh() else None
   if spec is None or len(spec) < 2 or spec[1] is None:
     return None
   axes = spec[1] if isinstance(spec[1], tuple) else (spec[1],)
   mesh = jax.sharding.get_abstract_mesh()
   count = int(np.prod([mesh.shape[a] for a in axes]))
-  if query.shape[1] % count:
+  if x.shape[1] % count:
     return None
   return axes, count
 

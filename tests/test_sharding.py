@@ -102,6 +102,48 @@ WORKER = textwrap.dedent('''
           np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5, err_msg=name)
           for a, b in zip(got, gwant):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4, err_msg=name)
+    # A whole query against K and V sharded along S (a decoding step against a sharded
+    # cache): each device attends to its own keys, and the parts are merged across devices:
+    # only (B, T, N, H)-sized partial results and their statistics move (all-reduces), never K
+    # or V; the output is replicated, dK and dV stay sharded like K and V. Gradients pass
+    # through the merge (the lse's cotangent reaches the kernels).
+    T, S = 3, 96
+    ks = jax.random.split(jax.random.key(4), 4)
+    q = jax.random.normal(ks[0], (B, T, N, H))
+    k = jax.random.normal(ks[1], (B, S, K, H))
+    v = jax.random.normal(ks[2], (B, S, K, H))
+    bias = jax.random.normal(ks[3], (B, N, T, S))
+    w = jnp.linspace(0.5, 1.5, N)
+    for sched in ("serial", "parallel"):
+      kw = dict(implementation="chunked", schedule=sched, block_q=16, block_kv=8,
+                is_causal="bottom_right", key_value_seq_lengths=jnp.asarray([S, 3, 50, 0]),
+                sinks=jnp.linspace(-1.0, 1.0, N), dropout_rate=0.3,
+                dropout_rng=jax.random.key(5), return_residual=True,
+                score_mod=lambda s, b, h, i, j: s + w[h] * 0.01 * (i - j))
+      def step(q, k, v, bias, kw=kw):
+        def loss(q, k, v, bias):
+          out, lse = jattn.dot_product_attention(q, k, v, bias, **kw)
+          return (out ** 2).sum(), (out, lse)
+        return jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(q, k, v, bias)
+      want = jax.jit(step)(q, k, v, bias)
+      with jax.set_mesh(mesh):
+        put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))
+        # The bias sharded along S like the keys (given whole, its gradient, computed per key
+        # shard, would be gathered to match it).
+        args = (put(q, P()), put(k, P(None, "x")), put(v, P(None, "x")),
+                put(bias, P(None, None, None, "x")))
+        compiled = jax.jit(step).lower(*args).compile()
+        got = compiled(*args)
+      name = f"key/value-sharded {sched}"
+      for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4, err_msg=name)
+      colls = structure.collectives(compiled.as_text())
+      if {c.kind for c in colls} != {"all-reduce"} or max(c.bytes for c in colls) > (
+          B * T * N * (H + 1) * 4):
+        failures.append(f"{name}: collectives {colls}")
+      (_, dk, _, _), (out, _) = got
+      if tuple(dk.sharding.spec)[:2] != (None, "x") or any(out.sharding.spec):
+        failures.append(f"{name}: shardings dk {dk.sharding.spec}, out {out.sharding.spec}")
     # Auto axes: shardings are not part of the types; the partitioner propagates them.
     T = 256
     mesh = jax.make_mesh((4,), ("x",), axis_types=(AxisType.Auto,))
