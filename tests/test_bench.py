@@ -512,9 +512,18 @@ def test_sharding_bench_reads_collectives_of_each_sharding(tmp_path, capsys):
     assert "error" not in r, r
     assert not r["query_sized"], r
     assert r["out_spec"].startswith({"batch": "('x'", "heads": "(None, None, 'x'",
-                                     "sequence": "(None, 'x'"}[r["sharding"]]), r
+                                     "sequence": "(None, 'x'", "keys": "("}[r["sharding"]]), r
     kinds = sorted({c["kind"] for c in r["collectives"]})
-    if r["sharding"] != "sequence":
+    if r["sharding"] == "keys":
+      # One query row against K and V sharded along S. Under an Auto mesh the partitioner
+      # splits dense's contractions over S: K and V stay put, one-row partial results are
+      # all-reduced. Under an Explicit mesh dense gathers K and V.
+      sizes = {c["kind"]: c["bytes"] for c in r["collectives"]}
+      if r["mesh"] == "Auto":
+        assert kinds == ["all-reduce"] and max(sizes.values()) <= 4 * 8 * 9 * 4, r
+      else:
+        assert "all-gather" in kinds, r
+    elif r["sharding"] != "sequence":
       assert kinds == [], r
     elif r["impl"] == "ring":
       # K and V shards (and, backward, their dK, dV) pass on once per ring step: P = 4 runs.

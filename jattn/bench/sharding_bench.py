@@ -1,6 +1,7 @@
 """Sharded inputs on host CPU devices: each implementation's per-device compiled memory and the
-collectives its partitioned program runs, for batch, head and sequence sharding, under Auto and
-Explicit mesh axes.
+collectives its partitioned program runs, for batch, head and sequence sharding, and for a
+decoding step (one query row) against K and V sharded along S ("keys"), under Auto and Explicit
+mesh axes.
 
   jattn-bench sharding [--devices 4] [--T 1024] [--impls dense ring ...] [--json out]
       (--impls takes jax.nn, dense, "chunked serial", "chunked parallel", "chunked
@@ -22,14 +23,20 @@ import argparse
 
 from jattn.bench import host_devices
 
-SHARDINGS = ("batch", "heads", "sequence")
+# "keys": K and V sharded along S, the query whole: a decoding step (one query row) against a
+# cache sharded over the sequence.
+SHARDINGS = ("batch", "heads", "sequence", "keys")
 IMPLS = ("jax.nn", "dense", "chunked serial", "chunked parallel", "chunked explicit_axes", "ring")
 PASSES = ("forward", "forward+backward")
 
 
 def _spec(where):
+  """The (query, key/value) PartitionSpecs of a sharding."""
   from jax.sharding import PartitionSpec as P
-  return {"batch": P("x"), "heads": P(None, None, "x"), "sequence": P(None, "x")}[where]
+  if where == "keys":
+    return P(), P(None, "x")
+  spec = {"batch": P("x"), "heads": P(None, None, "x"), "sequence": P(None, "x")}[where]
+  return spec, spec
 
 
 def _runs(impl, axis_type, where) -> bool:
@@ -39,7 +46,7 @@ def _runs(impl, axis_type, where) -> bool:
   if impl == "ring":
     return where == "sequence"
   if impl == "chunked explicit_axes":
-    return where == "sequence" and axis_type == "Auto"
+    return where in ("sequence", "keys") and axis_type == "Auto"
   return True
 
 
@@ -57,7 +64,8 @@ def _fn(impl, causal, mesh, spec):
   elif impl == "chunked explicit_axes":
     kw.update(implementation="chunked")
     fn = lambda q, k, v: jattn.dot_product_attention(q, k, v, **kw)
-    return jax.sharding.explicit_axes(fn, axes="x", in_sharding=(spec, spec, spec))
+    q_spec, kv_spec = spec
+    return jax.sharding.explicit_axes(fn, axes="x", in_sharding=(q_spec, kv_spec, kv_spec))
   else:
     kw.update(implementation="chunked", schedule=impl.split()[1])
   return lambda q, k, v: jattn.dot_product_attention(q, k, v, **kw)
@@ -96,7 +104,10 @@ def child(cfg):
     mesh = jax.make_mesh((P,), ("x",), axis_types=(getattr(AxisType, axis_type),))
     for where in SHARDINGS:
       spec = _spec(where)
-      args = [jax.device_put(x, NamedSharding(mesh, spec)) for x in (q, k, v)]
+      # The query of a "keys" row is one decoding step's: its first row.
+      query = q[:, :1] if where == "keys" else q
+      args = [jax.device_put(x, NamedSharding(mesh, sp))
+              for x, sp in zip((query, k, v), (spec[0], spec[1], spec[1]))]
       for impl in cfg["impls"]:
         if not _runs(impl, axis_type, where):
           continue
@@ -118,7 +129,9 @@ def child(cfg):
               temp_mib=(mem.temp_size_in_bytes / 2 ** 20) if mem is not None else None,
               collectives=[dict(kind=c.kind, shapes=[list(s) for s in c.shapes], bytes=c.bytes,
                                 runs=c.runs, bytes_per_call=c.bytes_per_call) for c in colls],
-              query_sized=bool(structure.query_sized(colls, B, T, N, H)))
+              # A "keys" row reduces its (B, 1, N, H) partial outputs by design: not asked.
+              query_sized=(None if where == "keys"
+                           else bool(structure.query_sized(colls, B, T, N, H))))
           rows.append(row)
   return rows
 
@@ -150,7 +163,8 @@ def print_table(rows, cfg):
       print(f"{head} refused: {r['error']}")
       continue
     temp = "-" if r["temp_mib"] is None else f"{r['temp_mib']:.1f}"
-    print(f"{head} {r['out_spec']:26} {temp:>8}  {'YES' if r['query_sized'] else 'no':9} "
+    moved = {None: "-", True: "YES", False: "no"}[r["query_sized"]]
+    print(f"{head} {r['out_spec']:26} {temp:>8}  {moved:9} "
           f"{_summary(r['collectives'])}")
 
 
