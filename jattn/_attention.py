@@ -390,6 +390,10 @@ def _attention(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_s
                                   q_lengths=args.q_lengths, kv_lengths=args.kv_lengths)
 
   def run_automatic():
+    if kv_shards is not None:
+      # K and V sharded along S: the chunked kernels merge per-shard parts across devices,
+      # where dense would gather the whole of K and V (a decoding step's whole cache).
+      return run_chunked()
     # Splash only where the program cannot be partitioned: a Pallas (Mosaic) kernel lowered
     # into a multi-device program outside shard_map is refused by TPU lowering, and under an
     # Auto mesh whether the program will be partitioned is not known while the call is traced.

@@ -114,9 +114,12 @@ WORKER = textwrap.dedent('''
     v = jax.random.normal(ks[2], (B, S, K, H))
     bias = jax.random.normal(ks[3], (B, N, T, S))
     w = jnp.linspace(0.5, 1.5, N)
-    for sched in ("serial", "parallel"):
-      kw = dict(implementation="chunked", schedule=sched, block_q=16, block_kv=8,
-                is_causal="bottom_right", key_value_seq_lengths=jnp.asarray([S, 3, 50, 0]),
+    # implementation=None too: at this size it would pick dense, which gathers K and V.
+    for sched in ("serial", "parallel", None):
+      kw = dict(implementation="chunked", schedule=sched, block_q=16, block_kv=8)
+      if sched is None:
+        kw = dict(implementation=None)
+      kw.update(is_causal="bottom_right", key_value_seq_lengths=jnp.asarray([S, 3, 50, 0]),
                 sinks=jnp.linspace(-1.0, 1.0, N), dropout_rate=0.3,
                 dropout_rng=jax.random.key(5), return_residual=True,
                 score_mod=lambda s, b, h, i, j: s + w[h] * 0.01 * (i - j))
