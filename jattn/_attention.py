@@ -188,7 +188,7 @@ def _attention(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_s
                             sinks)
   query, key, value = args.query, args.key, args.value
   seq_spec = None
-  kv_shards = None
+  q_shards = kv_shards = None
   if _sharding.explicit_mesh():
     # Sequence-sharded inputs under an Explicit mesh: every query needs every key, so K and V
     # are gathered along S (as jax.nn's XLA path does); the query stays sharded (the chunked
@@ -197,9 +197,16 @@ def _attention(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_s
     # key/value shard and merge (see key_sharded). Batch- and head-sharded inputs pass
     # unchanged.
     seq_spec = _sharding.spec_of(query)
-    if (_sharding.sequence_shards(query) is None and _sharding.spec_of(key) is not None
+    q_shards = _sharding.sequence_shards(query)
+    if q_shards is not None and not _sharding.sharded_only_over((query, key, value),
+                                                                q_shards[0]):
+      q_shards = None  # other axes in use too: the gather path (see sharded_only_over)
+    if (q_shards is None and _sharding.spec_of(key) is not None
         and _sharding.spec_of(key) == _sharding.spec_of(value)):
       kv_shards = _sharding.sequence_shards(key)
+      if kv_shards is not None and not _sharding.sharded_only_over((query, key, value),
+                                                                   kv_shards[0]):
+        kv_shards = None
       key_shards_of = (key, value)
     key, value = _sharding.unshard_axis(key, 1), _sharding.unshard_axis(value, 1)
   if scale_operand is not None:
@@ -288,9 +295,8 @@ def _attention(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_s
 
   def run_chunked():
     # The chunked kernels read blocks of the (B, T, N, H) arrays as they are (see _chunked).
-    shards = None if seq_spec is None else _sharding.sequence_shards(query)
-    if shards is not None:
-      out, lse = query_sharded(*shards)
+    if q_shards is not None:
+      out, lse = query_sharded(*q_shards)
     elif kv_shards is not None:
       out, lse = key_sharded(*kv_shards)
     else:

@@ -147,6 +147,24 @@ WORKER = textwrap.dedent('''
       (_, dk, _, _), (out, _) = got
       if tuple(dk.sharding.spec)[:2] != (None, "x") or any(out.sharding.spec):
         failures.append(f"{name}: shardings dk {dk.sharding.spec}, out {out.sharding.spec}")
+    # A (data, sequence) mesh: batch over "d", sequence over "x". The per-shard paths would
+    # make XLA gather the batch inside a shard_map manual over "x" only, so Q (along T) is
+    # gathered instead; the batch stays sharded throughout.
+    m2 = jax.make_mesh((2, 2), ("d", "x"), axis_types=(AxisType.Explicit,) * 2)
+    T = 64
+    ks = jax.random.split(jax.random.key(6), 3)
+    q, k, v = (jax.random.normal(kk, (B, T, n, H)) for kk, n in zip(ks, (N, K, K)))
+    f = lambda q, k, v: jattn.dot_product_attention(q, k, v, is_causal=True, block_q=8,
+                                                    block_kv=8, implementation="chunked")
+    with jax.set_mesh(m2):
+      args = [jax.device_put(x, NamedSharding(m2, P("d", "x"))) for x in (q, k, v)]
+      compiled = jax.jit(f).lower(*args).compile()
+      got = compiled(*args)
+    np.testing.assert_allclose(got, jax.jit(f)(q, k, v), rtol=1e-5, atol=1e-5)
+    batches = {s[0] for c in structure.collectives(compiled.as_text()) for s in c.shapes}
+    if batches != {B // 2} or tuple(got.sharding.spec)[:2] != ("d", "x"):
+      failures.append(f"(data, sequence) mesh: batch sizes moved {batches}, output "
+                      f"{got.sharding.spec}")
     # Auto axes: shardings are not part of the types; the partitioner propagates them.
     T = 256
     mesh = jax.make_mesh((4,), ("x",), axis_types=(AxisType.Auto,))
