@@ -403,8 +403,11 @@ def _attention(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_s
     # Splash only where the program cannot be partitioned: a Pallas (Mosaic) kernel lowered
     # into a multi-device program outside shard_map is refused by TPU lowering, and under an
     # Auto mesh whether the program will be partitioned is not known while the call is traced.
-    choice = _plan.implementation_by_platform(B, N, T, S, G, query.dtype, combined,
-                                              fused=_sharding.unpartitioned())
+    # And only for masks splash builds lazily: a (T, S) evaluation per head at trace time would
+    # be paid on every platform (platform_dependent traces every branch).
+    choice = _plan.implementation_by_platform(
+        B, N, T, S, G, query.dtype, combined,
+        fused=_sharding.unpartitioned() and _splash.builds_lazily(combined))
     fns = {}
     for platform, names in choice.items():
       takers = _takers(names, runners)

@@ -94,6 +94,18 @@ def split_mask(mask):
   return static, lengths, segments[0] if segments else None
 
 
+def builds_lazily(mask) -> bool:
+  """Whether splash takes ``mask``'s position-based part as one of its own lazy masks (none,
+  full, causal, a window), with nothing evaluated into a (T, S) array when the kernel is built:
+  what `implementation=None` requires before it tries splash, so that choosing a kernel never
+  costs a trace-time evaluation of the whole mask."""
+  try:
+    static, _, _ = split_mask(mask)
+  except NotImplementedError:
+    return False
+  return static is None or isinstance(static, (_masks._Full, _masks._Band))
+
+
 class _Static:
   """One head's splash mask for a (Tp, Sp) problem: a cache key, how to build it, and its (Tp,)
   rows and (Sp,) columns that see / are seen by anything (NumPy booleans)."""

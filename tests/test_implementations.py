@@ -90,6 +90,11 @@ def test_implementation_none_on_tpu_tries_splash_where_jattn_would_go_chunked():
   with_bias = lambda q, k, v, b: jattn.dot_product_attention(q, k, v, b, is_causal=True)
   module = _tpu_module(with_bias, *big, bias)
   assert "tpu_custom_call" not in module and "stablehlo.while" in module
+  # A mask splash would evaluate into a (T, S) array per head when traced (a chunked-local
+  # one) is not tried: choosing never costs that, on any platform.
+  local = lambda q, k, v: jattn.dot_product_attention(q, k, v,
+                                                      mask=jattn.masks.chunked_local(512))
+  assert "tpu_custom_call" not in _tpu_module(local, *big)
   # Calls dense serves (scores within the budget) and decoding steps (split-KV) stay jattn's;
   # GPU programs never get a fused kernel by default.
   small = (jax.ShapeDtypeStruct((1, 1024, 4, 64), jnp.bfloat16),) * 3
