@@ -192,10 +192,9 @@ def _attention(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_s
   if _sharding.explicit_mesh():
     # Sequence-sharded inputs under an Explicit mesh: every query needs every key, so K and V
     # are gathered along S (as jax.nn's XLA path does); the query stays sharded (the chunked
-    # kernels run per query shard: see query_sharded). With the query whole and K, V sharded
-    # along S (a decoding step against a sharded cache), the chunked kernels instead run per
-    # key/value shard and merge (see key_sharded). Batch- and head-sharded inputs pass
-    # unchanged.
+    # kernels run per query shard: see sequence_sharded). With the query whole and K, V
+    # sharded along S (a decoding step against a sharded cache), the chunked kernels instead run
+    # per key/value shard and merge. Batch- and head-sharded inputs pass unchanged.
     seq_spec = _sharding.spec_of(query)
     q_shards = _sharding.sequence_shards(query)
     if q_shards is not None and not _sharding.sharded_only_over((query, key, value),
@@ -207,7 +206,6 @@ def _attention(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_s
       if kv_shards is not None and not _sharding.sharded_only_over((query, key, value),
                                                                    kv_shards[0]):
         kv_shards = None
-      key_shards_of = (key, value)
     key, value = _sharding.unshard_axis(key, 1), _sharding.unshard_axis(value, 1)
   if scale_operand is not None:
     # A scale given as an array (traced under jit) is an operand, not a compile-time constant:
@@ -296,9 +294,9 @@ def _attention(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_s
   def run_chunked():
     # The chunked kernels read blocks of the (B, T, N, H) arrays as they are (see _chunked).
     if q_shards is not None:
-      out, lse = query_sharded(*q_shards)
+      out, lse = sequence_sharded(*q_shards, split_query=True)
     elif kv_shards is not None:
-      out, lse = key_sharded(*kv_shards)
+      out, lse = sequence_sharded(*kv_shards, split_query=False)
     else:
       cfg, score_args = config((B, N, bq, bk))
       q = query if seq_spec is None else _sharding.unshard_axis(query, 1)
@@ -307,66 +305,54 @@ def _attention(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_s
       out = jax.sharding.reshard(out, seq_spec)
     return out, lse
 
-  def query_sharded(axes, count):
-    """A sequence-sharded query under an Explicit mesh: each device runs the chunked kernels on
-    its own rows against the whole (gathered) K and V, as dense attention's partitioned matmuls
-    do -- the query and output stay sharded and each device does 1/count of the work. The
-    kernels take query blocks out of Q at loop indices, so without this the partitioner would
-    need the whole Q on every device. The dK/dV partial sums of the devices are added by the
-    shard_map's transpose (a psum, as jax.nn's backward all-reduces them)."""
-    Tl = T // count
-    tile = (B, N) + _plan.block_sizes(Tl, S, opts.block_q, opts.block_kv)
-    cfg, score_args = config(tile, T=Tl, replay=True)
+  def sequence_sharded(axes, count, split_query: bool):
+    """The chunked kernels per shard of the sequence under an Explicit mesh, inside a shard_map
+    over its mesh ``axes`` (``count`` shards), with masks, score_mod and dropout at global
+    positions.
+
+    ``split_query``: the query is sharded along T. Each device runs its own rows against the
+    whole (gathered) K and V, as dense attention's partitioned matmuls do: the query and output
+    stay sharded, each device does 1/count of the work (the kernels take query blocks out of Q
+    at loop indices, so otherwise the partitioner would need the whole Q on every device). The
+    devices' dK/dV partial sums are added by the shard_map's transpose (a psum, as jax.nn's
+    backward all-reduces them).
+
+    Else the query is whole and K, V are sharded along S (a decoding step against a sharded
+    cache): each device attends all queries to its own keys, and the parts are merged through
+    their log-sum-exps across the devices (split-KV over devices): a (B, T, N, H) partial
+    output moves instead of the whole cache. The sinks join once, after the merge; gradients
+    flow through it (the kernels' VJP takes the lse's cotangent)."""
+    Tl, Sl = (T // count, S) if split_query else (T, S // count)
+    tile = (B, N) + _plan.block_sizes(Tl, Sl, opts.block_q, opts.block_kv)
+    cfg, score_args = config(tile, T=Tl, S=Sl, replay=True)
     P = jax.sharding.PartitionSpec
     seq = axes[0] if len(axes) == 1 else axes
-    rows = _sharding.shard_dim(query, 1, axes)
-    local_bias = bias5 is not None and bias5.shape[3] != 1
-    bias = (_sharding.shard_dim(bias5, 3, axes) if local_bias
+    split = (query,) if split_query else (args.key, args.value)
+    split = tuple(_sharding.shard_dim(x, 1, axes) for x in split)
+    bias_dim = 3 if split_query else 4  # T or S of (B|1, K|1, G|1, T|1, S|1)
+    local_bias = bias5 is not None and bias5.shape[bias_dim] != 1
+    bias = (_sharding.shard_dim(bias5, bias_dim, axes) if local_bias
             else _sharding.replicate_over(bias5, axes))
-    whole = _sharding.replicate_over((key, value, combined, seed, sink, score_args), axes)
+    # Sinks join the kernels per query row, or the merged result once.
+    whole = (key, value) if split_query else (query,)
+    whole = _sharding.replicate_over(
+        (whole, combined, seed, sink if split_query else None, score_args), axes)
 
-    def body(q, bias, whole):
-      k, v, mask, seed, sink, score_args = whole
-      offset = jax.lax.axis_index(axes) * Tl
-      return chunked(q, k, v, bias, mask, seed, sink, score_args, cfg, q_offset=offset)
+    def body(split, bias, whole):
+      whole, mask, seed, sink, score_args = whole
+      q, k, v = split + whole if split_query else whole + split
+      offset = jax.lax.axis_index(axes) * (Tl if split_query else Sl)
+      out, lse = chunked(q, k, v, bias, mask, seed, sink, score_args, cfg,
+                         **{"q_offset" if split_query else "kv_offset": offset})
+      return (out, lse) if split_query else _ring.merge_over_devices(out, lse, axes)
 
+    rows = P(None, seq) if split_query else P()
     fn = jax.shard_map(body, mesh=jax.sharding.get_abstract_mesh(),
-                       in_specs=(P(None, seq), P(None, None, None, seq) if local_bias else P(),
-                                 P()),
-                       out_specs=(P(None, seq), P(None, seq)), axis_names=frozenset(axes),
-                       check_vma=False)
-    return fn(rows, bias, whole)
-
-  def key_sharded(axes, count):
-    """The query whole, K and V sharded along S under an Explicit mesh (a decoding step against
-    a sequence-sharded cache): each device attends all queries to its own S/count keys, and
-    the parts are merged through their log-sum-exps across the devices (split-KV over
-    devices): a (B, T, N, H) partial output moves instead of the whole cache being gathered.
-    The sinks join once, after the merge. Gradients flow through the merge: the kernels' VJP
-    takes the lse's cotangent."""
-    Sl = S // count
-    tile = (B, N) + _plan.block_sizes(T, Sl, opts.block_q, opts.block_kv)
-    cfg, score_args = config(tile, S=Sl, replay=True)
-    P = jax.sharding.PartitionSpec
-    seq = axes[0] if len(axes) == 1 else axes
-    k_rows, v_rows = (_sharding.shard_dim(x, 1, axes) for x in key_shards_of)
-    local_bias = bias5 is not None and bias5.shape[4] != 1
-    bias = (_sharding.shard_dim(bias5, 4, axes) if local_bias
-            else _sharding.replicate_over(bias5, axes))
-    whole = _sharding.replicate_over((query, combined, seed, score_args), axes)
-
-    def body(k, v, bias, whole):
-      q, mask, seed, score_args = whole
-      offset = jax.lax.axis_index(axes) * Sl
-      out, lse = chunked(q, k, v, bias, mask, seed, None, score_args, cfg, kv_offset=offset)
-      return _ring.merge_over_devices(out, lse, axes)
-
-    fn = jax.shard_map(body, mesh=jax.sharding.get_abstract_mesh(),
-                       in_specs=(P(None, seq), P(None, seq),
-                                 P(None, None, None, None, seq) if local_bias else P(), P()),
-                       out_specs=(P(), P()), axis_names=frozenset(axes), check_vma=False)
-    out, lse = fn(k_rows, v_rows, bias, whole)
-    if args.sinks is not None:
+                       in_specs=(P(None, seq),
+                                 P(*(None,) * bias_dim, seq) if local_bias else P(), P()),
+                       out_specs=(rows, rows), axis_names=frozenset(axes), check_vma=False)
+    out, lse = fn(split, bias, whole)
+    if not split_query and args.sinks is not None:
       out, lse = _ring.add_sink(out, lse, args.sinks)
     return out.astype(query.dtype), lse
 

@@ -13,13 +13,22 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 
-def explicit_mesh() -> bool:
-  """Whether the call is traced under a mesh with Explicit axes."""
+def _mesh():
+  """The abstract mesh the call is traced under, or None when there is none."""
   get = getattr(jax.sharding, "get_abstract_mesh", None)
   mesh = get() if get is not None else None
-  if mesh is None or getattr(mesh, "empty", True):
-    return False
-  return any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
+  return None if mesh is None or getattr(mesh, "empty", True) else mesh
+
+
+def _names(entry) -> tuple:
+  """The mesh axis names of one PartitionSpec entry (None, a name, or a tuple of names)."""
+  return () if entry is None else entry if isinstance(entry, tuple) else (entry,)
+
+
+def explicit_mesh() -> bool:
+  """Whether the call is traced under a mesh with Explicit axes."""
+  mesh = _mesh()
+  return mesh is not None and any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
 
 
 def unpartitioned() -> bool:
@@ -28,9 +37,8 @@ def unpartitioned() -> bool:
   device's part). Only then may a Pallas TPU kernel stand outside a shard_map: XLA cannot
   partition one, and under an Auto mesh (or plain `jit` on sharded arrays) whether the program
   will be partitioned is decided after the call is traced."""
-  get = getattr(jax.sharding, "get_abstract_mesh", None)
-  mesh = get() if get is not None else None
-  if mesh is None or getattr(mesh, "empty", True):
+  mesh = _mesh()
+  if mesh is None:
     return jax.device_count() == 1
   return all(t == jax.sharding.AxisType.Manual for t in mesh.axis_types)
 
@@ -84,8 +92,8 @@ def sequence_shards(x):
   spec = spec_of(x) if explicit_mesh() else None
   if spec is None or len(spec) < 2 or spec[1] is None:
     return None
-  axes = spec[1] if isinstance(spec[1], tuple) else (spec[1],)
-  mesh = jax.sharding.get_abstract_mesh()
+  axes = _names(spec[1])
+  mesh = _mesh()
   count = int(np.prod([mesh.shape[a] for a in axes]))
   if x.shape[1] % count:
     return None
@@ -99,12 +107,7 @@ def sharded_only_over(arrays, axes) -> bool:
   the others inside it (measured on JAX 0.10's CPU lowering, even for an elementwise body), so
   the per-shard paths of a sequence-sharded call are taken only when the sequence axes are the
   only ones in use."""
-  for x in arrays:
-    for e in spec_of(x) or ():
-      names = () if e is None else (e if isinstance(e, tuple) else (e,))
-      if any(n not in axes for n in names):
-        return False
-  return True
+  return all(n in axes for x in arrays for e in spec_of(x) or () for n in _names(e))
 
 
 def _without(spec, ndim, axes):
@@ -112,8 +115,7 @@ def _without(spec, ndim, axes):
   entries = tuple(spec) + (None,) * (ndim - len(spec))
   out = []
   for e in entries:
-    names = () if e is None else (e if isinstance(e, tuple) else (e,))
-    kept = tuple(n for n in names if n not in axes)
+    kept = tuple(n for n in _names(e) if n not in axes)
     out.append(None if not kept else kept[0] if len(kept) == 1 else kept)
   return out
 
