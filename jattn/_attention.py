@@ -42,6 +42,9 @@ class _Options:
   score_mod: Callable | None
   # Return the (B, N, T, S) softmax weights instead of the output (for flax's sow_weights).
   return_weights: bool = False
+  # The fused kernel a tuning table found fastest on this device for the call (implementation
+  # None only): tried first on its platform.
+  tuned_implementation: str | None = None
 
 
 def dot_product_attention(
@@ -141,7 +144,9 @@ def dot_product_attention(
   mean of V); its gradients are 0; masked positions never contribute inf or NaN.
   """
   static_scale, scale_operand = _validation.scale_operand(scale)
-  if None in (block_q, block_kv, schedule, step_width) and implementation not in ("dense", "xla"):
+  tuned_implementation = None
+  if ((implementation is None or None in (block_q, block_kv, schedule, step_width))
+      and implementation not in ("dense", "xla")):
     # A tuning table (jattn.tuning, $JATTN_TUNING) fills what the call leaves open.
     shape, kv_shape = jnp.shape(query), jnp.shape(key)
     if len(shape) in (3, 4) and len(kv_shape) == len(shape) and hasattr(query, "dtype"):
@@ -154,6 +159,8 @@ def dot_product_attention(
       block_kv = block_kv if block_kv is not None else tuned.get("block_kv")
       schedule = schedule if schedule is not None else tuned.get("schedule")
       step_width = step_width if step_width is not None else tuned.get("step_width")
+      if implementation is None:
+        tuned_implementation = tuned.get("implementation")
   opts = _Options(
       scale=static_scale,
       causal=_validation.causal(is_causal),
@@ -169,6 +176,7 @@ def dot_product_attention(
       return_residual=_validation.flag("return_residual", return_residual),
       score_mod=_validation.callable_or_none("score_mod", score_mod),
       return_weights=bool(_return_weights),
+      tuned_implementation=tuned_implementation,
   )
   if opts.dropout_rate == 0.0:
     dropout_rng = None
@@ -391,9 +399,20 @@ def _attention(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_s
     # Auto mesh whether the program will be partitioned is not known while the call is traced.
     # And only for masks splash builds lazily: a (T, S) evaluation per head at trace time would
     # be paid on every platform (platform_dependent traces every branch).
+    unpartitioned = _sharding.unpartitioned()
     choice = _plan.implementation_by_platform(
         B, N, T, S, G, query.dtype, combined,
-        fused=_sharding.unpartitioned() and _splash.builds_lazily(combined))
+        fused=unpartitioned and _splash.builds_lazily(combined))
+    tuned = opts.tuned_implementation
+    if (tuned is not None and unpartitioned and not _plan.decoding(T, S, G)
+        and (tuned != "splash" or _splash.builds_lazily(combined))):
+      # The device's tuning table measured its fused kernel faster for calls like this one
+      # (square ones: decoding-shaped calls share a length bucket but were not measured). Only
+      # where the program cannot be partitioned, as for splash above: jax.nn's cuDNN call
+      # refuses sequence-sharded inputs when the program is partitioned, after tracing.
+      for platform in PLATFORMS[tuned]:
+        rest = choice.get(platform, choice["default"])
+        choice[platform] = (tuned,) + tuple(n for n in rest if n != tuned)
     fns = {}
     for platform, names in choice.items():
       takers = _takers(names, runners)

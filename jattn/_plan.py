@@ -135,7 +135,8 @@ def implementation_by_platform(B: int, N: int, T: int, S: int, G: int = 1, dtype
   (B, N, T, S) float32 scores fit ACCELERATOR_DENSE_SCORES_BYTES, and beyond that to the chunked
   kernels -- on a TPU first to splash attention, JAX's fused Pallas kernel, when ``fused`` (the
   program cannot be partitioned, see `jattn._sharding.unpartitioned`) and splash takes the call.
-  On GPU the default stays with jattn's kernels, as jax.nn's stays with XLA."""
+  On GPU the default stays with jattn's kernels, as jax.nn's stays with XLA (a tuning table
+  that measured a fused kernel faster puts it first: see `jattn._attention`)."""
   fits = B * N * T * S * 4 <= ACCELERATOR_DENSE_SCORES_BYTES
   accelerator = "dense" if fits and not decoding(T, S, G) else "chunked"
   choice = {"cpu": (choose_implementation(T, S, G, dtype, mask, (B, N, T, S)),),

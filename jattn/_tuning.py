@@ -10,8 +10,10 @@ uses it for every call it covers that does not set the option itself::
 An entry is keyed by device kind (``jax.devices()[0].device_kind``), dtype, head dimension, mask
 kind (``full``, ``causal``, ``window`` or ``masked``: any other mask) and length bucket (the
 power of two at or above max(T, S)); it holds ``block_q``, ``block_kv``, ``schedule`` and
-``step_width``. Arguments given to the call always win; a table never changes results, only how
-they are computed. A table that cannot be read is an error naming the file; one written by
+``step_width``, and ``implementation`` (``"cudnn"`` or ``"splash"``) where the device's fused
+kernel beat jattn's kernels: ``implementation=None`` then tries that kernel first on its platform
+(see `jattn._attention`). Arguments given to the call always win; a table never changes results,
+only how they are computed. A table that cannot be read is an error naming the file; one written by
 another jattn version, or for other devices only, is used with a warning naming the file.
 """
 
@@ -28,7 +30,10 @@ from typing import Any
 
 ENV_VAR = "JATTN_TUNING"
 FORMAT = "jattn-tuning-1"
-_OPTIONS = ("block_q", "block_kv", "schedule", "step_width")
+_OPTIONS = ("block_q", "block_kv", "schedule", "step_width", "implementation")
+# The fused kernels a table may prefer for implementation=None (jattn's own two are chosen by the
+# rule in jattn._plan.implementation_by_platform, which also bounds dense's memory).
+FUSED = ("cudnn", "splash")
 _MASK_KINDS = ("full", "causal", "window", "masked")
 
 _active: contextvars.ContextVar[TuningTable | None] = contextvars.ContextVar("jattn_tuning",
@@ -101,6 +106,9 @@ def _check_options(options, where):
     if name == "schedule":
       if value not in ("serial", "parallel"):
         raise ValueError(f"{where}: schedule must be 'serial' or 'parallel', got {value!r}")
+    elif name == "implementation":
+      if value not in FUSED:
+        raise ValueError(f"{where}: implementation must be one of {FUSED}, got {value!r}")
     elif value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                 or value <= 0):
       raise ValueError(f"{where}: {name} must be a positive int or null, got {value!r}")

@@ -162,6 +162,24 @@ def test_cudnn_matches_reference_with_empty_rows():  # pragma: no cover - needs 
   assert np.all(np.asarray(out)[empty] == 0)
 
 
+@pytest.mark.skipif(not _has_gpu(), reason="cuDNN runs only on an NVIDIA GPU")
+def test_a_table_preferring_cudnn_makes_none_use_it():  # pragma: no cover - needs a GPU
+  T = 1024
+  q, k, v = (jax.random.normal(key, (2, T, 4, 64), jnp.bfloat16)
+             for key in jax.random.split(jax.random.key(4), 3))
+  table = jattn.TuningTable()
+  table.add(jax.devices()[0].device_kind, "bfloat16", 64, "causal", T, implementation="cudnn")
+  f = lambda: jax.jit(lambda q, k, v: jattn.dot_product_attention(q, k, v, is_causal=True))
+  assert "cudnn" not in f().lower(q, k, v).as_text()
+  with jattn.tuning(table):
+    lowered = f().lower(q, k, v)
+    assert "cudnn" in lowered.as_text()
+    out = lowered.compile()(q, k, v)
+  want = jattn.dot_product_attention(q, k, v, is_causal=True, implementation="dense")
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want, np.float32),
+                             atol=3e-2)
+
+
 def test_flax_callers_take_the_same_implementation_values():
   """linen's module and flax's attention_fn pass a sequence through: on this CPU
   ("splash", "dense") is dense, so both equal the dense module."""

@@ -2,6 +2,7 @@
 the options a call leaves open, never changing results; bad files fail naming the file."""
 
 import json
+import re
 import warnings
 
 import jax
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 
 import jattn
-from jattn import _tuning
+from jattn import _plan, _tuning
 from jattn.bench import structure
 from jattn.bench import tune as bench_tune
 
@@ -68,6 +69,8 @@ def test_table_never_changes_results(tmp_path):
         "block_q": 0}}}), "block_q must be a positive int"),
     (json.dumps({"format": _tuning.FORMAT, "entries": {"cpu|float32|8|full|64": {
         "schedule": "fast"}}}), "schedule"),
+    (json.dumps({"format": _tuning.FORMAT, "entries": {"cpu|float32|8|full|64": {
+        "implementation": "dense"}}}), "implementation must be one of .*cudnn.*splash"),
 ])
 def test_bad_tables_are_errors_naming_the_file(tmp_path, content, words):
   path = tmp_path / "bad.json"
@@ -112,3 +115,63 @@ def test_jattn_bench_tune_writes_a_table_that_is_used(tmp_path, capsys):
             "parallel": T // best["block_kv"]}[best["schedule"]]
   assert steps == expect
   assert "wrote" in capsys.readouterr().out
+
+
+def _lowered_for(platform, f, *args):
+  return jax.export.export(jax.jit(f), platforms=[platform])(*args).mlir_module()
+
+
+def test_a_table_preferring_the_fused_kernel_puts_it_first_on_its_platform():
+  """An entry that says splash (its fused kernel won on that device) makes implementation=None
+  lowered for a TPU use splash for a call the rule alone sends to dense; on other platforms,
+  for a call that asks for an implementation, and for decoding-shaped calls (another shape in
+  the same length bucket, never measured) nothing changes."""
+  T, H = _plan.DECODE_MIN_KEYS, 64  # one length bucket for both shapes
+  q = jax.random.normal(jax.random.key(0), (1, T, 2, H))
+  causal = lambda q: jattn.dot_product_attention(q, q, q, is_causal=True)
+  decode = lambda q: jattn.dot_product_attention(q[:, :1], q, q)
+  dense = lambda q: jattn.dot_product_attention(q, q, q, is_causal=True, implementation="dense")
+  table = jattn.TuningTable()
+  for kind in ("causal", "full"):
+    table.add(DEVICE, "float32", H, kind, T, implementation="splash")
+  # Fresh functions for each trace: a table is read when a call is traced.
+  assert "tpu_custom_call" not in _lowered_for("tpu", lambda q: causal(q), q)
+  with jattn.tuning(table):
+    assert "tpu_custom_call" in _lowered_for("tpu", lambda q: causal(q), q)
+    assert "tpu_custom_call" not in _lowered_for("tpu", lambda q: decode(q), q)
+    assert "tpu_custom_call" not in _lowered_for("tpu", lambda q: dense(q), q)
+    assert "tpu_custom_call" not in _lowered_for("cuda", lambda q: causal(q), q)
+    got = jax.jit(lambda q: causal(q))(q)  # this CPU: the rule's choice, same result
+  np.testing.assert_array_equal(got, jax.jit(dense)(q))
+
+
+def test_tune_entry_and_fused_kernel_choice():
+  chunked = [(2.0, dict(block_q=16)), (1.0, dict(block_q=32))]
+  assert bench_tune.entry(chunked) == dict(block_q=32)
+  assert bench_tune.entry(chunked, (1.5, "cudnn")) == dict(block_q=32)
+  assert bench_tune.entry(chunked, (0.5, "cudnn")) == dict(block_q=32, implementation="cudnn")
+  fk = bench_tune.fused_kernel
+  assert fk("auto", "gpu", jnp.dtype("bfloat16")) == "cudnn"
+  assert fk("auto", "gpu", jnp.dtype("float32")) is None  # cuDNN takes 16-bit inputs only
+  assert fk("auto", "tpu", jnp.dtype("float32")) == "splash"
+  assert fk("auto", "cpu", jnp.dtype("bfloat16")) is None
+  assert fk("none", "tpu", jnp.dtype("float32")) is None
+  assert fk("splash", "cpu", jnp.dtype("float32")) == "splash"
+
+
+def test_jattn_bench_tune_times_the_fused_kernel_in_the_same_rounds(tmp_path, capsys):
+  """--fused splash, here in Pallas's interpret mode: timed beside the chunked candidates; the
+  entry names it exactly when its median is the fastest of the printed ones."""
+  from jax.experimental.pallas import tpu as pltpu
+  out = tmp_path / "tuned.json"
+  with pltpu.force_tpu_interpret_mode():
+    assert bench_tune.main(["--T", "128", "--heads", "1", "--head-dim", "8", "--mask", "causal",
+                            "--blocks", "64x64", "--schedules", "serial", "--pass", "forward",
+                            "--fused", "splash", "--repeats", "1", "--out", str(out)]) == 0
+  printed = capsys.readouterr().out
+  times = dict(re.findall(r"(64x64 serial|splash) ([0-9.e+-]+) s", printed))
+  assert set(times) == {"64x64 serial", "splash"}, printed
+  entry = jattn.load_tuning(out).entries[f"{DEVICE}|float32|8|causal|128"]
+  splash_won = float(times["splash"]) < float(times["64x64 serial"])
+  assert (entry.get("implementation") == "splash") == splash_won
+  assert (entry["block_q"], entry["schedule"]) == (64, "serial")

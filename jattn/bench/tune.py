@@ -3,7 +3,11 @@
 For each length and mask, every candidate (block sizes x schedule x step width) is compiled and
 timed, interleaved round by round (A B C A B C ...), on forward+backward by default; the fastest
 median becomes the table's entry for (this device kind, dtype, head dim, mask kind, length
-bucket). Use the table with ``with jattn.tuning(path):`` or ``JATTN_TUNING=path``.
+bucket). The device's fused kernel (``--fused``: cuDNN on a GPU for 16-bit inputs, splash on a
+TPU) is timed in the same rounds; where it beats the fastest chunked candidate the entry also
+says ``"implementation": name``, and ``implementation=None`` then tries it first on that
+platform (the chunked options stay in the entry for the calls it cannot take). Use the table
+with ``with jattn.tuning(path):`` or ``JATTN_TUNING=path``.
 
   jattn-bench tune --T 1024 4096 --mask full causal --dtype bfloat16 --out tuning.json
 """
@@ -36,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
                  help="step widths to try with the parallel schedule")
   p.add_argument("--pass", dest="pass_", default="forward+backward",
                  choices=("forward", "forward+backward"))
+  p.add_argument("--fused", default="auto", choices=("auto", "none", "cudnn", "splash"),
+                 help="the fused kernel to time against jattn's: auto = cuDNN on a GPU for "
+                      "bfloat16/float16, splash on a TPU, none elsewhere")
   p.add_argument("--repeats", type=int, default=3, help="timed rounds")
   p.add_argument("--out", required=True, help="the JSON table to write")
   p.add_argument("--update", action="store_true",
@@ -62,6 +69,26 @@ def candidates(blocks, schedules, widths):
   return out
 
 
+def fused_kernel(choice: str, backend: str, dtype) -> str | None:
+  """The fused implementation ``--fused`` asks to time on ``backend`` for ``dtype``."""
+  if choice != "auto":
+    return None if choice == "none" else choice
+  if backend == "gpu" and str(dtype) in ("bfloat16", "float16"):
+    return "cudnn"
+  return "splash" if backend == "tpu" else None
+
+
+def entry(chunked, fused=None) -> dict:
+  """The table entry from (median seconds, options) of the chunked candidates and, if timed,
+  (median seconds, name) of the fused kernel: the fastest chunked options, and the fused
+  kernel's name where it was faster still."""
+  best_time, best = min(chunked, key=lambda r: r[0])
+  out = dict(best)
+  if fused is not None and fused[0] < best_time:
+    out["implementation"] = fused[1]
+  return out
+
+
 def main(argv=None) -> int:
   args = build_parser().parse_args(argv)
   import jax
@@ -78,9 +105,11 @@ def main(argv=None) -> int:
   table = (_tuning.load(args.out) if args.update and os.path.exists(args.out)
            else _tuning.TuningTable())
   dtype = jnp.dtype(args.dtype)
+  fused = fused_kernel(args.fused, jax.default_backend(), dtype)
   K = args.kv_heads or args.heads
   print(f"jattn-bench tune on {device_kind!r} ({jax.default_backend()}), {args.dtype}, "
-        f"B={args.batch} N={args.heads} K={K} H={args.head_dim}, {args.pass_}")
+        f"B={args.batch} N={args.heads} K={K} H={args.head_dim}, {args.pass_}"
+        + (f", against {fused}" if fused else ""))
   for T, spec in itertools.product(args.T, specs):
     if spec.segments is not None:
       raise SystemExit("jattn-bench tune: segment masks are not tuned (mask kind 'masked')")
@@ -93,18 +122,17 @@ def main(argv=None) -> int:
     for opts in candidates(blocks, args.schedules, args.widths):
       if opts["block_q"] > T or opts["block_kv"] > T:
         continue
-      f = lambda q, k, v, o=opts: jattn.dot_product_attention(q, k, v, implementation="chunked",
+      g = lambda q, k, v, o=opts: jattn.dot_product_attention(q, k, v, implementation="chunked",
                                                               **kw, **o)
-      if args.pass_ == "forward+backward":
-        g = jax.grad(lambda q, k, v, f=f: f(q, k, v).astype(jnp.float32).sum(),
-                     argnums=(0, 1, 2))
-      else:
-        g = f
-      fn = jax.jit(g).lower(q, k, v).compile()
-      jax.block_until_ready(fn(q, k, v))  # warm-up
-      compiled.append((opts, fn, []))
+      compiled.append((opts, _compile(g, args.pass_, q, k, v), []))
     if not compiled:
       continue
+    if fused is not None:
+      f = lambda q, k, v: jattn.dot_product_attention(q, k, v, implementation=fused, **kw)
+      try:
+        compiled.append((fused, _compile(f, args.pass_, q, k, v), []))
+      except NotImplementedError as e:  # the kernel cannot take this call: not a candidate
+        print(f"T={T} {spec.name}: {fused} not timed: {e}")
     for _ in range(args.repeats):  # interleaved rounds: a slow spell hits every candidate
       for _, fn, times in compiled:
         _runner.settle()
@@ -113,17 +141,30 @@ def main(argv=None) -> int:
         times.append(time.perf_counter() - start)
     results = sorted(((statistics.median(t), o) for o, _, t in compiled),
                      key=lambda r: r[0])
-    best_time, best = results[0]
+    best = entry([r for r in results if isinstance(r[1], dict)],
+                 next((r for r in results if isinstance(r[1], str)), None))
     kind = _tuning.mask_kind(spec.causal, spec.window, False)
     table.add(device_kind, str(dtype), args.head_dim, kind, _tuning.length_bucket(T, T),
               **best)
-    print(f"T={T} {spec.name}: best {best} {best_time:.4g} s; "
-          + ", ".join(f"{o['block_q']}x{o['block_kv']} {o['schedule']}"
-                      f"{'' if o['step_width'] is None else '/' + str(o['step_width'])} "
-                      f"{t:.3g}" for t, o in results[1:]))
+    label = lambda o: (o if isinstance(o, str) else
+                       f"{o['block_q']}x{o['block_kv']} {o['schedule']}"
+                       f"{'' if o['step_width'] is None else '/' + str(o['step_width'])}")
+    print(f"T={T} {spec.name}: entry {best}; "
+          + ", ".join(f"{label(o)} {t:.3g} s" for t, o in results))
   table.save(args.out)
   print(f"wrote {args.out} ({len(table.entries)} entries)")
   return 0
+
+
+def _compile(f, pass_, q, k, v):
+  """``f`` (or its forward+backward) compiled for these inputs and run once (warm-up)."""
+  import jax
+  import jax.numpy as jnp
+  if pass_ == "forward+backward":
+    f = jax.grad(lambda q, k, v, f=f: f(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+  fn = jax.jit(f).lower(q, k, v).compile()
+  jax.block_until_ready(fn(q, k, v))
+  return fn
 
 
 if __name__ == "__main__":
