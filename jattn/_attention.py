@@ -45,6 +45,9 @@ class _Options:
   # The fused kernel a tuning table found fastest on this device for the call (implementation
   # None only): tried first on its platform.
   tuned_implementation: str | None = None
+  # (block_q, block_kv) as the caller gave them, for splash: a tuning table's block sizes are
+  # the chunked kernels', measured for them (and need not be splash's multiples of 128).
+  splash_blocks: tuple[int | None, int | None] = (None, None)
 
 
 def dot_product_attention(
@@ -145,6 +148,7 @@ def dot_product_attention(
   """
   static_scale, scale_operand = _validation.scale_operand(scale)
   tuned_implementation = None
+  splash_blocks = (_validation.block("block_q", block_q), _validation.block("block_kv", block_kv))
   if ((implementation is None or None in (block_q, block_kv, schedule, step_width))
       and implementation not in ("dense", "xla")):
     # A tuning table (jattn.tuning, $JATTN_TUNING) fills what the call leaves open.
@@ -177,6 +181,7 @@ def dot_product_attention(
       score_mod=_validation.callable_or_none("score_mod", score_mod),
       return_weights=bool(_return_weights),
       tuned_implementation=tuned_implementation,
+      splash_blocks=splash_blocks,
   )
   if opts.dropout_rate == 0.0:
     dropout_rng = None
@@ -375,8 +380,9 @@ def _attention(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_s
                     "its Pallas kernels do not type their outputs as device-varying (JAX's "
                     "pallas_call raises); use check_vma=False")
     return _splash.splash_attention(query, key, value, combined, args.sinks, scale=scale,
-                                    soft_cap=opts.logits_soft_cap, block_q=opts.block_q,
-                                    block_kv=opts.block_kv)
+                                    soft_cap=opts.logits_soft_cap,
+                                    block_q=opts.splash_blocks[0],
+                                    block_kv=opts.splash_blocks[1])
 
   def run_cudnn():
     _fused.refuse_given("cudnn", (
