@@ -369,12 +369,23 @@ def _attention(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_s
       out, lse = _ring.add_sink(out, lse, args.sinks)
     return out.astype(query.dtype), lse
 
+  def splash_shards():
+    """Under an Explicit mesh, the (batch, head) mesh axes splash runs split over, or a
+    phrase saying why it cannot be split (see `_sharding.examples_and_heads`); else None."""
+    if seq_spec is None:
+      return None
+    return _sharding.examples_and_heads(query, args.key, args.value)
+
   def run_splash():
     _fused.refuse_given("splash", (
         ("bias", args.bias is not None), ("dropout", opts.dropout_rate > 0),
-        ("score_mod", opts.score_mod is not None),
-        ("sequence-sharded inputs under an Explicit mesh", seq_spec is not None)),
+        ("score_mod", opts.score_mod is not None)),
         "the fused kernel has no such input")
+    shard = splash_shards()
+    if isinstance(shard, str):
+      _fused.refuse("splash", shard + " under an Explicit mesh",
+                    "XLA cannot partition a Pallas kernel, and jattn splits the call over "
+                    "devices only by examples and heads")
     if _sharding.checks_vma(query):
       _fused.refuse("splash", "jax.shard_map(check_vma=True)",
                     "its Pallas kernels do not type their outputs as device-varying (JAX's "
@@ -382,7 +393,7 @@ def _attention(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_s
     return _splash.splash_attention(query, key, value, combined, args.sinks, scale=scale,
                                     soft_cap=opts.logits_soft_cap,
                                     block_q=opts.splash_blocks[0],
-                                    block_kv=opts.splash_blocks[1])
+                                    block_kv=opts.splash_blocks[1], shard=shard)
 
   def run_cudnn():
     _fused.refuse_given("cudnn", (
@@ -406,9 +417,12 @@ def _attention(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_s
     # And only for masks splash builds lazily: a (T, S) evaluation per head at trace time would
     # be paid on every platform (platform_dependent traces every branch).
     unpartitioned = _sharding.unpartitioned()
+    # Splash also where an Explicit mesh shards only examples and heads: the shardings are in
+    # the types, so it runs per device inside a shard_map (see run_splash).
+    splits = isinstance(splash_shards(), tuple)
     choice = _plan.implementation_by_platform(
         B, N, T, S, G, query.dtype, combined,
-        fused=unpartitioned and _splash.builds_lazily(combined))
+        fused=(unpartitioned or splits) and _splash.builds_lazily(combined))
     tuned = opts.tuned_implementation
     if (tuned is not None and unpartitioned and not _plan.decoding(T, S, G)
         and (tuned != "splash" or _splash.builds_lazily(combined))):

@@ -43,6 +43,26 @@ def unpartitioned() -> bool:
   return all(t == jax.sharding.AxisType.Manual for t in mesh.axis_types)
 
 
+def examples_and_heads(query, key, value):
+  """Under an Explicit mesh: (batch axes, head axes) when query (B, T, N, H), key and value
+  (B, S, K, H) are sharded over their batch and head dimensions only, and alike -- a call that
+  splits into independent per-device calls; else a phrase saying what stands in the way."""
+  mesh = _mesh()
+  if any(t == jax.sharding.AxisType.Auto for t in mesh.axis_types):
+    return "a mesh with Auto axes besides Explicit ones"
+  specs = []
+  for x in (query, key, value):
+    spec = tuple(spec_of(x) or ())
+    specs.append(spec + (None,) * (x.ndim - len(spec)))
+  if any(s[1] is not None for s in specs):
+    return "sequence-sharded inputs"
+  if any(s[3] is not None for s in specs):
+    return "inputs sharded along the head dimension H"
+  if any((s[0], s[2]) != (specs[0][0], specs[0][2]) for s in specs[1:]):
+    return "key and value sharded unlike the query"
+  return _names(specs[0][0]), _names(specs[0][2])
+
+
 def checks_vma(x) -> bool:
   """Whether the call is traced inside a `jax.shard_map` with ``check_vma=True`` (values typed
   device-varying or invariant). JAX's own flag when it has one, else whether ``x`` is typed

@@ -296,22 +296,65 @@ def _kernels(groups, bq, bk, soft_cap, save_residuals):
 # --------------------------------------------------------------------------------------------
 
 
-def splash_attention(query, key, value, mask, sinks, *, scale, soft_cap, block_q, block_kv):
+def splash_attention(query, key, value, mask, sinks, *, scale, soft_cap, block_q, block_kv,
+                     shard=None):
   """(out (B, T, N, H) in the query dtype, lse (B, T, N) float32) of jattn's attention through
-  splash. ``mask`` is the call's one jattn mask object (or None); ``sinks`` (N,) or None."""
+  splash. ``mask`` is the call's one jattn mask object (or None); ``sinks`` (N,) or None.
+
+  ``shard``: under an Explicit mesh, (batch axes, head axes): the mesh axes the batch and the
+  heads of query, key and value are sharded over (the sequences whole). XLA cannot partition a
+  Pallas kernel, so each device then runs splash on its own examples and heads inside a
+  `jax.shard_map` (manual over every mesh axis): the embarrassingly parallel split, with no
+  communication."""
   B, T, N, H = query.shape
   _, S, K, _ = key.shape
-  G = N // K
   if query.dtype not in (jnp.bfloat16, jnp.float32):
     refuse(f"query dtype {query.dtype}", "splash computes in bfloat16 or float32")
   bq, bk = block_size("block_q", block_q, T), block_size("block_kv", block_kv, S)
   Tp, Sp = -(-T // bq) * bq, -(-S // bk) * bk
   static, lengths, segments = split_mask(mask)
   heads = static_masks(static, (B, N, T, S), (Tp, Sp))
+  # q_ids, kv_ids, q_ok, kv_ok, each (B, Tp) or (B, Sp).
+  ids = tuple(jnp.broadcast_to(x, (B,) + x.shape[1:])
+              for x in segment_ids(B, T, S, Tp, Sp, lengths, segments))
+  attend = functools.partial(_attend, heads=heads, scale=scale, soft_cap=soft_cap, bq=bq, bk=bk)
+  if shard is None:
+    return attend(query, key, value, sinks, ids)
+  batch, head = shard
+  if head and len(heads) > 1:
+    refuse("head-sharded inputs with a mask that differs between heads",
+           "each device's kernels are built for the heads it holds, which one shard_map body "
+           "cannot tell apart")
+  P = jax.sharding.PartitionSpec
+  entry = lambda axes: None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
+  rows, per_example, per_head = P(entry(batch), None, entry(head)), P(entry(batch)), P(entry(head))
+  put = lambda x, spec: x if x is None or jax.typeof(x).sharding.spec == spec else (
+      jax.sharding.reshard(x, spec))
+  mesh = jax.sharding.get_abstract_mesh()
+  # Manual over every mesh axis not manual yet (replicated over those the inputs do not use): a
+  # Pallas kernel lowers only where no axis is left for XLA to partition.
+  manual = frozenset(n for n, t in zip(mesh.axis_names, mesh.axis_types)
+                     if t != jax.sharding.AxisType.Manual)
+  fn = jax.shard_map(attend, mesh=mesh,
+                     in_specs=(rows, rows, rows, None if sinks is None else per_head,
+                               (per_example,) * 4),
+                     out_specs=(rows, rows), axis_names=manual, check_vma=False)
+  return fn(put(query, rows), put(key, rows), put(value, rows), put(sinks, per_head),
+            tuple(put(x, per_example) for x in ids))
+
+
+def _attend(query, key, value, sinks, ids, *, heads, scale, soft_cap, bq, bk):
+  """`splash_attention` on the examples and heads at hand (one device's under ``shard``), with
+  the head masks ``heads`` (one shared by all, or one per query head), the segment ids and the
+  rows and columns that the lengths keep (``ids``, (B, Tp) and (B, Sp))."""
+  B, T, N, H = query.shape
+  _, S, K, _ = key.shape
+  G = N // K
+  q_ids, kv_ids, q_ok, kv_ok = ids
+  Tp, Sp = q_ids.shape[1], kv_ids.shape[1]
   # One group of G head masks when every head shares one, else each key/value head its own.
   groups = ([(heads[0],) * G] if len(heads) == 1 else
             [tuple(heads[g * G:(g + 1) * G]) for g in range(K)])
-  q_ids, kv_ids, q_ok, kv_ok = segment_ids(B, T, S, Tp, Sp, lengths, segments)
 
   # Splash multiplies every key and value of a block it visits (a hidden one by a weight of 0),
   # so inf or NaN at a position hidden from every query (padding, past a length, an empty

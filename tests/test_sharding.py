@@ -239,6 +239,42 @@ WORKER = textwrap.dedent('''
     except NotImplementedError as e:
       if "check_vma" not in str(e):
         failures.append(f"splash's refusal: {e}")
+    # Under an Explicit mesh the shardings are known while jattn traces: splash runs split over
+    # examples and heads inside a shard_map (each device its own, no communication), asked for
+    # by name or by implementation=None; a sequence-sharded call, or heads sharded under a mask
+    # that differs between them, is refused naming why (None then takes jattn's kernels).
+    emesh = jax.make_mesh((4,), ("x",), axis_types=(AxisType.Explicit,))
+    def tpu_explicit(fn, spec, T=256):
+      with jax.set_mesh(emesh):
+        a = [jax.ShapeDtypeStruct((8, T, n, 64), jnp.bfloat16,
+                                  sharding=NamedSharding(emesh, spec)) for n in (16, 4, 4)]
+        return jax.export.export(jax.jit(fn), platforms=["tpu"])(*a).mlir_module()
+    lens = jnp.full((8,), 250)
+    named = lambda q, k, v: jattn.dot_product_attention(
+        q, k, v, is_causal=True, key_value_seq_lengths=lens, sinks=jnp.zeros((16,)),
+        implementation="splash")
+    both = jax.grad(lambda q, k, v: named(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+    found = {(name, tuple(spec)): tpu_explicit(fn, spec).count("tpu_custom_call")
+             for name, fn in (("forward", named), ("forward+backward", both))
+             for spec in (P("x"), P(None, None, "x"))}
+    found.update({("None", tuple(spec)): tpu_explicit(causal, spec, T=8192).count(
+        "tpu_custom_call") for spec in (P("x"), P(None, "x"))})
+    batch, heads, seq = ("x",), (None, None, "x"), (None, "x")
+    want = {("forward", batch): 1, ("forward+backward", batch): 4, ("forward", heads): 1,
+            ("forward+backward", heads): 4, ("None", batch): 1, ("None", seq): 0}
+    if found != want:
+      failures.append(f"splash under an Explicit mesh: {found}")
+    per_head = lambda q, k, v: jattn.dot_product_attention(
+        q, k, v, mask=jattn.masks.from_function(lambda b, h, i, j: (j <= i) | (h == 0)),
+        implementation="splash")
+    for fn, spec, words in ((named, P(None, "x"), "sequence-sharded"),
+                            (per_head, P(None, None, "x"), "differs between heads")):
+      try:
+        tpu_explicit(fn, spec)
+        failures.append(f"splash {spec} was not refused")
+      except NotImplementedError as e:
+        if words not in str(e):
+          failures.append(f"splash {spec} refused with: {e}")
     assert not failures, failures
     print("OK")
 ''')

@@ -193,3 +193,35 @@ def test_splash_second_derivative_equals_dense():
   want = jax.grad(grad_sum("dense"), argnums=(0, 1, 2, 3))(q, k, v, sinks)
   for name, a, b in zip(("q", "k", "v", "sinks"), got, want):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4, err_msg=name)
+
+
+def test_splash_under_an_explicit_mesh_runs_per_device_inside_a_shard_map():
+  """Under an Explicit mesh the shardings are types, so splash (which XLA cannot partition) runs
+  split over examples and heads inside a shard_map: here on a one-device mesh, which takes the
+  same path (the 4-device programs, exported for a TPU, are checked in test_sharding; Pallas's
+  interpret mode cannot run a kernel on several host devices at once). Results and gradients
+  equal the call without a mesh."""
+  from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+  T, S, N, K = 140, 200, 4, 2
+  q, k, v, do, sinks = _inputs(T, S, N, K)
+  lens = jnp.asarray([S, 0], jnp.int32)
+
+  def f(q, k, v, sinks):
+    return jattn.dot_product_attention(q, k, v, is_causal=True, key_value_seq_lengths=lens,
+                                       sinks=sinks, implementation="splash", block_q=128,
+                                       block_kv=128)
+
+  with pltpu.force_tpu_interpret_mode():
+    out, pull = jax.vjp(f, q, k, v, sinks)
+    want = (out,) + pull(do)
+    mesh = jax.make_mesh((1, 1), ("d", "h"), axis_types=(AxisType.Explicit,) * 2)
+    with jax.set_mesh(mesh):
+      put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))
+      args = [put(x, P("d", None, "h")) for x in (q, k, v)] + [put(sinks, P())]
+      assert "shard_map" in str(jax.make_jaxpr(f)(*args))
+      out, pull = jax.vjp(f, *args)
+      got = (out,) + pull(put(do, P("d", None, "h")))
+      got = jax.block_until_ready(got)
+  assert tuple(got[0].sharding.spec)[:3] == ("d", None, "h")
+  for name, a, b in zip(("out", "dq", "dk", "dv", "dsinks"), got, want):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6, err_msg=name)
