@@ -45,8 +45,8 @@ class _Options:
   # The fused kernel a tuning table found fastest on this device for the call (implementation
   # None only): tried first on its platform.
   tuned_implementation: str | None = None
-  # (block_q, block_kv) as the caller gave them, for splash: a tuning table's block sizes are
-  # the chunked kernels', measured for them (and need not be splash's multiples of 128).
+  # (block_q, block_kv) for splash: the caller's, else a tuning table's where they are
+  # multiples of 128 (`jattn-bench tune` times splash with those), else splash's default.
   splash_blocks: tuple[int | None, int | None] = (None, None)
 
 
@@ -165,6 +165,8 @@ def dot_product_attention(
       step_width = step_width if step_width is not None else tuned.get("step_width")
       if implementation is None:
         tuned_implementation = tuned.get("implementation")
+      splash_blocks = tuple(_splash.tuned_block(given, tuned.get(name))
+                            for given, name in zip(splash_blocks, ("block_q", "block_kv")))
   opts = _Options(
       scale=static_scale,
       causal=_validation.causal(is_causal),

@@ -65,6 +65,15 @@ def block_size(name: str, value: int | None, length: int) -> int:
   return value
 
 
+def tuned_block(given: int | None, tuned: int | None) -> int | None:
+  """The block size splash runs with: the one the call gives, else a tuning table's where it is
+  a multiple of 128 (the table's sizes are measured for jattn's kernels, and splash is timed
+  with them only then: see `jattn.bench.tune`), else None (the default)."""
+  if given is not None:
+    return given
+  return tuned if tuned is not None and tuned % LANES == 0 else None
+
+
 refuse = functools.partial(_fused.refuse, "splash")
 
 

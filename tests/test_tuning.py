@@ -148,10 +148,20 @@ def test_a_table_preferring_the_fused_kernel_puts_it_first_on_its_platform():
 
 
 def test_tune_entry_and_fused_kernel_choice():
-  chunked = [(2.0, dict(block_q=16)), (1.0, dict(block_q=32))]
-  assert bench_tune.entry(chunked) == dict(block_q=32)
-  assert bench_tune.entry(chunked, (1.5, "cudnn")) == dict(block_q=32)
-  assert bench_tune.entry(chunked, (0.5, "cudnn")) == dict(block_q=32, implementation="cudnn")
+  fast, slow = dict(block_q=256, block_kv=64), dict(block_q=64, block_kv=64)
+  chunked = [(2.0, slow), (1.0, fast)]
+  assert bench_tune.entry(chunked) == fast
+  cudnn = lambda t: {(None, None): (t, "cudnn")}
+  assert bench_tune.entry(chunked, cudnn(1.5)) == fast
+  assert bench_tune.entry(chunked, cudnn(0.5)) == dict(fast, implementation="cudnn")
+  # Splash takes an entry's block sizes that are multiples of 128 (else its default): it is
+  # judged at the sizes the fastest chunked entry would give it.
+  assert bench_tune.fused_blocks("splash", 256, 64) == (256, None)
+  assert bench_tune.fused_blocks("cudnn", 256, 64) == (None, None)
+  splash = {(256, None): (1.5, "splash"), (None, None): (0.5, "splash")}
+  assert bench_tune.entry(chunked, splash) == fast
+  splash[(256, None)] = (0.9, "splash")
+  assert bench_tune.entry(chunked, splash) == dict(fast, implementation="splash")
   fk = bench_tune.fused_kernel
   assert fk("auto", "gpu", jnp.dtype("bfloat16")) == "cudnn"
   assert fk("auto", "gpu", jnp.dtype("float32")) is None  # cuDNN takes 16-bit inputs only
@@ -171,6 +181,7 @@ def test_jattn_bench_tune_times_the_fused_kernel_in_the_same_rounds(tmp_path, ca
                             "--blocks", "64x64", "--schedules", "serial", "--pass", "forward",
                             "--fused", "splash", "--repeats", "1", "--out", str(out)]) == 0
   printed = capsys.readouterr().out
+  # 64 is no multiple of 128: splash runs (and is timed) with its default blocks.
   times = dict(re.findall(r"(64x64 serial|splash) ([0-9.e+-]+) s", printed))
   assert set(times) == {"64x64 serial", "splash"}, printed
   entry = jattn.load_tuning(out).entries[f"{DEVICE}|float32|8|causal|128"]

@@ -4,8 +4,8 @@ For each length and mask, every candidate (block sizes x schedule x step width) 
 timed, interleaved round by round (A B C A B C ...), on forward+backward by default; the fastest
 median becomes the table's entry for (this device kind, dtype, head dim, mask kind, length
 bucket). The device's fused kernel (``--fused``: cuDNN on a GPU for 16-bit inputs, splash on a
-TPU) is timed in the same rounds; where it beats the fastest chunked candidate the entry also
-says ``"implementation": name``, and ``implementation=None`` then tries it first on that
+TPU, at each block sizes an entry would give it) is timed in the same rounds; where it beats
+the fastest chunked candidate the entry also says ``"implementation": name``, and ``implementation=None`` then tries it first on that
 platform (the chunked options stay in the entry for the calls it cannot take). Use the table
 with ``with jattn.tuning(path):`` or ``JATTN_TUNING=path``.
 
@@ -78,14 +78,28 @@ def fused_kernel(choice: str, backend: str, dtype) -> str | None:
   return "splash" if backend == "tpu" else None
 
 
+def fused_blocks(name: str, block_q: int, block_kv: int):
+  """The block sizes the fused kernel ``name`` runs with under a table entry of these sizes
+  (None: its own default): splash takes a table's multiples of 128 (see
+  `jattn._splash.tuned_block`); cuDNN has none."""
+  if name == "splash":
+    from jattn import _splash
+    return _splash.tuned_block(None, block_q), _splash.tuned_block(None, block_kv)
+  return None, None
+
+
 def entry(chunked, fused=None) -> dict:
   """The table entry from (median seconds, options) of the chunked candidates and, if timed,
-  (median seconds, name) of the fused kernel: the fastest chunked options, and the fused
-  kernel's name where it was faster still."""
+  {(block_q, block_kv): (median seconds, name)} of the fused kernel at each block sizes it
+  runs with: the fastest chunked options, and the fused kernel's name where it was faster
+  still at the block sizes it takes from that entry."""
   best_time, best = min(chunked, key=lambda r: r[0])
   out = dict(best)
-  if fused is not None and fused[0] < best_time:
-    out["implementation"] = fused[1]
+  if fused:
+    name = next(iter(fused.values()))[1]
+    timed = fused.get(fused_blocks(name, best["block_q"], best["block_kv"]))
+    if timed is not None and timed[0] < best_time:
+      out["implementation"] = name
   return out
 
 
@@ -128,11 +142,15 @@ def main(argv=None) -> int:
     if not compiled:
       continue
     if fused is not None:
-      f = lambda q, k, v: jattn.dot_product_attention(q, k, v, implementation=fused, **kw)
-      try:
-        compiled.append((fused, _compile(f, args.pass_, q, k, v), []))
-      except NotImplementedError as e:  # the kernel cannot take this call: not a candidate
-        print(f"T={T} {spec.name}: {fused} not timed: {e}")
+      # The fused kernel at each block sizes an entry of these candidates would give it.
+      for blocks in dict.fromkeys(fused_blocks(fused, o["block_q"], o["block_kv"])
+                                  for o, _, _ in compiled):
+        f = lambda q, k, v, b=blocks: jattn.dot_product_attention(
+            q, k, v, implementation=fused, block_q=b[0], block_kv=b[1], **kw)
+        try:
+          compiled.append(((fused, blocks), _compile(f, args.pass_, q, k, v), []))
+        except NotImplementedError as e:  # the kernel cannot take this call: not a candidate
+          print(f"T={T} {spec.name}: {fused} not timed: {e}")
     for _ in range(args.repeats):  # interleaved rounds: a slow spell hits every candidate
       for _, fn, times in compiled:
         _runner.settle()
@@ -142,13 +160,15 @@ def main(argv=None) -> int:
     results = sorted(((statistics.median(t), o) for o, _, t in compiled),
                      key=lambda r: r[0])
     best = entry([r for r in results if isinstance(r[1], dict)],
-                 next((r for r in results if isinstance(r[1], str)), None))
+                 {o[1]: (t, o[0]) for t, o in results if isinstance(o, tuple)})
     kind = _tuning.mask_kind(spec.causal, spec.window, False)
     table.add(device_kind, str(dtype), args.head_dim, kind, _tuning.length_bucket(T, T),
               **best)
-    label = lambda o: (o if isinstance(o, str) else
-                       f"{o['block_q']}x{o['block_kv']} {o['schedule']}"
-                       f"{'' if o['step_width'] is None else '/' + str(o['step_width'])}")
+    label = lambda o: (
+        f"{o[0]}" + ("" if o[1] == (None, None) else f" {o[1][0]}x{o[1][1]}")
+        if isinstance(o, tuple) else
+        f"{o['block_q']}x{o['block_kv']} {o['schedule']}"
+        f"{'' if o['step_width'] is None else '/' + str(o['step_width'])}")
     print(f"T={T} {spec.name}: entry {best}; "
           + ", ".join(f"{label(o)} {t:.3g} s" for t, o in results))
   table.save(args.out)
