@@ -341,7 +341,7 @@ def _attention(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_s
     tile = (B, N) + _plan.block_sizes(Tl, Sl, opts.block_q, opts.block_kv)
     cfg, score_args = config(tile, T=Tl, S=Sl, replay=True)
     P = jax.sharding.PartitionSpec
-    seq = axes[0] if len(axes) == 1 else axes
+    seq = _sharding.spec_entry(axes)
     split = (query,) if split_query else (args.key, args.value)
     split = tuple(_sharding.shard_dim(x, 1, axes) for x in split)
     bias_dim = 3 if split_query else 4  # T or S of (B|1, K|1, G|1, T|1, S|1)
@@ -419,15 +419,15 @@ def _attention(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_s
     # And only for masks splash builds lazily: a (T, S) evaluation per head at trace time would
     # be paid on every platform (platform_dependent traces every branch).
     unpartitioned = _sharding.unpartitioned()
+    lazy = _splash.builds_lazily(combined)
     # Splash also where an Explicit mesh shards only examples and heads: the shardings are in
     # the types, so it runs per device inside a shard_map (see run_splash).
     splits = isinstance(splash_shards(), tuple)
-    choice = _plan.implementation_by_platform(
-        B, N, T, S, G, query.dtype, combined,
-        fused=(unpartitioned or splits) and _splash.builds_lazily(combined))
+    choice = _plan.implementation_by_platform(B, N, T, S, G, query.dtype, combined,
+                                              fused=(unpartitioned or splits) and lazy)
     tuned = opts.tuned_implementation
     if (tuned is not None and unpartitioned and not _plan.decoding(T, S, G)
-        and (tuned != "splash" or _splash.builds_lazily(combined))):
+        and (tuned != "splash" or lazy)):
       # The device's tuning table measured its fused kernel faster for calls like this one
       # (square ones: decoding-shaped calls share a length bucket but were not measured). Only
       # where the program cannot be partitioned, as for splash above: jax.nn's cuDNN call

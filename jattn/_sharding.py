@@ -25,6 +25,19 @@ def _names(entry) -> tuple:
   return () if entry is None else entry if isinstance(entry, tuple) else (entry,)
 
 
+def spec_entry(names):
+  """The PartitionSpec entry for a dimension sharded over the mesh axes ``names`` (the inverse
+  of `_names`): None, a name, or a tuple of names."""
+  names = tuple(names)
+  return None if not names else names[0] if len(names) == 1 else names
+
+
+def reshard_to(x, spec):
+  """``x`` with sharding ``spec`` (a reshard only where its type says otherwise); None stays
+  None."""
+  return x if x is None or spec_of(x) == spec else jax.sharding.reshard(x, spec)
+
+
 def explicit_mesh() -> bool:
   """Whether the call is traced under a mesh with Explicit axes."""
   mesh = _mesh()
@@ -135,8 +148,7 @@ def _without(spec, ndim, axes):
   entries = tuple(spec) + (None,) * (ndim - len(spec))
   out = []
   for e in entries:
-    kept = tuple(n for n in _names(e) if n not in axes)
-    out.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+    out.append(spec_entry(n for n in _names(e) if n not in axes))
   return out
 
 
@@ -148,8 +160,7 @@ def replicate_over(tree, axes):
     spec = spec_of(x)
     if spec is None:
       return x
-    want = PartitionSpec(*_without(spec, x.ndim, axes))
-    return x if want == spec else jax.sharding.reshard(x, want)
+    return reshard_to(x, PartitionSpec(*_without(spec, x.ndim, axes)))
 
   return jax.tree.map(one, tree)
 
@@ -158,9 +169,8 @@ def shard_dim(x, dim: int, axes):
   """``x`` with dimension ``dim`` sharded over the mesh ``axes`` (and no other dimension
   over them); other shardings are kept."""
   entries = _without(spec_of(x) or (), x.ndim, axes)
-  entries[dim] = axes[0] if len(axes) == 1 else tuple(axes)
-  want = PartitionSpec(*entries)
-  return x if spec_of(x) == want else jax.sharding.reshard(x, want)
+  entries[dim] = spec_entry(axes)
+  return reshard_to(x, PartitionSpec(*entries))
 
 
 def varying(x, *like):

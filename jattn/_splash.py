@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn import _fused
+from jattn import _fused, _sharding
 from jattn._tile import NEG
 from jattn import masks as _masks
 
@@ -335,10 +335,9 @@ def splash_attention(query, key, value, mask, sinks, *, scale, soft_cap, block_q
            "each device's kernels are built for the heads it holds, which one shard_map body "
            "cannot tell apart")
   P = jax.sharding.PartitionSpec
-  entry = lambda axes: None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
-  rows, per_example, per_head = P(entry(batch), None, entry(head)), P(entry(batch)), P(entry(head))
-  put = lambda x, spec: x if x is None or jax.typeof(x).sharding.spec == spec else (
-      jax.sharding.reshard(x, spec))
+  b, h = _sharding.spec_entry(batch), _sharding.spec_entry(head)
+  rows, per_example, per_head = P(b, None, h), P(b), P(h)
+  put = _sharding.reshard_to
   mesh = jax.sharding.get_abstract_mesh()
   # Manual over every mesh axis not manual yet (replicated over those the inputs do not use): a
   # Pallas kernel lowers only where no axis is left for XLA to partition.

@@ -5,9 +5,10 @@ timed, interleaved round by round (A B C A B C ...), on forward+backward by defa
 median becomes the table's entry for (this device kind, dtype, head dim, mask kind, length
 bucket). The device's fused kernel (``--fused``: cuDNN on a GPU for 16-bit inputs, splash on a
 TPU, at each block sizes an entry would give it) is timed in the same rounds; where it beats
-the fastest chunked candidate the entry also says ``"implementation": name``, and ``implementation=None`` then tries it first on that
-platform (the chunked options stay in the entry for the calls it cannot take). Use the table
-with ``with jattn.tuning(path):`` or ``JATTN_TUNING=path``.
+the fastest chunked candidate the entry also says ``"implementation": name``, and
+``implementation=None`` then tries it first on that platform (the chunked options stay in the
+entry for the calls it cannot take). Use the table with ``with jattn.tuning(path):`` or
+``JATTN_TUNING=path``.
 
   jattn-bench tune --T 1024 4096 --mask full causal --dtype bfloat16 --out tuning.json
 """
