@@ -33,7 +33,9 @@ def session_dir(tmp_path_factory) -> str:
 
 def env() -> dict:
   e = dict(os.environ)
-  e.pop("XLA_FLAGS", None)  # the worker sets its own device count
+  # The worker sets its own device count; other flags (conftest's) pass through.
+  e["XLA_FLAGS"] = " ".join(f for f in e.get("XLA_FLAGS", "").split()
+                            if not f.startswith("--xla_force_host_platform_device_count"))
   e["JAX_PLATFORMS"] = "cpu"
   return e
 

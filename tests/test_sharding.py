@@ -19,7 +19,8 @@ import pytest
 
 WORKER = textwrap.dedent('''
     import functools, os
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_force_host_platform_device_count=4")
     os.environ["JAX_PLATFORMS"] = "cpu"
     import jax, jax.numpy as jnp, numpy as np, jattn
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
