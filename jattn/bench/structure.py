@@ -37,7 +37,7 @@ _BODY = re.compile(r"body=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _CALLS = re.compile(r"(?:to_apply|calls)=%?([\w.\-]+)")
 # The last component of a while's op_name metadata when XLA expanded one op into a loop.
-_EXPANDED = re.compile(r'op_name="[^"]*/(?:scatter|gather|sort)[\w\-]*"')
+_EXPANDED = re.compile(r'op_name="(?:[^"]*/)?(?:scatter|gather|sort)[\w\-]*"')
 _FREE = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "copy-start",
          "copy-done", "opt-barrier"}
 
