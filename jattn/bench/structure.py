@@ -14,10 +14,10 @@ Counting rules:
   * loops one after another add up; a ``conditional`` counts its most expensive branch;
   * a ``while`` without a known trip count (bounds computed at run time) makes the total
     unknown (None);
-  * a ``while`` that XLA made out of one scatter, gather or sort (its metadata names that op,
-    not a loop of the program) is not a loop of the program: XLA's CPU backend expands those
-    into loops where a GPU or TPU has one kernel (with ``--xla_cpu_use_fusion_emitters=false``
-    it does so for every scatter), so it counts as one op;
+  * a ``while`` that XLA made out of one scatter, gather or sort (its metadata names that op)
+    is not a loop of the program: XLA's CPU backend expands those into loops where a GPU or TPU
+    has one kernel (with ``--xla_cpu_use_fusion_emitters=false`` it does so for every
+    scatter), so it counts as one op;
   * ops per step: the instructions of the innermost loop body, a fusion counting as one (each is
     about one kernel launch on a GPU), parameters, constants, tuples and get-tuple-element not
     counted.
@@ -84,9 +84,9 @@ def _runs_computations(line: str):
   """The computations an instruction runs as such: ("while", [body], trip count or None),
   ("conditional", branches, None), ("call", [callee], None); None for any other instruction."""
   op = _opcode(line)
-  if op == "while" and _EXPANDED.search(line):
-    return None
   if op == "while":
+    if _EXPANDED.search(line):
+      return None
     trip = _TRIP.search(line)
     return op, [_BODY.search(line).group(1)], None if trip is None else int(trip.group(1))
   if op == "conditional":
