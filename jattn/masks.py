@@ -740,6 +740,57 @@ jax.tree_util.register_dataclass(_Not, data_fields=["a"], meta_fields=[])
 
 
 # --------------------------------------------------------------------------------------------
+# A mask for one device's examples and heads (the chunked kernels partitioned under an Auto mesh).
+# --------------------------------------------------------------------------------------------
+
+
+def can_take_part(mask: Mask | None) -> bool:
+  """Whether `take_part` knows where every array of ``mask`` keeps its batch and head axes:
+  jattn's own mask kinds (a subclass defined elsewhere may hold arrays of any layout)."""
+  if mask is None:
+    return True
+  if isinstance(mask, (_And, _Or)):
+    return can_take_part(mask.a) and can_take_part(mask.b)
+  if isinstance(mask, _Not):
+    return can_take_part(mask.a)
+  return type(mask) in _PART_KINDS
+
+
+def take_part(mask: Mask | None, batch0, nb: int, head0, nh: int, shape) -> Mask | None:
+  """``mask`` of the (B, N, T, S) problem ``shape`` restricted to batch elements
+  batch0 .. batch0 + nb - 1 and query heads head0 .. head0 + nh - 1 (``batch0`` and ``head0``
+  may be traced). Positions along T and S are unchanged (see `remap` for those)."""
+  B, N = shape[0], shape[1]
+
+  def part(x, axis, start, n, whole):
+    if x is None or n == whole or jnp.ndim(x) <= axis or jnp.shape(x)[axis] != whole:
+      return x  # absent, not split, or broadcast along this axis
+    return jax.lax.dynamic_slice_in_dim(jnp.asarray(x), start, n, axis)
+
+  def go(m):
+    if isinstance(m, (_And, _Or)):
+      return type(m)(go(m.a), go(m.b))
+    if isinstance(m, _Not):
+      return _Not(go(m.a))
+    if isinstance(m, _FnMask):
+      return _FnMask(m.fn, m.batch0 + batch0, m.head0 + head0)
+    if isinstance(m, _DynamicCausal):
+      return _DynamicCausal(part(m.offset, 0, batch0, nb, B))
+    if isinstance(m, _Lengths):
+      return _Lengths(part(m.q_lengths, 0, batch0, nb, B), part(m.kv_lengths, 0, batch0, nb, B))
+    if isinstance(m, _Segments):
+      return _Segments(part(m.q_ids, 0, batch0, nb, B), part(m.kv_ids, 0, batch0, nb, B))
+    if isinstance(m, (_ArrayMask, _StaticArrayMask)):
+      a = m.array
+      if (nb == B or a.shape[0] != B) and (nh == N or a.shape[1] != N):
+        return m  # nothing of it to split
+      return _ArrayMask(part(part(a, 0, batch0, nb, B), 1, head0, nh, N))
+    return m  # no arrays: the same everywhere
+
+  return None if mask is None else go(mask)
+
+
+# --------------------------------------------------------------------------------------------
 # A mask at other positions: one shard of a sequence (ring attention).
 # --------------------------------------------------------------------------------------------
 
@@ -823,6 +874,11 @@ class _TableGrid:
     big = jnp.iinfo(jnp.int32)
     return (jnp.where(valid, pos, big.max).min(axis=1),
             jnp.where(valid, pos, big.min).max(axis=1) + 1)
+
+
+# The mask kinds `take_part` knows (the structural ones hold no arrays).
+_PART_KINDS = (_Band, _DynamicCausal, _ChunkedLocal, _Prefix, _Full, _Lengths, _Segments,
+               _ArrayMask, _StaticArrayMask, _FnMask)
 
 
 def reduce_states(states, shape) -> Any:

@@ -220,3 +220,47 @@ def test_soft_cap_via_score_mod_against_reference(impl):
     np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5, err_msg=str(kw))
     for got, w in zip(pull(do), want_grads):
       np.testing.assert_allclose(got, w, rtol=2e-4, atol=1e-4, err_msg=str(kw))
+
+
+def test_take_part_is_the_slice_of_the_whole_mask():
+  """One device's examples and heads of a mask (the partitioned chunked kernels' cut) equal that
+  slice of the whole mask, for every mask kind that holds arrays and their combinations."""
+  Bw, Nw, T, S = 4, 6, 12, 10
+  rng = np.random.default_rng(0)
+  seg_q = np.sort(rng.integers(0, 3, (Bw, T)), axis=1)
+  seg_kv = np.sort(rng.integers(0, 3, (Bw, S)), axis=1)
+  arr = rng.random((Bw, Nw, T, S)) < 0.6
+  masks = {
+      "lengths": M.lengths(jnp.asarray([12, 5, 0, 9]), jnp.asarray([10, 2, 7, 0])),
+      "segments": M.segments(seg_q, seg_kv),
+      "causal offset per example": M.causal(offset=jnp.asarray([0, 3, -2, 5])),
+      "array (B, N, T, S)": M.from_array(arr),
+      "array (1, N, T, S)": M.from_array(arr[:1]),
+      "static array": M.static_array(arr),
+      "function": M.from_function(lambda b, h, i, j: (j <= i + b) | (h == 4)),
+      "combined": ~M.lengths(None, jnp.asarray([10, 2, 7, 0]))
+      | (M.causal() & M.from_array(arr[:, :1])),
+  }
+  q_pos, kv_pos = jnp.arange(T, dtype=jnp.int32), jnp.arange(S, dtype=jnp.int32)
+  for name, mask in masks.items():
+    assert M.can_take_part(mask), name
+    whole = np.broadcast_to(np.asarray(mask.evaluate(q_pos, kv_pos, (Bw, Nw, T, S))),
+                            (Bw, Nw, T, S))
+    for b0, nb, h0, nh in ((2, 2, 0, 6), (0, 4, 3, 3), (1, 1, 2, 2), (0, 4, 0, 6)):
+      part = M.take_part(mask, jnp.int32(b0), nb, jnp.int32(h0), nh, (Bw, Nw, T, S))
+      got = np.broadcast_to(np.asarray(part.evaluate(q_pos, kv_pos, (nb, nh, T, S))),
+                            (nb, nh, T, S))
+      np.testing.assert_array_equal(got, whole[b0:b0 + nb, h0:h0 + nh], err_msg=name)
+
+
+def test_a_mask_kind_defined_elsewhere_is_not_cut():
+  """A Mask subclass jattn does not know may hold arrays of any layout: `can_take_part` says
+  so, and the partitioned chunked kernels leave such calls to XLA's partitioner."""
+
+  class Mine(M.Mask):
+    def evaluate(self, q_pos, kv_pos, shape):
+      return (kv_pos[None, :] <= q_pos[:, None])[None, None]
+
+  assert not M.can_take_part(Mine())
+  assert not M.can_take_part(M.causal() & Mine())
+  assert M.can_take_part(M.causal() & M.local_window(3)) and M.can_take_part(None)
