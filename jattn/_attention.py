@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn import (_chunked, _cudnn, _dense, _dropout, _fused, _plan, _ring, _sharding,
-                   _splash, _tile, _tuning, _validation)
+from jattn import (_chunked, _cudnn, _dense, _dropout, _fused, _partition, _plan, _ring,
+                   _sharding, _splash, _tile, _tuning, _validation)
 from jattn._plan import Operands
 from jattn import masks as _masks
 from jattn._tile import Config
@@ -247,7 +247,7 @@ def _attention(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_s
   seed = (_dropout.seed_words(dropout_rng) if opts.dropout_rate > 0
           else jnp.zeros((2,), jnp.uint32))
 
-  def config(tile_shape, T=T, S=S, replay=False):
+  def config(tile_shape, T=T, S=S, replay=False, B=B, K=K):
     """The static config for tiles of ``tile_shape`` (score_mod's arrays are hoisted for it)
     over ``T`` query rows and ``S`` keys; ``replay``: score_mod to be called inside a
     shard_map."""
@@ -281,27 +281,36 @@ def _attention(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_s
     return (jnp.transpose(out.reshape(B, N, T, Hv), (0, 2, 1, 3)),
             jnp.transpose(lse.reshape(B, N, T), (0, 2, 1)))
 
-  def chunked(q, k, v, bias, mask, seed, sink, score_args, cfg, q_offset=None, kv_offset=None):
+  def chunked(q, k, v, bias, mask, seed, sink, score_args, cfg, q_offset=None, kv_offset=None,
+              batch0=None, head0=None, saved=None):
     """The chunked kernels on queries (B, cfg.T, N, H) and keys (B, cfg.S, K, H); ``q_offset``,
     ``kv_offset``: the global position of the first row when q, or k and v, are one device's
-    shard of the sequence (masks, score_mod and dropout then see global positions)."""
+    shard of the sequence (masks, score_mod and dropout then see global positions);
+    ``batch0``, ``head0``: the global index of the first example and query head when they are
+    one device's part of the batch and heads (score_mod and dropout see global indices; the
+    mask is already cut to them). ``saved``: (out, lse, dout, dlse) of an earlier call on the
+    same operands; the operands' cotangents (an `Operands`) are returned instead."""
     bq_, bk_ = _plan.block_sizes(cfg.T, cfg.S, opts.block_q, opts.block_kv)
     positions = None
-    if q_offset is not None or kv_offset is not None:
+    if batch0 is not None or q_offset is not None or kv_offset is not None:
       def table(offset, n, block):
         # Padding rows repeat the last row's position (hidden, or sliced off).
         rows = jnp.minimum(jnp.arange(-(-n // block) * block, dtype=jnp.int32), n - 1)
         return rows if offset is None else offset + rows
       q_table, kv_table = table(q_offset, cfg.T, bq_), table(kv_offset, cfg.S, bk_)
-      mask = None if mask is None else _masks.remap(mask, q_table, kv_table)
+      if mask is not None and (q_offset is not None or kv_offset is not None):
+        mask = _masks.remap(mask, q_table, kv_table)
       if cfg.score_mod is not None or cfg.dropout_rate > 0:
-        positions = _plan.Positions(q_table, kv_table, 0, 0)
+        positions = _plan.Positions(q_table, kv_table, 0 if batch0 is None else batch0,
+                                    0 if head0 is None else head0)
     run = {}
     for schedule in (opts.schedule,) if opts.schedule else _plan.SCHEDULES:
       plan, states = _plan.make_plan(cfg, mask, bq_, bk_, schedule, opts.step_width)
       ops = Operands(q=q, k=k, v=v, bias=bias, mask=mask, states=states, seed=seed,
                      score_args=score_args, sink=sink, positions=positions)
-      run[schedule] = functools.partial(_chunked.chunked_attention, plan, ops)
+      run[schedule] = (functools.partial(_chunked.chunked_attention, plan, ops) if saved is None
+                       else functools.partial(_chunked.chunked_attention_grads, plan, ops,
+                                              *saved))
     if opts.schedule:
       return run[opts.schedule]()
     return _by_platform({p: run[s] for p, s in _plan.SCHEDULE_DEFAULTS.items()})
@@ -315,10 +324,30 @@ def _attention(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_s
     else:
       cfg, score_args = config((B, N, bq, bk))
       q = query if seq_spec is None else _sharding.unshard_axis(query, 1)
-      out, lse = chunked(q, key, value, bias5, combined, seed, sink, score_args, cfg)
+      if seq_spec is None and _partition.applies(combined, score_args):
+        out, lse = _partition.attention(
+            _partition.Problem(B, T, N, K, partitioned_part,
+                               None if bias5 is None else bias5.shape),
+            (q, key, value, bias5, combined, seed, sink))
+      else:
+        out, lse = chunked(q, key, value, bias5, combined, seed, sink, score_args, cfg)
     if seq_spec is not None and _sharding.spec_of(out) != seq_spec:
       out = jax.sharding.reshard(out, seq_spec)
     return out, lse
+
+  def partitioned_part(q, k, v, bias, mask, seed, sink, part, saved=None):
+    """The chunked kernels on one device's part of the call (``part``: a `_partition.Part`, or
+    None for the whole), as `_partition` runs them when XLA partitions the program: (out, lse),
+    or with ``saved`` (see `chunked`) the operands' cotangents."""
+    Bl, Tl, Nl, _ = q.shape
+    Kl = k.shape[2]
+    tile = (Bl, Nl) + _plan.block_sizes(Tl, S, opts.block_q, opts.block_kv)
+    cfg, score_args = config(tile, T=Tl, B=Bl, K=Kl)
+    if part is None:
+      return chunked(q, k, v, bias, mask, seed, sink, score_args, cfg, saved=saved)
+    return chunked(q, k, v, bias, mask, seed, sink, score_args, cfg,
+                   q_offset=part.row0 if Tl != T else None, batch0=part.batch0,
+                   head0=part.head0, saved=saved)
 
   def sequence_sharded(axes, count, split_query: bool):
     """The chunked kernels per shard of the sequence under an Explicit mesh, inside a shard_map

@@ -766,3 +766,23 @@ def chunked_attention(plan: Plan, ops: Operands):
   if plan.Tp != T:
     out, lse = out[:, :T], lse[:, :T]
   return out, lse
+
+
+def chunked_attention_grads(plan: Plan, ops: Operands, out, lse, dout, dlse) -> Operands:
+  """The cotangents of `chunked_attention`'s operands from its saved output and log-sum-exp
+  (out (B, T, N, H), lse (B, T, N)) and their cotangents: its backward pass, run by a caller
+  that keeps the residuals itself (the partitioned operation of `jattn._partition`)."""
+  padded, unpad = jax.vjp(lambda q, k, v, bias: _plan.pad_to_blocks(plan, q, k, v, bias),
+                          ops.q, ops.k, ops.v, ops.bias)
+  pt = plan.Tp - plan.cfg.T
+
+  def rows(x, fill=0):
+    pads = ((0, 0), (0, pt)) + ((0, 0),) * (x.ndim - 2)
+    return jnp.pad(x, pads, constant_values=fill) if pt else x
+
+  # Padded query rows get the empty-row lse: their recomputed probabilities are exact zeros.
+  res = Residuals(ops._replace(q=padded[0], k=padded[1], v=padded[2], bias=padded[3]),
+                  rows(out), rows(lse, _tile.NEG))
+  (grads,) = _kernel_bwd(plan, res, (rows(dout), rows(dlse)))
+  dq, dk, dv, dbias = unpad((grads.q, grads.k, grads.v, grads.bias))
+  return grads._replace(q=dq, k=dk, v=dv, bias=dbias)

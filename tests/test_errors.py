@@ -475,3 +475,15 @@ RING_CASES = [
                          ids=[getattr(c, "values", c)[0] for c in RING_CASES])
 def test_ring_errors(what, call, exc, words):
   _check(call, exc, words)
+
+
+def test_auto_partitioning_takes_a_bool():
+  with pytest.raises(TypeError, match="auto_partitioning: enabled must be a bool, got str"):
+    with jattn.auto_partitioning("no"):
+      pass
+  # On one device the setting changes nothing: the same result either way.
+  q = jnp.ones((1, 8, 2, 4))
+  with jattn.auto_partitioning(False):
+    off = jattn.dot_product_attention(q, q, q, implementation="chunked")
+  np.testing.assert_array_equal(off, jattn.dot_product_attention(q, q, q,
+                                                                  implementation="chunked"))

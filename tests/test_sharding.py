@@ -4,11 +4,14 @@ Explicit-axis mesh (sharding in types): batch-, head- and sequence-sharded calls
 implementation (the chunked kernels in both schedules, and a decoding step split over lanes)
 equal the unsharded call, forward and gradients, and the output keeps the query's sharding.
 
-Auto mesh (the compiler propagates shardings), causal, dense and both chunked schedules: every
-call equals the unsharded one, forward and gradients; batch- and head-sharded calls run without
-any collective; a sequence-sharded GQA query stays sharded through the dense kernel: K and V are
-each gathered once, the dK/dV partial sums all-reduced, and no query- or output-sized array
-moves (read from the compiled program of forward and backward together).
+Auto mesh (the compiler propagates shardings), and plain jit with no mesh set: dense and both
+chunked schedules (called plainly, and through `jax.sharding.explicit_axes`), with every kind of
+mask input and option: every call equals the unsharded one, forward and gradients; batch- and
+head-sharded calls run without any collective; a sequence-sharded GQA query stays sharded: K
+and V are each gathered once, the dK/dV partial sums all-reduced, and no query- or output-sized
+array moves (read from the compiled program of forward and backward together). Also
+implementation=None, a (data, sequence) mesh, `jax.vmap` of a sharded call, and `jax.export`
+with `jattn.auto_partitioning(False)`.
 """
 
 import subprocess
@@ -18,7 +21,7 @@ import textwrap
 import pytest
 
 WORKER = textwrap.dedent('''
-    import functools, os
+    import contextlib, functools, os
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + " --xla_force_host_platform_device_count=4")
     os.environ["JAX_PLATFORMS"] = "cpu"
@@ -175,14 +178,26 @@ WORKER = textwrap.dedent('''
     v = jax.random.normal(ks[2], (B, T, K, H))
     seq = P(None, "x")
     wheres = (("batch", P("x")), ("heads", P(None, None, "x")), ("sequence", seq))
-    # (name, options, wheres, whether a sequence-sharded query must stay sharded). The chunked
-    # kernels, called plainly, gather a sequence-sharded Q (its sharding is not known while
-    # jattn traces); called through jax.sharding.explicit_axes they see it and keep it.
-    impls = [("dense", dict(implementation="dense"), wheres, True)]
+    def run_auto(name, step, args, want, where, meshed=True):
+      """``step`` compiled for ``args`` (under the Auto mesh, or with no mesh set) and run:
+      equal to ``want``; batch and head sharding move nothing. Returns (result, collectives)."""
+      with jax.set_mesh(mesh) if meshed else contextlib.nullcontext():
+        compiled = jax.jit(step).lower(*args).compile()
+      got = compiled(*args)
+      for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4, err_msg=name)
+      colls = structure.collectives(compiled.as_text())
+      if where != "sequence" and colls:
+        failures.append(f"{name}: collectives {colls}")
+      return got, colls
+    # (name, options, wheres). The chunked kernels, called plainly, are one operation with a
+    # partitioning rule that reads the query's sharding when XLA partitions the program
+    # (jattn._partition); called through jax.sharding.explicit_axes they see it while tracing.
+    impls = [("dense", dict(implementation="dense"), wheres)]
     for sched in ("serial", "parallel"):
       kw = dict(implementation="chunked", schedule=sched, block_q=32, block_kv=32)
-      impls += [(sched, kw, wheres, False), (sched + " explicit_axes", kw, wheres[2:], True)]
-    for impl, kw, cases, stays in impls:
+      impls += [(sched, kw, wheres), (sched + " explicit_axes", kw, wheres[2:])]
+    for impl, kw, cases in impls:
       plain = lambda q, k, v, kw=kw: jattn.dot_product_attention(q, k, v, is_causal=True, **kw)
       f = plain
       if impl.endswith("explicit_axes"):
@@ -197,15 +212,8 @@ WORKER = textwrap.dedent('''
       for where, spec in cases:
         args = [jax.device_put(x, NamedSharding(mesh, spec)) for x in (q, k, v)]
         name = f"auto {where} {impl}"
-        with jax.set_mesh(mesh):
-          compiled = jax.jit(step).lower(*args).compile()
-          got = compiled(*args)
-        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-          np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4, err_msg=name)
-        colls = structure.collectives(compiled.as_text())
-        if where != "sequence" and colls:
-          failures.append(f"{name}: collectives {colls}")
-        if where == "sequence" and stays:
+        got, colls = run_auto(name, step, args, want, where)
+        if where == "sequence":
           # K and V gathered, once each, whole; the dK/dV partial sums reduced; nothing query-
           # or output-sized moves.
           moved = structure.query_sized(colls, B, T, N, H)
@@ -218,6 +226,87 @@ WORKER = textwrap.dedent('''
             failures.append(f"{name}: collectives {colls}")
           if tuple(got[1].sharding.spec)[:2] != (None, "x"):
             failures.append(f"{name}: output sharding {got[1].sharding.spec}")
+    # The partitioning rule with every kind of mask input and option, under an Auto mesh and
+    # under no mesh at all (plain jit on sharded arrays): a full bias (split like the query),
+    # lengths, sinks (cut per head), segment ids, a window, dropout (at global indices), a mask
+    # function and a score_mod reading (b, h, i, j), a boolean mask array (read whole); T = 200
+    # with 32-row blocks pads each device's 50 rows. Equal to the unsharded call, forward and
+    # gradients; batch and heads split with no collective; a sequence-sharded query stays
+    # sharded (K and V gathered, nothing query- or output-sized moves).
+    T = 200
+    kr = jax.random.split(jax.random.key(8), 8)
+    q = jax.random.normal(kr[0], (B, T, N, H))
+    k = jax.random.normal(kr[1], (B, T, K, H))
+    v = jax.random.normal(kr[2], (B, T, K, H))
+    bias = jax.random.normal(kr[3], (B, N, T, T))
+    seg = jnp.cumsum(jax.random.bernoulli(kr[4], 0.05, (B, T)), axis=1)
+    variants = {
+        "bias, lengths, sinks": dict(is_causal=True, key_value_seq_lengths=jnp.asarray(
+            [T, 150, 3, 0]), query_seq_lengths=jnp.asarray([0, 7, T, 120]),
+            sinks=jnp.linspace(-1.0, 1.0, N)),
+        "segments, window, dropout": dict(q_segment_ids=seg, kv_segment_ids=seg,
+                                          local_window_size=(40, 0), dropout_rate=0.3,
+                                          dropout_rng=jax.random.key(9)),
+        "mask function, score_mod": dict(
+            mask=jattn.masks.from_function(lambda b, h, i, j: (j <= i) | ((h + b) % 3 == 0)),
+            score_mod=lambda s, b, h, i, j: s + 0.01 * (i - j) * (h + 1) - 0.1 * b),
+        "boolean mask": dict(mask=jax.random.bernoulli(kr[5], 0.7, (B, 1, T, T))),
+    }
+    for vname, vkw in variants.items():
+      for sched in ("serial", "parallel"):
+        kw = dict(implementation="chunked", schedule=sched, block_q=32, block_kv=32, **vkw)
+        with_bias = vname.startswith("bias")
+        def loss(q, k, v, bias, kw=kw, with_bias=with_bias):
+          out = jattn.dot_product_attention(q, k, v, bias if with_bias else None, **kw)
+          return (out ** 2).sum(), out
+        step = jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True)
+        want = jax.jit(step)(q, k, v, bias)
+        for where, spec in (wheres if sched == "serial" else wheres[2:]):
+          for meshed in ((True, False) if where == "sequence" else (True,)):
+            name = f"auto {where} {vname} {sched}" + ("" if meshed else " (no mesh set)")
+            args = [jax.device_put(x, NamedSharding(mesh, spec)) for x in (q, k, v)] + [bias]
+            got, colls = run_auto(name, step, args, want, where, meshed)
+            moved = structure.query_sized(colls, B, T, N, H)
+            if moved:
+              failures.append(f"{name}: query- or output-sized collectives {moved}")
+            pad = lambda p: tuple(p) + (None,) * (4 - len(p))
+            if pad(got[1].sharding.spec) != pad(spec):
+              failures.append(f"{name}: output sharding {got[1].sharding.spec}")
+    # implementation=None at T = S = 1024 (where it takes the chunked kernels here), a (data,
+    # sequence) mesh, and jax.vmap of a sharded call (vmap maps the plain computation: XLA
+    # partitions it as ordinary code), each equal to the unsharded call.
+    T = 1024
+    kr = jax.random.split(jax.random.key(10), 3)
+    q, k, v = (jax.random.normal(kk, (B, T, n, H)) for kk, n in zip(kr, (N, K, K)))
+    plain = lambda q, k, v: jattn.dot_product_attention(q, k, v, is_causal=True)
+    args = [jax.device_put(x, NamedSharding(mesh, seq)) for x in (q, k, v)]
+    with jax.set_mesh(mesh):
+      compiled = jax.jit(plain).lower(*args).compile()
+    got = compiled(*args)
+    np.testing.assert_allclose(got, jax.jit(plain)(q, k, v), rtol=1e-5, atol=1e-5)
+    colls = structure.collectives(compiled.as_text())
+    if structure.query_sized(colls, B, T, N, H) or tuple(got.sharding.spec)[:2] != (None, "x"):
+      failures.append(f"auto sequence implementation=None: {colls}, {got.sharding.spec}")
+    m22 = jax.make_mesh((2, 2), ("d", "x"), axis_types=(AxisType.Auto,) * 2)
+    args = [jax.device_put(x, NamedSharding(m22, P("d", "x"))) for x in (q, k, v)]
+    compiled = jax.jit(plain).lower(*args).compile()
+    got = compiled(*args)
+    np.testing.assert_allclose(got, jax.jit(plain)(q, k, v), rtol=1e-5, atol=1e-5)
+    colls = structure.collectives(compiled.as_text())
+    if structure.query_sized(colls, B // 2, T, N, H) or tuple(got.sharding.spec)[:2] != ("d", "x"):
+      failures.append(f"auto (data, sequence) mesh: {colls}, {got.sharding.spec}")
+    stacked = [jnp.stack([x, -x]) for x in (q, k, v)]
+    args = [jax.device_put(x, NamedSharding(mesh, P(None, None, "x"))) for x in stacked]
+    vgrad = jax.vmap(jax.grad(lambda q, k, v: (plain(q, k, v) ** 2).sum(), argnums=(0, 1, 2)))
+    for a, b in zip(jax.jit(vgrad)(*args), jax.jit(vgrad)(*stacked)):
+      np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4, err_msg="vmap")
+    # The rule is a Python callback, which jax.export cannot serialize: with
+    # jattn.auto_partitioning(False) a partitioned program exports (and runs as traced).
+    args = [jax.device_put(x, NamedSharding(mesh, seq)) for x in (q, k, v)]
+    with jattn.auto_partitioning(False):
+      exported = jax.export.export(jax.jit(plain))(*args)
+    np.testing.assert_allclose(exported.call(*args), jax.jit(plain)(q, k, v), rtol=1e-5,
+                               atol=1e-5)
     # implementation=None gives a TPU program splash only where it cannot be partitioned:
     # with 4 devices, not in a plain jit (the inputs may be sharded; XLA cannot partition a
     # Pallas kernel), but inside a shard_map over every mesh axis -- one with check_vma=False:

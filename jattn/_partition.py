@@ -1,0 +1,340 @@
+"""The chunked kernels as one custom-partitioned operation, for programs XLA partitions itself.
+
+Under plain ``jax.jit`` on sharded arrays (an Auto mesh, or no mesh set at all) an array's
+sharding is decided by XLA's partitioner after jattn has traced the call, so jattn cannot pick
+the work split while it traces. Left to the partitioner, the chunked kernels' loops, which take
+query blocks out of Q at loop indices, need the whole Q on every device: a sequence-sharded
+query was gathered and the whole attention computed on every device.
+
+Here the kernels become one operation with a partitioning rule
+(`jax.experimental.custom_partitioning`): when the program is partitioned, the rule reads the
+query's sharding and runs the kernels on each device's part, the way dense attention's
+partitioned matmuls do:
+
+- examples (B) and heads (N, in whole GQA groups: K divisible by the axis size) split as the
+  query is: nothing moves;
+- query rows (T) split as the query is: K and V are gathered along S, masks, ``score_mod`` and
+  dropout see each device's rows at their global positions, the output comes back sharded like
+  the query; the backward adds the devices' dK, dV partial sums (an all-reduce, as jax.nn's);
+- everything else (lengths, segment ids, a boolean mask array, the sinks) is read whole and each
+  device takes its examples' and heads' part.
+
+Where the program is not partitioned (one device, inside a `jax.shard_map`) the operation is the
+plain computation. Under `jax.vmap` it is too (the primitive has no batching rule: a
+`jax.custom_batching.custom_vmap` maps the plain computation instead), and XLA partitions a
+vmapped call as ordinary code. Gradients: a custom VJP whose backward is a second partitioned
+operation, the kernels' backward pass on each device's part from the forward's output and
+log-sum-exp.
+
+Shapes: q (B, T, N, H), k and v (B, S, K, H), bias (B|1, K|1, G|1, T|1, S|1), sinks (1, K, G, 1);
+out (B, T, N, H), lse (B, T, N).
+
+One cost: a program partitioned over several devices that holds such an operation cannot be
+serialized by `jax.export` (its rule is a Python callback). `jattn.auto_partitioning(False)`
+turns the operation off for the calls traced inside it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import custom_batching
+from jax.experimental.custom_partitioning import SdyShardingRule, custom_partitioning
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jattn import _plan
+from jattn import _sharding
+from jattn import masks as _masks
+
+# Part of jit's cache key (a function traced with the rule on is traced anew with it off).
+_ENABLED = jax.make_user_context(True)
+
+
+@contextlib.contextmanager
+def auto_partitioning(enabled: bool = True):
+  """Within this context, chunked calls traced under plain `jax.jit` on several devices use
+  (True, the default outside any context) or do not use (False) jattn's partitioning rule (see
+  docs/sharding.md). Turn it off to `jax.export` a program partitioned over several devices:
+  the rule is a Python callback, which an exported program cannot carry. Off, XLA partitions
+  the kernels as ordinary code (a sequence-sharded query is then gathered on every device).
+  The setting is part of `jax.jit`'s cache key, so a function already traced with the other
+  setting is traced again."""
+  if not isinstance(enabled, bool):
+    raise TypeError(f"auto_partitioning: enabled must be a bool, got {type(enabled).__name__}")
+  with _ENABLED(enabled):
+    yield
+
+
+def applies(mask, score_args) -> bool:
+  """Whether a chunked call traced now goes through the partitioning rule: the program may be
+  partitioned by XLA (several devices, no mesh axis Explicit or manual), and every array of the
+  call has a known layout (no arrays hoisted out of a ``score_mod``, only jattn's mask kinds)."""
+  if not _ENABLED.value or jax.device_count() == 1:
+    return False
+  mesh = _sharding._mesh()
+  if mesh is not None and any(t != jax.sharding.AxisType.Auto for t in mesh.axis_types):
+    return False
+  return not score_args and _masks.can_take_part(mask)
+
+
+class Split(NamedTuple):
+  """How the work is cut into devices' parts: the mesh axes the examples, query rows and query
+  heads are split over (empty: whole)."""
+
+  batch: tuple = ()
+  rows: tuple = ()
+  heads: tuple = ()
+
+  def index(self, axes, size: int):
+    """The global index of the first element of this device's part along ``axes``."""
+    return jax.lax.axis_index(axes) * size if axes else jnp.zeros((), jnp.int32)
+
+
+WHOLE = Split()
+
+
+class Part(NamedTuple):
+  """Where one device's part sits: its first example, query row and query head (int32)."""
+
+  batch0: Any
+  row0: Any
+  head0: Any
+
+
+def _split(mesh, spec, B: int, T: int, K: int) -> Split:
+  """The split the query's sharding ``spec`` (over (B, T, N, H)) asks for; a dimension whose
+  size the axes do not divide (heads: K, so that GQA groups stay whole) stays whole."""
+  entries = tuple(spec) + (None,) * (4 - len(tuple(spec)))
+
+  def axes(entry, size):
+    names = _sharding._names(entry)
+    return names if names and size % _size(mesh, names) == 0 else ()
+
+  return Split(axes(entries[0], B), axes(entries[1], T), axes(entries[2], K))
+
+
+def _size(mesh, axes) -> int:
+  n = 1
+  for a in axes:
+    n *= mesh.shape[a]
+  return n
+
+
+class Problem(NamedTuple):
+  """The static sizes of the call and how to run one device's part.
+
+  ``local(q, k, v, bias, mask, seed, sink, part, saved=None)`` runs the chunked kernels on one
+  device's arrays (``part``: a `Part`, or None for the whole problem) and returns (out, lse);
+  with ``saved`` = (out, lse, dout, dlse) it returns the operands' cotangents (an
+  `jattn._plan.Operands`)."""
+
+  B: int
+  T: int
+  N: int
+  K: int
+  local: Callable
+  bias_shape: tuple | None = None  # the whole bias's (B|1, K|1, G|1, T|1, S|1)
+
+
+def _part(problem: Problem, split: Split, mesh, operands):
+  """This device's operands and its `Part`; operands read whole are cut here (the sinks along
+  heads, the mask along examples and heads)."""
+  q, k, v, bias, mask, seed, sink = operands
+  if split == WHOLE:
+    return operands, None
+  B, T, N, K = problem.B, problem.T, problem.N, problem.K
+  G = N // K
+  nb = B // _size(mesh, split.batch)
+  nk = K // _size(mesh, split.heads)
+  part = Part(split.index(split.batch, nb), split.index(split.rows, T // _size(mesh, split.rows)),
+              split.index(split.heads, nk * G))
+  if sink is not None and nk != K:
+    sink = jax.lax.dynamic_slice_in_dim(sink, part.head0 // G, nk, 1)
+  mask = _masks.take_part(mask, part.batch0, nb, part.head0, nk * G, (B, N, T, None))
+  return (q, k, v, bias, mask, seed, sink), part
+
+
+# Each array of the operation has a role, which says where it keeps the examples, query rows,
+# heads and keys: "q" (B, T, N, ...) laid out like the query (the output, its lse and their
+# cotangents too), "kv" (B, S, K, H), "bias" (B|1, K|1, G|1, T|1, S|1), and "whole" (read whole
+# by every device: mask arrays, the dropout seed, the sinks, the kernels' constants).
+OPERAND_ROLES = ("q", "kv", "kv", "bias", "whole", "whole", "whole")
+
+
+def _bias_dims(problem: Problem, split: Split):
+  """Per dimension of the whole bias (B|1, K|1, G|1, T|1, S|1): (factor, mesh axes) where it
+  is the call's examples, key/value heads or query rows, None where it is broadcast, G or S."""
+  own = (("b", problem.B, split.batch), ("k", problem.K, split.heads), None,
+         ("t", problem.T, split.rows), None)
+  return tuple(None if d is None or d[1] == 1 or size != d[1] else (d[0], d[2])
+               for d, size in zip(own, problem.bias_shape))
+
+
+def _spec(problem: Problem, split: Split, role: str):
+  """The PartitionSpec an array of ``role`` is asked for (or produced with) under ``split``: the
+  query as split, K and V whole along S, the bias split where it has the dimension (read from
+  the whole bias's shape: inside a device's part, a split dimension looks broadcast)."""
+  P, e = PartitionSpec, _sharding.spec_entry
+  if role == "q":
+    return P(e(split.batch), e(split.rows), e(split.heads))
+  if role == "kv":
+    return P(e(split.batch), None, e(split.heads))
+  if role == "bias":
+    return P(*(None if d is None else e(d[1]) for d in _bias_dims(problem, split)))
+  return P()
+
+
+def _factors(problem: Problem, role: str, x, fresh) -> tuple:
+  """The factors of ``x``'s dimensions in the operation's sharding rule: arrays of one role
+  share the factors of the examples, rows, heads and keys (so Shardy gives an output the
+  sharding of the input it is laid out like); every other dimension is a factor of its own."""
+  shape = jnp.shape(x)
+  if role == "q":
+    named = ("b", "t", "n")
+  elif role == "kv":
+    named = ("b", "s", "k")
+  elif role == "bias":
+    named = tuple(None if d is None else d[0] for d in _bias_dims(problem, WHOLE))
+  else:
+    named = ()
+  named = named[:len(shape)] + (None,) * (len(shape) - len(named))
+  return tuple(f if f is not None else fresh() for f in named)
+
+
+def _unsplit_axes(split: Split, spec) -> tuple:
+  """The axes the work is split over that an operand of ``spec`` is not: its gradient's partial
+  sums over those devices are added."""
+  held = set()
+  for entry in (spec or ()):
+    held.update(_sharding._names(entry))
+  return tuple(a for a in split.batch + split.rows + split.heads if a not in held)
+
+
+def _forward(problem: Problem, split: Split, mesh, operands, extra):
+  del extra
+  ops, part = _part(problem, split, mesh, operands)
+  return tuple(problem.local(*ops, part))
+
+
+def _backward(problem: Problem, split: Split, mesh, operands, extra):
+  """The cotangents of (q, k, v, bias, sink) from the forward's (out, lse) and theirs: the
+  kernels' backward pass on this device's part. An operand read whole, or not split like the
+  work, gets this device's partial sum, added over the devices that split it."""
+  ops, part = _part(problem, split, mesh, operands)
+  grads = problem.local(*ops, part, saved=extra)
+  sink = operands[6]
+  dsink = grads.sink
+  if split != WHOLE and dsink is not None and dsink.shape != sink.shape:
+    # This device's heads' part of the (1, K, G, 1) sinks.
+    dsink = jax.lax.dynamic_update_slice_in_dim(jnp.zeros_like(sink), dsink,
+                                                part.head0 // (problem.N // problem.K), 1)
+  grads = (grads.q, grads.k, grads.v, grads.bias, dsink)
+  if split == WHOLE:
+    return grads
+  return tuple(g if g is None or not _unsplit_axes(split, _spec(problem, split, r))
+               else jax.lax.psum(g, _unsplit_axes(split, _spec(problem, split, r)))
+               for g, r in zip(grads, BACKWARD_ROLES))
+
+
+BACKWARD_ROLES = ("q", "kv", "kv", "bias", "whole")
+
+
+def _op(problem: Problem, body: Callable, operands, extra, out_roles: tuple):
+  """``body(problem, split, mesh, operands, extra)`` as one operation that XLA partitions by
+  the query's sharding. ``extra``: arrays laid out like the query (cotangents); ``out_roles``:
+  the role of each output of ``body``."""
+  flat, tree = jax.tree.flatten((operands, extra))
+  in_roles = [r for x, r in zip(operands, OPERAND_ROLES) for _ in jax.tree.leaves(x)]
+  in_roles += ["q"] * len(jax.tree.leaves(extra))
+
+  def run(split, mesh, xs):
+    ops, ex = jax.tree.unflatten(tree, xs)
+    return tuple(body(problem, split, mesh, ops, ex))
+
+  closed, outs_struct = jax.make_jaxpr(lambda *xs: run(WHOLE, None, xs),
+                                       return_shape=True)(*flat)
+  out_roles = [r for o, r in zip(outs_struct, out_roles) if o is not None]
+  out_leaves = [o for o in outs_struct if o is not None]
+
+  # custom_partitioning traces its function without constants (the kernels' block lists are
+  # NumPy constants): they become operands, read whole.
+  def plain(consts, *xs):
+    return tuple(jax.core.eval_jaxpr(closed.jaxpr, consts, *xs))
+
+  def split_of(mesh, shapes):
+    spec = getattr(shapes[1].sharding, "spec", None)  # shapes[0]: the constants
+    return WHOLE if spec is None else _split(mesh, spec, problem.B, problem.T, problem.K)
+
+  def out_shardings(mesh, split):
+    return tuple(NamedSharding(mesh, _spec(problem, split, r)) for r in out_roles)
+
+  def partition(mesh, shapes, result_shape):
+    del result_shape
+    split = split_of(mesh, shapes)
+    ins = tuple(NamedSharding(mesh, _spec(problem, split, r)) for r in in_roles)
+    consts = tuple(NamedSharding(mesh, PartitionSpec()) for _ in closed.consts)
+
+    def lower(consts_, *xs):
+      del consts_  # the per-device trace makes its own
+      return tuple(o for o in run(split, mesh, xs) if o is not None)
+
+    return mesh, lower, out_shardings(mesh, split), (consts,) + ins
+
+  def infer(mesh, shapes, result_shape):
+    del result_shape
+    return out_shardings(mesh, split_of(mesh, shapes))
+
+  count = iter(range(1 << 30))
+  fresh = lambda: f"d{next(count)}"
+  rule = SdyShardingRule(
+      operand_mappings=tuple(_factors(problem, "whole", c, fresh) for c in closed.consts)
+      + tuple(_factors(problem, r, x, fresh) for r, x in zip(in_roles, flat)),
+      result_mappings=tuple(_factors(problem, r, o, fresh) for r, o in zip(out_roles,
+                                                                          out_leaves)))
+  op = custom_partitioning(plain)
+  op.def_partition(partition=partition, infer_sharding_from_operands=infer,
+                   sharding_rule=rule)
+
+  # The primitive has no batching rule: under vmap, the plain computation is mapped.
+  @custom_batching.custom_vmap
+  def call(*xs):
+    return op(tuple(closed.consts), *xs)
+
+  @call.def_vmap
+  def _(axis_size, in_batched, *xs):
+    del axis_size
+    outs = jax.vmap(lambda *ys: tuple(o for o in run(WHOLE, None, ys) if o is not None),
+                    in_axes=[0 if b else None for b in in_batched])(*xs)
+    return outs, tuple(True for _ in outs)
+
+  it = iter(call(*flat))
+  return tuple(None if o is None else next(it) for o in outs_struct)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def attention(problem: Problem, operands):
+  """(out, lse) of the chunked kernels on (q, k, v, bias, mask, seed, sink), partitioned by the
+  query's sharding when XLA partitions the program (see the module docstring)."""
+  return _op(problem, _forward, operands, (), ("q", "q"))
+
+
+def _attention_fwd(problem, operands):
+  out, lse = attention(problem, operands)
+  return (out, lse), (operands, out, lse)
+
+
+def _attention_bwd(problem, res, cts):
+  operands, out, lse = res
+  dout, dlse = cts
+  dq, dk, dv, dbias, dsink = _op(problem, _backward, operands, (out, lse, dout, dlse),
+                                 BACKWARD_ROLES)
+  _, _, _, _, mask, seed, _ = operands
+  zeros = lambda tree: jax.tree.map(_plan.zero_cotangent, tree)
+  return ((dq, dk, dv, dbias, zeros(mask), zeros(seed), dsink),)
+
+
+attention.defvjp(_attention_fwd, _attention_bwd)
