@@ -326,7 +326,7 @@ def _attention(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_s
       q = query if seq_spec is None else _sharding.unshard_axis(query, 1)
       if seq_spec is None and _partition.applies(combined, score_args):
         out, lse = _partition.attention(
-            _partition.Problem(B, T, N, K, partitioned_part,
+            _partition.Problem(B, T, S, N, K, partitioned_part,
                                None if bias5 is None else bias5.shape),
             (q, key, value, bias5, combined, seed, sink))
       else:
@@ -340,13 +340,14 @@ def _attention(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_s
     None for the whole), as `_partition` runs them when XLA partitions the program: (out, lse),
     or with ``saved`` (see `chunked`) the operands' cotangents."""
     Bl, Tl, Nl, _ = q.shape
-    Kl = k.shape[2]
-    tile = (Bl, Nl) + _plan.block_sizes(Tl, S, opts.block_q, opts.block_kv)
-    cfg, score_args = config(tile, T=Tl, B=Bl, K=Kl)
+    Sl, Kl = k.shape[1], k.shape[2]
+    tile = (Bl, Nl) + _plan.block_sizes(Tl, Sl, opts.block_q, opts.block_kv)
+    cfg, score_args = config(tile, T=Tl, S=Sl, B=Bl, K=Kl)
     if part is None:
       return chunked(q, k, v, bias, mask, seed, sink, score_args, cfg, saved=saved)
     return chunked(q, k, v, bias, mask, seed, sink, score_args, cfg,
-                   q_offset=part.row0 if Tl != T else None, batch0=part.batch0,
+                   q_offset=part.row0 if Tl != T else None,
+                   kv_offset=part.key0 if Sl != S else None, batch0=part.batch0,
                    head0=part.head0, saved=saved)
 
   def sequence_sharded(axes, count, split_query: bool):

@@ -16,6 +16,10 @@ partitioned matmuls do:
 - query rows (T) split as the query is: K and V are gathered along S, masks, ``score_mod`` and
   dropout see each device's rows at their global positions, the output comes back sharded like
   the query; the backward adds the devices' dK, dV partial sums (an all-reduce, as jax.nn's);
+- keys (S), where the query rows are whole and K, V are sharded along S (a decoding step against
+  a sharded cache): each device attends to its own keys and the parts are merged through their
+  log-sum-exps (split-KV over devices); the backward runs on each device's keys from the merged
+  statistics, so dK and dV stay sharded and only dQ's partial sums are added;
 - everything else (lengths, segment ids, a boolean mask array, the sinks) is read whole and each
   device takes its examples' and heads' part.
 
@@ -46,7 +50,9 @@ from jax import custom_batching
 from jax.experimental.custom_partitioning import SdyShardingRule, custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jattn import _chunked
 from jattn import _plan
+from jattn import _ring
 from jattn import _sharding
 from jattn import masks as _masks
 
@@ -82,12 +88,14 @@ def applies(mask, score_args) -> bool:
 
 
 class Split(NamedTuple):
-  """How the work is cut into devices' parts: the mesh axes the examples, query rows and query
-  heads are split over (empty: whole)."""
+  """How the work is cut into devices' parts: the mesh axes the examples, query rows, query
+  heads and keys are split over (empty: whole). Keys are split only where the query rows are
+  not: each device attends to its own keys and the parts are merged across devices."""
 
   batch: tuple = ()
   rows: tuple = ()
   heads: tuple = ()
+  keys: tuple = ()
 
   def index(self, axes, size: int):
     """The global index of the first element of this device's part along ``axes``."""
@@ -98,23 +106,33 @@ WHOLE = Split()
 
 
 class Part(NamedTuple):
-  """Where one device's part sits: its first example, query row and query head (int32)."""
+  """Where one device's part sits: its first example, query row, query head and key (int32)."""
 
   batch0: Any
   row0: Any
   head0: Any
+  key0: Any
 
 
-def _split(mesh, spec, B: int, T: int, K: int) -> Split:
-  """The split the query's sharding ``spec`` (over (B, T, N, H)) asks for; a dimension whose
-  size the axes do not divide (heads: K, so that GQA groups stay whole) stays whole."""
-  entries = tuple(spec) + (None,) * (4 - len(tuple(spec)))
+def _split(mesh, q_spec, k_spec, problem) -> Split:
+  """The split the query's sharding ``q_spec`` (over (B, T, N, H)) asks for, and, where the
+  query rows are whole, the key sharding ``k_spec`` (over (B, S, K, H)) along S on other mesh
+  axes. A dimension whose size the axes do not divide (heads: K, so that GQA groups stay
+  whole) stays whole."""
+  pad = lambda spec: tuple(spec) + (None,) * (4 - len(tuple(spec)))
+  q_entries, k_entries = pad(q_spec), pad(k_spec or ())
 
   def axes(entry, size):
     names = _sharding._names(entry)
     return names if names and size % _size(mesh, names) == 0 else ()
 
-  return Split(axes(entries[0], B), axes(entries[1], T), axes(entries[2], K))
+  split = Split(axes(q_entries[0], problem.B), axes(q_entries[1], problem.T),
+                axes(q_entries[2], problem.K))
+  keys = axes(k_entries[1], problem.S)
+  taken = {a for entry in q_entries for a in _sharding._names(entry)}
+  if not split.rows and keys and not taken & set(keys):
+    split = split._replace(keys=keys)
+  return split
 
 
 def _size(mesh, axes) -> int:
@@ -134,6 +152,7 @@ class Problem(NamedTuple):
 
   B: int
   T: int
+  S: int
   N: int
   K: int
   local: Callable
@@ -151,7 +170,8 @@ def _part(problem: Problem, split: Split, mesh, operands):
   nb = B // _size(mesh, split.batch)
   nk = K // _size(mesh, split.heads)
   part = Part(split.index(split.batch, nb), split.index(split.rows, T // _size(mesh, split.rows)),
-              split.index(split.heads, nk * G))
+              split.index(split.heads, nk * G),
+              split.index(split.keys, problem.S // _size(mesh, split.keys)))
   if sink is not None and nk != K:
     sink = jax.lax.dynamic_slice_in_dim(sink, part.head0 // G, nk, 1)
   mask = _masks.take_part(mask, part.batch0, nb, part.head0, nk * G, (B, N, T, None))
@@ -167,9 +187,10 @@ OPERAND_ROLES = ("q", "kv", "kv", "bias", "whole", "whole", "whole")
 
 def _bias_dims(problem: Problem, split: Split):
   """Per dimension of the whole bias (B|1, K|1, G|1, T|1, S|1): (factor, mesh axes) where it
-  is the call's examples, key/value heads or query rows, None where it is broadcast, G or S."""
+  is the call's examples, key/value heads, query rows or keys, None where it is broadcast or
+  G."""
   own = (("b", problem.B, split.batch), ("k", problem.K, split.heads), None,
-         ("t", problem.T, split.rows), None)
+         ("t", problem.T, split.rows), ("s", problem.S, split.keys))
   return tuple(None if d is None or d[1] == 1 or size != d[1] else (d[0], d[2])
                for d, size in zip(own, problem.bias_shape))
 
@@ -182,7 +203,7 @@ def _spec(problem: Problem, split: Split, role: str):
   if role == "q":
     return P(e(split.batch), e(split.rows), e(split.heads))
   if role == "kv":
-    return P(e(split.batch), None, e(split.heads))
+    return P(e(split.batch), e(split.keys), e(split.heads))
   if role == "bias":
     return P(*(None if d is None else e(d[1]) for d in _bias_dims(problem, split)))
   return P()
@@ -196,7 +217,7 @@ def _factors(problem: Problem, role: str, x, fresh) -> tuple:
   if role == "q":
     named = ("b", "t", "n")
   elif role == "kv":
-    named = ("b", "s", "k")
+    named = ("b", "s", "k")  # "k": key/value heads
   elif role == "bias":
     named = tuple(None if d is None else d[0] for d in _bias_dims(problem, WHOLE))
   else:
@@ -211,13 +232,22 @@ def _unsplit_axes(split: Split, spec) -> tuple:
   held = set()
   for entry in (spec or ()):
     held.update(_sharding._names(entry))
-  return tuple(a for a in split.batch + split.rows + split.heads if a not in held)
+  return tuple(a for a in split.batch + split.rows + split.heads + split.keys if a not in held)
 
 
 def _forward(problem: Problem, split: Split, mesh, operands, extra):
   del extra
   ops, part = _part(problem, split, mesh, operands)
-  return tuple(problem.local(*ops, part))
+  if not split.keys:
+    return tuple(problem.local(*ops, part))
+  # Each device's keys, merged across devices through their log-sum-exps (split-KV); the
+  # sinks, one more logit per row, join once, after the merge.
+  sink = ops[6]
+  out, lse = problem.local(*ops[:6], None, part)
+  out, lse = _ring.merge_over_devices(out, lse, split.keys)
+  if sink is not None:
+    out, lse = _ring.add_sink(out, lse, sink.reshape(-1))
+  return out.astype(operands[0].dtype), lse
 
 
 def _backward(problem: Problem, split: Split, mesh, operands, extra):
@@ -225,9 +255,21 @@ def _backward(problem: Problem, split: Split, mesh, operands, extra):
   kernels' backward pass on this device's part. An operand read whole, or not split like the
   work, gets this device's partial sum, added over the devices that split it."""
   ops, part = _part(problem, split, mesh, operands)
-  grads = problem.local(*ops, part, saved=extra)
   sink = operands[6]
-  dsink = grads.sink
+  if split.keys:
+    # The kernels' backward on this device's keys, from the merged (final) out and lse: the
+    # probabilities it recomputes are already normalised over every key and the sinks, so dK,
+    # dV are this device's whole, dQ a partial sum. The sinks' gradient needs only the final
+    # statistics: the same on every device of the key axes.
+    out, lse, dout, dlse = extra
+    grads = problem.local(*ops[:6], None, part, saved=extra)
+    dsink = None
+    if sink is not None:
+      delta = _chunked.output_delta(dout, out) - dlse.astype(lse.dtype)
+      dsink = _chunked.sink_gradient(ops[6], lse, delta)
+  else:
+    grads = problem.local(*ops, part, saved=extra)
+    dsink = grads.sink
   if split != WHOLE and dsink is not None and dsink.shape != sink.shape:
     # This device's heads' part of the (1, K, G, 1) sinks.
     dsink = jax.lax.dynamic_update_slice_in_dim(jnp.zeros_like(sink), dsink,
@@ -235,9 +277,16 @@ def _backward(problem: Problem, split: Split, mesh, operands, extra):
   grads = (grads.q, grads.k, grads.v, grads.bias, dsink)
   if split == WHOLE:
     return grads
-  return tuple(g if g is None or not _unsplit_axes(split, _spec(problem, split, r))
-               else jax.lax.psum(g, _unsplit_axes(split, _spec(problem, split, r)))
-               for g, r in zip(grads, BACKWARD_ROLES))
+
+  def total(g, role):
+    if g is None:
+      return g
+    axes = _unsplit_axes(split, _spec(problem, split, role))
+    if role == "whole":
+      axes = tuple(a for a in axes if a not in split.keys)  # the sinks': complete already
+    return jax.lax.psum(g, axes) if axes else g
+
+  return tuple(total(g, r) for g, r in zip(grads, BACKWARD_ROLES))
 
 
 BACKWARD_ROLES = ("q", "kv", "kv", "bias", "whole")
@@ -266,8 +315,9 @@ def _op(problem: Problem, body: Callable, operands, extra, out_roles: tuple):
     return tuple(jax.core.eval_jaxpr(closed.jaxpr, consts, *xs))
 
   def split_of(mesh, shapes):
-    spec = getattr(shapes[1].sharding, "spec", None)  # shapes[0]: the constants
-    return WHOLE if spec is None else _split(mesh, spec, problem.B, problem.T, problem.K)
+    # shapes[0]: the constants; then q, k.
+    q_spec, k_spec = (getattr(x.sharding, "spec", None) for x in shapes[1:3])
+    return WHOLE if q_spec is None else _split(mesh, q_spec, k_spec, problem)
 
   def out_shardings(mesh, split):
     return tuple(NamedSharding(mesh, _spec(problem, split, r)) for r in out_roles)

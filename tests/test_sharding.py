@@ -107,10 +107,11 @@ WORKER = textwrap.dedent('''
           for a, b in zip(got, gwant):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4, err_msg=name)
     # A whole query against K and V sharded along S (a decoding step against a sharded
-    # cache): each device attends to its own keys, and the parts are merged across devices:
-    # only (B, T, N, H)-sized partial results and their statistics move (all-reduces), never K
-    # or V; the output is replicated, dK and dV stay sharded like K and V. Gradients pass
-    # through the merge (the lse's cotangent reaches the kernels).
+    # cache), under the Explicit mesh and an Auto mesh: each device attends to its own keys,
+    # and the parts are merged across devices: only (B, T, N, H)-sized partial results and
+    # their statistics move (all-reduces), never K or V; the output is replicated, dK and dV
+    # stay sharded like K and V. Gradients pass through the merge (the lse's cotangent reaches
+    # the kernels).
     T, S = 3, 96
     ks = jax.random.split(jax.random.key(4), 4)
     q = jax.random.normal(ks[0], (B, T, N, H))
@@ -133,24 +134,27 @@ WORKER = textwrap.dedent('''
           return (out ** 2).sum(), (out, lse)
         return jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(q, k, v, bias)
       want = jax.jit(step)(q, k, v, bias)
-      with jax.set_mesh(mesh):
-        put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))
-        # The bias sharded along S like the keys (given whole, its gradient, computed per key
-        # shard, would be gathered to match it).
-        args = (put(q, P()), put(k, P(None, "x")), put(v, P(None, "x")),
-                put(bias, P(None, None, None, "x")))
-        compiled = jax.jit(step).lower(*args).compile()
-        got = compiled(*args)
-      name = f"key/value-sharded {sched}"
-      for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4, err_msg=name)
-      colls = structure.collectives(compiled.as_text())
-      if {c.kind for c in colls} != {"all-reduce"} or max(c.bytes for c in colls) > (
-          B * T * N * (H + 1) * 4):
-        failures.append(f"{name}: collectives {colls}")
-      (_, dk, _, _), (out, _) = got
-      if tuple(dk.sharding.spec)[:2] != (None, "x") or any(out.sharding.spec):
-        failures.append(f"{name}: shardings dk {dk.sharding.spec}, out {out.sharding.spec}")
+      # Under the Explicit mesh, and under an Auto mesh (the chunked kernels' partitioning
+      # rule splits the keys where the query rows are whole; None takes chunked here).
+      for kv_mesh in (mesh, jax.make_mesh((4,), ("x",), axis_types=(AxisType.Auto,))):
+        with jax.set_mesh(kv_mesh):
+          put = lambda x, spec: jax.device_put(x, NamedSharding(kv_mesh, spec))
+          # The bias sharded along S like the keys (given whole, its gradient, computed per
+          # key shard, would be gathered to match it).
+          args = (put(q, P()), put(k, P(None, "x")), put(v, P(None, "x")),
+                  put(bias, P(None, None, None, "x")))
+          compiled = jax.jit(step).lower(*args).compile()
+          got = compiled(*args)
+        name = f"key/value-sharded {sched} {kv_mesh.axis_types[0]}"
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+          np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4, err_msg=name)
+        colls = structure.collectives(compiled.as_text())
+        if {c.kind for c in colls} != {"all-reduce"} or max(c.bytes for c in colls) > (
+            B * T * N * (H + 1) * 4):
+          failures.append(f"{name}: collectives {colls}")
+        (_, dk, _, _), (out, _) = got
+        if tuple(dk.sharding.spec)[:2] != (None, "x") or any(out.sharding.spec):
+          failures.append(f"{name}: shardings dk {dk.sharding.spec}, out {out.sharding.spec}")
     # A (data, sequence) mesh: batch over "d", sequence over "x". The per-shard paths would
     # make XLA gather the batch inside a shard_map manual over "x" only, so Q (along T) is
     # gathered instead; the batch stays sharded throughout.

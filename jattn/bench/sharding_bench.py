@@ -41,8 +41,9 @@ def _spec(where):
 
 def _runs(impl, axis_type, where) -> bool:
   """Ring attention shards the sequence; "chunked explicit_axes" (the chunked kernels called
-  through `jax.sharding.explicit_axes` with the query's sharding) is the Auto-mesh recipe for a
-  sequence-sharded query (under an Explicit mesh every call already is one)."""
+  through `jax.sharding.explicit_axes` with the inputs' shardings) is, under an Auto mesh, the
+  alternative to the kernels' partitioning rule for a sequence-sharded query, and the way to the
+  split-KV merge for K and V sharded along S (under an Explicit mesh every call already is one)."""
   if impl == "ring":
     return where == "sequence"
   if impl == "chunked explicit_axes":
