@@ -22,10 +22,13 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import hashlib
 import json
 import os
 import warnings
 from typing import Any
+
+import jax
 
 
 ENV_VAR = "JATTN_TUNING"
@@ -39,6 +42,9 @@ _MASK_KINDS = ("full", "causal", "window", "masked")
 _active: contextvars.ContextVar[TuningTable | None] = contextvars.ContextVar("jattn_tuning",
                                                                             default=None)
 _env_cache: dict[tuple[str, float], TuningTable] = {}
+# The active table's contents, as part of jax.jit's cache key: a function traced before a
+# `tuning` block is traced again inside it (and once per table), so the table applies.
+_in_jit_key = jax.make_user_context(None)
 
 
 def length_bucket(T: int, S: int) -> int:
@@ -69,6 +75,7 @@ class TuningTable:
   jattn_version: str | None = None
   source: str | None = None  # the file it was read from, for messages
   _token: Any = dataclasses.field(default=None, repr=False, compare=False)
+  _key: Any = dataclasses.field(default=None, repr=False, compare=False)
 
   @staticmethod
   def key(device_kind: str, dtype: str, head_dim: int, kind: str, bucket: int) -> str:
@@ -92,9 +99,13 @@ class TuningTable:
 
   def __enter__(self):
     self._token = _active.set(self)
+    digest = hashlib.sha256(json.dumps(self.entries, sort_keys=True).encode()).hexdigest()
+    self._key = _in_jit_key(digest)
+    self._key.__enter__()
     return self
 
   def __exit__(self, *exc):
+    self._key.__exit__(*exc)
     _active.reset(self._token)
     return False
 
@@ -179,7 +190,6 @@ def options_for(dtype, head_dim: int, kind: str, T: int, S: int) -> dict[str, An
   table = active()
   if table is None:
     return {}
-  import jax
   device_kind = jax.devices()[0].device_kind
   found = table.lookup(device_kind, str(dtype), head_dim, kind, length_bucket(T, S))
   if found is None and table.entries and not any(

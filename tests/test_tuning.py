@@ -60,6 +60,31 @@ def test_table_never_changes_results(tmp_path):
   np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
+def test_a_table_applies_to_a_function_jitted_before_it(tmp_path):
+  """The active table is part of jax.jit's cache key: a function traced outside a tuning block
+  is traced again inside it (once per table, not once per call), so the table's blocks apply."""
+  path = _table(tmp_path, dict(block_q=16, block_kv=8, schedule="serial", step_width=None))
+  (tmp_path / "b").mkdir()
+  other = _table(tmp_path / "b", dict(block_q=32, block_kv=16, schedule="serial",
+                                      step_width=None))
+  traced = []
+
+  @jax.jit
+  def f(q, k, v):
+    traced.append(1)
+    return jattn.dot_product_attention(q, k, v, implementation="chunked")
+
+  steps = lambda: structure.loop_structure(f.lower(*ARGS).compile().as_text()).steps
+  assert steps() <= 1
+  with jattn.tuning(path):
+    assert steps() == (T // 16) * (T // 8)
+    assert steps() == (T // 16) * (T // 8)
+  with jattn.tuning(other):
+    assert steps() == (T // 32) * (T // 16)
+  assert steps() <= 1
+  assert len(traced) == 3  # outside, the first table, the second: each traced once
+
+
 @pytest.mark.parametrize("content,words", [
     ("not json", "not valid JSON"),
     (json.dumps({"entries": {}}), "format"),
