@@ -780,9 +780,11 @@ def chunked_attention_grads(plan: Plan, ops: Operands, out, lse, dout, dlse) -> 
     pads = ((0, 0), (0, pt)) + ((0, 0),) * (x.ndim - 2)
     return jnp.pad(x, pads, constant_values=fill) if pt else x
 
-  # Padded query rows get the empty-row lse: their recomputed probabilities are exact zeros.
+  # Padded query rows get a huge positive lse: their recomputed probabilities, and their share
+  # of the sinks' gradient (exp(sink - lse), times a zero delta), are exact zeros. (The empty-
+  # row value NEG would give the sinks exp(sink - NEG) = inf times 0.)
   res = Residuals(ops._replace(q=padded[0], k=padded[1], v=padded[2], bias=padded[3]),
-                  rows(out), rows(lse, _tile.NEG))
+                  rows(out), rows(lse, -_tile.NEG))
   (grads,) = _kernel_bwd(plan, res, (rows(dout), rows(dlse)))
   dq, dk, dv, dbias = unpad((grads.q, grads.k, grads.v, grads.bias))
   return grads._replace(q=dq, k=dk, v=dv, bias=dbias)

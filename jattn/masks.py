@@ -821,7 +821,8 @@ def remap(mask: Mask, q_table, kv_table, batch0=0, head0=0) -> Mask:
 
 def _shift_indices(mask, batch0, head0):
   if isinstance(mask, _FnMask):
-    return _FnMask(mask.fn, batch0, head0)
+    # Added to the mask's own shift (one already cut to a device's examples and heads).
+    return _FnMask(mask.fn, mask.batch0 + batch0, mask.head0 + head0)
   if isinstance(mask, (_And, _Or)):
     return type(mask)(_shift_indices(mask.a, batch0, head0),
                       _shift_indices(mask.b, batch0, head0))

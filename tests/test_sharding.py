@@ -32,6 +32,19 @@ WORKER = textwrap.dedent('''
     B, N, K, H = 4, 8, 4, 8  # GQA: a gathered K or V is not query-sized
     mesh = jax.make_mesh((4,), ("x",), axis_types=(AxisType.Explicit,))
     failures = []
+
+    def reference(fn, *args):
+      """The unsharded result, from the kernels as ordinary code (jattn's partitioning rule
+      off, so a fault in it cannot agree with itself), checked finite; and the unsharded call
+      with the rule on (the plain computation on this multi-device process) equal to it."""
+      with jattn.auto_partitioning(False):
+        want = jax.jit(fn)(*args)
+      for x in jax.tree.leaves(want):
+        assert np.isfinite(np.asarray(x, np.float32)).all(), "non-finite reference"
+      for a, b in zip(jax.tree.leaves(jax.jit(fn)(*args)), jax.tree.leaves(want)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg="rule on, unsharded")
+      return want
+
     unsharded = {}
     # implementation=None at T = S = 1024 takes the chunked path with its default blocks.
     # Every implementation batch-sharded, causal and not; head and sequence sharding causal.
@@ -86,7 +99,7 @@ WORKER = textwrap.dedent('''
           # The unsharded result depends on the case, not on the sharding: computed once.
           key = (impl, causal, T, where == "sequence+")
           if key not in unsharded:
-            unsharded[key] = jax.jit(step)(q, k, v, extra)
+            unsharded[key] = reference(step, q, k, v, extra)
           gwant, want = unsharded[key]
           with jax.set_mesh(mesh):
             put = lambda x: jax.device_put(x, NamedSharding(mesh, spec))
@@ -133,7 +146,7 @@ WORKER = textwrap.dedent('''
           out, lse = jattn.dot_product_attention(q, k, v, bias, **kw)
           return (out ** 2).sum(), (out, lse)
         return jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(q, k, v, bias)
-      want = jax.jit(step)(q, k, v, bias)
+      want = reference(step, q, k, v, bias)
       # Under the Explicit mesh, and under an Auto mesh (the chunked kernels' partitioning
       # rule splits the keys where the query rows are whole; None takes chunked here).
       for kv_mesh in (mesh, jax.make_mesh((4,), ("x",), axis_types=(AxisType.Auto,))):
@@ -212,7 +225,7 @@ WORKER = textwrap.dedent('''
         return (out ** 2).sum(), out
       grad = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)
       step = functools.partial(grad, f=f)
-      want = jax.jit(functools.partial(grad, f=plain))(q, k, v)
+      want = reference(functools.partial(grad, f=plain), q, k, v)
       for where, spec in cases:
         args = [jax.device_put(x, NamedSharding(mesh, spec)) for x in (q, k, v)]
         name = f"auto {where} {impl}"
@@ -264,7 +277,7 @@ WORKER = textwrap.dedent('''
           out = jattn.dot_product_attention(q, k, v, bias if with_bias else None, **kw)
           return (out ** 2).sum(), out
         step = jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True)
-        want = jax.jit(step)(q, k, v, bias)
+        want = reference(step, q, k, v, bias)
         for where, spec in (wheres if sched == "serial" else wheres[2:]):
           for meshed in ((True, False) if where == "sequence" else (True,)):
             name = f"auto {where} {vname} {sched}" + ("" if meshed else " (no mesh set)")
@@ -276,6 +289,24 @@ WORKER = textwrap.dedent('''
             pad = lambda p: tuple(p) + (None,) * (4 - len(p))
             if pad(got[1].sharding.spec) != pad(spec):
               failures.append(f"{name}: output sharding {got[1].sharding.spec}")
+    # A (2, 2) mesh: examples or heads split over one axis, query rows or keys over the other,
+    # with a mask function reading the example and head indices, and sinks; 72 rows (36 per
+    # device) in blocks of 16: padded blocks.
+    m22 = jax.make_mesh((2, 2), ("a", "b"), axis_types=(AxisType.Auto,) * 2)
+    fm = jattn.masks.from_function(lambda b, h, i, j: (j <= i + 3 * b) & ((h < 5) | (j >= i - 8)))
+    def loss(q, k, v):
+      out = jattn.dot_product_attention(q, k, v, mask=fm, sinks=jnp.linspace(-1.0, 2.0, N),
+                                        implementation="chunked", block_q=16, block_kv=16)
+      return (out ** 2).sum(), out
+    step = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)
+    q, k, v = q[:, :72], k[:, :72], v[:, :72]
+    want = reference(step, q, k, v)
+    for qs, kvs in ((P("a", "b"), P("a", "b")), (P(None, "b", "a"), P(None, "b", "a")),
+                    (P("a"), P("a", "b"))):
+      args = [jax.device_put(x, NamedSharding(m22, s_)) for x, s_ in ((q, qs), (k, kvs), (v, kvs))]
+      got = jax.jit(step)(*args)
+      for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4, err_msg=f"(2, 2) mesh {qs} {kvs}")
     # implementation=None at T = S = 1024 (where it takes the chunked kernels here), a (data,
     # sequence) mesh, and jax.vmap of a sharded call (vmap maps the plain computation: XLA
     # partitions it as ordinary code), each equal to the unsharded call.
@@ -287,7 +318,7 @@ WORKER = textwrap.dedent('''
     with jax.set_mesh(mesh):
       compiled = jax.jit(plain).lower(*args).compile()
     got = compiled(*args)
-    np.testing.assert_allclose(got, jax.jit(plain)(q, k, v), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got, reference(plain, q, k, v), rtol=1e-5, atol=1e-5)
     colls = structure.collectives(compiled.as_text())
     if structure.query_sized(colls, B, T, N, H) or tuple(got.sharding.spec)[:2] != (None, "x"):
       failures.append(f"auto sequence implementation=None: {colls}, {got.sharding.spec}")
@@ -295,21 +326,21 @@ WORKER = textwrap.dedent('''
     args = [jax.device_put(x, NamedSharding(m22, P("d", "x"))) for x in (q, k, v)]
     compiled = jax.jit(plain).lower(*args).compile()
     got = compiled(*args)
-    np.testing.assert_allclose(got, jax.jit(plain)(q, k, v), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got, reference(plain, q, k, v), rtol=1e-5, atol=1e-5)
     colls = structure.collectives(compiled.as_text())
     if structure.query_sized(colls, B // 2, T, N, H) or tuple(got.sharding.spec)[:2] != ("d", "x"):
       failures.append(f"auto (data, sequence) mesh: {colls}, {got.sharding.spec}")
     stacked = [jnp.stack([x, -x]) for x in (q, k, v)]
     args = [jax.device_put(x, NamedSharding(mesh, P(None, None, "x"))) for x in stacked]
     vgrad = jax.vmap(jax.grad(lambda q, k, v: (plain(q, k, v) ** 2).sum(), argnums=(0, 1, 2)))
-    for a, b in zip(jax.jit(vgrad)(*args), jax.jit(vgrad)(*stacked)):
+    for a, b in zip(jax.jit(vgrad)(*args), reference(vgrad, *stacked)):
       np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4, err_msg="vmap")
     # The rule is a Python callback, which jax.export cannot serialize: with
     # jattn.auto_partitioning(False) a partitioned program exports (and runs as traced).
     args = [jax.device_put(x, NamedSharding(mesh, seq)) for x in (q, k, v)]
     with jattn.auto_partitioning(False):
       exported = jax.export.export(jax.jit(plain))(*args)
-    np.testing.assert_allclose(exported.call(*args), jax.jit(plain)(q, k, v), rtol=1e-5,
+    np.testing.assert_allclose(exported.call(*args), reference(plain, q, k, v), rtol=1e-5,
                                atol=1e-5)
     # implementation=None gives a TPU program splash only where it cannot be partitioned:
     # with 4 devices, not in a plain jit (the inputs may be sharded; XLA cannot partition a
@@ -378,3 +409,45 @@ WORKER = textwrap.dedent('''
 def test_sharded_calls_under_explicit_and_auto_meshes():
   r = subprocess.run([sys.executable, "-c", WORKER], capture_output=True, text=True, timeout=900)
   assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("schedule", ["serial", "parallel"])
+def test_the_partitioned_operation_unpartitioned_equals_the_kernels(monkeypatch, schedule):
+  """On a process with several devices every chunked call goes through the partitioning rule's
+  operation, and a program that is not partitioned runs its plain computation (forward, and
+  the backward from the saved output and lse). Here on one device, made to look like several:
+  equal to the kernels as ordinary code, forward and every gradient, with padded blocks (T = 50
+  in blocks of 16), sinks, a bias, lengths and dropout."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  import jattn
+  from jattn import _partition
+
+  B, T, N, K, H = 2, 50, 4, 2, 8
+  ks = jax.random.split(jax.random.key(0), 5)
+  q = jax.random.normal(ks[0], (B, T, N, H))
+  k, v = (jax.random.normal(kk, (B, T, K, H)) for kk in ks[1:3])
+  bias = jax.random.normal(ks[3], (B, N, T, T))
+  sinks = jnp.linspace(-1.0, 2.0, N)
+
+  def loss(q, k, v, bias, sinks):
+    out = jattn.dot_product_attention(
+        q, k, v, bias, sinks=sinks, is_causal=True, key_value_seq_lengths=jnp.array([50, 7]),
+        dropout_rate=0.2, dropout_rng=jax.random.key(1), implementation="chunked",
+        schedule=schedule, block_q=16, block_kv=16)
+    return (out * jnp.cos(jnp.arange(out.size).reshape(out.shape))).sum()
+
+  grad = jax.grad(loss, argnums=(0, 1, 2, 3, 4))
+  with jattn.auto_partitioning(False):
+    want = jax.jit(grad)(q, k, v, bias, sinks)
+  calls = []
+  applies = _partition.applies
+  monkeypatch.setattr(jax, "device_count", lambda: 4)
+  monkeypatch.setattr(_partition, "applies", lambda *a: calls.append(1) or applies(*a))
+  got = jax.jit(grad)(q, k, v, bias, sinks)
+  assert calls and applies(None, ())  # the operation was used
+  for a, b in zip(got, want):
+    assert np.isfinite(np.asarray(a)).all()
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
