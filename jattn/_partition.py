@@ -50,7 +50,6 @@ from jax import custom_batching
 from jax.experimental.custom_partitioning import SdyShardingRule, custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jattn import _chunked
 from jattn import _plan
 from jattn import _ring
 from jattn import _sharding
@@ -124,7 +123,7 @@ def _split(mesh, q_spec, k_spec, problem) -> Split:
 
   def axes(entry, size):
     names = _sharding._names(entry)
-    return names if names and size % _size(mesh, names) == 0 else ()
+    return names if names and size % _sharding.axes_size(mesh, names) == 0 else ()
 
   split = Split(axes(q_entries[0], problem.B), axes(q_entries[1], problem.T),
                 axes(q_entries[2], problem.K))
@@ -133,13 +132,6 @@ def _split(mesh, q_spec, k_spec, problem) -> Split:
   if not split.rows and keys and not taken & set(keys):
     split = split._replace(keys=keys)
   return split
-
-
-def _size(mesh, axes) -> int:
-  n = 1
-  for a in axes:
-    n *= mesh.shape[a]
-  return n
 
 
 class Problem(NamedTuple):
@@ -167,11 +159,11 @@ def _part(problem: Problem, split: Split, mesh, operands):
     return operands, None
   B, T, N, K = problem.B, problem.T, problem.N, problem.K
   G = N // K
-  nb = B // _size(mesh, split.batch)
-  nk = K // _size(mesh, split.heads)
-  part = Part(split.index(split.batch, nb), split.index(split.rows, T // _size(mesh, split.rows)),
-              split.index(split.heads, nk * G),
-              split.index(split.keys, problem.S // _size(mesh, split.keys)))
+  local = lambda size, axes: size // _sharding.axes_size(mesh, axes)
+  nb, nk = local(B, split.batch), local(K, split.heads)
+  part = Part(split.index(split.batch, nb), split.index(split.rows, local(T, split.rows)),
+              split.index(split.heads, nk * G), split.index(split.keys, local(problem.S,
+                                                                             split.keys)))
   if sink is not None and nk != K:
     sink = jax.lax.dynamic_slice_in_dim(sink, part.head0 // G, nk, 1)
   mask = _masks.take_part(mask, part.batch0, nb, part.head0, nk * G, (B, N, T, None))
@@ -256,20 +248,12 @@ def _backward(problem: Problem, split: Split, mesh, operands, extra):
   work, gets this device's partial sum, added over the devices that split it."""
   ops, part = _part(problem, split, mesh, operands)
   sink = operands[6]
-  if split.keys:
-    # The kernels' backward on this device's keys, from the merged (final) out and lse: the
-    # probabilities it recomputes are already normalised over every key and the sinks, so dK,
-    # dV are this device's whole, dQ a partial sum. The sinks' gradient needs only the final
-    # statistics: the same on every device of the key axes.
-    out, lse, dout, dlse = extra
-    grads = problem.local(*ops[:6], None, part, saved=extra)
-    dsink = None
-    if sink is not None:
-      delta = _chunked.output_delta(dout, out) - dlse.astype(lse.dtype)
-      dsink = _chunked.sink_gradient(ops[6], lse, delta)
-  else:
-    grads = problem.local(*ops, part, saved=extra)
-    dsink = grads.sink
+  # With the keys split, the kernels' backward runs on this device's keys from the merged
+  # (final) out and lse: the probabilities it recomputes are already normalised over every key
+  # and the sinks, so dK, dV are this device's whole and dQ a partial sum; the sinks' gradient,
+  # from the final statistics alone, is the same on every device of the key axes.
+  grads = problem.local(*ops, part, saved=extra)
+  dsink = grads.sink
   if split != WHOLE and dsink is not None and dsink.shape != sink.shape:
     # This device's heads' part of the (1, K, G, 1) sinks.
     dsink = jax.lax.dynamic_update_slice_in_dim(jnp.zeros_like(sink), dsink,

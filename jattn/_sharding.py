@@ -118,6 +118,11 @@ def unshard_axis(x, axis: int):
   return jax.sharding.reshard(x, PartitionSpec(*entries))
 
 
+def axes_size(mesh, axes) -> int:
+  """The number of devices along the mesh ``axes`` (a tuple of names) together."""
+  return int(np.prod([mesh.shape[a] for a in axes]))
+
+
 def sequence_shards(x):
   """Under an Explicit mesh, the mesh axes the sequence dimension (axis 1) of a (B, T|S, n, H)
   array is sharded over, as a tuple, and the number of shards; None when it is whole (or the
@@ -127,7 +132,7 @@ def sequence_shards(x):
     return None
   axes = _names(spec[1])
   mesh = _mesh()
-  count = int(np.prod([mesh.shape[a] for a in axes]))
+  count = axes_size(mesh, axes)
   if x.shape[1] % count:
     return None
   return axes, count

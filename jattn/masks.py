@@ -773,7 +773,7 @@ def take_part(mask: Mask | None, batch0, nb: int, head0, nh: int, shape) -> Mask
     if isinstance(m, _Not):
       return _Not(go(m.a))
     if isinstance(m, _FnMask):
-      return _FnMask(m.fn, m.batch0 + batch0, m.head0 + head0)
+      return _shift_indices(m, batch0, head0)
     if isinstance(m, _DynamicCausal):
       return _DynamicCausal(part(m.offset, 0, batch0, nb, B))
     if isinstance(m, _Lengths):
