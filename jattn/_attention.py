@@ -413,6 +413,9 @@ def _attention(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_s
         ("bias", args.bias is not None), ("dropout", opts.dropout_rate > 0),
         ("score_mod", opts.score_mod is not None)),
         "the fused kernel has no such input")
+    if not all(isinstance(d, int) for d in (B, N)):
+      _fused.refuse("splash", f"a symbolic batch or head count (B={B}, N={N})",
+                    "its block masks are built per head while the call is traced")
     shard = splash_shards()
     if isinstance(shard, str):
       _fused.refuse("splash", shard + " under an Explicit mesh",
@@ -422,10 +425,22 @@ def _attention(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_s
       _fused.refuse("splash", "jax.shard_map(check_vma=True)",
                     "its Pallas kernels do not type their outputs as device-varying (JAX's "
                     "pallas_call raises); use check_vma=False")
-    return _splash.splash_attention(query, key, value, combined, args.sinks, scale=scale,
-                                    soft_cap=opts.logits_soft_cap,
-                                    block_q=opts.splash_blocks[0],
-                                    block_kv=opts.splash_blocks[1], shard=shard)
+    run = functools.partial(_splash.splash_attention, query, key, value, combined, args.sinks,
+                            scale=scale, soft_cap=opts.logits_soft_cap,
+                            block_q=opts.splash_blocks[0], block_kv=opts.splash_blocks[1],
+                            shard=shard)
+    if _splash.interpreting():
+      return run()
+    # Lowered for another platform than a TPU, the call fails there with this message (where
+    # the program is lowered: one exported for tpu from a CPU is traced here too).
+    like = (jax.ShapeDtypeStruct((B, T, N, Hv), query.dtype),
+            jax.ShapeDtypeStruct((B, T, N), jnp.float32))
+    message = ("implementation='splash' needs a TPU: this program is lowered for {platform}. "
+               "Run it on a TPU, or on a CPU inside "
+               "jax.experimental.pallas.tpu.force_tpu_interpret_mode() (slow; for tests), or "
+               "name a fallback: implementation=('splash', 'chunked')")
+    return _by_platform({"tpu": run, "default": lambda: _fused.unavailable(
+        message, like, query, key, value)})
 
   def run_cudnn():
     _fused.refuse_given("cudnn", (

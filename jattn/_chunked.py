@@ -618,6 +618,13 @@ def _backward_parallel(plan: Plan, ops: Operands, tile_grads, scale, dk_scale):
     tq, tk = bias.shape[3] != 1, bias.shape[4] != 1
     blocked0 = jnp.zeros((nq if tq else 1, nk if tk else 1) + bias.shape[:3]
                          + (bq if tq else 1, bk if tk else 1), sd)
+    # Under an Explicit mesh: sharded as the bias is along (B, K, G); each step's lane blocks,
+    # computed sharded like the query, are given that sharding before they are added.
+    bias_entries = tuple(_sharding.spec_of(bias) or ()) + (None,) * 5
+    lane_spec = jax.sharding.PartitionSpec(None, *bias_entries[:3], None, None)
+    if _sharding.explicit_mesh():
+      blocked0 = _sharding.reshard_to(
+          blocked0, jax.sharding.PartitionSpec(None, None, *bias_entries[:3], None, None))
   else:
     blocked0 = None
 
@@ -643,8 +650,10 @@ def _backward_parallel(plan: Plan, ops: Operands, tile_grads, scale, dk_scale):
       if blocked is not None:
         # Padding steps and padding lanes add exact zeros (their tiles are fully masked).
         zero = jnp.zeros_like(i_vec)
-        blocked = blocked.at[i_vec if tq else zero, rows_g if tk else zero].add(
-            dbias_c.astype(sd))
+        dbias_c = dbias_c.astype(sd)
+        if _sharding.explicit_mesh():
+          dbias_c = _sharding.reshard_to(dbias_c, lane_spec)
+        blocked = blocked.at[i_vec if tq else zero, rows_g if tk else zero].add(dbias_c)
       dargs = jax.tree.map(lambda a, b: a + b.sum(axis=0), dargs, dargs_c)
       return dk_l + ddk, dv_l + ddv, blocked, dargs
 
@@ -717,8 +726,15 @@ def _accumulate_bias(dbias, contrib, i, j, plan: Plan):
   """Add a tile's dBias block at its place in the (B|1,K|1,G|1,Tp|1,Sp|1) gradient."""
   start = (0, 0, 0, i * plan.grid.block_q if dbias.shape[3] != 1 else 0,
            j * plan.grid.block_kv if dbias.shape[4] != 1 else 0)
+  # Integer starts of one type (x64 makes Python ints int64 next to the int32 loop indices).
+  start = tuple(jnp.asarray(x, jnp.int32) for x in start)
   cur = jax.lax.dynamic_slice(dbias, start, contrib.shape)
-  return jax.lax.dynamic_update_slice(dbias, cur + contrib.astype(dbias.dtype), start)
+  # Under an Explicit mesh the tile's contribution is sharded like the query (batch, heads),
+  # where a broadcast or replicated bias's gradient is not: give it dBias's sharding.
+  contrib = contrib.astype(dbias.dtype)
+  if _sharding.explicit_mesh():
+    contrib = _sharding.reshard_to(contrib, _sharding.spec_of(dbias))
+  return jax.lax.dynamic_update_slice(dbias, cur + contrib, start)
 
 
 # --------------------------------------------------------------------------------------------

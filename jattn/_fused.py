@@ -16,6 +16,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.extend import core as _core
+from jax.interpreters import batching as _batching
+from jax.interpreters import mlir as _mlir
 
 from jattn._tile import NEG
 
@@ -94,3 +97,61 @@ def _bwd(forward, plain, pure, empty_rows, res, cts):
 
 
 zero_empty_rows.defvjp(_fwd, _bwd)
+
+
+# --------------------------------------------------------------------------------------------
+# A fused kernel named alone, in a program lowered for a platform it has no kernel for.
+# --------------------------------------------------------------------------------------------
+#
+# Whether the program will be lowered for the kernel's platform is known only when it is
+# lowered (a program exported for tpu from a CPU is traced here), so the refusal is an
+# operation whose lowering raises: it stands in the other platforms' branch of
+# `jax.lax.platform_dependent`, which lowers only the branches of the platforms asked for.
+
+_unavailable_p = _core.Primitive("jattn_unavailable")
+_unavailable_p.multiple_results = True
+
+
+def _unavailable_abstract(*args, avals, message):
+  del args, message
+  return [jax.core.ShapedArray(shape, dtype) for shape, dtype in avals]
+
+
+def _unavailable_lowering(ctx, *args, avals, message):
+  del args, avals
+  platforms = getattr(getattr(ctx, "module_context", None), "platforms", None) or ("?",)
+  raise NotImplementedError(message.format(platform=", ".join(platforms)))
+
+
+def _unavailable_batched(args, dims, *, avals, message):
+  size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
+  avals = tuple(((size,) + tuple(shape), dtype) for shape, dtype in avals)
+  return _unavailable_p.bind(*args, avals=avals, message=message), [0] * len(avals)
+
+
+_unavailable_p.def_abstract_eval(_unavailable_abstract)
+_mlir.register_lowering(_unavailable_p, _unavailable_lowering)
+_batching.primitive_batchers[_unavailable_p] = _unavailable_batched
+
+
+def unavailable(message: str, like, *operands):
+  """Arrays shaped like the pytree ``like`` (abstract values) whose lowering raises
+  NotImplementedError(``message``); differentiable in ``operands`` (their cotangents lower to
+  the same error)."""
+  leaves, tree = jax.tree.flatten(like)
+  avals = tuple((tuple(x.shape), jnp.dtype(x.dtype)) for x in leaves)
+
+  @jax.custom_vjp
+  def stand_in(*xs):
+    return _unavailable_p.bind(*xs, avals=avals, message=message)
+
+  def fwd(*xs):
+    return stand_in(*xs), xs
+
+  def bwd(xs, cts):
+    del cts
+    back = tuple((tuple(x.shape), jnp.dtype(x.dtype)) for x in xs)
+    return tuple(_unavailable_p.bind(*xs, avals=back, message=message))
+
+  stand_in.defvjp(fwd, bwd)
+  return jax.tree.unflatten(tree, stand_in(*operands))

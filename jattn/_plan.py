@@ -137,7 +137,10 @@ def implementation_by_platform(B: int, N: int, T: int, S: int, G: int = 1, dtype
   program cannot be partitioned, see `jattn._sharding.unpartitioned`) and splash takes the call.
   On GPU the default stays with jattn's kernels, as jax.nn's stays with XLA (a tuning table
   that measured a fused kernel faster puts it first: see `jattn._attention`)."""
-  fits = B * N * T * S * 4 <= ACCELERATOR_DENSE_SCORES_BYTES
+  # A symbolic batch or head count (jax.export) bounds nothing: the program must serve every
+  # size, so the scores are taken not to fit.
+  fits = (all(isinstance(d, (int, np.integer)) for d in (B, N))
+          and B * N * T * S * 4 <= ACCELERATOR_DENSE_SCORES_BYTES)
   accelerator = "dense" if fits and not decoding(T, S, G) else "chunked"
   choice = {"cpu": (choose_implementation(T, S, G, dtype, mask, (B, N, T, S)),),
             "default": (accelerator,)}

@@ -8,6 +8,8 @@ no mesh) every function here is the identity.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import numpy as np
 from jax.sharding import PartitionSpec
@@ -204,6 +206,9 @@ def varying_axes(x) -> frozenset:
   return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
 
 
+_TYPED_SHARDINGS = ("sharding", "out_sharding")
+
+
 class VaryingReplay:
   """A traced function (a closed jaxpr) replayed on arguments that may already be typed
   device-varying where the trace cast them (``pvary``) itself.
@@ -231,7 +236,11 @@ class VaryingReplay:
         outs = [jax.lax.pcast(x, tuple(sorted(want - varying_axes(x), key=str)), to="varying")
                 if want - varying_axes(x) else x for x in ins]
       else:
-        outs = eqn.primitive.bind(*ins, **eqn.params)
+        # A sharding recorded in the types of the trace (an Explicit mesh outside the
+        # shard_map) does not hold inside it, where every axis is manual.
+        params = {k: (None if k in _TYPED_SHARDINGS and p is not None else p)
+                  for k, p in eqn.params.items()}
+        outs = eqn.primitive.bind(*ins, **params)
         if not eqn.primitive.multiple_results:
           outs = [outs]
       env.update(zip(eqn.outvars, outs))
@@ -243,10 +252,12 @@ def reshape(x, shape):
   """``x.reshape(shape)``; under an Explicit mesh with the output's sharding spelled out: a
   sharded input dimension stays sharded on the output dimension it is the major part of (the
   batch of a (B, nq, bq, ...) -> (B, T, ...) reshape)."""
-  shape = tuple(int(d) for d in shape)
+  # Symbolic dimensions (jax.export) stay as they are.
+  shape = tuple(int(d) if isinstance(d, (int, np.integer)) else d for d in shape)
   if -1 in shape:
-    known = int(np.prod([d for d in shape if d != -1]))
-    shape = tuple(x.size // known if d == -1 else d for d in shape)
+    known = math.prod(d for d in shape if not (isinstance(d, int) and d == -1))
+    shape = tuple(math.prod(x.shape) // known if isinstance(d, int) and d == -1 else d
+                  for d in shape)
   spec = spec_of(x)
   if not explicit_mesh() or spec is None or all(e is None for e in spec):
     return x.reshape(shape)
@@ -258,9 +269,13 @@ def reshape(x, shape):
     if entry is None:
       continue
     # The output dimension that starts where d does and holds whole multiples of it (size-1
-    # dimensions share their start with the next one: (1, B, ..) -> (1, B, .., 1) keeps B's).
+    # dimensions share their start with the next one: (1, B, ..) -> (1, B, .., 1) keeps B's),
+    # or is its major part with room for every shard (heads N split into (K, G)).
+    count = axes_size(_mesh(), _names(entry))
     fits = [o for o in range(len(shape))
-            if out_start[o] == in_start[d] and shape[o] % x.shape[d] == 0 and out[o] is None]
+            if out_start[o] == in_start[d] and out[o] is None
+            and (shape[o] % x.shape[d] == 0
+                 or (x.shape[d] % shape[o] == 0 and shape[o] % count == 0))]
     if not fits:
       raise ValueError(f"reshape {x.shape} -> {shape} would split sharded dimension {d}")
     out[fits[0]] = entry

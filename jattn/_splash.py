@@ -305,6 +305,15 @@ def _kernels(groups, bq, bk, soft_cap, save_residuals):
 # --------------------------------------------------------------------------------------------
 
 
+def interpreting() -> bool:
+  """Whether Pallas's TPU interpret mode is on where the call is traced
+  (`jax.experimental.pallas.tpu.force_tpu_interpret_mode`): the kernels then run on any
+  platform."""
+  from jax._src import config  # noqa: PLC0415 -- the setting has no public reader
+  setting = getattr(config, "pallas_tpu_interpret_mode_context_manager", None)
+  return setting is not None and setting.value is not None
+
+
 def splash_attention(query, key, value, mask, sinks, *, scale, soft_cap, block_q, block_kv,
                      shard=None):
   """(out (B, T, N, H) in the query dtype, lse (B, T, N) float32) of jattn's attention through

@@ -19,7 +19,7 @@ from typing import Any, Callable, NamedTuple
 import jax.numpy as jnp
 import numpy as np
 
-from jattn import _dropout
+from jattn import _dropout, _sharding
 
 # Masked logits are set to a finite large negative, never -inf: exp(NEG - m) underflows to an
 # exact 0 and `max` over a fully masked row stays finite, so no inf - inf = NaN can arise.
@@ -184,14 +184,16 @@ def apply_score_mod(cfg: Config, s, idx: Index, score_args):
   the user in (B, N, tq, tk) layout with index arrays of shapes (B,1,1,1), (1,N,1,1),
   (1,1,tq,1), (1,1,1,tk)."""
   shape = s.shape
-  s4 = s.reshape(shape[0], cfg.N, idx.q.shape[0], shape[-1])
+  # Through _sharding.reshape: under an Explicit mesh a batch- or head-sharded tile keeps its
+  # sharding on B or on N (K is the major part of N).
+  s4 = _sharding.reshape(s, (shape[0], cfg.N, idx.q.shape[0], shape[-1]))
   b = jnp.arange(cfg.B, dtype=jnp.int32).reshape(cfg.B, 1, 1, 1) + idx.batch0
   h = jnp.arange(cfg.N, dtype=jnp.int32).reshape(1, cfg.N, 1, 1) + idx.head0
   q = idx.q.astype(jnp.int32).reshape(1, 1, -1, 1)
   k = idx.kv.astype(jnp.int32).reshape(1, 1, 1, -1)
   # The shape and dtype of the result were checked when the call was traced.
   out = cfg.score_mod(s4, b, h, q, k, *score_args)
-  return out.astype(s.dtype).reshape(shape)
+  return _sharding.reshape(out.astype(s.dtype), shape)
 
 
 def visible(cfg: Config, mask, q_pos, kv_pos, *, ragged_kv: bool):

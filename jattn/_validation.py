@@ -461,6 +461,15 @@ def arrays(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_seg, 
     query, key, value = query[None], key[None], value[None]
   B, T, N, H = query.shape
   S = key.shape[1]
+  for name, letter, size in (("query", "T", T), ("key", "S", S), ("query", "H", H)):
+    if not isinstance(size, (int, np.integer)):
+      # jax.export's symbolic dimensions: the batch and the head count may be symbolic; the
+      # block sizes, loop bounds and masks are planned from the lengths while tracing.
+      raise NotImplementedError(
+          f"{name}'s {'length' if letter != 'H' else 'head dimension'} {letter} is the symbolic "
+          f"dimension {str(size)!r}: jattn plans blocks and masks from known lengths and head "
+          f"sizes; export one program per length (pad to it and pass key_value_seq_lengths), "
+          f"the batch B and heads N may stay symbolic")
   if min(T, S, H) == 0:
     raise ValueError(f"empty attention: T={T}, S={S}, H={H} must all be positive")
   full = (B, N, T, S)
