@@ -132,7 +132,9 @@ def dot_product_attention(
       (block_q, block_kv) tile per lane, so this bounds its memory; more lanes run group after
       group.
     return_residual: also return the log-sum-exp of each row, shaped (B, T, N) (or (T, N)) like
-      jax.nn's, without gradient. A row with nothing to attend to has a large negative value.
+      jax.nn's. Unlike jax.nn's it carries its gradient (d lse / d logits = the softmax), so a
+      `merge_attention` of parts differentiates exactly. A row with nothing to attend to has a
+      large negative value (and no gradient).
     score_mod: ``f(score, batch, head, q_index, kv_index) -> score`` on the fp32 logits after
       bias, before masking; ``score`` is (B, N, tq, tk) and the indices broadcast to it. Arrays it
       closes over receive gradients. Define it once: a new function object recompiles.
@@ -498,7 +500,7 @@ def _attention(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_s
   lse = _plan.clamp_lse(lse, query.dtype)
   if args.unbatched:
     lse = lse[0]
-  return out, jax.lax.stop_gradient(lse)
+  return out, lse
 
 
 # The implementations and the platforms each lowers for (None: every platform; jattn's own

@@ -753,8 +753,8 @@ def _kernel_fwd(plan: Plan, ops: Operands):
 
 
 def _kernel_bwd(plan: Plan, res: Residuals, cts):
-  # The public lse carries no gradient (as in jax.nn: `_attention` stops it); inside jattn a
-  # merge of parts over key/value shards differentiates through it.
+  # The lse's cotangent: a merge of parts (merge_attention, key/value shards on several
+  # devices) differentiates through it.
   dout, dlse = cts
   grads = backward(plan, res, dout, dlse)
   if _sharding.explicit_mesh():

@@ -15,6 +15,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jattn._tile import NEG
 from jattn import _fused
 
 
@@ -64,10 +65,14 @@ def cudnn_attention(query, key, value, bias, mask, *, scale, causal, window, q_l
     return jax.nn.dot_product_attention(q, k, v, b, mask, query_seq_lengths=q_len,
                                         key_value_seq_lengths=kv_len, **kw)
 
+  def lse_of(q, k, v, b, mask, q_len, kv_len):
+    del v
+    return _lse(q, k, b, mask, q_len, kv_len, scale=scale, causal=causal, window=window)
+
   try:
     # No second derivative on this path (pure=None): jax.nn's cuDNN backward has none either.
-    return _fused.zero_empty_rows(forward, plain, None, _empty_rows, (query, key, value, bias),
-                                  (mask, q_lengths, kv_lengths))
+    return _fused.zero_empty_rows(forward, plain, None, _empty_rows, lse_of,
+                                  (query, key, value, bias), (mask, q_lengths, kv_lengths))
   except ValueError as e:  # jax.nn's own limits (head dim, layout, mask shape, ...)
     raise NotImplementedError(f"implementation='cudnn': {e}") from e
 
@@ -79,3 +84,32 @@ def _empty_rows(lse):
   logit a bias pushes below -16384 counts as empty here). A NaN log-sum-exp is not empty: a NaN
   at a visible position propagates."""
   return lse < -(1 << 14)
+
+
+def _lse(q, k, bias, mask, q_len, kv_len, *, scale, causal, window):
+  """The (B, T, N) float32 log-sum-exp of the call in plain JAX (O(T x S)), for its gradient
+  where the caller uses the lse: jax.nn's cuDNN call returns it without one."""
+  B, T, N, _ = q.shape
+  S, K = k.shape[1], k.shape[2]
+  s = jnp.einsum("btkgh,bskh->bkgts", q.reshape(B, T, K, N // K, -1).astype(jnp.float32),
+                 k.astype(jnp.float32)).reshape(B, N, T, S) * scale
+  if bias is not None:
+    s = s + bias.astype(jnp.float32).reshape((1,) * (4 - bias.ndim) + bias.shape)
+  t, j = jnp.arange(T).reshape(1, 1, T, 1), jnp.arange(S).reshape(1, 1, 1, S)
+  vis = jnp.ones((1, 1, T, S), bool)
+  if mask is not None:
+    vis = vis & mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+  if causal is not None:
+    vis = vis & (j <= t)
+  if window is not None:
+    vis = vis & (j >= t - window[0]) & (j <= t + window[1])
+  if q_len is not None:
+    vis = vis & (t < q_len[:, None, None, None])
+  if kv_len is not None:
+    vis = vis & (j < kv_len[:, None, None, None])
+  s = jnp.where(vis, s, -jnp.inf)
+  m = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
+  m = jnp.where(jnp.isfinite(m), m, 0.0)
+  l = jnp.sum(jnp.where(vis, jnp.exp(s - m), 0.0), axis=-1)
+  lse = jnp.where(l > 0, jnp.log(jnp.where(l > 0, l, 1.0)) + m[..., 0], NEG)
+  return jnp.transpose(lse, (0, 2, 1))

@@ -27,7 +27,8 @@ def dense_attention(cfg: Config, q, k, v, bias, mask, seed, score_args=(), sink=
   if cfg.dropout_rate > 0:
     p = jnp.where(_tile.keep(cfg, seed, _tile.Index(q_pos, kv_pos)), p, jnp.zeros((), p.dtype))
   out = _tile.safe_normalize(_tile.pv(p, v, fold=False), l, m, cfg.dropout_rate)
-  lse = jax.lax.stop_gradient(_tile.safe_lse(m, l))
+  # Differentiable: d lse / d s = P (m is a constant for autodiff, as in _exp_scores).
+  lse = _tile.safe_lse(m, l)
   return out.astype(q.dtype), lse
 
 

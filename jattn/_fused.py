@@ -36,12 +36,14 @@ def refuse_given(implementation: str, inputs, reason: str):
       refuse(implementation, name, reason)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def zero_empty_rows(forward, plain, pure, empty_rows, diff, aux):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
+def zero_empty_rows(forward, plain, pure, empty_rows, lse_of, diff, aux):
   """(out, lse) of ``forward(*diff, *aux)``, with the rows where ``empty_rows(lse)`` holds set
-  to 0; differentiable in ``diff`` (a tuple whose first entry is the query, laid out like the
-  output; None entries are skipped) through ``plain(*diff, *aux) -> out``. ``aux``: a tuple of
-  arrays without gradient (segment ids).
+  to 0 (lse NEG); differentiable in ``diff`` (a tuple whose first entry is the query, laid out
+  like the output; None entries are skipped) through ``plain(*diff, *aux) -> out`` and, for the
+  log-sum-exp, ``lse_of(*diff, *aux) -> lse`` (plain JAX; differentiated only where the lse's
+  cotangent is not a symbolic zero: the lse is used, as in a merge of parts). ``aux``: a tuple
+  of arrays without gradient (segment ids).
 
   ``pure`` (same signature as ``plain``, in plain JAX, or None) differentiates the backward
   itself (a gradient of a gradient): the kernels have no derivative of their own backward, and
@@ -55,8 +57,10 @@ def zero_empty_rows(forward, plain, pure, empty_rows, diff, aux):
           jnp.where(empty, jnp.asarray(NEG, lse.dtype), lse))
 
 
-def _fwd(forward, plain, pure, empty_rows, diff, aux):
-  out, lse = zero_empty_rows(forward, plain, pure, empty_rows, diff, aux)
+def _fwd(forward, plain, pure, empty_rows, lse_of, diff, aux):
+  # symbolic_zeros: the primals come wrapped (their .value), the cotangents may be SymbolicZero.
+  diff, aux = jax.tree.map(lambda x: x.value, (diff, aux))
+  out, lse = zero_empty_rows(forward, plain, pure, empty_rows, lse_of, diff, aux)
   return (out, lse), (diff, aux, empty_rows(lse))
 
 
@@ -72,13 +76,15 @@ def _pullback(fn, diff, given, xs, aux, d_out):
   return pull(d_out)
 
 
-def _bwd(forward, plain, pure, empty_rows, res, cts):
+def _bwd(forward, plain, pure, empty_rows, lse_of, res, cts):
   diff, aux, empty = res
-  d_out, _ = cts  # the log-sum-exp is returned without gradient
+  d_out, d_lse = cts
   zero = lambda x: jnp.where(empty[..., None], jnp.zeros((), x.dtype), x)
   given = [i for i, x in enumerate(diff) if x is not None]
   xs = tuple(diff[i] for i in given)
   shape = [None if x is None else 0 for x in diff]  # the structure, without the arrays
+  if isinstance(d_out, _SymbolicZero):
+    d_out = jnp.zeros(d_out.shape, d_out.dtype)
 
   def pullback(fn):
     return lambda xs, d_out, aux: _pullback(fn, shape, given, xs, aux, d_out)
@@ -91,12 +97,19 @@ def _bwd(forward, plain, pure, empty_rows, res, cts):
     grads_of.defjvp(lambda primals, tangents: jax.jvp(
         lambda xs, d: pullback(pure)(xs, d, primals[2]), primals[:2], tangents[:2]))
     grads = grads_of(xs, zero(d_out), aux)
+  if not isinstance(d_lse, _SymbolicZero):
+    # d lse / d logits = P: the lse's own gradient, from the plain computation of it (empty
+    # rows' lse is a constant).
+    d_lse = jnp.where(empty, jnp.zeros((), d_lse.dtype), d_lse)
+    lse_like = lambda *a: lse_of(*a).reshape(d_lse.shape).astype(d_lse.dtype)
+    grads = jax.tree.map(jnp.add, tuple(grads), tuple(pullback(lse_like)(xs, d_lse, aux)))
   grads = dict(zip(given, grads))
   grads[0] = zero(grads[0])
   return tuple(grads.get(i) for i in range(len(diff))), tuple(None for _ in aux)
 
 
-zero_empty_rows.defvjp(_fwd, _bwd)
+_SymbolicZero = jax.custom_derivatives.SymbolicZero
+zero_empty_rows.defvjp(_fwd, _bwd, symbolic_zeros=True)
 
 
 # --------------------------------------------------------------------------------------------

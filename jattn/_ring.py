@@ -291,7 +291,7 @@ def _ring_forward(rc: _RingConfig, q, k, v, ro: _RingOperands):
   return out.astype(q.dtype), lse
 
 
-def _ring_backward(rc: _RingConfig, q, k, v, ro: _RingOperands, out, lse, dout):
+def _ring_backward(rc: _RingConfig, q, k, v, ro: _RingOperands, out, lse, dout, dlse):
   sd = _tile.stat_dtype(q.dtype)
   P = rc.num_devices
   index = jax.lax.axis_index(rc.axis_name)
@@ -308,7 +308,7 @@ def _ring_backward(rc: _RingConfig, q, k, v, ro: _RingOperands, out, lse, dout):
     ops = _pair(rc, ro, q, k, v, index, (index - step) % P, kv_seg)
     # The backward recomputes P = exp(S - lse) from the *global* lse (the sink included), so on
     # one key/value shard it gives that shard's share of dQ and the whole of its dK, dV.
-    g = _chunked.backward(rc.plan, _chunked.Residuals(ops, out, lse), dout)
+    g = _chunked.backward(rc.plan, _chunked.Residuals(ops, out, lse), dout, dlse)
     # dK, dV travel with their shard: after P sends they are back on its owner.
     dk, dv = _send(rc, (dk + g.k.astype(sd), dv + g.v.astype(sd)))
     dargs = jax.tree.map(jnp.add, dargs, g.score_args)
@@ -324,7 +324,8 @@ def _ring_backward(rc: _RingConfig, q, k, v, ro: _RingOperands, out, lse, dout):
   dargs = jax.tree.map(total, dargs)
   dsink = None
   if ro.sink is not None:
-    delta = _chunked.output_delta(dout, out)
+    # The lse's cotangent lowers delta, as in _chunked.backward.
+    delta = _chunked.output_delta(dout, out) - dlse.astype(sd)
     dsink = total(_chunked.sink_gradient(ro.sink, lse, delta))
   zeros = lambda tree: jax.tree.map(_plan.zero_cotangent, tree)
   dro = _RingOperands(mask=zeros(ro.mask), q_seg=zeros(ro.q_seg), kv_seg=zeros(ro.kv_seg),
@@ -345,8 +346,8 @@ def _ring_fwd(rc, q, k, v, ro):
 
 def _ring_bwd(rc, res, cts):
   q, k, v, ro, out, lse = res
-  dout, _ = cts  # the log-sum-exp output carries no gradient (as in dot_product_attention)
-  return _ring_backward(rc, q, k, v, ro, out, lse, dout)
+  dout, dlse = cts
+  return _ring_backward(rc, q, k, v, ro, out, lse, dout, dlse)
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
@@ -478,7 +479,7 @@ def ring_attention(
       ``"splash"`` and ``"cudnn"`` cannot serve a ring (NotImplementedError with the reason;
       in a sequence they are skipped): a pair's part of the mask is known only at run time,
       and the backward recomputes each pair from the merged log-sum-exp.
-    return_residual: also return this device's log-sum-exp (B, Ts, N), without gradient.
+    return_residual: also return this device's log-sum-exp (B, Ts, N), with its gradient.
     score_mod: as in ``dot_product_attention``, called with global query and key indices.
     sinks: float (N,) per-head sink logits, the same on every device; each row's sink joins its
       softmax once (in the final merge), and its gradient is summed over the ring.
@@ -602,7 +603,7 @@ def _ring_attention(query, key, value, mask, q_lengths, kv_lengths, q_seg, kv_se
   lse = _plan.clamp_lse(lse[:, :Ts], query.dtype)
   if args.unbatched:
     lse = lse[0]
-  return out, jax.lax.stop_gradient(lse)
+  return out, lse
 
 
 def merge_attention(outs, lses):
@@ -618,11 +619,9 @@ def merge_attention(outs, lses):
   sentinel) gets weight 0 there; a row with nothing in any part returns out 0 and keeps its very
   negative lse, without NaN.
 
-  Gradients: the log-sum-exp that ``dot_product_attention(..., return_residual=True)`` returns
-  carries no gradient (as jax.nn's does not), so differentiating a merge of such parts gives
-  the right dV but not dQ and dK: the weights ``exp(lse_i - lse)`` depend on q and k through
-  the lses. To differentiate attention split over keys, use one call with the union's mask, or
-  `ring_attention`, whose merges are part of its own VJP.
+  Gradients: the log-sum-exp that ``dot_product_attention(..., return_residual=True)`` and
+  `ring_attention` return carries its gradient, so a merge of such parts differentiates exactly
+  (dQ, dK and dV of one call over the union of the keys).
 
   Args:
     outs: a sequence of n arrays (B, T, N, H) -- or any (..., H) -- or one stacked (n, ..., H)

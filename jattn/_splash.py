@@ -399,15 +399,17 @@ def _attend(query, key, value, sinks, ids, *, heads, scale, soft_cap, bq, bk):
   out, lse = _fused.zero_empty_rows(
       _kernels(groups, bq, bk, soft_cap, True),
       lambda *a: _kernels(groups, bq, bk, soft_cap, False)(*a)[0], _pure(groups, soft_cap),
-      _empty_rows, (q, k, v, snk), (q_ids, kv_ids))
+      _empty_rows, _pure(groups, soft_cap, lse=True), (q, k, v, snk), (q_ids, kv_ids))
   out = jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(B, Tp, N, -1)[:, :T]
   lse = jnp.transpose(lse.reshape(B, K, G, Tp), (0, 3, 1, 2)).reshape(B, Tp, N)[:, :T]
   return out, lse
 
 
-def _pure(groups, soft_cap):
+def _pure(groups, soft_cap, lse: bool = False):
   """What the kernels compute, in plain JAX with (T, S) scores: the derivative of splash's
-  backward (a gradient of a gradient), which its kernels do not have (see _fused)."""
+  backward (a gradient of a gradient), which its kernels do not have (see _fused); with
+  ``lse``, the log-sum-exp (B, K, G, Tp) instead of the output (its gradient, for a caller
+  that uses the lse)."""
 
   def run(q, k, v, sinks, q_ids, kv_ids):
     masks = jnp.asarray(np.stack([np.stack([h.dense() for h in g]) for g in groups]))
@@ -423,6 +425,8 @@ def _pure(groups, soft_cap):
     l = p.sum(-1, keepdims=True)
     if sinks is not None:
       l = l + jnp.exp(sinks[None, :, :, None, None] - m)
+    if lse:
+      return (m + jnp.log(jnp.where(l == 0, 1.0, l)))[..., 0]
     out = jnp.einsum("bkgts,bksh->bkgth", p / jnp.where(l == 0, 1.0, l), v.astype(jnp.float32))
     return out.astype(q.dtype)
 

@@ -10,6 +10,8 @@ split-KV decoding recipe of docs/ring.md, run on 4 devices
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -36,8 +38,8 @@ def _inputs():
 
 
 def _part(q, k, v, vis, empty_lse):
-  """Attention over one key range with a *differentiable* lse, in float32 jax.numpy. (jattn's own
-  return_residual lse carries no gradient; see test_merge_of_jattn_parts_* below.) A row with
+  """Attention over one key range with a differentiable lse, in float32 jax.numpy: the merge on
+  its own, apart from jattn's kernels (see test_merge_of_jattn_parts_* below). A row with
   nothing visible here gets out 0 and lse ``empty_lse``."""
   G = q.shape[2] // k.shape[2]
   kr, vr = jnp.repeat(k, G, axis=2), jnp.repeat(v, G, axis=2)
@@ -115,38 +117,107 @@ def test_merge_gradient_with_respect_to_lse_closed_form():
   assert g_l[2, 1] == 0.0
 
 
-def _jattn_parts(q, k, v, vis):
-  return [jattn.dot_product_attention(q, k[:, a:b], v[:, a:b], mask=jnp.asarray(vis[..., a:b]),
-                                      return_residual=True) for a, b in RANGES]
+# Every implementation that runs here: splash in Pallas's TPU interpret mode (its static NumPy
+# mask), jattn's kernels in both schedules.
+PART_IMPLS = {
+    "dense": dict(implementation="dense"),
+    "chunked": dict(implementation="chunked", schedule="serial", block_q=4, block_kv=2),
+    "parallel": dict(implementation="chunked", schedule="parallel", block_q=4, block_kv=2),
+    "None": dict(implementation=None),
+    "splash": dict(implementation="splash"),
+}
 
 
-def _merged_jattn_parts(q, k, v, vis):
-  parts = _jattn_parts(q, k, v, vis)
+def _jattn_parts(q, k, v, vis, impl):
+  kw = PART_IMPLS[impl]
+  as_mask = (lambda m: np.asarray(m)) if impl == "splash" else jnp.asarray
+  return [jattn.dot_product_attention(q, k[:, a:b], v[:, a:b], mask=as_mask(vis[..., a:b]),
+                                      return_residual=True, **kw) for a, b in RANGES]
+
+
+def _merged_jattn_parts(q, k, v, vis, impl):
+  parts = _jattn_parts(q, k, v, vis, impl)
   return jattn.merge_attention([p[0] for p in parts], [p[1] for p in parts])[0]
 
 
-def test_merge_of_jattn_parts_forward_and_dv():
-  """Parts from dot_product_attention(return_residual=True): forward and dv through the merge
-  equal the reference (dv does not depend on the parts' lse)."""
-  q, k, v, do, vis = _inputs()
+def _interpret(impl):
+  if impl != "splash":
+    return contextlib.nullcontext()
+  from jax.experimental.pallas import tpu as pltpu
+  return pltpu.force_tpu_interpret_mode()
 
-  out, pull = jax.vjp(lambda q, k, v: _merged_jattn_parts(q, k, v, vis), q, k, v)
-  _, _, dv = pull(jnp.asarray(do))
+
+@pytest.mark.parametrize("impl", list(PART_IMPLS))
+def test_merge_of_jattn_parts_equals_one_call(impl):
+  """Parts from dot_product_attention(return_residual=True), merged: forward and dq, dk, dv
+  through the merge (through each part's lse, which sets its weight) equal the reference over
+  all the keys. The residual lse carries its gradient on every implementation."""
+  q, k, v, do, vis = _inputs()
+  if impl == "splash":
+    # One kernel serves the batch: a mask shared by examples and heads, with an empty row.
+    vis = np.broadcast_to(vis[:1, :1], vis.shape).copy()
+    vis[..., 2, :] = False
+  with _interpret(impl):
+    out, pull = jax.vjp(lambda q, k, v: _merged_jattn_parts(q, k, v, vis, impl), q, k, v)
+    dq, dk, dv = pull(jnp.asarray(do))
   want, _, cache = ref.attention(q, k, v, visible=vis)
-  _close("out", out, want)
-  _close("dv", dv, ref.grads(cache, do)[2])
+  wdq, wdk, wdv, _, _ = ref.grads(cache, do)
+  tol = 5e-3 if impl == "splash" else None  # splash's kernels round P to the input dtype
+  for name, got, exp in (("out", out, want), ("dq", dq, wdq), ("dk", dk, wdk), ("dv", dv, wdv)):
+    assert np.isfinite(np.asarray(got)).all(), name
+    if tol is None:
+      _close(name, got, exp)
+    else:
+      np.testing.assert_allclose(np.asarray(got), exp, atol=tol, rtol=0, err_msg=name)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "dot_product_attention(return_residual=True) returns its lse under stop_gradient, so "
-    "differentiating through merge_attention of such parts drops d(weight)/d(q, k): dq and dk are "
-    "silently wrong (dv is right). Remove this mark when the residual lse carries a gradient."))
-def test_merge_of_jattn_parts_dq_dk():
-  q, k, v, do, vis = _inputs()
+@pytest.mark.parametrize("impl", ["dense", "chunked", "parallel"])
+def test_residual_lse_gradient_equals_reference(impl):
+  """The gradient of sum(lse * w) alone (no output cotangent) equals the float64 reference's:
+  d lse / d logits = P, with sinks (a row that sees no key still sees its sink)."""
+  q, k, v, _, vis = _inputs()
+  sinks = np.linspace(-1.0, 1.0, N).astype(np.float32)
+  w = np.random.default_rng(5).standard_normal((B, T, N)).astype(np.float32)
 
-  _, pull = jax.vjp(lambda q, k, v: _merged_jattn_parts(q, k, v, vis), q, k, v)
-  dq, dk, _ = pull(jnp.asarray(do))
-  _, _, cache = ref.attention(q, k, v, visible=vis)
-  wdq, wdk, _, _, _ = ref.grads(cache, do)
-  _close("dq", dq, wdq)
-  _close("dk", dk, wdk)
+  def f(q, k, v, sinks):
+    _, lse = jattn.dot_product_attention(q, k, v, mask=jnp.asarray(vis), sinks=sinks,
+                                         return_residual=True, **PART_IMPLS[impl])
+    return jnp.sum(jnp.where(lse > -1e30, lse, 0.0) * w)
+
+  got = jax.grad(f, argnums=(0, 1, 2, 3))(q, k, v, jnp.asarray(sinks))
+
+  def f64(q, k, v, sinks):
+    G = N // K
+    s = jnp.einsum("btnh,bsnh->bnts", q, jnp.repeat(k, G, axis=2)) / float(np.sqrt(H))
+    s = jnp.where(jnp.asarray(vis), s, -jnp.inf)
+    s = jnp.concatenate([s, jnp.broadcast_to(sinks[None, :, None, None], s.shape[:3] + (1,))], -1)
+    lse = jax.nn.logsumexp(s, axis=-1)  # every row sees its sink
+    w64 = jnp.transpose(jnp.asarray(w, jnp.float64), (0, 2, 1))
+    return jnp.sum(lse * w64)
+
+  with jax.enable_x64(True):
+    want = jax.grad(f64, argnums=(0, 1, 2, 3))(*(jnp.asarray(np.asarray(x, np.float64))
+                                                 for x in (q, k, v, sinks)))
+  for name, g, wg in zip(("dq", "dk", "dv", "dsinks"), got, want):
+    _close(name, g, np.asarray(wg))
+
+
+def test_cudnn_lse_of_the_call_equals_reference():
+  """The cuDNN path's lse gradient comes from a plain-JAX lse of the call (jax.nn's cuDNN call
+  returns its lse without one): that lse, with a bias, a mask array, causal, a window and
+  lengths, equals the reference's (cuDNN itself needs a GPU)."""
+  from jattn import _cudnn
+  q, k, v, _, _ = _inputs()
+  rng = np.random.default_rng(1)
+  bias = rng.standard_normal((B, N, T, S)).astype(np.float32)
+  mask = rng.random((B, 1, T, S)) < 0.8
+  q_len, kv_len = np.array([T, 3]), np.array([S, 9])
+  got = _cudnn._lse(q, k, bias, jnp.asarray(mask), jnp.asarray(q_len), jnp.asarray(kv_len),
+                    scale=0.3, causal="top_left", window=(4, 0))
+  vis = ref.visible_mask(B, N, T, S, mask=mask, causal="top_left", window=(4, 0),
+                         q_lengths=q_len, kv_lengths=kv_len)
+  _, want, _ = ref.attention(q, k, v, visible=vis, bias=bias, scale=0.3)
+  live = np.isfinite(want)
+  assert (~live).any() and live.any()
+  _close("lse", np.asarray(got)[live], want[live])
+  assert np.all(np.asarray(got)[~live] < -1e30)
