@@ -149,6 +149,16 @@ def _attention(opts: Options, q, k, v, collect, rate, rng, sow=None, **masking):
   return dot_product_attention(q, k, v, **masking, **_common(opts, rate, rng))
 
 
+def _boolean_mask(mask):
+  """A mask as flax's modules take it -- boolean, or 0/1 numbers from `make_attention_mask` /
+  `make_causal_mask` (flax reads it as ``jnp.where(mask, ...)``: nonzero attends) -- or a
+  jattn.masks object, as jattn takes it."""
+  if mask is None or isinstance(mask, _masks.Mask):
+    return mask
+  mask = jnp.asarray(mask)
+  return mask if mask.dtype == jnp.bool_ else mask != 0
+
+
 def attend(opts: Options, q, k, v, *, self_attention: bool, mask=None, positions=None,
            kv_positions=None, query_seq_lengths=None, key_value_seq_lengths=None,
            q_segment_ids=None, kv_segment_ids=None, deterministic: bool = True,
@@ -170,7 +180,7 @@ def attend(opts: Options, q, k, v, *, self_attention: bool, mask=None, positions
     q, k = rope(q, qp, opts.rope_base), rope(k, kp, opts.rope_base)
   rate, rng = _dropout(opts, deterministic, dropout_rng)
   return _attention(
-      opts, q, k, v, collect, rate, rng, sow, mask=mask, is_causal=opts.is_causal or False,
+      opts, q, k, v, collect, rate, rng, sow, mask=_boolean_mask(mask), is_causal=opts.is_causal or False,
       local_window_size=opts.window, query_seq_lengths=query_seq_lengths,
       key_value_seq_lengths=key_value_seq_lengths, q_segment_ids=q_segment_ids,
       kv_segment_ids=kv_segment_ids)
@@ -239,6 +249,7 @@ def attend_cached(opts: Options, q, k, v, cached_key, cached_value, cache_index,
     # Keys k >= q + index - left: the complement of causal at offset index - left - 1.
     m = m & ~_masks.causal(offset=index - (opts.window[0] + 1))
   m = m & _masks.lengths(None if query_seq_lengths is None else new, valid)
+  mask = _boolean_mask(mask)
   if mask is not None:
     m = m & (mask if isinstance(mask, _masks.Mask) else _masks.from_array(mask))
   rate, rng = _dropout(opts, deterministic, dropout_rng)

@@ -144,7 +144,9 @@ class MultiHeadAttention(nnx.Module):
     """inputs_q (B, T, D); inputs_k, inputs_v (B, S, D_kv) (default: self-attention).
 
     Args:
-      mask: a :mod:`jattn.masks` object (or a boolean array broadcastable to (B, N, T, S)).
+      mask: a :mod:`jattn.masks` object, or an array broadcastable to (B, N, T, S): boolean, or
+        0/1 numbers as flax's `make_attention_mask` / `make_causal_mask` build them (nonzero
+        attends, as in flax).
       positions: int (T,) or (B, T) RoPE positions of the queries (default arange(T), or the
         cache positions when decoding); kv_positions: the same for keys (cross-attention).
       query_seq_lengths, key_value_seq_lengths: int (B,) valid lengths (padding). When

@@ -10,6 +10,7 @@ import pytest
 
 import jattn
 from jattn import _dropout
+import dropout_reference
 import reference as ref
 
 # Chunked runs with small, non-dividing blocks so ragged edges and many blocks are exercised.
@@ -277,12 +278,26 @@ def test_matches_jax_nn(impl, case, K):
 
 
 def keep_mask(rng, rate, B, N, T, S, broadcast=False):
-  """The (B, N, T, S) dropout keep-mask jattn draws for ``rng`` ((1, 1, T, S) when broadcast
-  over batch and heads): a pure function of the indices, given to the reference."""
-  b = jnp.arange(1 if broadcast else B).reshape(-1, 1, 1, 1)
-  h = jnp.arange(1 if broadcast else N).reshape(1, -1, 1, 1)
-  t, s = jnp.arange(T).reshape(1, 1, T, 1), jnp.arange(S).reshape(1, 1, 1, S)
-  return np.asarray(_dropout.keep_mask(_dropout.seed_words(rng), rate, b, h, t, s))
+  """The (B, N, T, S) dropout keep-mask for ``rng`` ((1, 1, T, S) when broadcast over batch and
+  heads), from the specification in docs/dropout.md (not from jattn's code)."""
+  return dropout_reference.keep_mask(rng, rate, B, N, T, S, broadcast)
+
+
+def test_dropout_hash_matches_its_specification():
+  """jattn's keep-mask equals the hash written from docs/dropout.md at scattered (b, n, t, s)
+  points, large indices included (a dropped or swapped index shows)."""
+  rng = jax.random.key(11)
+  pts = np.array([[0, 0, 0, 0], [1, 0, 0, 0], [0, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1],
+                  [3, 7, 100, 5], [2, 5, 4095, 65535], [1000, 63, 123456, 7]], np.int32)
+  for rate in (0.1, 0.5, 0.9):
+    got = _dropout.keep_mask(_dropout.seed_words(rng), rate, *(jnp.asarray(pts[:, i])
+                                                                for i in range(4)))
+    want = dropout_reference.keep(rng, rate, *(pts[:, i] for i in range(4)))
+    np.testing.assert_array_equal(np.asarray(got), want)
+  # Each index changes the mask: over a grid, varying one index alone flips some entries.
+  full = dropout_reference.keep_mask(rng, 0.5, 3, 3, 8, 8)
+  for axis in range(4):
+    assert (np.take(full, 0, axis) != np.take(full, 1, axis)).any(), axis
 
 
 def _pair(w):

@@ -71,7 +71,8 @@ def test_overflow_flag_matches_naive_float16_softmax(impl):
 # --------------------------------------------------------------------------------------------
 
 
-def _reference(q, k, *, vis, bias=None, scale=None, soft_cap=None, sinks=None, threshold=0.99):
+def _reference(q, k, *, vis, bias=None, scale=None, soft_cap=None, sinks=None, threshold=0.99,
+               score_mod=None):
   """Per-query statistics (B, N, T) from the definitions, in float64."""
   q, k = np.asarray(q, np.float64), np.asarray(k, np.float64)
   B, T, N, H = q.shape
@@ -82,6 +83,9 @@ def _reference(q, k, *, vis, bias=None, scale=None, soft_cap=None, sinks=None, t
     s = soft_cap * np.tanh(s / soft_cap)
   if bias is not None:
     s = s + np.asarray(bias, np.float64)
+  if score_mod is not None:
+    # f(scores, b, n, t, s) on the (B, N, T, S) logits, index arrays broadcasting against them.
+    s = score_mod(s, *np.ix_(np.arange(B), np.arange(N), np.arange(T), np.arange(S)))
   vis = np.broadcast_to(vis, s.shape)
   out = {f: np.zeros((B, N, T)) for f in FIELDS}
   for b, n, t in np.ndindex(B, N, T):
@@ -167,10 +171,26 @@ def _case(name):
     sinks = np.array([0.5, -1.0, 2.0, 0.0], np.float32)
     return (dict(mask=masks.local_window(4, 2), sinks=jnp.asarray(sinks), scale=0.7),
             dict(vis=_visible(B, N, T, S, window=(4, 2)), sinks=sinks, scale=0.7))
+  if name == "score_mod+causal":
+    # ALiBi-like slopes per head and a relative-position table gathered by (t - s): statistics
+    # are of the modified logits.
+    table = rng.standard_normal((N, T + S)).astype(np.float32)
+    jt = jnp.asarray(table)
+
+    def score_mod(x, b, h, t, s):
+      return (x - 0.25 * (h + 1).astype(x.dtype) * jnp.abs(t - s).astype(x.dtype)
+              + jt[h, t - s + S])
+
+    def reference_mod(x, b, h, t, s):
+      return x - 0.25 * (h + 1) * np.abs(t - s) + table.astype(np.float64)[h, t - s + S]
+
+    return (dict(is_causal=True, score_mod=score_mod),
+            dict(vis=_visible(B, N, T, S, causal=True), score_mod=reference_mod))
   raise AssertionError(name)
 
 
-CASES = ("causal+lengths", "array mask+bias+softcap", "window+mask object+sinks")
+CASES = ("causal+lengths", "array mask+bias+softcap", "window+mask object+sinks",
+         "score_mod+causal")
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -179,7 +199,7 @@ def test_against_float64_reference(case, impl):
   q, k = _inputs()
   kw, rkw = _case(case)
   ref, vis = _reference(q, k, **rkw)
-  assert ref["masked_rows"].sum() > 0 or case.startswith("window")
+  assert ref["masked_rows"].sum() > 0 or case.startswith(("window", "score_mod"))
   checks = [(diagnostics.attention_stats(q, k, per_query=True, **kw, **IMPLS[impl]), ref,
              (2, 4, 19))]
   if impl == "dense":

@@ -13,7 +13,8 @@ from flax import linen as nn
 from flax import nnx
 
 import jattn
-from jattn import _dropout, masks
+from jattn import masks
+import dropout_reference
 import reference_modules as rm
 
 B, T, D, N, K = 2, 8, 16, 4, 2
@@ -230,7 +231,7 @@ def _keep(rng, rate, shape, broadcast=False):
     b, h = jnp.zeros_like(b[:1]), jnp.zeros_like(h[:, :1])
   t = jnp.arange(Ts).reshape(1, 1, Ts, 1)
   s = jnp.arange(Ss).reshape(1, 1, 1, Ss)
-  keep = _dropout.keep_mask(_dropout.seed_words(rng), rate, b, h, t, s)
+  keep = dropout_reference.keep(rng, rate, b, h, t, s)
   return np.broadcast_to(np.asarray(keep), shape)
 
 
@@ -550,3 +551,73 @@ def test_decode_past_the_cache_drops_the_writes():
   for (k8, v8), (k4, v4) in zip(caches[8], caches[4]):
     np.testing.assert_array_equal(k4, k8[:, :4])
     np.testing.assert_array_equal(v4, v8[:, :4])
+
+
+# ---- seams: flax's own masks, decoding with a user mask and explicit positions ---------------
+
+
+def test_flax_float_masks_are_taken_as_flax_reads_them():
+  """flax's make_attention_mask / make_causal_mask / combine_masks build float32 0/1 masks,
+  which flax's own modules read as jnp.where(mask, ...): linen and nnx take them, equal to the
+  boolean mask and to the float64 reference."""
+  x = _x(31)
+  pad = np.array([[1] * T, [1] * 5 + [0] * (T - 5)], np.int32)
+  mask = nnx.combine_masks(nnx.make_attention_mask(pad, pad), nnx.make_causal_mask(pad))
+  assert mask.dtype == jnp.float32
+  lin, params, mod = _linen_pair(32)
+  vis = np.asarray(mask, bool)
+  want = rm.mha(rm.params_from_linen(params), np.asarray(x), mask=vis)
+  for got in (lin.apply({"params": params}, x, mask=mask), mod(x, mask=mask),
+              lin.apply({"params": params}, x, mask=mask.astype(jnp.int32))):
+    np.testing.assert_allclose(got, want, atol=ATOL, rtol=0)
+    np.testing.assert_array_equal(got, mod(x, mask=np.asarray(mask, bool)))
+
+
+@pytest.mark.parametrize("impl", IMPLS, ids=IMPL_IDS)
+def test_decode_with_a_user_mask_equals_the_uncached_pass(impl):
+  """Decoding with mask= over the cache slots (here: every query hides key 2 of example 0 and
+  key 4 of example 1, as a flax 0/1 float mask) equals one uncached pass over the finished
+  sequence with the same keys hidden, at every position (a mask dropped while decoding
+  shows)."""
+  lin, params, mod = _linen_pair(33, is_causal=True, rope=True, **impl)
+  x = _x(34)
+  S_max = T
+  hidden = np.ones((B, 1, 1, S_max), np.float32)
+  hidden[0, ..., 2] = 0
+  hidden[1, ..., 4] = 0
+  full = lin.apply({"params": params}, x, mask=jnp.asarray(hidden[..., :T]))
+  mod.init_cache(B, S_max)
+  outs = []
+  for a, b in STEPS:
+    m = np.broadcast_to(hidden, (B, 1, b - a, S_max))
+    outs.append(mod(x[:, a:b], decode=True, mask=jnp.asarray(m)))
+  got = jnp.concatenate(outs, 1)
+  np.testing.assert_allclose(got, full, atol=2e-6, rtol=0)
+  # The mask changed something: without it, the outputs differ.
+  assert float(jnp.abs(full - lin.apply({"params": params}, x)).max()) > 1e-3
+
+
+@pytest.mark.parametrize("impl", IMPLS, ids=IMPL_IDS)
+def test_decode_with_explicit_positions_equals_the_uncached_pass(impl):
+  """Explicit RoPE positions= while decoding are the tokens' positions as given (not offset by
+  the cache index again): stepping through a sequence with positions 0, 3, 6, ... equals one
+  uncached pass with the same positions, at every position."""
+  lin, params, mod = _linen_pair(35, is_causal=True, rope=True, **impl)
+  x = _x(36)
+  pos = np.broadcast_to(3 * np.arange(T, dtype=np.int32), (B, T))
+  full = lin.apply({"params": params}, x, positions=jnp.asarray(pos))
+  mod.init_cache(B, T)
+  dec = lin.clone(decode=True)
+  cache = dec.init(jax.random.key(0), jnp.zeros((B, T, D)))["cache"]
+  nnx_outs, lin_outs = [], []
+  for a, b in STEPS:
+    p = jnp.asarray(pos[:, a:b])
+    nnx_outs.append(mod(x[:, a:b], decode=True, positions=p))
+    o, upd = dec.apply({"params": params, "cache": cache}, x[:, a:b], positions=p,
+                       mutable=["cache"])
+    cache = upd["cache"]
+    lin_outs.append(o)
+  np.testing.assert_allclose(jnp.concatenate(nnx_outs, 1), full, atol=2e-6, rtol=0)
+  np.testing.assert_allclose(jnp.concatenate(lin_outs, 1), full, atol=2e-6, rtol=0)
+  # The positions matter: arange(T) gives another answer.
+  assert float(jnp.abs(full - lin.apply({"params": params}, x)).max()) > 1e-3
