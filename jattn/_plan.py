@@ -566,4 +566,7 @@ def zero_cotangent(x):
   x = jnp.asarray(x)
   if jnp.issubdtype(x.dtype, jnp.inexact):
     return jnp.zeros_like(x)
+  if not all(isinstance(d, (int, np.integer)) for d in x.shape):
+    # A symbolic shape (jax.export) has no NumPy float0 array: None is the custom VJP's zero.
+    return None
   return np.zeros(x.shape, jax.dtypes.float0)
