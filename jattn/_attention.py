@@ -203,6 +203,7 @@ def _attention(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_s
                sinks, scale_operand, *, opts: _Options):
   args = _validation.arrays(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_seg,
                             sinks)
+  args = _sharding.aligned_to_query(args)
   query, key, value = args.query, args.key, args.value
   seq_spec = None
   q_shards = kv_shards = None
@@ -257,6 +258,7 @@ def _attention(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_s
     if opts.score_mod is not None:
       score_mod, score_args = _plan.closure_convert_score_mod(opts.score_mod, tile_shape, sd,
                                                               replay=replay)
+      score_args = _sharding.replicated(score_args)
     cfg = Config(B=B, T=T, S=S, K=K, G=G, H=H, scale=scale,
                  logits_soft_cap=opts.logits_soft_cap, dropout_rate=opts.dropout_rate,
                  score_mod=score_mod, dropout_broadcast=opts.dropout_broadcast)

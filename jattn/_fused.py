@@ -17,6 +17,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.extend import core as _core
+from jax.interpreters import ad as _ad
 from jax.interpreters import batching as _batching
 from jax.interpreters import mlir as _mlir
 
@@ -142,7 +143,16 @@ def _unavailable_batched(args, dims, *, avals, message):
   return _unavailable_p.bind(*args, avals=avals, message=message), [0] * len(avals)
 
 
+def _unavailable_jvp(primals, tangents, *, avals, message):
+  # Never evaluated (its primal fails to lower): zero tangents let a gradient of a gradient
+  # trace through the branch.
+  del tangents
+  out = _unavailable_p.bind(*primals, avals=avals, message=message)
+  return out, [jnp.zeros(shape, dtype) for shape, dtype in avals]
+
+
 _unavailable_p.def_abstract_eval(_unavailable_abstract)
+_ad.primitive_jvps[_unavailable_p] = _unavailable_jvp
 _mlir.register_lowering(_unavailable_p, _unavailable_lowering)
 _batching.primitive_batchers[_unavailable_p] = _unavailable_batched
 

@@ -8,6 +8,7 @@ no mesh) every function here is the identity.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -280,3 +281,46 @@ def reshape(x, shape):
       raise ValueError(f"reshape {x.shape} -> {shape} would split sharded dimension {d}")
     out[fits[0]] = entry
   return jax.lax.reshape(x, shape, out_sharding=PartitionSpec(*out))
+
+
+def aligned_to_query(args):
+  """Under an Explicit mesh, the call's other arrays laid out for the query's computation: a
+  bias (broadcastable to (B, N, T, S)) sharded as the scores are (B, N and T as the query, S
+  whole); a boolean mask, segment ids and lengths as the query's examples and heads, their
+  sequence dimensions whole (masks read them at positions, by gathers a sharded operand cannot
+  follow); the sinks replicated. Elsewhere unchanged.
+
+  ``args``: a `jattn._validation.Arrays`."""
+  if not explicit_mesh():
+    return args
+  q = tuple(spec_of(args.query) or ()) + (None,) * 4
+  B, T, N, _ = args.query.shape
+  scores = ((B, q[0]), (N, q[2]), (T, q[1]), (None, None))
+
+  def like_scores(x, rows=True):
+    if x is None or not hasattr(x, "ndim"):
+      return x
+    dims = (scores if rows else scores[:2] + ((None, None),) * 2)[4 - x.ndim:]
+    return reshard_to(x, PartitionSpec(*(e if size == n else None
+                                         for size, (n, e) in zip(x.shape, dims))))
+
+  def per_example(x):
+    if x is None:
+      return x
+    return reshard_to(x, PartitionSpec(q[0] if x.shape[0] == B else None,
+                                       *(None,) * (x.ndim - 1)))
+
+  return dataclasses.replace(
+      args, bias=like_scores(args.bias), mask=like_scores(args.mask, rows=False),
+      q_lengths=per_example(args.q_lengths), kv_lengths=per_example(args.kv_lengths),
+      q_seg=per_example(args.q_seg), kv_seg=per_example(args.kv_seg),
+      sinks=replicated(args.sinks))
+
+
+def replicated(tree):
+  """Under an Explicit mesh, every array of ``tree`` whole on every device (the arrays a
+  score_mod closes over: it indexes them with its own index arithmetic, which a sharded
+  operand's gather cannot follow); elsewhere unchanged."""
+  if not explicit_mesh():
+    return tree
+  return jax.tree.map(lambda x: None if x is None else reshard_to(x, PartitionSpec()), tree)

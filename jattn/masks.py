@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jattn import _sharding
 from jattn._types import ArrayLike, CausalAlignment
 
 __all__ = [
@@ -546,8 +547,12 @@ def _array_block_states(xp, a, grid):
   bk = grid.block_kv if s != 1 else 1
   # Padding positions count as "visible" for FULL and "hidden" for EMPTY: they are neither.
   pad = ((0, 0), (0, 0), (0, nq * bq - t), (0, nk * bk - s))
-  anyv = xp.pad(a, pad, constant_values=False).reshape(b, n, nq, bq, nk, bk).any(axis=(3, 5))
-  allv = xp.pad(a, pad, constant_values=True).reshape(b, n, nq, bq, nk, bk).all(axis=(3, 5))
+  # Under an Explicit mesh a traced mask sharded along B or N keeps that sharding (_sharding's
+  # reshape spells it out: jnp's cannot infer it for a split of T and S).
+  blocks = ((lambda x: x.reshape(b, n, nq, bq, nk, bk)) if xp is np
+            else (lambda x: _sharding.reshape(x, (b, n, nq, bq, nk, bk))))
+  anyv = blocks(xp.pad(a, pad, constant_values=False)).any(axis=(3, 5))
+  allv = blocks(xp.pad(a, pad, constant_values=True)).all(axis=(3, 5))
   return _summary(xp, ~anyv, allv)
 
 

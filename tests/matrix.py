@@ -133,7 +133,10 @@ OPTIONS: dict[str, Option] = {
                         ref=lambda a: dict(make_score_mod=lambda args: _alibi)),
     "score-mod-table": Option(
         call=lambda a: dict(score_mod=_table_mod(a["table"]), is_causal=True),
-        arrays={"table": (_rng(6).standard_normal((N, T + S)), "N_")}, diff=("table",),
+        # Never sharded ("__"): the score_mod indexes it with the user's own gather, which
+        # under an Explicit mesh cannot read a sharded operand with replicated indices (that
+        # is the user's array and code, as it would be without jattn).
+        arrays={"table": (_rng(6).standard_normal((N, T + S)), "__")}, diff=("table",),
         mask_kw=dict(causal="top_left"),
         ref=lambda a: dict(make_score_mod=lambda args: _table_mod(args[0]),
                            score_args=(a["table"],))),

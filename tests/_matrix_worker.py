@@ -1,0 +1,78 @@
+"""The feature matrix under a mesh, on 4 host devices: run as a subprocess by
+tests/test_matrix_sharded.py, one mesh kind and one sharding per process.
+
+    python _matrix_worker.py MESH LAYOUT OUT.json
+      MESH: auto | explicit;  LAYOUT: batch | heads | sequence
+
+q, k, v and the output cotangent are sharded over their batch, head or sequence dimension
+(B, N or K, T or S), and so is every option array along the dimensions it has of that kind;
+each case (an implementation of tests/matrix.py x an option) is compiled, forward and VJP, and
+compared with the float64 reference. Writes {case: "ok" | "refused: ..." | "failed: ..."}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_force_host_platform_device_count=4")
+os.environ["JAX_PLATFORMS"] = "cpu"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
+
+import matrix  # noqa: E402
+
+jax.config.update("jax_numpy_dtype_promotion", "strict")
+jax.config.update("jax_numpy_rank_promotion", "raise")
+
+# Which dimension letters each sharding splits (tests/matrix.py's letters).
+SPLITS = {"batch": "B", "heads": "NK", "sequence": "TS"}
+
+
+def spec(x, letters, layout):
+  """Sharded along the first dimension of the layout's kind (a mesh axis shards one
+  dimension of an array: a (B, N, T, S) bias is split along T, not also along S)."""
+  entries = [None] * np.ndim(x)
+  for i, (d, letter) in enumerate(zip(np.shape(x), letters)):
+    if letter in SPLITS[layout] and d % 4 == 0:
+      entries[i] = "x"
+      break
+  return P(*entries)
+
+
+def main(mesh_kind, layout, out_path):
+  axis = AxisType.Explicit if mesh_kind == "explicit" else AxisType.Auto
+  mesh = jax.make_mesh((4,), ("x",), axis_types=(axis,))
+  results = {}
+  q, k, v, do = matrix.inputs()
+  for option in matrix.OPTIONS:
+    want = matrix.reference(option)
+    arrays = matrix.option_arrays(option)
+    letters = {n: s[1] for n, s in matrix.OPTIONS[option].arrays.items()}
+    for impl, kw in matrix.implementations().items():
+      if impl == "splash":
+        continue  # Pallas's interpret mode cannot run a kernel on several host devices at once
+      name = f"{impl} {option}"
+      try:
+        with jax.set_mesh(mesh):
+          put = lambda x, lt: jax.device_put(x, NamedSharding(mesh, spec(x, lt, layout)))
+          args = [put(x, "BTKH" if i in (1, 2) else "BTNH") for i, x in enumerate((q, k, v, do))]
+          args.append({n: put(x, letters[n]) for n, x in arrays.items()})
+          out, grads = jax.jit(matrix.loss_and_grads(kw, option))(*args)
+        matrix.check(name, out, grads, want, 1e-4)
+        results[name] = "ok"
+      except NotImplementedError as e:
+        results[name] = f"refused: {e}"
+      except Exception as e:  # noqa: BLE001 -- every other failure is reported by name
+        results[name] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
+  with open(out_path, "w") as f:
+    json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+  main(*sys.argv[1:4])
