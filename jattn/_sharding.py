@@ -286,7 +286,7 @@ def reshape(x, shape):
 def aligned_to_query(args):
   """Under an Explicit mesh, the call's other arrays laid out for the query's computation: a
   bias (broadcastable to (B, N, T, S)) sharded as the scores are (B, N and T as the query, S
-  whole); a boolean mask, segment ids and lengths as the query's examples and heads, their
+  whole unless only K and V are split along it); a boolean mask, segment ids and lengths as the query's examples and heads, their
   sequence dimensions whole (masks read them at positions, by gathers a sharded operand cannot
   follow); the sinks replicated. Elsewhere unchanged.
 
@@ -294,8 +294,13 @@ def aligned_to_query(args):
   if not explicit_mesh():
     return args
   q = tuple(spec_of(args.query) or ()) + (None,) * 4
+  k = tuple(spec_of(args.key) or ()) + (None,) * 4
   B, T, N, _ = args.query.shape
-  scores = ((B, q[0]), (N, q[2]), (T, q[1]), (None, None))
+  S = args.key.shape[1]
+  # Keys whole, except where only K and V are split along S (the query rows whole): the call
+  # then runs per key shard, and a bias keeps its keys where K and V are.
+  keys = k[1] if q[1] is None else None
+  scores = ((B, q[0]), (N, q[2]), (T, q[1]), (S, keys))
 
   def like_scores(x, rows=True):
     if x is None or not hasattr(x, "ndim"):
