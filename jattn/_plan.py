@@ -46,7 +46,8 @@ DEFAULT_BLOCK_KV = 256
 
 # implementation=None picks chunked once the (T, S) score matrix per head reaches this many
 # entries. Below it dense's single fused pass wins; above it dense is limited by the (T, S)
-# temporaries falling out of cache (and by their memory). Measured crossover: see README.
+# temporaries falling out of cache (and by their memory). Measured crossover: see README (and
+# docs/benchmarks.md).
 AUTO_CHUNKED_MIN_SCORES = 1024 * 1024
 
 
@@ -104,7 +105,7 @@ def choose_implementation(T: int, S: int, G: int = 1, dtype=None, mask=None,
   float32, no mask 7 against 11 ms at S = 512 and 148 against 354 at S = 16384; T = 8 and 64
   (G = 4: 32 and 256 rows) at S = 4096, 77 against 178 and 270 against 406; with the cache's fill
   level given at run time (lengths or a causal offset as arrays, what a decoding loop has) see
-  README "Decoding" (bfloat16 at S = 16384: 145 against 399). The exception: a 16-bit call whose
+  docs/implementations.md "Decoding" (bfloat16 at S = 16384: 145 against 399). The exception: a 16-bit call whose
   ``mask`` (the call's `jattn.masks` object over ``shape``) has a block map known at trace time.
   XLA's CPU backend then converts the whole cache to float32 ahead of the kernel's loop, and dense
   wins for a few rows (bfloat16, no mask, T = 1, G = 4: 249 against 331 ms at S = 16384); from

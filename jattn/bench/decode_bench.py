@@ -9,7 +9,7 @@ length S and dtype it times, interleaved (A B C ... A B C ...) with medians and 
 settled between calls (`jattn.bench.runner.settle`):
 
 - ``jattn``: `jattn.dot_product_attention` with its defaults (implementation=None picks per
-  platform where the program is lowered; see README "Decoding");
+  platform where the program is lowered; see docs/implementations.md, "Decoding");
 - ``jattn-chunked`` and ``jattn-dense``: each implementation asked for by name;
 - ``jax.nn``: `jax.nn.dot_product_attention` (XLA);
 - ``floor``: streaming K and V once.
