@@ -1,0 +1,49 @@
+"""Issue #30's five mutations (realistic single bugs), put into the library one at a time: runs the
+tests meant to catch each and reports which fail, then restores the file. Not collected by
+pytest; run `python tests/_mutations.py [PYTHON] [INDEX...]` from a checkout."""
+import subprocess, sys, pathlib
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PY = sys.argv[1] if len(sys.argv) > 1 else sys.executable
+MUTATIONS = [
+  ("accumulator in bf16 (_chunked)", "jattn/_chunked.py",
+   "    acc = acc * corr[..., None] + _tile.pv(p, vb)\n    return m_new, l, acc",
+   "    acc = (acc * corr[..., None] + _tile.pv(p, vb)).astype(q.dtype).astype(sd)\n    return m_new, l, acc",
+   ["tests/test_precision16.py"]),
+  ("all tile math in bf16 (_tile)", "jattn/_tile.py",
+   "  return jnp.dtype(jnp.float64) if jnp.dtype(dtype) == jnp.float64 else jnp.dtype(jnp.float32)",
+   "  return jnp.dtype(dtype)",
+   ["tests/test_precision16.py"]),
+  ("user mask dropped while decoding (_mha)", "jattn/_mha.py",
+   "  mask = _boolean_mask(mask)\n  if mask is not None:\n    m = m & ",
+   "  mask = None\n  if mask is not None:\n    m = m & ",
+   ["tests/test_flax_modules.py"]),
+  ("explicit positions offset twice while decoding (_mha)", "jattn/_mha.py",
+   "  return jnp.broadcast_to(positions.astype(jnp.int32), (B, L))",
+   "  positions = positions.astype(jnp.int32)\n  if offset is not None:\n    positions = offset.astype(jnp.int32)[:, None] + positions\n  return jnp.broadcast_to(positions, (B, L))",
+   ["tests/test_flax_modules.py"]),
+  ("score_mod ignored by diagnostics", "jattn/diagnostics.py",
+   "  if opts.score_mod is not None:\n    score_mod, score_args = _plan.closure_convert_score_mod(opts.score_mod, (B, N, bq, bk),",
+   "  if False:\n    score_mod, score_args = _plan.closure_convert_score_mod(opts.score_mod, (B, N, bq, bk),",
+   ["tests/test_diagnostics.py"]),
+  ("head index dropped from the dropout hash", "jattn/_dropout.py",
+   "  x = _mix(x ^ u(h) + seed[1])",
+   "  x = _mix(x ^ u(0 * h) + seed[1])",
+   ["tests/test_attention.py", "tests/test_matrix.py", "tests/test_flax_modules.py"]),
+]
+only = sys.argv[2:]
+for i, (name, path, old, new, tests) in enumerate(MUTATIONS):
+  if only and str(i) not in only:
+    continue
+  f = ROOT / path
+  src = f.read_text()
+  assert src.count(old) == 1, (name, src.count(old))
+  f.write_text(src.replace(old, new))
+  try:
+    r = subprocess.run([PY, "-m", "pytest", "-q", "-n", "2", "-p", "no:cacheprovider", *tests],
+                       cwd=ROOT, capture_output=True, text=True)
+    failed = [l.split(" ")[1] for l in r.stdout.splitlines() if l.startswith("FAILED")]
+    print(f"== {name}: {len(failed)} failed", flush=True)
+    for l in failed[:12]:
+      print("   ", l)
+  finally:
+    f.write_text(src)
