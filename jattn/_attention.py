@@ -20,7 +20,8 @@ from jattn import (_chunked, _cudnn, _dense, _dropout, _fused, _partition, _plan
 from jattn._plan import Operands
 from jattn import masks as _masks
 from jattn._tile import Config
-from jattn._types import ArrayLike, Implementation, IsCausal, LocalWindowSize, Schedule
+from jattn._types import (ArrayLike, Implementation, IsCausal, LocalWindowSize, Schedule,
+                          concrete)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -417,7 +418,7 @@ def _attention(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_s
         ("bias", args.bias is not None), ("dropout", opts.dropout_rate > 0),
         ("score_mod", opts.score_mod is not None)),
         "the fused kernel has no such input")
-    if not all(isinstance(d, int) for d in (B, N)):
+    if not concrete(B, N):
       _fused.refuse("splash", f"a symbolic batch or head count (B={B}, N={N})",
                     "its block masks are built per head while the call is traced")
     shard = splash_shards()

@@ -620,11 +620,10 @@ def _backward_parallel(plan: Plan, ops: Operands, tile_grads, scale, dk_scale):
                          + (bq if tq else 1, bk if tk else 1), sd)
     # Under an Explicit mesh: sharded as the bias is along (B, K, G); each step's lane blocks,
     # computed sharded like the query, are given that sharding before they are added.
-    bias_entries = tuple(_sharding.spec_of(bias) or ()) + (None,) * 5
-    lane_spec = jax.sharding.PartitionSpec(None, *bias_entries[:3], None, None)
-    if _sharding.explicit_mesh():
-      blocked0 = _sharding.reshard_to(
-          blocked0, jax.sharding.PartitionSpec(None, None, *bias_entries[:3], None, None))
+    bias_bkg = (tuple(_sharding.spec_of(bias) or ()) + (None,) * 3)[:3]
+    lane_spec = jax.sharding.PartitionSpec(None, *bias_bkg, None, None)
+    blocked0 = _sharding.reshard_to(
+        blocked0, jax.sharding.PartitionSpec(None, None, *bias_bkg, None, None))
   else:
     blocked0 = None
 
@@ -650,9 +649,7 @@ def _backward_parallel(plan: Plan, ops: Operands, tile_grads, scale, dk_scale):
       if blocked is not None:
         # Padding steps and padding lanes add exact zeros (their tiles are fully masked).
         zero = jnp.zeros_like(i_vec)
-        dbias_c = dbias_c.astype(sd)
-        if _sharding.explicit_mesh():
-          dbias_c = _sharding.reshard_to(dbias_c, lane_spec)
+        dbias_c = _sharding.reshard_to(dbias_c.astype(sd), lane_spec)
         blocked = blocked.at[i_vec if tq else zero, rows_g if tk else zero].add(dbias_c)
       dargs = jax.tree.map(lambda a, b: a + b.sum(axis=0), dargs, dargs_c)
       return dk_l + ddk, dv_l + ddv, blocked, dargs
@@ -731,9 +728,7 @@ def _accumulate_bias(dbias, contrib, i, j, plan: Plan):
   cur = jax.lax.dynamic_slice(dbias, start, contrib.shape)
   # Under an Explicit mesh the tile's contribution is sharded like the query (batch, heads),
   # where a broadcast or replicated bias's gradient is not: give it dBias's sharding.
-  contrib = contrib.astype(dbias.dtype)
-  if _sharding.explicit_mesh():
-    contrib = _sharding.reshard_to(contrib, _sharding.spec_of(dbias))
+  contrib = _sharding.reshard_to(contrib.astype(dbias.dtype), _sharding.spec_of(dbias))
   return jax.lax.dynamic_update_slice(dbias, cur + contrib, start)
 
 

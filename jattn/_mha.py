@@ -180,8 +180,8 @@ def attend(opts: Options, q, k, v, *, self_attention: bool, mask=None, positions
     q, k = rope(q, qp, opts.rope_base), rope(k, kp, opts.rope_base)
   rate, rng = _dropout(opts, deterministic, dropout_rng)
   return _attention(
-      opts, q, k, v, collect, rate, rng, sow, mask=_boolean_mask(mask), is_causal=opts.is_causal or False,
-      local_window_size=opts.window, query_seq_lengths=query_seq_lengths,
+      opts, q, k, v, collect, rate, rng, sow, mask=_boolean_mask(mask),
+      is_causal=opts.is_causal or False, local_window_size=opts.window, query_seq_lengths=query_seq_lengths,
       key_value_seq_lengths=key_value_seq_lengths, q_segment_ids=q_segment_ids,
       kv_segment_ids=kv_segment_ids)
 

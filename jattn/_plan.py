@@ -32,6 +32,7 @@ import numpy as np
 from jattn import _sharding
 from jattn import masks as _masks
 from jattn._tile import Config
+from jattn._types import concrete
 from jattn.masks import EMPTY, FULL, PARTIAL, BlockGrid
 
 # Default block sizes, measured with jattn-bench on a 2-core AVX2 CPU (B=1, N=8, H=64, float32):
@@ -105,11 +106,12 @@ def choose_implementation(T: int, S: int, G: int = 1, dtype=None, mask=None,
   float32, no mask 7 against 11 ms at S = 512 and 148 against 354 at S = 16384; T = 8 and 64
   (G = 4: 32 and 256 rows) at S = 4096, 77 against 178 and 270 against 406; with the cache's fill
   level given at run time (lengths or a causal offset as arrays, what a decoding loop has) see
-  docs/implementations.md "Decoding" (bfloat16 at S = 16384: 145 against 399). The exception: a 16-bit call whose
-  ``mask`` (the call's `jattn.masks` object over ``shape``) has a block map known at trace time.
-  XLA's CPU backend then converts the whole cache to float32 ahead of the kernel's loop, and dense
-  wins for a few rows (bfloat16, no mask, T = 1, G = 4: 249 against 331 ms at S = 16384); from
-  T x G = 32 rows on chunked wins again (T = 8: 81 against 126 ms at S = 4096)."""
+  docs/implementations.md "Decoding" (bfloat16 at S = 16384: 145 against 399). The exception: a
+  16-bit call whose ``mask`` (the call's `jattn.masks` object over ``shape``) has a block map
+  known at trace time. XLA's CPU backend then converts the whole cache to float32 ahead of the
+  kernel's loop, and dense wins for a few rows (bfloat16, no mask, T = 1, G = 4: 249 against 331
+  ms at S = 16384); from T x G = 32 rows on chunked wins again (T = 8: 81 against 126 ms at S =
+  4096)."""
   if T * S >= AUTO_CHUNKED_MIN_SCORES:
     return "chunked"
   if not decoding(T, S, G):
@@ -140,7 +142,7 @@ def implementation_by_platform(B: int, N: int, T: int, S: int, G: int = 1, dtype
   that measured a fused kernel faster puts it first: see `jattn._attention`)."""
   # A symbolic batch or head count (jax.export) bounds nothing: the program must serve every
   # size, so the scores are taken not to fit.
-  fits = (all(isinstance(d, (int, np.integer)) for d in (B, N))
+  fits = (concrete(B, N)
           and B * N * T * S * 4 <= ACCELERATOR_DENSE_SCORES_BYTES)
   accelerator = "dense" if fits and not decoding(T, S, G) else "chunked"
   choice = {"cpu": (choose_implementation(T, S, G, dtype, mask, (B, N, T, S)),),
@@ -567,7 +569,7 @@ def zero_cotangent(x):
   x = jnp.asarray(x)
   if jnp.issubdtype(x.dtype, jnp.inexact):
     return jnp.zeros_like(x)
-  if not all(isinstance(d, (int, np.integer)) for d in x.shape):
+  if not concrete(*x.shape):
     # A symbolic shape (jax.export) has no NumPy float0 array: None is the custom VJP's zero.
     return None
   return np.zeros(x.shape, jax.dtypes.float0)

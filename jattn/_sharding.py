@@ -36,9 +36,11 @@ def spec_entry(names):
 
 
 def reshard_to(x, spec):
-  """``x`` with sharding ``spec`` (a reshard only where its type says otherwise); None stays
-  None."""
-  return x if x is None or spec_of(x) == spec else jax.sharding.reshard(x, spec)
+  """``x`` with sharding ``spec`` (a reshard only where its type says otherwise) under an
+  Explicit mesh; elsewhere, and for None, ``x`` unchanged."""
+  if x is None or not explicit_mesh() or spec_of(x) == spec:
+    return x
+  return jax.sharding.reshard(x, spec)
 
 
 def explicit_mesh() -> bool:
@@ -286,9 +288,9 @@ def reshape(x, shape):
 def aligned_to_query(args):
   """Under an Explicit mesh, the call's other arrays laid out for the query's computation: a
   bias (broadcastable to (B, N, T, S)) sharded as the scores are (B, N and T as the query, S
-  whole unless only K and V are split along it); a boolean mask, segment ids and lengths as the query's examples and heads, their
-  sequence dimensions whole (masks read them at positions, by gathers a sharded operand cannot
-  follow); the sinks replicated. Elsewhere unchanged.
+  whole unless only K and V are split along it); a boolean mask by example and head, segment
+  ids and lengths by example, their sequence dimensions whole (masks read them at positions,
+  by gathers a sharded operand cannot follow); the sinks replicated. Elsewhere unchanged.
 
   ``args``: a `jattn._validation.Arrays`."""
   if not explicit_mesh():
@@ -326,6 +328,4 @@ def replicated(tree):
   """Under an Explicit mesh, every array of ``tree`` whole on every device (the arrays a
   score_mod closes over: it indexes them with its own index arithmetic, which a sharded
   operand's gather cannot follow); elsewhere unchanged."""
-  if not explicit_mesh():
-    return tree
-  return jax.tree.map(lambda x: None if x is None else reshard_to(x, PartitionSpec()), tree)
+  return jax.tree.map(lambda x: reshard_to(x, PartitionSpec()), tree)

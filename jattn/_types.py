@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Literal, Optional, Tuple, Union
 
 import jax
+import numpy as np
 
 __all__ = ["ArrayLike", "CausalAlignment", "Implementation", "IsCausal", "Layout",
            "LocalWindowSize"]
@@ -41,3 +42,8 @@ Layout = Literal["contiguous", "zigzag"]
 
 # `local_window_size=`: ``w`` (= (w, w)) or (left, right); None on a side: unbounded.
 LocalWindowSize = Union[int, Tuple[Optional[int], Optional[int]]]
+
+
+def concrete(*dims) -> bool:
+  """Whether every dimension is a known integer (jax.export's symbolic dimensions are not)."""
+  return all(isinstance(d, (int, np.integer)) for d in dims)

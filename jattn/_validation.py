@@ -462,7 +462,7 @@ def arrays(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_seg, 
   B, T, N, H = query.shape
   S = key.shape[1]
   for name, letter, size in (("query", "T", T), ("key", "S", S), ("query", "H", H)):
-    if not isinstance(size, (int, np.integer)):
+    if not _types.concrete(size):
       # jax.export's symbolic dimensions: the batch and the head count may be symbolic; the
       # block sizes, loop bounds and masks are planned from the lengths while tracing.
       raise NotImplementedError(

@@ -120,13 +120,15 @@ def grads(cache, dout, bias_shape=None):
 
 
 def attention_vjp(q, k, v, dout, *, visible=None, bias=None, scale=None, soft_cap=None,
-                  keep=None, dropout_rate=0.0, sinks=None, make_score_mod=None, score_args=()):
+                  keep=None, dropout_rate=0.0, sinks=None, make_score_mod=None, score_args=(),
+                  dlse=None):
   """The definition in float64 jax.numpy, forward and reverse by autodiff.
 
   ``make_score_mod(args)`` returns ``f(score, b, h, q_index, kv_index)`` on the (B,N,T,S) logits
   (after soft cap and bias, before masking), with int32 index arrays (B,1,1,1), (1,N,1,1),
   (1,1,T,1), (1,1,1,S); ``score_args`` is the pytree of arrays it closes over (their gradients are
-  returned). ``keep`` is the (B|1,N|1,T,S) dropout keep-mask.
+  returned). ``keep`` is the (B|1,N|1,T,S) dropout keep-mask. ``dlse`` (B,T,N): the lse's own
+  cotangent (default zero); an empty row's lse (-inf) takes none.
 
   Returns (out (B,T,N,H), lse (B,T,N), grads) with grads a dict of dq, dk, dv, dbias, dsinks,
   dargs (None where the input is None), all NumPy float64.
@@ -173,7 +175,8 @@ def attention_vjp(q, k, v, dout, *, visible=None, bias=None, scale=None, soft_ca
       return out, jnp.transpose(lse, (0, 2, 1))
 
     (out, lse), pull = jax.vjp(forward, q, k, v, bias, sinks, args)
-    dq, dk, dv, dbias, dsinks, dargs = pull((dout, jnp.zeros_like(lse)))
+    dlse = jnp.zeros_like(lse) if dlse is None else jnp.where(jnp.isfinite(lse), f64(dlse), 0.0)
+    dq, dk, dv, dbias, dsinks, dargs = pull((dout, dlse))
     to_np = lambda x: None if x is None else np.asarray(x)
     grads = dict(dq=to_np(dq), dk=to_np(dk), dv=to_np(dv), dbias=to_np(dbias),
                  dsinks=to_np(dsinks), dargs=jax.tree.map(to_np, dargs))
