@@ -153,10 +153,12 @@ def _boolean_mask(mask):
   """A mask as flax's modules take it -- boolean, or 0/1 numbers from `make_attention_mask` /
   `make_causal_mask` (flax reads it as ``jnp.where(mask, ...)``: nonzero attends) -- or a
   jattn.masks object, as jattn takes it."""
-  if mask is None or isinstance(mask, _masks.Mask):
+  dtype = getattr(mask, "dtype", None)
+  if dtype is None or not jnp.issubdtype(dtype, jnp.number):
+    # Booleans, mask objects and anything else go to dot_product_attention as given (its
+    # checks name the argument).
     return mask
-  mask = jnp.asarray(mask)
-  return mask if mask.dtype == jnp.bool_ else mask != 0
+  return jnp.asarray(mask) != 0
 
 
 def attend(opts: Options, q, k, v, *, self_attention: bool, mask=None, positions=None,
