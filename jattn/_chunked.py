@@ -34,7 +34,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn import _plan, _sharding, _tile
+from jattn import _plan, _sharding, _softmax, _tile
+from jattn import masks as _masks
 from jattn._plan import Operands, Plan
 from jattn.masks import EMPTY, FULL, PARTIAL
 
@@ -247,14 +248,10 @@ def forward(plan: Plan, ops: Operands):
     qb = q_tile(q_scaled, i, bq, K, G)
     # Carries are made from the tiles they accumulate, so they share the inputs' sharding when
     # that is part of the type (an Explicit-axis mesh): a fresh jnp.zeros would be replicated.
-    row0 = jnp.zeros_like(qb[..., 0], dtype=sd)  # (B, K, G, bq)
-    m0 = row0 + jnp.asarray(_tile.NEG, sd)
-    l0 = row0
-    if ops.sink is not None and not parallel:  # parallel: added once per row, in the merge
-      # The sink is one more logit in every row, with no value: it starts the running max and
-      # contributes exp(sink - m) to the sum.
-      m0 = row0 + ops.sink.astype(sd)  # (1, K, G, 1) -> (B, K, G, bq)
-      l0 = row0 + jnp.ones((), sd)
+    # The sink is one more logit in every row, with no value: it starts the running max and
+    # contributes exp(sink - m) to the sum (parallel: it joins once per row, in the merge).
+    sink = ops.sink if not parallel else None
+    m0, l0 = _softmax.start(jnp.zeros_like(qb[..., 0], dtype=sd), sink)  # (B, K, G, bq)
     acc0 = jnp.zeros_like(qb, dtype=sd)  # (B, K, G, bq, Hv): Hv = H (value has key's shape)
     # The tile math and its carries are in rows layout, the G query heads of a group stacked as
     # rows: a separate (often size-1) G axis makes XLA's CPU backend copy every (bq, bk) tile of
@@ -272,13 +269,7 @@ def forward(plan: Plan, ops: Operands):
     s, _ = _tile.logits(cfg, qt, kb, view.bias, view.idx, ops.score_args, scaled=scaled)
     if vis is not None:
       s = jnp.where(vis, s, jnp.asarray(_tile.NEG, sd))
-    m_new = jnp.maximum(m, s.max(axis=-1))
-    # Masked entries give exact zeros once the row has seen a visible key; before that
-    # (m_new = NEG) they add junk that corr = exp(NEG - m) = 0 wipes when a visible key comes,
-    # and safe_normalize discards if none ever does.
-    p = jnp.exp(s - m_new[..., None])
-    corr = jnp.exp(m - m_new)
-    l = l * corr + p.sum(axis=-1)
+    m_new, p, corr, l = _softmax.update(m, l, s)
     if cfg.dropout_rate > 0:
       keep = _tile.as_rows(_tile.keep(cfg, ops.seed, view.idx), G, bq)
       p = jnp.where(keep, p, jnp.zeros((), sd))
@@ -288,8 +279,8 @@ def forward(plan: Plan, ops: Operands):
   def finish(i, carry, outs):
     m, l, acc = (_unrows(x, G) for x in carry)
     out, lse = outs
-    out = put_q_tile(out, _tile.safe_normalize(acc, l, m, cfg.dropout_rate), i, bq)
-    lse = put_q_tile(lse, _tile.safe_lse(m, l), i, bq)
+    out = put_q_tile(out, _softmax.normalize(acc, l, m, cfg.dropout_rate), i, bq)
+    lse = put_q_tile(lse, _softmax.lse(m, l), i, bq)
     return out, lse
 
   if parallel:
@@ -384,14 +375,6 @@ def _lane_steps(lanes, steps, masked, carry0, visit, const, width=None, name=Non
   return results
 
 
-def _sum_by_row(rows, x, R):
-  """Lane results (V, ...) summed per row: (R, ...), lane v adding into row rows[v].
-
-  A scatter-add (the zeros are made from x, so they share its sharding under an Explicit mesh);
-  gathering lanes per row through a (R, M) table instead crashed jaxlib 0.10's CPU runtime."""
-  return jnp.zeros_like(x[:1]).repeat(R, axis=0).at[rows].add(x)
-
-
 def _forward_parallel(plan: Plan, ops: Operands, start, tile):
   """Every lane's next key/value block in one step (see `jattn._plan.lanes`); the lanes of a row
   are merged through their running max and sum, then the sink joins once."""
@@ -409,17 +392,11 @@ def _forward_parallel(plan: Plan, ops: Operands, start, tile):
   m, l, acc = (_unrows(x, cfg.G, lead=1) for x in (m, l, acc))
   # Merge: the lanes of a row saw disjoint key blocks. Scatter-max and scatter-add by row.
   R = plan.grid.num_q_blocks
-  m_r = (jnp.zeros_like(m[:1]) + jnp.asarray(_tile.NEG, sd)).repeat(R, axis=0).at[rows].max(m)
-  w = jnp.exp(m - jnp.take(m_r, rows, axis=0))
-  l_r = _sum_by_row(rows, w * l, R)
-  acc_r = _sum_by_row(rows, w[..., None] * acc, R)
+  m_r, l_r, acc_r = _softmax.merge_by_row(rows, m, l, acc, R)
   if ops.sink is not None:
-    sink = ops.sink.astype(sd)[None]  # (1, 1, K, G, 1)
-    m2 = jnp.maximum(m_r, sink)
-    corr = jnp.exp(m_r - m2)
-    l_r, acc_r, m_r = l_r * corr + jnp.exp(sink - m2), acc_r * corr[..., None], m2
-  out = _tile.safe_normalize(acc_r, l_r, m_r, cfg.dropout_rate).astype(ops.q.dtype)
-  lse = _tile.safe_lse(m_r, l_r)
+    m_r, l_r, acc_r = _softmax.join_sink(m_r, l_r, acc_r, ops.sink.astype(sd)[None])
+  out = _softmax.normalize(acc_r, l_r, m_r, cfg.dropout_rate).astype(ops.q.dtype)
+  lse = _softmax.lse(m_r, l_r)
   # (nq, B, K, G, bq[, H]) -> (B, Tp, N[, H]): query block i holds rows i * bq ..
   R, B = out.shape[:2]
   out = _sharding.reshape(jnp.transpose(out, (1, 0, 4, 2, 3, 5)),
@@ -456,14 +433,14 @@ def backward(plan: Plan, res: Residuals, dout, dlse=None) -> Operands:
   Hv = v.shape[-1]
   inputs = (q, k, v, dout, ops.states)
   # rowsum(dO * O) = rowsum(P * dP): the softmax Jacobian's correction term, one per query.
-  delta = output_delta(dout, res.out)
+  delta = _softmax.output_delta(dout, res.out)
   if dlse is not None:
     # d lse / d s = P: a cotangent g of the lse adds g * P to dS = P * (dP - delta), the same
     # as lowering delta by g (and the sink's gradient follows from delta alike). Used where the
     # lse is merged with other parts (key/value shards on several devices).
     delta = delta - dlse.astype(delta.dtype)
   keep_scale = 1.0 / (1.0 - cfg.dropout_rate) if cfg.dropout_rate > 0 else None
-  lse_r = _tile.lse_for_recompute(res.lse)
+  lse_r = _softmax.lse_for_recompute(res.lse)
   # The logit scale is applied to each finished dQ block, not to every (tq, tk) tile; as in the
   # forward (and with the same rounding) it multiplies Q where that rounds no coarser than the
   # logits, and then dK = dS^T (scale Q) carries it already; else each finished dK block too.
@@ -578,7 +555,7 @@ def backward(plan: Plan, res: Residuals, dout, dlse=None) -> Operands:
                                                  (dq0, dk0, dv0, dbias0, dargs0))
   dsink = None
   if ops.sink is not None:
-    dsink = sink_gradient(ops.sink, res.lse, delta)
+    dsink = _softmax.sink_gradient(ops.sink, res.lse, delta)
   zeros = lambda tree: jax.tree.map(_plan.zero_cotangent, tree)
   return Operands(q=dq.astype(q.dtype), k=dk, v=dv,
                   bias=None if dbias is None else dbias.astype(bias.dtype),
@@ -663,8 +640,8 @@ def _backward_parallel(plan: Plan, ops: Operands, tile_grads, scale, dk_scale):
   # (nk, B, K, bk, H) -> (B, Sp, K, H)
   to_seq = lambda x: _sharding.reshape(jnp.transpose(x, (1, 0, 3, 2, 4)),
                                        (B, nk * bk, K, x.shape[-1]))
-  dk = to_seq(_sum_by_row(kv_rows, dk_l, nk) * dk_scale).astype(k.dtype)
-  dv = to_seq(_sum_by_row(kv_rows, dv_l, nk)).astype(v.dtype)
+  dk = to_seq(_softmax.sum_by_row(kv_rows, dk_l, nk) * dk_scale).astype(k.dtype)
+  dv = to_seq(_softmax.sum_by_row(kv_rows, dv_l, nk)).astype(v.dtype)
   dbias = None
   if blocked is not None:
     dbias = _sharding.reshape(jnp.transpose(blocked, (2, 3, 4, 0, 5, 1, 6)), bias.shape)
@@ -683,28 +660,10 @@ def _backward_parallel(plan: Plan, ops: Operands, tile_grads, scale, dk_scale):
   dq0 = _sharding.reshape(jnp.zeros_like(jnp.transpose(qbs, (0, 1, 2, 5, 3, 4)), dtype=sd),
                           qbs.shape[:3] + (H, G * bq))
   dq_l = _lane_steps(lanes, steps, masked, dq0, visit, q_rows, plan.width, name="bwd_dq")
-  dq = _sum_by_row(q_rows, dq_l, nq) * scale  # (nq, B, K, H, G * bq)
+  dq = _softmax.sum_by_row(q_rows, dq_l, nq) * scale  # (nq, B, K, H, G * bq)
   dq = _sharding.reshape(dq, (nq, B, K, H, G, bq))
   dq = _sharding.reshape(jnp.transpose(dq, (1, 0, 5, 2, 4, 3)), (B, nq * bq, K * G, H))
   return dq, dk, dv, dbias, dargs
-
-
-def output_delta(dout, out):
-  """rowsum(dO * O) per query, (B, T, N) in the statistics dtype."""
-  sd = _tile.stat_dtype(out.dtype)
-  return jnp.einsum("btnh,btnh->btn", dout.astype(sd), out.astype(sd))
-
-
-def sink_gradient(sink, lse, delta):
-  """d loss / d sink for a (1, K, G, 1) sink, from the rows' final lse and delta (B, T, N).
-
-  d out / d sink = -p_sink * out, so d loss / d sink = -sum_rows exp(sink - lse) * delta; rows
-  without a gradient (padding) have delta = 0.
-  """
-  sd = lse.dtype
-  K, G = sink.shape[1], sink.shape[2]
-  p_sink = jnp.exp(sink.astype(sd).reshape(1, 1, K * G) - lse)
-  return (-(p_sink * delta).sum(axis=(0, 1))).reshape(sink.shape).astype(sink.dtype)
 
 
 def _bias_contribution_shape(bias_shape, B, K, G, bq, bk):
@@ -799,3 +758,44 @@ def chunked_attention_grads(plan: Plan, ops: Operands, out, lse, dout, dlse) -> 
   (grads,) = _kernel_bwd(plan, res, (rows(dout), rows(dlse)))
   dq, dk, dv, dbias = unpad((grads.q, grads.k, grads.v, grads.bias))
   return grads._replace(q=dq, k=dk, v=dv, bias=dbias)
+
+
+def attend(static, q, k, v, bias, mask, seed, sink, score_args, cfg, *, q_offset=None,
+           kv_offset=None, batch0=None, head0=None, saved=None):
+  """The chunked kernels for a bound call (``static``: its `jattn._call.Static`) on queries
+  (B, cfg.T, N, H) and keys (B, cfg.S, K, H): (out, lse).
+
+  ``q_offset``, ``kv_offset``: the global position of the first row when q, or k and v, are one
+  device's shard of the sequence (masks, score_mod and dropout then see global positions);
+  ``batch0``, ``head0``: the global index of the first example and query head when they are one
+  device's part of the batch and heads (score_mod and dropout see global indices; the mask is
+  already cut to them). ``saved``: (out, lse, dout, dlse) of an earlier call on the same
+  operands; the operands' cotangents (an `Operands`) are returned instead. The schedule is the
+  call's, else the platform's default, chosen where the program is lowered."""
+  opts = static.opts
+  bq, bk = _plan.block_sizes(cfg.T, cfg.S, opts.block_q, opts.block_kv)
+  positions = None
+  if batch0 is not None or q_offset is not None or kv_offset is not None:
+    q_table, kv_table = _position_table(q_offset, cfg.T, bq), _position_table(kv_offset, cfg.S, bk)
+    if mask is not None and (q_offset is not None or kv_offset is not None):
+      mask = _masks.remap(mask, q_table, kv_table)
+    if cfg.score_mod is not None or cfg.dropout_rate > 0:
+      positions = _plan.Positions(q_table, kv_table, 0 if batch0 is None else batch0,
+                                  0 if head0 is None else head0)
+  run = {}
+  for schedule in (opts.schedule,) if opts.schedule else _plan.SCHEDULES:
+    plan, states = _plan.make_plan(cfg, mask, bq, bk, schedule, opts.step_width)
+    ops = Operands(q=q, k=k, v=v, bias=bias, mask=mask, states=states, seed=seed,
+                   score_args=score_args, sink=sink, positions=positions)
+    run[schedule] = (functools.partial(chunked_attention, plan, ops) if saved is None
+                     else functools.partial(chunked_attention_grads, plan, ops, *saved))
+  if opts.schedule:
+    return run[opts.schedule]()
+  return _plan.by_platform({p: run[s] for p, s in _plan.SCHEDULE_DEFAULTS.items()})
+
+
+def _position_table(offset, n: int, block: int):
+  """The global positions of ``n`` rows padded to whole blocks, starting at ``offset``; padding
+  rows repeat the last row's position (hidden, or sliced off)."""
+  rows = jnp.minimum(jnp.arange(-(-n // block) * block, dtype=jnp.int32), n - 1)
+  return rows if offset is None else offset + rows

@@ -10,16 +10,15 @@ next. Shape vocabulary: B T S N K H.
 
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp
 
 from jattn._tile import NEG
 from jattn import _fused
+from jattn import masks as _masks
 
 
-refuse = functools.partial(_fused.refuse, "cudnn")
 
 
 def _check_gpu():
@@ -31,16 +30,39 @@ def _check_gpu():
         f"version when it traces the call); this process has none: {jax.devices()}") from None
 
 
+def supports(call) -> str | None:
+  """None, or what of the bound call (`jattn._call.Call`) jax.nn's cuDNN call cannot take and
+  why."""
+  g, opts = call.given, call.opts
+  for name, given in (("mask objects", isinstance(g.mask, _masks.Mask)),
+                      ("q_segment_ids", g.q_seg is not None), ("sinks", g.sinks is not None),
+                      ("score_mod", opts.score_mod is not None),
+                      ("dropout", opts.dropout_rate > 0),
+                      ("logits_soft_cap", opts.logits_soft_cap is not None)):
+    if given:
+      return f"{name}: jax.nn's cuDNN call has no such input"
+  if call.query.dtype not in (jnp.bfloat16, jnp.float16):
+    return f"query dtype {call.query.dtype}: cuDNN's flash attention takes float16 or bfloat16"
+  if opts.causal == "bottom_right":
+    return "is_causal='bottom_right': jax.nn's causal mask is top-left"
+  if opts.window is not None and None in opts.window:
+    return f"local_window_size={opts.window}: jax.nn's cuDNN window needs both sides"
+  return None
+
+
+def run(call):
+  """jax.nn's cuDNN kernel on a bound call: (out (B, T, N, H), lse (B, T, N)). It takes the
+  arguments as given (jax.nn's layout), the query scaled if the scale is an array."""
+  g, opts = call.given, call.opts
+  return cudnn_attention(call.query, call.key, call.value, g.bias, g.mask,
+                         scale=call.static.scale, causal=opts.causal, window=opts.window,
+                         q_lengths=g.q_lengths, kv_lengths=g.kv_lengths)
+
+
 def cudnn_attention(query, key, value, bias, mask, *, scale, causal, window, q_lengths,
                     kv_lengths):
   """(out (B, T, N, H), lse (B, T, N) float32) through jax.nn's cuDNN kernel. ``mask`` is a
-  boolean array or None (mask objects and segment ids are refused by the caller)."""
-  if query.dtype not in (jnp.bfloat16, jnp.float16):
-    refuse(f"query dtype {query.dtype}", "cuDNN's flash attention takes float16 or bfloat16")
-  if causal == "bottom_right":
-    refuse("is_causal='bottom_right'", "jax.nn's causal mask is top-left")
-  if window is not None and None in window:
-    refuse(f"local_window_size={window}", "jax.nn's cuDNN window needs both sides")
+  boolean array or None (`supports` has refused what jax.nn's call cannot express)."""
   _check_gpu()
   kw = dict(scale=scale, is_causal=causal == "top_left", local_window_size=window,
             implementation="cudnn")

@@ -8,11 +8,31 @@ into the forward or backward pass.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
-from jattn import _tile
+from jattn import _softmax, _tile
 from jattn._tile import Config
+
+
+def run(call):
+  """The dense backend on a bound call (`jattn._call.Call`): (out (B, T, N, Hv), lse (B, T, N)).
+  Head-major and GQA-grouped: one (T, S) matmul per head."""
+  s = call.static
+  cfg, score_args = s.config((s.B, s.N, s.T, s.S))
+  out, lse = dense_attention(cfg, call.head_major(call.query, True),
+                             call.head_major(call.key, False), call.head_major(call.value, False),
+                             call.bias, call.mask, call.seed, score_args, call.sink)
+  return (jnp.transpose(out.reshape(s.B, s.N, s.T, s.Hv), (0, 2, 1, 3)),
+          jnp.transpose(lse.reshape(s.B, s.N, s.T), (0, 2, 1)))
+
+
+def weights(call):
+  """The bound call's (B, N, T, S) softmax weights (see `attention_weights`)."""
+  s = call.static
+  cfg, score_args = s.config((s.B, s.N, s.T, s.S))
+  w = attention_weights(cfg, call.head_major(call.query, True), call.head_major(call.key, False),
+                        call.bias, call.mask, score_args, call.sink)
+  return w.reshape(s.B, s.N, s.T, s.S)
 
 
 def dense_attention(cfg: Config, q, k, v, bias, mask, seed, score_args=(), sink=None):
@@ -26,9 +46,9 @@ def dense_attention(cfg: Config, q, k, v, bias, mask, seed, score_args=(), sink=
   p, l, m = _exp_scores(cfg, q, k, bias, vis, q_pos, kv_pos, score_args, sink)
   if cfg.dropout_rate > 0:
     p = jnp.where(_tile.keep(cfg, seed, _tile.Index(q_pos, kv_pos)), p, jnp.zeros((), p.dtype))
-  out = _tile.safe_normalize(_tile.pv(p, v, fold=False), l, m, cfg.dropout_rate)
+  out = _softmax.normalize(_tile.pv(p, v, fold=False), l, m, cfg.dropout_rate)
   # Differentiable: d lse / d s = P (m is a constant for autodiff, as in _exp_scores).
-  lse = _tile.safe_lse(m, l)
+  lse = _softmax.lse(m, l)
   return out.astype(q.dtype), lse
 
 
@@ -39,7 +59,7 @@ def attention_weights(cfg: Config, q, k, bias, mask, score_args=(), sink=None):
   if vis is not None:
     q, k, _ = _tile.sanitize(vis, q, k, k)
   p, l, m = _exp_scores(cfg, q, k, bias, vis, q_pos, kv_pos, score_args, sink)
-  return _tile.safe_normalize(p, l, m, 0.0)
+  return _softmax.normalize(p, l, m, 0.0)
 
 
 def _positions_and_visibility(cfg: Config, mask):
@@ -54,19 +74,6 @@ def _exp_scores(cfg: Config, q, k, bias, vis, q_pos, kv_pos, score_args, sink):
   # G and T stay separate dimensions (fold=False): a sequence-sharded query then stays sharded
   # and only K and V are gathered (see _tile.matmul).
   s, _ = _tile.logits(cfg, q, k, bias, _tile.Index(q_pos, kv_pos), score_args, fold=False)
-  sd = s.dtype
-  neg = jnp.asarray(_tile.NEG, sd)
   if vis is not None:
-    s = jnp.where(vis, s, neg)
-  # The max only shifts the exponent (softmax(x) = softmax(x - c)); its gradient cancels, so it is
-  # a constant for autodiff. Starting from NEG keeps all-masked rows finite.
-  m = jax.lax.stop_gradient(jnp.maximum(s.max(axis=-1), neg))  # (B,K,G,T)
-  if sink is not None:
-    m = jnp.maximum(m, jax.lax.stop_gradient(sink))
-  # Masked logits are NEG, so exp(s - m) is an exact 0 there -- except in rows where everything
-  # is masked (m = NEG), which safe_normalize and safe_lse set to 0 and NEG.
-  p = jnp.exp(s - m[..., None])
-  l = p.sum(axis=-1)
-  if sink is not None:
-    l = l + jnp.exp(sink - m)
-  return p, l, m
+    s = jnp.where(vis, s, jnp.asarray(_softmax.NEG, s.dtype))
+  return _softmax.exp_rows(s, sink)

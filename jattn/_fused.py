@@ -30,13 +30,6 @@ def refuse(implementation: str, name: str, reason: str):
       f"implementation={implementation!r} does not support {name}: {reason}")
 
 
-def refuse_given(implementation: str, inputs, reason: str):
-  """Refuse the first of ``inputs`` ((name, given) pairs) that the call gives."""
-  for name, given in inputs:
-    if given:
-      refuse(implementation, name, reason)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
 def zero_empty_rows(forward, plain, pure, empty_rows, lse_of, diff, aux):
   """(out, lse) of ``forward(*diff, *aux)``, with the rows where ``empty_rows(lse)`` holds set

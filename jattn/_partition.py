@@ -51,7 +51,7 @@ from jax.experimental.custom_partitioning import SdyShardingRule, custom_partiti
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jattn import _plan
-from jattn import _ring
+from jattn import _softmax
 from jattn import _sharding
 from jattn import masks as _masks
 
@@ -236,9 +236,9 @@ def _forward(problem: Problem, split: Split, mesh, operands, extra):
   # sinks, one more logit per row, join once, after the merge.
   sink = ops[6]
   out, lse = problem.local(*ops[:6], None, part)
-  out, lse = _ring.merge_over_devices(out, lse, split.keys)
+  out, lse = _softmax.merge_over_devices(out, lse, split.keys)
   if sink is not None:
-    out, lse = _ring.add_sink(out, lse, sink.reshape(-1))
+    out, lse = _softmax.add_sink(out, lse, sink.reshape(-1))
   return out.astype(operands[0].dtype), lse
 
 

@@ -129,15 +129,19 @@ def static_block_map(mask, T: int, S: int, shape) -> bool:
 
 
 def implementation_by_platform(B: int, N: int, T: int, S: int, G: int = 1, dtype=None,
-                               mask=None, fused: bool = False) -> dict[str, tuple[str, ...]]:
+                               mask=None, fused=None,
+                               keys_split: bool = False) -> dict[str, tuple[str, ...]]:
   """implementation=None per platform ({"cpu": names, "default": names, maybe "tpu": names}):
   the implementations to try in order, picked where the program is lowered.
 
   GPU and TPU (reasoned, not measured): decoding-shaped calls go to the chunked kernels (their
   parallel schedule splits the cache over lanes, split-KV), others to dense while the
   (B, N, T, S) float32 scores fit ACCELERATOR_DENSE_SCORES_BYTES, and beyond that to the chunked
-  kernels -- on a TPU first to splash attention, JAX's fused Pallas kernel, when ``fused`` (the
-  program cannot be partitioned, see `jattn._sharding.unpartitioned`) and splash takes the call.
+  kernels -- first to a fused kernel where ``fused`` ({platform: name}) names one for the
+  platform (splash on a TPU, where the program cannot be partitioned: see
+  `jattn._sharding.unpartitioned`, and splash builds the mask lazily). ``keys_split``: K and V
+  are split along S over devices (an Explicit mesh): the chunked kernels merge per-shard parts
+  across devices, where dense would gather the whole of K and V (a decoding step's cache).
   On GPU the default stays with jattn's kernels, as jax.nn's stays with XLA (a tuning table
   that measured a fused kernel faster puts it first: see `jattn._attention`)."""
   # A symbolic batch or head count (jax.export) bounds nothing: the program must serve every
@@ -147,9 +151,22 @@ def implementation_by_platform(B: int, N: int, T: int, S: int, G: int = 1, dtype
   accelerator = "dense" if fits and not decoding(T, S, G) else "chunked"
   choice = {"cpu": (choose_implementation(T, S, G, dtype, mask, (B, N, T, S)),),
             "default": (accelerator,)}
-  if fused and not fits and not decoding(T, S, G):
-    choice["tpu"] = ("splash", accelerator)
+  if keys_split:
+    return {"default": ("chunked",)}
+  if not fits and not decoding(T, S, G):
+    for platform, name in (fused or {}).items():
+      choice[platform] = (name, accelerator)
   return choice
+
+
+def by_platform(fns):
+  """Call ``fns[platform]`` (a "default" entry, if any, for the rest), chosen where the program
+  is lowered, not where it is traced: a program exported for cuda or tpu from this CPU gets the
+  accelerator's choice. One distinct function for every platform is simply called."""
+  if len(set(fns.values())) == 1 and "default" in fns:
+    return next(iter(fns.values()))()
+  rest = {p: f for p, f in fns.items() if p != "default"}
+  return jax.lax.platform_dependent(**rest, default=fns.get("default"))
 
 
 def block_sizes(T: int, S: int, block_q: int | None, block_kv: int | None, *,

@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn import _chunked, _dropout, _plan, _sharding, _tile, _validation
+from jattn import _chunked, _dropout, _plan, _registry, _sharding, _softmax, _tile, _validation
 from jattn import masks as _masks
 from jattn._tile import NEG, Config
 from jattn._types import ArrayLike, Implementation, IsCausal, Layout, LocalWindowSize
@@ -217,45 +217,6 @@ def _send(rc: _RingConfig, tree):
   return jax.tree.map(lambda a: jax.lax.ppermute(a, rc.axis_name, perm), tree)
 
 
-def _merge_pair(out_a, lse_a, out_b, lse_b):
-  """Exact merge of two results over disjoint key sets, in the statistics dtype.
-
-  The kernels mark a row with nothing to attend to by the finite lse NEG and output 0, so the
-  weights stay finite: two NEG rows give weights (1, 1), out 0 and lse NEG + log 2 (= NEG in
-  float32); a NEG row against a real one gets weight exp(NEG - lse) = 0.
-  """
-  m = jnp.maximum(lse_a, lse_b)
-  wa = jnp.exp(lse_a - m)
-  wb = jnp.exp(lse_b - m)
-  tot = wa + wb  # >= 1
-  out = (out_a * wa[..., None] + out_b * wb[..., None]) / tot[..., None]
-  return out, m + jnp.log(tot)
-
-
-def merge_over_devices(out, lse, axes):
-  """Inside a shard_map: the exact merge of every device's result over its own key shard (out
-  (B, T, N, H), lse (B, T, N)) into the result over all keys, on every device; a psum of the
-  weighted outputs and of the weights, as `_merge_pair` does for two parts (rows empty
-  everywhere stay out 0, lse about NEG). Differentiable: only the shift is held constant."""
-  sd = lse.dtype
-  m = jax.lax.pmax(jax.lax.stop_gradient(lse), axes)
-  w = jnp.exp(lse - m)
-  tot = jax.lax.psum(w, axes)  # >= 1
-  merged = jax.lax.psum(out.astype(sd) * w[..., None], axes) / tot[..., None]
-  return merged, m + jnp.log(tot)
-
-
-def add_sink(out, lse, sink):
-  """Merge the sink -- one more logit per row, with no value -- into a finished result: the
-  softmax denominator gains exp(sink), so the output shrinks by exp(lse - lse').
-  An empty row (lse NEG, out 0) ends with lse = sink and out 0, as in the single-device kernel."""
-  B, T, N = lse.shape
-  s = sink.astype(lse.dtype).reshape(1, 1, N)
-  m = jnp.maximum(lse, s)
-  tot = jnp.exp(lse - m) + jnp.exp(s - m)
-  return out * (jnp.exp(lse - m) / tot)[..., None], m + jnp.log(tot)
-
-
 # --------------------------------------------------------------------------------------------
 # The ring: forward, backward, custom VJP.
 # --------------------------------------------------------------------------------------------
@@ -276,7 +237,7 @@ def _ring_forward(rc: _RingConfig, q, k, v, ro: _RingOperands):
     # After `step` sends, this device holds the shard of device index - step.
     ops = _pair(rc, ro, q, k, v, index, (index - step) % P, kv_seg)
     o, l = _chunked.forward(rc.plan, ops)
-    out, lse = _merge_pair(out, lse, o.astype(sd), l.astype(sd))
+    out, lse = _softmax.merge_pair(out, lse, o.astype(sd), l.astype(sd))
     return k_next, v_next, seg_next, out, lse
 
   out0 = _sharding.varying(jnp.zeros((B, Tp, N, Hv), sd), q, k, v)
@@ -287,7 +248,7 @@ def _ring_forward(rc: _RingConfig, q, k, v, ro: _RingOperands):
   _, _, _, out, lse = jax.lax.fori_loop(0, P, body, (k, v, ro.kv_seg, out0, lse0))
   if ro.sink is not None:
     # The sink is one term of the whole row's softmax: added once, after every shard's part.
-    out, lse = add_sink(out, lse, ro.sink)
+    out, lse = _softmax.add_sink(out, lse, ro.sink)
   return out.astype(q.dtype), lse
 
 
@@ -325,8 +286,8 @@ def _ring_backward(rc: _RingConfig, q, k, v, ro: _RingOperands, out, lse, dout, 
   dsink = None
   if ro.sink is not None:
     # The lse's cotangent lowers delta, as in _chunked.backward.
-    delta = _chunked.output_delta(dout, out) - dlse.astype(sd)
-    dsink = total(_chunked.sink_gradient(ro.sink, lse, delta))
+    delta = _softmax.output_delta(dout, out) - dlse.astype(sd)
+    dsink = total(_softmax.sink_gradient(ro.sink, lse, delta))
   zeros = lambda tree: jax.tree.map(_plan.zero_cotangent, tree)
   dro = _RingOperands(mask=zeros(ro.mask), q_seg=zeros(ro.q_seg), kv_seg=zeros(ro.kv_seg),
                       seed=zeros(ro.seed), score_args=dargs, sink=dsink,
@@ -381,25 +342,26 @@ class _RingOptions:
 # What ring attention runs on each (query shard, key/value shard) pair. Its loop decides at run
 # time which key/value shard a device holds, so the pair's part of the mask is a run-time value;
 # the pairs' results are merged through their log-sum-exp, and the backward recomputes each
-# pair from the merged one. jattn's kernels take all three; the fused ones take none.
-_FUSED_REFUSAL = (
+# pair from the merged one. jattn's own kernels take all three; a backend says why it cannot
+# (`jattn._registry.Backend.ring`).
+_RING_KERNELS = ("chunked", "dense")
+_REFUSAL = (
     "ring_attention cannot run {name} per shard pair: which part of the mask a pair sees "
     "depends on the ring step (a run-time device index), {why}, and the backward must recompute "
     "each pair from the log-sum-exp merged over all pairs")
-_FUSED_WHY = {"splash": "while splash attention compiles its mask in",
-              "cudnn": "while cuDNN's kernel takes only its own causal/window/length options"}
 
 
 def _ring_kernel(implementation) -> str:
   """The per-shard kernel for ``implementation`` (None, a name or a sequence tried in order):
-  "chunked" (None too) or "dense"; the fused kernels are skipped with their reason."""
+  "chunked" (None too) or "dense"; the others are skipped with their reason."""
   names = (_validation.implementation_names(_validation.implementation(implementation))
            or ("chunked",))
   reasons = []
   for name in names:
-    if name in ("chunked", "dense"):
+    if name in _RING_KERNELS:
       return name
-    reasons.append(_FUSED_REFUSAL.format(name=repr(name), why=_FUSED_WHY[name]))
+    why = _registry.get(name).ring or "while it is not one of jattn's own kernels"
+    reasons.append(_REFUSAL.format(name=repr(name), why=why))
   raise NotImplementedError("; ".join(reasons) + ". Use implementation='chunked' or 'dense'.")
 
 
@@ -646,18 +608,7 @@ def merge_attention(outs, lses):
 @jax.jit
 def _merge(outs, lses):
   sd = _tile.stat_dtype(jnp.promote_types(outs.dtype, lses.dtype))
-  o = outs.astype(sd)
-  l = lses.astype(sd)
-  m = l.max(axis=0)
-  # The shift only conditions the exponent (its gradient cancels); rows that are -inf
-  # everywhere shift by 0 so that exp(-inf - 0) = 0 rather than exp(-inf + inf) = NaN.
-  shift = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, jnp.zeros((), sd)))
-  w = jnp.exp(l - shift[None])  # (n, ...)
-  tot = w.sum(axis=0)
-  ok = tot > 0
-  safe_tot = jnp.where(ok, tot, jnp.ones((), sd))
-  out = (w[..., None] * o).sum(axis=0) / safe_tot[..., None]
-  lse = jnp.where(ok, shift + jnp.log(safe_tot), m)
+  out, lse = _softmax.merge_stacked(outs, lses, sd)
   return out.astype(outs.dtype), lse.astype(lses.dtype)
 
 

@@ -143,6 +143,22 @@ def sequence_shards(x):
   return axes, count
 
 
+def sequence_layout(query, key, value):
+  """Under an Explicit mesh, where the sequence is split: (the query's spec, (axes, count) when
+  only the query's T is split, (axes, count) when the query is whole and K, V are split alike
+  along S); see `jattn._call.Layout`. Batch- and head-sharded inputs are neither."""
+  spec = spec_of(query)
+  q_shards = sequence_shards(query)
+  if q_shards is not None and not sharded_only_over((query, key, value), q_shards[0]):
+    q_shards = None  # other axes in use too: the gather path (see sharded_only_over)
+  kv_shards = None
+  if q_shards is None and spec_of(key) is not None and spec_of(key) == spec_of(value):
+    kv_shards = sequence_shards(key)
+    if kv_shards is not None and not sharded_only_over((query, key, value), kv_shards[0]):
+      kv_shards = None
+  return spec, q_shards, kv_shards
+
+
 def sharded_only_over(arrays, axes) -> bool:
   """Whether no array of ``arrays`` is sharded over a mesh axis outside ``axes``.
 

@@ -37,11 +37,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn import _fused, _sharding
+from jattn import _fused, _plan, _sharding, _tuning
+from jattn._types import concrete
 from jattn._tile import NEG
 from jattn import masks as _masks
 
-LANES = 128  # splash's block sizes are multiples of the TPU's 128 lanes
+LANES = _tuning.SPLASH_LANES  # splash's block sizes are multiples of the TPU's 128 lanes
 DEFAULT_BLOCK = 512
 # A mask that is not a band is evaluated into a (T, S) NumPy array per distinct head.
 MAX_EVALUATED_POSITIONS = 1 << 28
@@ -63,15 +64,6 @@ def block_size(name: str, value: int | None, length: int) -> int:
         f"implementation='splash' needs {name} to be a multiple of {LANES} (the TPU's lanes), "
         f"got {name}={value}")
   return value
-
-
-def tuned_block(given: int | None, tuned: int | None) -> int | None:
-  """The block size splash runs with: the one the call gives, else a tuning table's where it is
-  a multiple of 128 (the table's sizes are measured for jattn's kernels, and splash is timed
-  with them only then: see `jattn.bench.tune`), else None (the default)."""
-  if given is not None:
-    return given
-  return tuned if tuned is not None and tuned % LANES == 0 else None
 
 
 refuse = functools.partial(_fused.refuse, "splash")
@@ -312,6 +304,67 @@ def interpreting() -> bool:
   from jax._src import config  # noqa: PLC0415 -- the setting has no public reader
   setting = getattr(config, "pallas_tpu_interpret_mode_context_manager", None)
   return setting is not None and setting.value is not None
+
+
+def supports(call) -> str | None:
+  """None, or what of the bound call (`jattn._call.Call`) splash cannot take and why."""
+  s = call.static
+  for name, given in (("bias", call.given.bias is not None),
+                      ("dropout", s.opts.dropout_rate > 0),
+                      ("score_mod", s.opts.score_mod is not None)):
+    if given:
+      return f"{name}: the fused kernel has no such input"
+  if not concrete(s.B, s.N):
+    return (f"a symbolic batch or head count (B={s.B}, N={s.N}): its block masks are built per "
+            f"head while the call is traced")
+  shard = shards(call)
+  if isinstance(shard, str):
+    return (shard + " under an Explicit mesh: XLA cannot partition a Pallas kernel, and jattn "
+            "splits the call over devices only by examples and heads")
+  if _sharding.checks_vma(call.query):
+    return ("jax.shard_map(check_vma=True): its Pallas kernels do not type their outputs as "
+            "device-varying (JAX's pallas_call raises); use check_vma=False")
+  return None
+
+
+def shards(call):
+  """Under an Explicit mesh, the (batch, head) mesh axes splash runs split over, or a phrase
+  saying why it cannot be split (see `_sharding.examples_and_heads`); else None."""
+  if call.static.layout.spec is None:
+    return None
+  return _sharding.examples_and_heads(call.query, call.given.key, call.given.value)
+
+
+def first_for_long(call, unpartitioned: bool) -> bool:
+  """implementation=None tries splash first on a TPU for long calls only where the program
+  cannot be partitioned (a Pallas kernel lowered into a multi-device program outside shard_map
+  is refused by TPU lowering, and under an Auto mesh whether the program will be partitioned is
+  not known while the call is traced), or where an Explicit mesh shards only examples and heads
+  (the shardings are in the types, so it runs per device inside a shard_map); and only for
+  masks it builds lazily (see `builds_lazily`)."""
+  return builds_lazily(call.mask) and (unpartitioned or isinstance(shards(call), tuple))
+
+
+def run(call):
+  """Splash on a bound call: (out (B, T, N, Hv), lse (B, T, N)). Lowered for another platform
+  than a TPU (outside Pallas's interpret mode), the program fails there with a message naming
+  the fallbacks (where the program is lowered: one exported for tpu from a CPU is traced here
+  too)."""
+  s = call.static
+  go = functools.partial(splash_attention, call.query, call.key, call.value, call.mask,
+                         call.given.sinks, scale=s.scale, soft_cap=s.opts.logits_soft_cap,
+                         block_q=s.opts.splash_blocks[0], block_kv=s.opts.splash_blocks[1],
+                         shard=shards(call))
+  if interpreting():
+    return go()
+  like = (jax.ShapeDtypeStruct((s.B, s.T, s.N, s.Hv), s.dtype),
+          jax.ShapeDtypeStruct((s.B, s.T, s.N), jnp.float32))
+  message = ("implementation='splash' needs a TPU: this program is lowered for {platform}. "
+             "Run it on a TPU, or on a CPU inside "
+             "jax.experimental.pallas.tpu.force_tpu_interpret_mode() (slow; for tests), or "
+             "name a fallback: implementation=('splash', 'chunked')")
+  return _plan.by_platform({"tpu": go, "default": lambda: _fused.unavailable(
+      message, like, call.query, call.key, call.value)})
 
 
 def splash_attention(query, key, value, mask, sinks, *, scale, soft_cap, block_q, block_kv,

@@ -20,11 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jattn import _dropout, _sharding
+from jattn._softmax import NEG, stat_dtype  # noqa: F401  (the tiles' masked logit and dtype)
 
-# Masked logits are set to a finite large negative, never -inf: exp(NEG - m) underflows to an
-# exact 0 and `max` over a fully masked row stays finite, so no inf - inf = NaN can arise.
-# Float32's range is used for every statistics dtype (as jax.nn does) so it survives a cast.
-NEG = float(-0.7 * np.finfo(np.float32).max)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -47,12 +44,6 @@ class Config:
   @property
   def N(self) -> int:
     return self.K * self.G
-
-
-def stat_dtype(dtype) -> Any:
-  """Softmax statistics are float32 for 16-bit inputs (float64 stays float64)."""
-  # Not jnp.promote_types: under jax_numpy_dtype_promotion='strict' it refuses (bfloat16, float32).
-  return jnp.dtype(jnp.float64) if jnp.dtype(dtype) == jnp.float64 else jnp.dtype(jnp.float32)
 
 
 def matmul(a, b, spec: str, out_dtype, fold: bool = True):
@@ -233,41 +224,3 @@ def pv(p, v, fold: bool = True):
   """(B,K,G,tq,tk) (rows layout: (B,K,G*tq,tk)) weights times (B,K,tk,H) values; weights in
   the value dtype, fp32 accumulate."""
   return matmul(p.astype(v.dtype), v, "qs,sh->qh", stat_dtype(v.dtype), fold)
-
-
-def empty_rows(m, l):
-  """Rows that saw no visible key: their running max m is still NEG (every logit was set to NEG).
-
-  For such a row exp(s - m) = exp(NEG - NEG) = 1 on its masked entries, so its sum and
-  accumulator hold junk; they are discarded here instead of zeroing every masked probability
-  with a second select over the (tq, tk) tile. For any other row exp(NEG - m) is an exact 0.
-
-  Only the mask can leave a row's max at NEG, so emptiness is never read from the sum: a NaN or
-  +inf logit at a visible position must propagate to the output as in jax.nn, not pass for an
-  empty row and become 0. XLA's max reductions may drop a NaN (CPU's vector max does), leaving
-  m at NEG; the sum of such a row is NaN, while an empty row's sum counts its masked entries,
-  so ``l`` tells the two apart. A row that is not empty has l >= 1 (its max term).
-  """
-  return (m <= jnp.asarray(NEG, m.dtype)) & ~jnp.isnan(l)
-
-
-def safe_lse(m, l):
-  """log-sum-exp of a row from its max and sum; NEG for a row with nothing to attend to."""
-  ok = ~empty_rows(m, l)
-  return jnp.where(ok, m + jnp.log(jnp.where(ok, l, jnp.ones((), l.dtype))),
-                   jnp.asarray(NEG, m.dtype))
-
-
-def safe_normalize(acc, l, m, dropout_rate: float):
-  """acc / l with exact 0 (not NaN, not junk) for empty rows; dropout's 1 / (1 - rate) folded in."""
-  ok = ~empty_rows(m, l)
-  denom = jnp.where(ok, l, jnp.ones((), l.dtype))
-  if dropout_rate > 0:
-    denom = denom * jnp.asarray(1.0 - dropout_rate, l.dtype)
-  return jnp.where(ok[..., None], acc / denom[..., None], jnp.zeros((), acc.dtype))
-
-
-def lse_for_recompute(lse):
-  """The log-sum-exp the backward pass divides by: +inf for empty rows, so that their recomputed
-  probabilities exp(s - lse) are exact zeros without a select over the tile."""
-  return jnp.where(lse <= jnp.asarray(NEG, lse.dtype), jnp.asarray(jnp.inf, lse.dtype), lse)

@@ -30,13 +30,14 @@ from typing import Any
 
 import jax
 
+from jattn import _registry
+
 
 ENV_VAR = "JATTN_TUNING"
 FORMAT = "jattn-tuning-1"
 _OPTIONS = ("block_q", "block_kv", "schedule", "step_width", "implementation")
-# The fused kernels a table may prefer for implementation=None (jattn's own two are chosen by the
-# rule in jattn._plan.implementation_by_platform, which also bounds dense's memory).
-FUSED = ("cudnn", "splash")
+# Splash's block sizes are multiples of the TPU's 128 lanes.
+SPLASH_LANES = 128
 _MASK_KINDS = ("full", "causal", "window", "masked")
 
 _active: contextvars.ContextVar[TuningTable | None] = contextvars.ContextVar("jattn_tuning",
@@ -118,8 +119,11 @@ def _check_options(options, where):
       if value not in ("serial", "parallel"):
         raise ValueError(f"{where}: schedule must be 'serial' or 'parallel', got {value!r}")
     elif name == "implementation":
-      if value not in FUSED:
-        raise ValueError(f"{where}: implementation must be one of {FUSED}, got {value!r}")
+      # The fused kernels of the registry (jattn's own two are chosen by the rule in
+      # jattn._plan.implementation_by_platform, which also bounds dense's memory).
+      fused = _registry.fused()
+      if value not in fused:
+        raise ValueError(f"{where}: implementation must be one of {fused}, got {value!r}")
     elif value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                 or value <= 0):
       raise ValueError(f"{where}: {name} must be a positive int or null, got {value!r}")
@@ -197,3 +201,12 @@ def options_for(dtype, head_dim: int, kind: str, T: int, S: int) -> dict[str, An
     warnings.warn(f"jattn tuning table {table.source or '(in memory)'!r} has no entry for this "
                   f"device ({device_kind!r}): its options are not used", stacklevel=3)
   return dict(found or {})
+
+
+def splash_block(given: int | None, tuned: int | None) -> int | None:
+  """The block size splash runs with: the one the call gives, else a tuning table's where it is
+  a multiple of 128 (the table's sizes are measured for jattn's kernels, and splash is timed
+  with them only then: see `jattn.bench.tune`), else None (splash's default)."""
+  if given is not None:
+    return given
+  return tuned if tuned is not None and tuned % SPLASH_LANES == 0 else None

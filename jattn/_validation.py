@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn import _types
+from jattn import _registry, _types
 from jattn import masks as _masks
 
 IMPLEMENTATIONS = ("dense", "chunked")
@@ -329,19 +329,21 @@ def _prng_key(name, key):
 
 def implementation(value):
   """None (automatic), one name, or a sequence of names tried in order (tokamax's rule): returns
-  None, the name, or a tuple of two or more names. "xla" is jax.nn's name for "dense"."""
+  None, the name, or a tuple of two or more names, each a name of `jattn._registry` ("xla" is
+  jax.nn's name for "dense")."""
   if value is None:
     return None
-  expected = ("None, 'dense' (or 'xla'), 'chunked', 'splash', 'cudnn', or a sequence of these "
-              "tried in order")
-  names = typing.get_args(_types.Implementation)
+  listed = ", ".join(repr(n) + "".join(f" (or {a!r})" for a in b.aliases)
+                     for n, b in _registry.REGISTRY.items())
+  expected = f"None, {listed}, or a sequence of these tried in order"
+  names = _registry.names()
   if isinstance(value, (list, tuple)):
     if not value:
       raise ValueError(f"implementation: expected {expected}, got an empty {type(value).__name__}")
     seq = tuple(one_of("implementation", v, names, expected=expected) for v in value)
   else:
     seq = (one_of("implementation", value, names, expected=expected),)
-  seq = tuple(dict.fromkeys("dense" if v == "xla" else v for v in seq))  # order kept, once each
+  seq = tuple(dict.fromkeys(_registry.canonical(v) for v in seq))  # order kept, once each
   return seq[0] if len(seq) == 1 else seq
 
 
@@ -373,6 +375,10 @@ class Arrays:
   sinks: Any
   unbatched: bool
 
+
+jax.tree_util.register_dataclass(
+    Arrays, data_fields=["query", "key", "value", "bias", "mask", "q_lengths", "kv_lengths",
+                         "q_seg", "kv_seg", "sinks"], meta_fields=["unbatched"])
 
 _float_array = float_array  # the older private name
 

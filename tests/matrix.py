@@ -3,7 +3,7 @@ tests/_matrix_worker.py), each either equal to the float64 reference or refused 
 NotImplementedError -- no other exception passes.
 
 Both lists are data: an implementation joins by being in jattn's registry
-(`jattn._attention.PLATFORMS`; the chunked kernels once per schedule), an option by a row in
+(`jattn._registry.REGISTRY`; the chunked kernels once per schedule), an option by a row in
 OPTIONS. Shapes are small (B=4, T=S=32, N=8, K=4, H=8: every dimension a sharding splits is a
 multiple of 4) and the chunked blocks smaller still (8), so every case has several blocks, a
 ragged mask and more than one query head per key/value head.
@@ -31,12 +31,10 @@ BLOCKS = dict(block_q=8, block_kv=8)
 
 def implementations() -> dict[str, dict]:
   """name -> dot_product_attention keywords, from jattn's registry of implementations."""
-  from jattn import _attention, _plan
-  out = {}
-  for name in _attention.PLATFORMS:
-    if name == "automatic":
-      out["None"] = dict(implementation=None)
-    elif name == "chunked":
+  from jattn import _plan, _registry
+  out = {"None": dict(implementation=None)}
+  for name in _registry.REGISTRY:
+    if name == "chunked":
       for schedule in _plan.SCHEDULES:
         out[f"chunked-{schedule}"] = dict(implementation="chunked", schedule=schedule, **BLOCKS)
     else:
@@ -46,9 +44,8 @@ def implementations() -> dict[str, dict]:
 
 def platform_of(impl: str):
   """The platforms an implementation lowers for (None: every one)."""
-  from jattn import _attention
-  name = {"None": "automatic"}.get(impl, impl.split("-")[0])
-  return _attention.PLATFORMS[name]
+  from jattn import _registry
+  return None if impl == "None" else _registry.platforms(impl.split("-")[0])
 
 
 @dataclasses.dataclass(frozen=True)

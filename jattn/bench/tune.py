@@ -82,10 +82,10 @@ def fused_kernel(choice: str, backend: str, dtype) -> str | None:
 def fused_blocks(name: str, block_q: int, block_kv: int):
   """The block sizes the fused kernel ``name`` runs with under a table entry of these sizes
   (None: its own default): splash takes a table's multiples of 128 (see
-  `jattn._splash.tuned_block`); cuDNN has none."""
+  `jattn._tuning.splash_block`); cuDNN has none."""
   if name == "splash":
-    from jattn import _splash
-    return _splash.tuned_block(None, block_q), _splash.tuned_block(None, block_kv)
+    from jattn import _tuning
+    return _tuning.splash_block(None, block_q), _tuning.splash_block(None, block_kv)
   return None, None
 
 

@@ -1,0 +1,22 @@
+"""jattn's implementations, one registry entry each (see `jattn._registry`).
+
+A new backend is a module with ``run(call)`` (and ``supports(call)`` for what it refuses) and
+one `register` call here; the dispatcher, tuning tables, ring attention and the tests' feature
+matrix read the table.
+"""
+
+from jattn import _cudnn, _dense, _parallel, _splash
+from jattn._registry import Backend, register
+
+register(Backend("dense", _dense.run, aliases=("xla",)))
+# The chunked kernels, through the parallel layer (Explicit-mesh splits, the Auto partitioning
+# rule) where the call is sharded.
+register(Backend("chunked", _parallel.chunked))
+register(Backend(
+    "splash", _splash.run, platforms=("tpu",), supports=_splash.supports, fused=True,
+    first_for_long=_splash.first_for_long,
+    traced_cheaply=lambda call: _splash.builds_lazily(call.mask),
+    ring="while splash attention compiles its mask in"))
+register(Backend(
+    "cudnn", _cudnn.run, platforms=("cuda",), supports=_cudnn.supports, fused=True,
+    ring="while cuDNN's kernel takes only its own causal/window/length options"))

@@ -1,0 +1,241 @@
+"""The bound call: one attention call's arguments, checked once, with what every backend reads.
+
+`options` turns the keyword arguments into `Options` (static, hashable: part of jit's cache key);
+`bind` turns the array arguments into a `Call` inside the jitted function: arrays as pytree
+leaves, the static description (`Static`: options, shapes, scale, the Explicit-mesh layout) as
+metadata. Backends, the parallel layer and the kernels read the call; none re-validates it.
+
+Shapes: B batch, T query length, S key/value length, N query heads, K key/value heads,
+H head dimension, G = N // K query heads per key/value head.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jattn import _dropout, _plan, _sharding, _tile, _tuning, _validation
+from jattn import masks as _masks
+from jattn._tile import Config
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Options:
+  """The static (hashable) options of one call; the jit cache key besides array shapes."""
+
+  scale: float | None
+  causal: str | None  # None | "top_left" | "bottom_right"
+  window: tuple[int | None, int | None] | None
+  logits_soft_cap: float | None
+  dropout_rate: float
+  dropout_broadcast: bool
+  implementation: str | tuple[str, ...] | None
+  block_q: int | None
+  block_kv: int | None
+  schedule: str | None
+  step_width: int | None
+  return_residual: bool
+  score_mod: Callable | None
+  # Return the (B, N, T, S) softmax weights instead of the output (for flax's sow_weights).
+  return_weights: bool = False
+  # The fused kernel a tuning table found fastest on this device for the call (implementation
+  # None only): tried first on its platform.
+  tuned_implementation: str | None = None
+  # (block_q, block_kv) for splash: the caller's, else a tuning table's where they are
+  # multiples of 128 (`jattn-bench tune` times splash with those), else splash's default.
+  splash_blocks: tuple[int | None, int | None] = (None, None)
+
+
+def options(query, key, mask, *, scale, is_causal, local_window_size, logits_soft_cap,
+            dropout_rate, dropout_rng, dropout_broadcast, implementation, block_q, block_kv,
+            schedule, step_width, return_residual, score_mod, return_weights=False, masked=False):
+  """(Options, scale operand or None) of dot_product_attention's keywords, every one checked;
+  a tuning table (jattn.tuning, $JATTN_TUNING) fills what the call leaves open. ``masked``:
+  lengths or segment ids are given (the table's mask kind)."""
+  static_scale, scale_operand = _validation.scale_operand(scale)
+  causal = _validation.causal(is_causal)
+  window = _validation.window(local_window_size)
+  tuned = {}
+  if ((implementation is None or None in (block_q, block_kv, schedule, step_width))
+      and implementation not in ("dense", "xla")):
+    shape, kv_shape = jnp.shape(query), jnp.shape(key)
+    if len(shape) in (3, 4) and len(kv_shape) == len(shape) and hasattr(query, "dtype"):
+      kind = _tuning.mask_kind(causal, window, masked or mask is not None)
+      tuned = _tuning.options_for(query.dtype, shape[-1], kind, shape[-3], kv_shape[-3])
+  given_blocks = (_validation.block("block_q", block_q), _validation.block("block_kv", block_kv))
+  pick = lambda given, name: given if given is not None else tuned.get(name)
+  opts = Options(
+      scale=static_scale, causal=causal, window=window,
+      logits_soft_cap=_validation.soft_cap(logits_soft_cap),
+      dropout_rate=_validation.dropout(dropout_rate, dropout_rng),
+      dropout_broadcast=_validation.flag("dropout_broadcast", dropout_broadcast),
+      implementation=_validation.implementation(implementation),
+      block_q=_validation.block("block_q", pick(block_q, "block_q")),
+      block_kv=_validation.block("block_kv", pick(block_kv, "block_kv")),
+      schedule=_validation.one_of("schedule", pick(schedule, "schedule"),
+                                  _validation.SCHEDULES + (None,)),
+      step_width=_validation.positive_int("step_width", pick(step_width, "step_width"),
+                                          optional=True),
+      return_residual=_validation.flag("return_residual", return_residual),
+      score_mod=_validation.callable_or_none("score_mod", score_mod),
+      return_weights=bool(return_weights),
+      tuned_implementation=tuned.get("implementation") if implementation is None else None,
+      splash_blocks=tuple(_tuning.splash_block(given, tuned.get(name)) for given, name
+                          in zip(given_blocks, ("block_q", "block_kv"))),
+  )
+  return opts, scale_operand
+
+
+def static_mask(mask, opts: Options):
+  """A NumPy boolean ``mask`` asked to run on splash becomes a mask object: splash builds its
+  block lists from the mask when the call is traced, so the mask is part of the program instead
+  of a run-time argument."""
+  if (isinstance(mask, np.ndarray) and mask.dtype == np.bool_ and mask.ndim <= 4
+      and "splash" in _validation.implementation_names(opts.implementation)):
+    return _masks.static_array(mask)
+  return mask
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """Where an Explicit mesh splits the sequence (else all None): ``spec`` the query's
+  PartitionSpec; ``q_shards`` (mesh axes, count) when only the query's T is split (each device
+  runs its rows against the whole K, V); ``kv_shards`` likewise when the query is whole and K, V
+  are split along S (a decoding step against a sharded cache: each device attends to its own
+  keys and the parts merge)."""
+
+  spec: Any = None
+  q_shards: tuple | None = None
+  kv_shards: tuple | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Static:
+  """The static description of a bound call (hashable: it may travel as a custom_vjp's or a
+  custom_partitioning's static argument)."""
+
+  opts: Options
+  scale: float
+  B: int
+  T: int
+  S: int
+  N: int
+  K: int
+  H: int
+  Hv: int
+  dtype: Any
+  layout: Layout
+  unbatched: bool
+
+  @property
+  def G(self) -> int:
+    return self.N // self.K
+
+  @property
+  def stat_dtype(self):
+    return _tile.stat_dtype(self.dtype)
+
+  def block_sizes(self, T: int | None = None, S: int | None = None) -> tuple[int, int]:
+    """The chunked block sizes for T query rows and S keys (the whole call's by default)."""
+    return _plan.block_sizes(self.T if T is None else T, self.S if S is None else S,
+                             self.opts.block_q, self.opts.block_kv)
+
+  def config(self, tile_shape, *, T=None, S=None, B=None, K=None, replay=False):
+    """(Config, score_mod's hoisted arrays) for tiles of ``tile_shape`` over ``T`` query rows
+    and ``S`` keys of ``B`` examples and ``K`` key/value heads (the whole call's by default);
+    ``replay``: score_mod is to be called inside a shard_map."""
+    score_mod, score_args = None, ()
+    if self.opts.score_mod is not None:
+      score_mod, score_args = _plan.closure_convert_score_mod(
+          self.opts.score_mod, tile_shape, self.stat_dtype, replay=replay)
+      score_args = _sharding.replicated(score_args)
+    opts = self.opts
+    cfg = Config(B=self.B if B is None else B, T=self.T if T is None else T,
+                 S=self.S if S is None else S, K=self.K if K is None else K, G=self.G, H=self.H,
+                 scale=self.scale, logits_soft_cap=opts.logits_soft_cap,
+                 dropout_rate=opts.dropout_rate, score_mod=score_mod,
+                 dropout_broadcast=opts.dropout_broadcast)
+    return cfg, score_args
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+  """One bound call. ``query`` (B, T, N, H) (times an array scale, if given), ``key``, ``value``
+  (B, S, K, H) (whole along S under an Explicit mesh: see `Layout`); ``bias`` grouped
+  (B|1, K|1, G|1, T|1, S|1); ``mask`` every masking argument combined (a `jattn.masks` object, or
+  None); ``seed`` dropout's (2,) words; ``sink`` (1, K, G, 1) in the statistics dtype; ``given``
+  the validated arguments as passed (rank 4), for the kernels that take them as jax.nn does and
+  for the parts a sharded call splits."""
+
+  query: Any
+  key: Any
+  value: Any
+  bias: Any
+  mask: Any
+  seed: Any
+  sink: Any
+  given: _validation.Arrays
+  static: Static
+
+  @property
+  def opts(self) -> Options:
+    return self.static.opts
+
+  def head_major(self, x, groups: bool):
+    """(B, L, n, X) -> (B, K, G, L, X) for the query (``groups``), (B, K, L, X) for K and V."""
+    s = self.static
+    x = jnp.transpose(x, (0, 2, 1, 3))
+    return x.reshape(s.B, s.K, s.G, x.shape[2], x.shape[3]) if groups else x
+
+
+jax.tree_util.register_dataclass(
+    Call, data_fields=["query", "key", "value", "bias", "mask", "seed", "sink", "given"],
+    meta_fields=["static"])
+
+
+def bind(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_seg, dropout_rng,
+         sinks, scale_operand, opts: Options) -> Call:
+  """The arrays checked against each other and laid out for the kernels (inside jit)."""
+  args = _validation.arrays(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_seg,
+                            sinks)
+  args = _sharding.aligned_to_query(args)
+  query, key, value = args.query, args.key, args.value
+  layout = Layout()
+  if _sharding.explicit_mesh():
+    layout = Layout(*_sharding.sequence_layout(query, key, value))
+    # Every query needs every key: K and V are gathered along S (as jax.nn's XLA path does).
+    key, value = _sharding.unshard_axis(key, 1), _sharding.unshard_axis(value, 1)
+  if scale_operand is not None:
+    # A scale given as an array (traced under jit) is an operand, not a compile-time constant:
+    # it scales the query (in its dtype, as splash attention folds its scale), q.k * s = (s q).k,
+    # and autodiff through this product gives its gradient. The kernels then scale by 1.
+    query = query * scale_operand.astype(query.dtype)
+    scale = 1.0
+  else:
+    scale = opts.scale if opts.scale is not None else _plan.default_scale(query.shape[-1])
+  B, T, N, H = query.shape
+  _, S, K, Hv = value.shape
+  static = Static(opts, scale, B, T, S, N, K, H, Hv, query.dtype, layout, args.unbatched)
+  combined = _plan.build_mask((B, N, T, S), args.mask, opts.causal, opts.window,
+                              q_lengths=args.q_lengths, kv_lengths=args.kv_lengths,
+                              q_segment_ids=args.q_seg, kv_segment_ids=args.kv_seg)
+  sd = static.stat_dtype
+  bias5 = None if args.bias is None else _tile.group_heads(args.bias, K, N // K)
+  sink = None if args.sinks is None else args.sinks.astype(sd).reshape(1, K, N // K, 1)
+  seed = (_dropout.seed_words(dropout_rng) if opts.dropout_rate > 0
+          else jnp.zeros((2,), jnp.uint32))
+  return Call(query, key, value, bias5, combined, seed, sink, args, static)
+
+
+def finish(static: Static, out, lse):
+  """The call's result from a backend's (out (B, T, N, Hv), lse (B, T, N)): unbatched again,
+  the lse clamped and returned only when asked for."""
+  if static.unbatched:
+    out, lse = out[0], lse[0]
+  if not static.opts.return_residual:
+    return out
+  return out, _plan.clamp_lse(lse, static.dtype)

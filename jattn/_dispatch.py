@@ -1,0 +1,97 @@
+"""The dispatcher: which registered implementation runs a bound call, per platform.
+
+It reads only the registry (`jattn._registry`): a name given alone runs as asked; a sequence is
+tried in order, skipping one that cannot take the call (its ``supports`` gives a reason, or it
+raises NotImplementedError while tracing) and one that lowers for another platform than the
+program's; ``None`` follows `jattn._plan.implementation_by_platform`, with a backend that asks
+to go first for long calls (splash on a TPU) and a tuning table's fastest fused kernel in front.
+Per-platform choices are made where the program is lowered (`jattn._plan.by_platform`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from jattn import _backends, _plan, _registry, _sharding, _validation  # noqa: F401  (registers)
+
+
+def run(call):
+  """(out (B, T, N, Hv), lse (B, T, N)) of a bound call (`jattn._call.Call`)."""
+  names = _validation.implementation_names(call.opts.implementation)
+  runners = {name: functools.partial(attempt, name, call) for name in _registry.REGISTRY}
+  if not names:
+    return _plan.by_platform(automatic(call, runners))
+  if len(names) == 1:
+    return runners[names[0]]()
+  return _plan.by_platform(_takers(names, runners))
+
+
+def attempt(name: str, call):
+  """Run the backend ``name`` on ``call``, or raise the NotImplementedError its ``supports``
+  gives."""
+  backend = _registry.get(name)
+  why = backend.supports(call)
+  if why is not None:
+    raise NotImplementedError(f"implementation={name!r} does not support {why}")
+  return backend.run(call)
+
+
+def automatic(call, runners) -> dict:
+  """implementation=None: {platform or "default": runner}."""
+  s = call.static
+  unpartitioned = _sharding.unpartitioned()
+  first = {}  # platform -> the backend that asks to go first there for long calls
+  for name, backend in _registry.REGISTRY.items():
+    if backend.first_for_long is not None and backend.first_for_long(call, unpartitioned):
+      first.update(dict.fromkeys(backend.platforms or (), name))
+  choice = _plan.implementation_by_platform(s.B, s.N, s.T, s.S, s.G, s.dtype, call.mask,
+                                            fused=first,
+                                            keys_split=s.layout.kv_shards is not None)
+  tuned = s.opts.tuned_implementation
+  if (tuned in _registry.REGISTRY and unpartitioned and s.layout.kv_shards is None
+      and not _plan.decoding(s.T, s.S, s.G) and _registry.get(tuned).traced_cheaply(call)):
+    # The device's tuning table measured its fused kernel faster for calls like this one
+    # (square ones: decoding-shaped calls share a length bucket but were not measured). Only
+    # where the program cannot be partitioned, as for splash above: jax.nn's cuDNN call
+    # refuses sequence-sharded inputs when the program is partitioned, after tracing.
+    for platform in _registry.platforms(tuned) or ():
+      rest = choice.get(platform, choice["default"])
+      choice[platform] = (tuned,) + tuple(n for n in rest if n != tuned)
+  fns = {}
+  for platform, names in choice.items():
+    takers = _takers(names, runners)
+    fns[platform] = takers.get(platform, takers.get("default"))
+  return fns
+
+
+def _takers(names, runners):
+  """{platform or "default": runner}: per platform, the first of ``names`` that takes the call
+  (tokamax's rule: fall through on NotImplementedError). One that lowers only for some platforms
+  serves those; the first that lowers anywhere serves the rest ("default").
+
+  Whether an implementation takes the call is found by tracing it once aside
+  (`jax.eval_shape`): inside `platform_dependent` an error could not be told from its siblings'.
+  The last universal candidate is not tried aside: its own error, if any, is the call's."""
+  if len(names) == 1:
+    return {"default": runners[names[0]]}
+  fns, errors = {}, []
+  for i, name in enumerate(names):
+    platforms = _registry.platforms(name)
+    if platforms is not None and all(p in fns for p in platforms):
+      continue
+    if platforms is not None or i < len(names) - 1:
+      try:
+        jax.eval_shape(runners[name])
+      except NotImplementedError as e:
+        errors.append(str(e))
+        continue
+    if platforms is None:
+      fns["default"] = runners[name]
+      break
+    for p in platforms:
+      fns.setdefault(p, runners[name])
+  if not fns:
+    raise NotImplementedError("no implementation takes this call: " + "; ".join(errors))
+  return fns

@@ -1,0 +1,106 @@
+"""Parallelism as a layer over the chunked kernels: one device's part of a call, at its place.
+
+A bound call reaches the kernels in one of four ways, chosen here and nowhere else:
+
+- whole, on one device (or sharded only by examples and heads under an Explicit mesh, which
+  the kernels' types carry through);
+- split along T under an Explicit mesh (`sequence_sharded`, ``split_query``): each device runs
+  its query rows against the whole (gathered) K and V, as dense attention's partitioned matmuls
+  do; the devices' dK/dV partial sums are added by the shard_map's transpose;
+- K and V split along S under an Explicit mesh with the query whole (a decoding step against a
+  sharded cache): each device attends all queries to its own keys, and the parts are merged
+  through their log-sum-exps across the devices (`jattn._softmax.merge_over_devices`);
+- under an Auto mesh, through the partitioning rule of `jattn._partition`, which runs `part` on
+  each device's share of the partitioned program.
+
+Ring attention (`jattn._ring`) is the fifth: K and V travel round the devices.
+Each way calls `jattn._chunked.attend` with the part's global positions (``q_offset``,
+``kv_offset``, ``batch0``, ``head0``), so masks, score_mod and dropout see the whole call's.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from jattn import _chunked, _partition, _sharding, _softmax
+
+
+def chunked(call):
+  """The chunked backend's run: (out (B, T, N, Hv), lse (B, T, N)) of a bound call."""
+  s = call.static
+  layout = s.layout
+  if layout.q_shards is not None:
+    out, lse = sequence_sharded(call, *layout.q_shards, split_query=True)
+  elif layout.kv_shards is not None:
+    out, lse = sequence_sharded(call, *layout.kv_shards, split_query=False)
+  else:
+    cfg, score_args = s.config((s.B, s.N) + s.block_sizes())
+    q = call.query if layout.spec is None else _sharding.unshard_axis(call.query, 1)
+    operands = (q, call.key, call.value, call.bias, call.mask, call.seed, call.sink)
+    if layout.spec is None and _partition.applies(call.mask, score_args):
+      out, lse = _partition.attention(
+          _partition.Problem(s.B, s.T, s.S, s.N, s.K, functools.partial(part, s),
+                             None if call.bias is None else call.bias.shape), operands)
+    else:
+      out, lse = _chunked.attend(s, *operands, score_args, cfg)
+  if layout.spec is not None and _sharding.spec_of(out) != layout.spec:
+    out = jax.sharding.reshard(out, layout.spec)
+  return out, lse
+
+
+def part(static, q, k, v, bias, mask, seed, sink, part, saved=None):
+  """The chunked kernels on one device's part of the call (``part``: a `_partition.Part`, or
+  None for the whole), as `_partition` runs them when XLA partitions the program: (out, lse),
+  or with ``saved`` (see `jattn._chunked.attend`) the operands' cotangents."""
+  Bl, Tl, Nl, _ = q.shape
+  Sl, Kl = k.shape[1], k.shape[2]
+  cfg, score_args = static.config((Bl, Nl) + static.block_sizes(Tl, Sl), T=Tl, S=Sl, B=Bl, K=Kl)
+  if part is None:
+    return _chunked.attend(static, q, k, v, bias, mask, seed, sink, score_args, cfg, saved=saved)
+  return _chunked.attend(static, q, k, v, bias, mask, seed, sink, score_args, cfg,
+                         q_offset=part.row0 if Tl != static.T else None,
+                         kv_offset=part.key0 if Sl != static.S else None, batch0=part.batch0,
+                         head0=part.head0, saved=saved)
+
+
+def sequence_sharded(call, axes, count, split_query: bool):
+  """The chunked kernels per shard of the sequence under an Explicit mesh, inside a shard_map
+  over its mesh ``axes`` (``count`` shards), with masks, score_mod and dropout at global
+  positions: the query split along T (``split_query``; the kernels take query blocks out of Q at
+  loop indices, so otherwise the partitioner would need the whole Q on every device), else K
+  and V along S, merged across the devices with the sinks joining once, after the merge
+  (gradients flow through the merge: the kernels' VJP takes the lse's cotangent)."""
+  s = call.static
+  Tl, Sl = (s.T // count, s.S) if split_query else (s.T, s.S // count)
+  cfg, score_args = s.config((s.B, s.N) + s.block_sizes(Tl, Sl), T=Tl, S=Sl, replay=True)
+  P = jax.sharding.PartitionSpec
+  seq = _sharding.spec_entry(axes)
+  split = (call.query,) if split_query else (call.given.key, call.given.value)
+  split = tuple(_sharding.shard_dim(x, 1, axes) for x in split)
+  bias_dim = 3 if split_query else 4  # T or S of (B|1, K|1, G|1, T|1, S|1)
+  local_bias = call.bias is not None and call.bias.shape[bias_dim] != 1
+  bias = (_sharding.shard_dim(call.bias, bias_dim, axes) if local_bias
+          else _sharding.replicate_over(call.bias, axes))
+  whole = (call.key, call.value) if split_query else (call.query,)
+  whole = _sharding.replicate_over(
+      (whole, call.mask, call.seed, call.sink if split_query else None, score_args), axes)
+
+  def body(split, bias, whole):
+    whole, mask, seed, sink, score_args = whole
+    q, k, v = split + whole if split_query else whole + split
+    offset = jax.lax.axis_index(axes) * (Tl if split_query else Sl)
+    out, lse = _chunked.attend(s, q, k, v, bias, mask, seed, sink, score_args, cfg,
+                               **{"q_offset" if split_query else "kv_offset": offset})
+    return (out, lse) if split_query else _softmax.merge_over_devices(out, lse, axes)
+
+  rows = P(None, seq) if split_query else P()
+  fn = jax.shard_map(body, mesh=jax.sharding.get_abstract_mesh(),
+                     in_specs=(P(None, seq),
+                               P(*(None,) * bias_dim, seq) if local_bias else P(), P()),
+                     out_specs=(rows, rows), axis_names=frozenset(axes), check_vma=False)
+  out, lse = fn(split, bias, whole)
+  if not split_query and call.given.sinks is not None:
+    out, lse = _softmax.add_sink(out, lse, call.given.sinks)
+  return out.astype(s.dtype), lse

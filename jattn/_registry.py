@@ -1,0 +1,96 @@
+"""The registry of implementations: one table, read by the dispatcher, tuning tables and ring.
+
+Each implementation is one `Backend`: its name, the platforms it lowers for, what it supports
+(a function of the bound call returning None or the reason it cannot take it, which becomes the
+call's `NotImplementedError`) and how it runs. jattn's own are registered by `jattn._backends`;
+adding one is a module with its ``run`` (and ``supports``) and one `register` call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+
+def _takes_everything(call) -> None:
+  return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+  """One implementation of attention.
+
+  ``run(call) -> (out (B, T, N, Hv) in the query dtype, lse (B, T, N) float32)`` for a bound call
+  (`jattn._call.Call`), with jattn's semantics (empty rows 0, lse carrying its gradient).
+  ``platforms``: the platforms it lowers for (None: every one, as XLA programs do); a sequence of
+  names falls through one lowered for another platform than the program's.
+  ``supports(call) -> None | str``: None, or what it cannot take and why ("bias: the fused kernel
+  has no such input"), checked before ``run`` (``run`` may still raise NotImplementedError for
+  what it finds only while tracing).
+  ``fused``: a platform's fused kernel: a tuning table may name it, and ``implementation=None``
+  tries it first where the table measured it faster.
+  ``first_for_long(call, unpartitioned) -> bool``: ``implementation=None`` tries it first on its
+  platforms for calls too large for dense (splash on a TPU), where this holds (``unpartitioned``:
+  the program runs on one device as written, see `jattn._sharding.unpartitioned`).
+  ``traced_cheaply(call) -> bool``: whether trying it costs nothing much while tracing
+  (splash evaluates a mask it cannot build lazily into a (T, S) array per head): required before
+  ``implementation=None`` puts it first, by a tuning table or for long calls.
+  ``ring``: None where ring attention can run it on each pair of shards, else why not.
+  """
+
+  name: str
+  run: Callable[[Any], tuple]
+  platforms: tuple[str, ...] | None = None
+  supports: Callable[[Any], str | None] = _takes_everything
+  fused: bool = False
+  first_for_long: Callable[[Any, bool], bool] | None = None
+  traced_cheaply: Callable[[Any], bool] = lambda call: True
+  ring: str | None = None
+  aliases: tuple[str, ...] = ()
+
+
+REGISTRY: dict[str, Backend] = {}
+_ALIASES: dict[str, str] = {}
+
+
+def register(backend: Backend) -> Backend:
+  """Add ``backend`` to the table (replacing one of the same name); returns it."""
+  if not isinstance(backend, Backend):
+    raise TypeError(f"register takes a jattn Backend, got {type(backend).__name__}")
+  REGISTRY[backend.name] = backend
+  for alias in backend.aliases:
+    _ALIASES[alias] = backend.name
+  return backend
+
+
+def unregister(name: str) -> None:
+  """Remove the backend ``name`` (and its aliases) from the table."""
+  REGISTRY.pop(name, None)
+  for alias in [a for a, n in _ALIASES.items() if n == name]:
+    del _ALIASES[alias]
+
+
+def canonical(name: str) -> str:
+  """The registered name for ``name`` or one of its aliases ("xla" is "dense")."""
+  return _ALIASES.get(name, name)
+
+
+def names() -> tuple[str, ...]:
+  """Every name a call may give, aliases included, in registration order."""
+  out = []
+  for name, backend in REGISTRY.items():
+    out += [name, *backend.aliases]
+  return tuple(out)
+
+
+def get(name: str) -> Backend:
+  return REGISTRY[canonical(name)]
+
+
+def fused() -> tuple[str, ...]:
+  """The fused kernels' names, sorted (what a tuning table may name)."""
+  return tuple(sorted(n for n, b in REGISTRY.items() if b.fused))
+
+
+def platforms(name: str) -> tuple[str, ...] | None:
+  return get(name).platforms
