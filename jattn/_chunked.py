@@ -419,19 +419,26 @@ class Residuals(NamedTuple):
   lse: Any  # (B, Tp, N)
 
 
+class _Backward(NamedTuple):
+  """What every tile of the backward pass reads besides the operands."""
+
+  q_in: Any  # the query, scaled where `_tile.prescaled_query` folds the logit scale into it
+  scaled: bool
+  dout: Any  # (B, Tp, N, Hv)
+  lse_r: Any  # (B, Tp, N): the lse that P is recomputed with (+inf for empty rows)
+  delta: Any  # (B, Tp, N): rowsum(dO * O), less the lse's cotangent
+  keep_scale: float | None  # dropout's 1 / (1 - rate)
+  dbias_block_shape: tuple | None  # one tile's dBias block (see `_bias_contribution_shape`)
+
+
 def backward(plan: Plan, res: Residuals, dout, dlse=None) -> Operands:
   """Cotangents of every operand (an `Operands`: dq, dk, dv, dbias, the score_mod arrays' and the
   sinks' gradients; zeros for the integer and mask operands), in the layout of `forward`, from
   the output's cotangent ``dout`` and (optionally) the log-sum-exp's ``dlse`` (B, Tp, N)."""
   ops = res.ops
   cfg, grid = plan.cfg, plan.grid
-  q, k, v, bias = ops.q, ops.k, ops.v, ops.bias
-  B, K, G, H = cfg.B, cfg.K, cfg.G, q.shape[-1]
-  bq, bk = grid.block_q, grid.block_kv
+  q, bias = ops.q, ops.bias
   sd = _tile.stat_dtype(q.dtype)
-  lo, hi = plan.column_bounds(ops.states)
-  Hv = v.shape[-1]
-  inputs = (q, k, v, dout, ops.states)
   # rowsum(dO * O) = rowsum(P * dP): the softmax Jacobian's correction term, one per query.
   delta = _softmax.output_delta(dout, res.out)
   if dlse is not None:
@@ -439,8 +446,6 @@ def backward(plan: Plan, res: Residuals, dout, dlse=None) -> Operands:
     # as lowering delta by g (and the sink's gradient follows from delta alike). Used where the
     # lse is merged with other parts (key/value shards on several devices).
     delta = delta - dlse.astype(delta.dtype)
-  keep_scale = 1.0 / (1.0 - cfg.dropout_rate) if cfg.dropout_rate > 0 else None
-  lse_r = _softmax.lse_for_recompute(res.lse)
   # The logit scale is applied to each finished dQ block, not to every (tq, tk) tile; as in the
   # forward (and with the same rounding) it multiplies Q where that rounds no coarser than the
   # logits, and then dK = dS^T (scale Q) carries it already; else each finished dK block too.
@@ -450,57 +455,90 @@ def backward(plan: Plan, res: Residuals, dout, dlse=None) -> Operands:
   # The (B, Tp, N, H) dQ and a full-size dBias stay outside the switch: a conditional that
   # threads a large array through its branches can copy it on every tile. The branches return
   # a tile's block contributions instead, added in place after the switch.
-  dbias_block_shape = (None if bias is None
-                       else _bias_contribution_shape(bias.shape, B, K, G, bq, bk))
+  bw = _Backward(q_in, scaled, dout, _softmax.lse_for_recompute(res.lse), delta,
+                 1.0 / (1.0 - cfg.dropout_rate) if cfg.dropout_rate > 0 else None,
+                 None if bias is None else _bias_contribution_shape(
+                     bias.shape, cfg.B, cfg.K, cfg.G, grid.block_q, grid.block_kv))
+  tile_grads = functools.partial(_tile_grads, plan, ops, bw)
+  if plan.schedule == "parallel":
+    dq, dk, dv, dbias, dargs = _backward_parallel(plan, ops, tile_grads, scale, dk_scale)
+  else:
+    dq, dk, dv, dbias, dargs = _backward_serial(plan, ops, bw, tile_grads, scale, dk_scale)
+  dsink = None
+  if ops.sink is not None:
+    dsink = _softmax.sink_gradient(ops.sink, res.lse, delta)
+  zeros = lambda tree: jax.tree.map(_plan.zero_cotangent, tree)
+  return Operands(q=dq.astype(q.dtype), k=dk, v=dv,
+                  bias=None if dbias is None else dbias.astype(bias.dtype),
+                  mask=zeros(ops.mask), states=zeros(ops.states), seed=zeros(ops.seed),
+                  score_args=dargs, sink=dsink, positions=zeros(ops.positions))
 
-  def tile_grads(view: TileView, kb, vb) -> _TileGrads:
-    """One tile's contributions to dK, dV (B, K, bk, H), dQ^T (B, K, H, G * bq), dBias and the
-    score_mod arrays' gradient, from P recomputed with the saved log-sum-exp."""
-    i = view.i
-    qb = q_tile(q_in, i, bq, K, G)
-    dob = q_tile(dout, i, bq, K, G)
-    # Per-query statistics broadcast along the key axis of the (B, K, bk, G, bq) tiles.
-    lse_b = _row_tile(lse_r, i, bq, K, G)[:, :, None]
-    delta_b = _row_tile(delta, i, bq, K, G)[:, :, None]
-    vis = view.vis
-    if vis is not None:
-      qb, kb, vb = _tile.sanitize(vis, qb, kb, vb)
-      vis = _key_major(vis)
-    q2 = qb.reshape(B, K, G * bq, H)  # the G heads of a group stacked as rows
-    do2 = dob.reshape(B, K, G * bq, Hv)
-    s = _kv_rows_matmul(kb, q2, sd).reshape(B, K, bk, G, bq)
-    s, t = _tile.scale_cap_bias(cfg, s, None if view.bias is None else _key_major(view.bias),
-                                scaled)
-    if cfg.score_mod is not None:
-      # score_mod sees the tile in its documented (B, N, tq, tk) layout.
-      s, mod_vjp = jax.vjp(
-          lambda s_, a_: _key_major(_tile.apply_score_mod(cfg, _query_major(s_), view.idx, a_)),
-          s, ops.score_args)
-    if vis is not None:
-      s = jnp.where(vis, s, jnp.asarray(_tile.NEG, sd))
-    p = jnp.exp(s - lse_b)  # exact 0 where masked, and in empty rows (lse = inf)
-    dp = _kv_rows_matmul(vb, do2, sd).reshape(B, K, bk, G, bq)
-    if cfg.dropout_rate > 0:
-      kept = _key_major(_tile.keep(cfg, ops.seed, view.idx))
-      pd = jnp.where(kept, p, jnp.zeros((), sd)) * jnp.asarray(keep_scale, sd)
-      dp = jnp.where(kept, dp, jnp.zeros((), sd)) * jnp.asarray(keep_scale, sd)
-    else:
-      pd = p
-    dvb = _rows_matmul(pd.astype(dob.dtype).reshape(B, K, bk, G * bq), do2, sd)
-    # d loss / d (post-bias, post-score_mod) logits; 0 where p is (dp is finite: sanitized).
-    ds = p * (dp - delta_b)
-    dargs_b = jax.tree.map(jnp.zeros_like, ops.score_args)
-    if cfg.score_mod is not None:
-      ds, dargs_b = mod_vjp(ds)
-    dbias_b = (None if bias is None
-               else _bias_contribution(_query_major(ds), dbias_block_shape))
-    if t is not None:
-      ds = ds * (1.0 - t * t)
-    dsc = ds.astype(q.dtype).reshape(B, K, bk, G * bq)
-    dkb = _rows_matmul(dsc, q2, sd)
-    # dQ^T = K^T dS^T: with K^T as the left operand both matmuls run in standard form.
-    dq_t = _rows_matmul(jnp.swapaxes(kb, 2, 3), dsc, sd)  # (B, K, H, G * bq)
-    return _TileGrads(dkb, dvb, dq_t, dbias_b, dargs_b)
+
+def _tile_grads(plan: Plan, ops: Operands, bw: _Backward, view: TileView, kb, vb):
+  """One tile's contributions to dK, dV (B, K, bk, H), dQ^T (B, K, H, G * bq), dBias and the
+  score_mod arrays' gradient (a `_TileGrads`), from P recomputed with the saved log-sum-exp."""
+  cfg = plan.cfg
+  B, K, G, H = cfg.B, cfg.K, cfg.G, ops.q.shape[-1]
+  Hv = ops.v.shape[-1]
+  bq, bk = plan.grid.block_q, plan.grid.block_kv
+  sd = _tile.stat_dtype(ops.q.dtype)
+  i = view.i
+  qb = q_tile(bw.q_in, i, bq, K, G)
+  dob = q_tile(bw.dout, i, bq, K, G)
+  # Per-query statistics broadcast along the key axis of the (B, K, bk, G, bq) tiles.
+  lse_b = _row_tile(bw.lse_r, i, bq, K, G)[:, :, None]
+  delta_b = _row_tile(bw.delta, i, bq, K, G)[:, :, None]
+  vis = view.vis
+  if vis is not None:
+    qb, kb, vb = _tile.sanitize(vis, qb, kb, vb)
+    vis = _key_major(vis)
+  q2 = qb.reshape(B, K, G * bq, H)  # the G heads of a group stacked as rows
+  do2 = dob.reshape(B, K, G * bq, Hv)
+  s = _kv_rows_matmul(kb, q2, sd).reshape(B, K, bk, G, bq)
+  s, t = _tile.scale_cap_bias(cfg, s, None if view.bias is None else _key_major(view.bias),
+                              bw.scaled)
+  if cfg.score_mod is not None:
+    # score_mod sees the tile in its documented (B, N, tq, tk) layout.
+    s, mod_vjp = jax.vjp(
+        lambda s_, a_: _key_major(_tile.apply_score_mod(cfg, _query_major(s_), view.idx, a_)),
+        s, ops.score_args)
+  if vis is not None:
+    s = jnp.where(vis, s, jnp.asarray(_tile.NEG, sd))
+  p = jnp.exp(s - lse_b)  # exact 0 where masked, and in empty rows (lse = inf)
+  dp = _kv_rows_matmul(vb, do2, sd).reshape(B, K, bk, G, bq)
+  pd = p
+  if cfg.dropout_rate > 0:
+    kept = _key_major(_tile.keep(cfg, ops.seed, view.idx))
+    pd = jnp.where(kept, p, jnp.zeros((), sd)) * jnp.asarray(bw.keep_scale, sd)
+    dp = jnp.where(kept, dp, jnp.zeros((), sd)) * jnp.asarray(bw.keep_scale, sd)
+  dvb = _rows_matmul(pd.astype(dob.dtype).reshape(B, K, bk, G * bq), do2, sd)
+  # d loss / d (post-bias, post-score_mod) logits; 0 where p is (dp is finite: sanitized).
+  ds = p * (dp - delta_b)
+  dargs_b = jax.tree.map(jnp.zeros_like, ops.score_args)
+  if cfg.score_mod is not None:
+    ds, dargs_b = mod_vjp(ds)
+  dbias_b = (None if ops.bias is None
+             else _bias_contribution(_query_major(ds), bw.dbias_block_shape))
+  if t is not None:
+    ds = ds * (1.0 - t * t)
+  dsc = ds.astype(ops.q.dtype).reshape(B, K, bk, G * bq)
+  dkb = _rows_matmul(dsc, q2, sd)
+  # dQ^T = K^T dS^T: with K^T as the left operand both matmuls run in standard form.
+  dq_t = _rows_matmul(jnp.swapaxes(kb, 2, 3), dsc, sd)  # (B, K, H, G * bq)
+  return _TileGrads(dkb, dvb, dq_t, dbias_b, dargs_b)
+
+
+def _backward_serial(plan: Plan, ops: Operands, bw: _Backward, tile_grads, scale, dk_scale):
+  """The serial schedule's backward: key block after key block, each walking the query blocks
+  that see it (loop ranges from the plan); dK and dV are finished per key block, dQ and dBias
+  accumulate in place. Returns (dq, dk, dv, dbias, dargs)."""
+  cfg, grid = plan.cfg, plan.grid
+  q, k, v, bias = ops.q, ops.k, ops.v, ops.bias
+  B, K, G, H = cfg.B, cfg.K, cfg.G, q.shape[-1]
+  bq, bk = grid.block_q, grid.block_kv
+  sd = _tile.stat_dtype(q.dtype)
+  lo, hi = plan.column_bounds(ops.states)
+  inputs = (q, k, v, bw.dout, ops.states)
 
   def kv_block(j, carry):
     dq, dk, dv, dbias, dargs = carry
@@ -515,7 +553,7 @@ def backward(plan: Plan, res: Residuals, dout, dlse=None) -> Operands:
 
     def skip(i, inner):
       zeros = (jnp.zeros((B, K, H, G * bq), sd),
-               None if bias is None else jnp.zeros(dbias_block_shape, sd))
+               None if bias is None else jnp.zeros(bw.dbias_block_shape, sd))
       return inner, _sharding.varying_tree(zeros, *inputs)
 
     def body(i, carry):
@@ -542,25 +580,13 @@ def backward(plan: Plan, res: Residuals, dout, dlse=None) -> Operands:
     dv = _put_kv_tile(dv, dvb, j, bk)
     return dq, dk, dv, dbias, dargs
 
-  if plan.schedule == "parallel":
-    dq, dk, dv, dbias, dargs = _backward_parallel(plan, ops, tile_grads, scale, dk_scale)
-  else:
-    dq0 = jnp.zeros_like(q, dtype=sd)
-    dk0 = jnp.zeros_like(k)
-    dv0 = jnp.zeros_like(v)
-    dbias0 = None if bias is None else jnp.zeros_like(bias, dtype=_tile.stat_dtype(bias.dtype))
-    dargs0 = jax.tree.map(jnp.zeros_like, ops.score_args)
-    dq0, dk0, dv0, dbias0 = _sharding.varying_tree((dq0, dk0, dv0, dbias0), *inputs)
-    dq, dk, dv, dbias, dargs = jax.lax.fori_loop(0, grid.num_kv_blocks, kv_block,
-                                                 (dq0, dk0, dv0, dbias0, dargs0))
-  dsink = None
-  if ops.sink is not None:
-    dsink = _softmax.sink_gradient(ops.sink, res.lse, delta)
-  zeros = lambda tree: jax.tree.map(_plan.zero_cotangent, tree)
-  return Operands(q=dq.astype(q.dtype), k=dk, v=dv,
-                  bias=None if dbias is None else dbias.astype(bias.dtype),
-                  mask=zeros(ops.mask), states=zeros(ops.states), seed=zeros(ops.seed),
-                  score_args=dargs, sink=dsink, positions=zeros(ops.positions))
+  dq0 = jnp.zeros_like(q, dtype=sd)
+  dk0 = jnp.zeros_like(k)
+  dv0 = jnp.zeros_like(v)
+  dbias0 = None if bias is None else jnp.zeros_like(bias, dtype=_tile.stat_dtype(bias.dtype))
+  dargs0 = jax.tree.map(jnp.zeros_like, ops.score_args)
+  dq0, dk0, dv0, dbias0 = _sharding.varying_tree((dq0, dk0, dv0, dbias0), *inputs)
+  return jax.lax.fori_loop(0, grid.num_kv_blocks, kv_block, (dq0, dk0, dv0, dbias0, dargs0))
 
 
 class _TileGrads(NamedTuple):

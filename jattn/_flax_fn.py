@@ -31,6 +31,14 @@ _PRECISION_NAMES = {
 }
 
 
+def _refuse_custom_einsums(**einsums):
+  for name, v in einsums.items():
+    if v is not None:
+      raise NotImplementedError(
+          f"jattn.make_attention_fn: {name} (a custom einsum, e.g. quantized) is not "
+          f"supported; jattn computes q.k and p.v with its own float32-accumulating einsums")
+
+
 def make_attention_fn(
     *,
     implementation: Implementation | None = None,
@@ -105,18 +113,13 @@ def make_attention_fn(
 
     Returns [batch..., T, N, H] in the computation dtype.
     """
-    # jattn's softmax statistics are always float32 or wider; the flag only decides, as in
-    # flax, that sown weights stay float32 for a 16-bit computation dtype.
-    for name, v in (("einsum_dot_general", einsum_dot_general),
-                    ("qk_attn_weights_einsum", qk_attn_weights_einsum),
-                    ("attn_weights_value_einsum", attn_weights_value_einsum)):
-      if v is not None:
-        raise NotImplementedError(
-            f"jattn.make_attention_fn: {name} (a custom einsum, e.g. quantized) is not "
-            f"supported; jattn computes q.k and p.v with its own float32-accumulating einsums")
-
+    _refuse_custom_einsums(einsum_dot_general=einsum_dot_general,
+                           qk_attn_weights_einsum=qk_attn_weights_einsum,
+                           attn_weights_value_einsum=attn_weights_value_einsum)
     dropout_rate = _validation.real("dropout_rate", dropout_rate, at_least=0, below=1)
     is_causal = _validation.flag("is_causal", is_causal)
+    # jattn's softmax statistics are always float32 or wider; the flag only decides, as in
+    # flax, that sown weights stay float32 for a 16-bit computation dtype.
     force_fp32_for_softmax = _validation.flag("force_fp32_for_softmax", force_fp32_for_softmax)
     if promote_dtype is None:
       from flax.nnx.nn import dtypes as _flax_dtypes  # flax's own callers have it imported
