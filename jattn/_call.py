@@ -21,6 +21,112 @@ import numpy as np
 from jattn import _dropout, _plan, _sharding, _tile, _tuning, _validation
 from jattn import masks as _masks
 from jattn._tile import Config
+from jattn._types import concrete
+
+
+# ---- the arrays ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Arrays:
+  """The array arguments, made rank-4 ((B, T, N, H) etc.), checked against each other."""
+
+  query: Any
+  key: Any
+  value: Any
+  bias: Any
+  mask: Any
+  q_lengths: Any
+  kv_lengths: Any
+  q_seg: Any
+  kv_seg: Any
+  sinks: Any
+  unbatched: bool
+
+
+jax.tree_util.register_dataclass(
+    Arrays, data_fields=["query", "key", "value", "bias", "mask", "q_lengths", "kv_lengths",
+                         "q_seg", "kv_seg", "sinks"], meta_fields=["unbatched"])
+
+def _qkv(query, key, value):
+  """query, key and value checked in the order that names the wrong one: query alone, key
+  against query, value against key."""
+  query = _validation.float_array("query", query)
+  if query.ndim not in (3, 4):
+    raise ValueError(f"query must be (B, T, N, H) or (T, N, H), got shape {query.shape}")
+  key = _validation.float_array("key", key)
+  shapes = f"query.shape={query.shape}, key.shape={key.shape}"
+  if key.ndim != query.ndim:
+    raise ValueError(f"key must have the rank of query ({query.ndim}): {shapes}")
+  if key.dtype != query.dtype:
+    raise TypeError(f"key must have the dtype of query: query.dtype={query.dtype}, "
+                    f"key.dtype={key.dtype}")
+  batched = query.ndim == 4
+  if batched and key.shape[0] != query.shape[0]:
+    raise ValueError(f"key must have the batch size B of query (B={query.shape[0]}), got "
+                     f"B={key.shape[0]}: {shapes}")
+  H, Hk = query.shape[-1], key.shape[-1]
+  if Hk != H:
+    raise ValueError(f"key must have the head dim H of query (H={H}), got H={Hk}: {shapes}")
+  N, K = query.shape[-2], key.shape[-2]
+  if K == 0 or N % K:
+    raise ValueError(f"the number of query heads N={N} must be a multiple of the number of "
+                     f"key/value heads K={K} ({shapes})")
+  value = _validation.float_array("value", value)
+  kv = f"key.shape={key.shape}, value.shape={value.shape}"
+  if value.ndim != key.ndim:
+    raise ValueError(f"value must have the rank of key ({key.ndim}): {kv}")
+  if value.dtype != key.dtype:
+    raise TypeError(f"value must have the dtype of key (and query): key.dtype={key.dtype}, "
+                    f"value.dtype={value.dtype}")
+  if value.shape != key.shape:
+    raise ValueError(f"value must have the shape of key (B, S, K, H): {kv}")
+  return query, key, value
+
+
+def arrays(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_seg, sinks) -> Arrays:
+  query, key, value = _qkv(query, key, value)
+  unbatched = query.ndim == 3
+  if unbatched:
+    query, key, value = query[None], key[None], value[None]
+  B, T, N, H = query.shape
+  S = key.shape[1]
+  for name, letter, size in (("query", "T", T), ("key", "S", S), ("query", "H", H)):
+    if not concrete(size):
+      # jax.export's symbolic dimensions: the batch and the head count may be symbolic; the
+      # block sizes, loop bounds and masks are planned from the lengths while tracing.
+      raise NotImplementedError(
+          f"{name}'s {'length' if letter != 'H' else 'head dimension'} {letter} is the symbolic "
+          f"dimension {str(size)!r}: jattn plans blocks and masks from known lengths and head "
+          f"sizes; export one program per length (pad to it and pass key_value_seq_lengths), "
+          f"the batch B and heads N may stay symbolic")
+  if min(T, S, H) == 0:
+    raise ValueError(f"empty attention: T={T}, S={S}, H={H} must all be positive")
+  full = (B, N, T, S)
+
+  if bias is not None:
+    bias = _validation.float_array("bias", bias)
+    bias = _validation.broadcastable("bias", bias, full, "(B, N, T, S)")
+  mask = _masks.checked(mask, full)
+  if q_lengths is not None:
+    q_lengths = _validation.int_vector("query_seq_lengths", q_lengths, B)
+  if kv_lengths is not None:
+    kv_lengths = _validation.int_vector("key_value_seq_lengths", kv_lengths, B)
+  if (q_seg is None) != (kv_seg is None):
+    raise ValueError("q_segment_ids and kv_segment_ids must be given together, got only "
+                     + ("q_segment_ids" if kv_seg is None else "kv_segment_ids"))
+  if q_seg is not None:
+    q_seg = _validation.segment_ids("q_segment_ids", q_seg, B, T, "T")
+    kv_seg = _validation.segment_ids("kv_segment_ids", kv_seg, B, S, "S")
+  if sinks is not None:
+    sinks = _validation.float_array("sinks", sinks)
+    if sinks.shape != (N,):
+      raise ValueError(f"sinks must have shape (N,)=({N},), got {sinks.shape}")
+  return Arrays(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_seg, sinks,
+                unbatched)
+
+
+# ---- the options ---------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -178,7 +284,7 @@ class Call:
   mask: Any
   seed: Any
   sink: Any
-  given: _validation.Arrays
+  given: Arrays
   static: Static
 
   @property
@@ -200,7 +306,7 @@ jax.tree_util.register_dataclass(
 def bind(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_seg, dropout_rng,
          sinks, scale_operand, opts: Options) -> Call:
   """The arrays checked against each other and laid out for the kernels (inside jit)."""
-  args = _validation.arrays(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_seg,
+  args = arrays(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_seg,
                             sinks)
   args = _sharding.aligned_to_query(args)
   query, key, value = args.query, args.key, args.value

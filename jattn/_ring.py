@@ -43,7 +43,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn import _chunked, _dropout, _plan, _registry, _sharding, _softmax, _tile, _validation
+from jattn import (_call, _chunked, _dropout, _plan, _registry, _sharding, _softmax, _tile,
+                   _validation)
 from jattn import masks as _masks
 from jattn._tile import NEG, Config
 from jattn._types import ArrayLike, Implementation, IsCausal, Layout, LocalWindowSize
@@ -504,7 +505,7 @@ def ring_attention(
 @functools.partial(jax.jit, static_argnames=("opts",))
 def _ring_attention(query, key, value, mask, q_lengths, kv_lengths, q_seg, kv_seg, dropout_rng,
                     sinks, batch0, head0, *, opts: _RingOptions):
-  args = _validation.arrays(query, key, value, None, None, q_lengths, kv_lengths, q_seg, kv_seg,
+  args = _call.arrays(query, key, value, None, None, q_lengths, kv_lengths, q_seg, kv_seg,
                             sinks)
   query, key, value = args.query, args.key, args.value
   B, Ts, N, H = query.shape

@@ -29,7 +29,6 @@ G = N // K, H head dimension.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import hashlib
 
@@ -40,7 +39,6 @@ import numpy as np
 from jattn import _fused, _plan, _sharding, _tuning
 from jattn._types import concrete
 from jattn._tile import NEG
-from jattn import masks as _masks
 
 LANES = _tuning.SPLASH_LANES  # splash's block sizes are multiples of the TPU's 128 lanes
 DEFAULT_BLOCK = 512
@@ -76,21 +74,16 @@ refuse = functools.partial(_fused.refuse, "splash")
 
 def split_mask(mask):
   """(static, lengths, segments): the AND of ``mask``'s parts sorted into what is a function of
-  positions and heads (a mask object or None), the `masks.lengths` parts and the one
-  `masks.segments` part (or None). Splash takes one pair of segment-id vectors, so two
-  segment masks are refused."""
-  parts, todo = [], [mask] if mask is not None else []
-  while todo:
-    m = todo.pop()
-    if isinstance(m, _masks._And):
-      todo += [m.a, m.b]
-    else:
-      parts.append(m)
-  lengths = [p for p in parts if isinstance(p, _masks._Lengths)]
-  segments = [p for p in parts if isinstance(p, _masks._Segments)]
+  positions and heads (a mask object or None), the per-example length parts ((q_lengths,
+  kv_lengths) pairs) and the one pair of segment-id arrays (or None). Splash takes one pair of
+  segment-id vectors, so two segment masks are refused."""
+  parts = [] if mask is None else mask.conjuncts()
+  ids = [p.ids() for p in parts]
+  lengths = [i[1:] for i in ids if i is not None and i[0] == "lengths"]
+  segments = [i[1:] for i in ids if i is not None and i[0] == "segments"]
   if len(segments) > 1:
     refuse("two segment-id masks at once", "it takes one pair of segment-id vectors")
-  rest = [p for p in parts if not isinstance(p, (_masks._Lengths, _masks._Segments))]
+  rest = [p for p, i in zip(parts, ids) if i is None]
   static = functools.reduce(lambda a, b: a & b, rest) if rest else None
   return static, lengths, segments[0] if segments else None
 
@@ -104,7 +97,7 @@ def builds_lazily(mask) -> bool:
     static, _, _ = split_mask(mask)
   except NotImplementedError:
     return False
-  return static is None or isinstance(static, (_masks._Full, _masks._Band))
+  return static is None or static.band() is not None
 
 
 class _Static:
@@ -136,13 +129,13 @@ def static_masks(static, shape, padded) -> list[_Static]:
   are left visible here: the segment ids hide them."""
   _, mask_lib = _splash_modules()
   B, N, T, S = shape
-  if static is None or isinstance(static, _masks._Full) or (
-      isinstance(static, _masks._Band) and static.lo is None and static.hi is None):
+  band = None if static is None else static.band()
+  if static is None or band == (None, None):
     rows, cols = _band_rows_cols(None, None, T, S, padded)
     return [_Static(("full", padded), lambda: mask_lib.FullMask(padded), rows, cols,
                     lambda: np.ones(padded, bool))]
-  if isinstance(static, _masks._Band):
-    lo, hi = static.lo, static.hi
+  if band is not None:
+    lo, hi = band
     rows, cols = _band_rows_cols(lo, hi, T, S, padded)
     if not rows.any():
       refuse("a mask that hides every position", "splash's block lists cannot be empty")
@@ -156,7 +149,10 @@ def static_masks(static, shape, padded) -> list[_Static]:
     refuse(f"a {type(static).__name__} mask at T x S = {T} x {S}",
            "a mask other than causal or a window is evaluated into a (T, S) array when the "
            f"kernel is built, and that is limited to {MAX_EVALUATED_POSITIONS} positions")
-  static = _unsharded(static)
+  # `masks.from_function`'s batch and head offsets are the global indices of ring attention's
+  # shard; in a single-device call they are 0 but reach here traced (pytree leaves of the
+  # jitted call), which would keep the mask from evaluating at trace time.
+  static = static.unshifted()
   with jax.ensure_compile_time_eval():
     try:
       values = static.evaluate(jnp.arange(T, dtype=jnp.int32), jnp.arange(S, dtype=jnp.int32),
@@ -183,35 +179,23 @@ def static_masks(static, shape, padded) -> list[_Static]:
   return out[:1] if len({m.key for m in out}) == 1 else out
 
 
-def _unsharded(mask):
-  """``mask`` with `masks.from_function`'s batch and head offsets at 0. They are the global
-  indices of ring attention's shard; in a single-device call they are 0 but reach here traced
-  (pytree leaves of the jitted call), which would keep the mask from evaluating at trace time."""
-  if isinstance(mask, _masks._FnMask):
-    return dataclasses.replace(mask, batch0=0, head0=0)
-  if isinstance(mask, (_masks._And, _masks._Or)):
-    return type(mask)(_unsharded(mask.a), _unsharded(mask.b))
-  if isinstance(mask, _masks._Not):
-    return _masks._Not(_unsharded(mask.a))
-  return mask
-
-
 def segment_ids(B, T, S, Tp, Sp, lengths, segments):
-  """(q_ids (B, Tp), kv_ids (B, Sp), q_ok, kv_ok): int32 ids such that query t sees key s iff
+  """From ``lengths`` ((q_lengths, kv_lengths) pairs, see `split_mask`) and ``segments`` (one
+  (q_ids, kv_ids) pair or None): (q_ids (B, Tp), kv_ids (B, Sp), q_ok, kv_ok): int32 ids such that query t sees key s iff
   the call's lengths, padding and segment ids allow it, and which queries and keys those leave
   any partner. A hidden key gets an id below every query's, a hidden query one below that (ids
   near int32's minimum would wrap)."""
   q = jnp.zeros((B, T), jnp.int32) if segments is None else jnp.broadcast_to(
-      segments.q_ids.astype(jnp.int32), (B, T))
+      segments[0].astype(jnp.int32), (B, T))
   kv = jnp.zeros((B, S), jnp.int32) if segments is None else jnp.broadcast_to(
-      segments.kv_ids.astype(jnp.int32), (B, S))
+      segments[1].astype(jnp.int32), (B, S))
   q_ok = jnp.arange(Tp)[None, :] < T
   kv_ok = jnp.arange(Sp)[None, :] < S
-  for part in lengths:
-    if part.q_lengths is not None:
-      q_ok = q_ok & (jnp.arange(Tp)[None, :] < part.q_lengths[:, None])
-    if part.kv_lengths is not None:
-      kv_ok = kv_ok & (jnp.arange(Sp)[None, :] < part.kv_lengths[:, None])
+  for q_lengths, kv_lengths in lengths:
+    if q_lengths is not None:
+      q_ok = q_ok & (jnp.arange(Tp)[None, :] < q_lengths[:, None])
+    if kv_lengths is not None:
+      kv_ok = kv_ok & (jnp.arange(Sp)[None, :] < kv_lengths[:, None])
   q = jnp.pad(q, ((0, 0), (0, Tp - T)))
   kv = jnp.pad(kv, ((0, 0), (0, Sp - S)))
   low = jnp.minimum(q.min(), kv.min())

@@ -27,17 +27,15 @@ one. The option checks (`scale`, `causal`, `window`, `soft_cap`, `dropout`, `imp
 
 from __future__ import annotations
 
-import dataclasses
 import numbers
 import typing
-from typing import Any
+
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jattn import _registry, _types
-from jattn import masks as _masks
 
 IMPLEMENTATIONS = ("dense", "chunked")
 CAUSAL_ALIGNMENTS = typing.get_args(_types.CausalAlignment)  # ("top_left", "bottom_right")
@@ -211,7 +209,9 @@ def axis(name: str, value, shape) -> int:
   return value % ndim
 
 
-def _asarray(name, x, expected):
+def as_array(name, x, expected):
+  """``x`` as an array (arrays and tracers as they are); TypeError naming ``name`` and what was
+  ``expected`` for anything else."""
   if hasattr(x, "dtype") and hasattr(x, "shape"):
     return x
   try:
@@ -222,7 +222,7 @@ def _asarray(name, x, expected):
 
 def float_array(name: str, x):
   """An array (or array-like) with a floating dtype, else TypeError."""
-  x = _asarray(name, x, "a floating array")
+  x = as_array(name, x, "a floating array")
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise TypeError(f"{name} must have a floating dtype, got {name}.dtype={x.dtype}")
   return x
@@ -233,7 +233,7 @@ def int_array(name: str, x, *, optional: bool = False):
   ``optional``: None passes. Shapes are the caller's to check (ValueError)."""
   if x is None and optional:
     return None
-  x = _asarray(name, x, "an integer array")
+  x = as_array(name, x, "an integer array")
   if not jnp.issubdtype(x.dtype, jnp.integer):
     raise TypeError(f"{name} must be an integer array, got dtype {x.dtype}")
   return jnp.asarray(x)
@@ -241,7 +241,7 @@ def int_array(name: str, x, *, optional: bool = False):
 
 def bool_array(name: str, x, expected: str = "a boolean array"):
   """An array (or array-like) of dtype bool, else TypeError ("{name} must be {expected}")."""
-  x = _asarray(name, x, expected)
+  x = as_array(name, x, expected)
   if x.dtype != jnp.bool_:
     raise TypeError(f"{name} must be {expected}, got dtype {x.dtype}")
   return jnp.asarray(x)
@@ -359,27 +359,6 @@ def block(name, value):
 # ---- arrays --------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass
-class Arrays:
-  """The array arguments, made rank-4 ((B, T, N, H) etc.), checked against each other."""
-
-  query: Any
-  key: Any
-  value: Any
-  bias: Any
-  mask: Any
-  q_lengths: Any
-  kv_lengths: Any
-  q_seg: Any
-  kv_seg: Any
-  sinks: Any
-  unbatched: bool
-
-
-jax.tree_util.register_dataclass(
-    Arrays, data_fields=["query", "key", "value", "bias", "mask", "q_lengths", "kv_lengths",
-                         "q_seg", "kv_seg", "sinks"], meta_fields=["unbatched"])
-
 _float_array = float_array  # the older private name
 
 
@@ -402,7 +381,7 @@ def int_vector(name, x, B, *, checked=False):
   None passes."""
   if x is None:
     return None
-  x = _asarray(name, x, f"an integer array of shape (B,)=({B},)")
+  x = as_array(name, x, f"an integer array of shape (B,)=({B},)")
   if not jnp.issubdtype(x.dtype, jnp.integer):
     raise TypeError(f"{name} must be an integer array of shape (B,)=({B},), got dtype {x.dtype}")
   x = jnp.asarray(x)
@@ -412,7 +391,7 @@ def int_vector(name, x, B, *, checked=False):
 
 
 def segment_ids(name, x, B, L, letter, *, checked=False):
-  x = _asarray(name, x, f"an integer array of shape (B, {letter})=({B}, {L})")
+  x = as_array(name, x, f"an integer array of shape (B, {letter})=({B}, {L})")
   if not jnp.issubdtype(x.dtype, jnp.integer):
     raise TypeError(f"{name} must be an integer array of shape (B, {letter})=({B}, {L}), "
                     f"got dtype {x.dtype}")
@@ -422,89 +401,3 @@ def segment_ids(name, x, B, L, letter, *, checked=False):
   if x.shape != (B, L):
     raise ValueError(f"{name} must have shape (B, {letter})=({B}, {L}), got {x.shape}")
   return x if checked else x.astype(jnp.int32)
-
-
-def _qkv(query, key, value):
-  """query, key and value checked in the order that names the wrong one: query alone, key
-  against query, value against key."""
-  query = float_array("query", query)
-  if query.ndim not in (3, 4):
-    raise ValueError(f"query must be (B, T, N, H) or (T, N, H), got shape {query.shape}")
-  key = float_array("key", key)
-  shapes = f"query.shape={query.shape}, key.shape={key.shape}"
-  if key.ndim != query.ndim:
-    raise ValueError(f"key must have the rank of query ({query.ndim}): {shapes}")
-  if key.dtype != query.dtype:
-    raise TypeError(f"key must have the dtype of query: query.dtype={query.dtype}, "
-                    f"key.dtype={key.dtype}")
-  batched = query.ndim == 4
-  if batched and key.shape[0] != query.shape[0]:
-    raise ValueError(f"key must have the batch size B of query (B={query.shape[0]}), got "
-                     f"B={key.shape[0]}: {shapes}")
-  H, Hk = query.shape[-1], key.shape[-1]
-  if Hk != H:
-    raise ValueError(f"key must have the head dim H of query (H={H}), got H={Hk}: {shapes}")
-  N, K = query.shape[-2], key.shape[-2]
-  if K == 0 or N % K:
-    raise ValueError(f"the number of query heads N={N} must be a multiple of the number of "
-                     f"key/value heads K={K} ({shapes})")
-  value = float_array("value", value)
-  kv = f"key.shape={key.shape}, value.shape={value.shape}"
-  if value.ndim != key.ndim:
-    raise ValueError(f"value must have the rank of key ({key.ndim}): {kv}")
-  if value.dtype != key.dtype:
-    raise TypeError(f"value must have the dtype of key (and query): key.dtype={key.dtype}, "
-                    f"value.dtype={value.dtype}")
-  if value.shape != key.shape:
-    raise ValueError(f"value must have the shape of key (B, S, K, H): {kv}")
-  return query, key, value
-
-
-def arrays(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_seg, sinks) -> Arrays:
-  query, key, value = _qkv(query, key, value)
-  unbatched = query.ndim == 3
-  if unbatched:
-    query, key, value = query[None], key[None], value[None]
-  B, T, N, H = query.shape
-  S = key.shape[1]
-  for name, letter, size in (("query", "T", T), ("key", "S", S), ("query", "H", H)):
-    if not _types.concrete(size):
-      # jax.export's symbolic dimensions: the batch and the head count may be symbolic; the
-      # block sizes, loop bounds and masks are planned from the lengths while tracing.
-      raise NotImplementedError(
-          f"{name}'s {'length' if letter != 'H' else 'head dimension'} {letter} is the symbolic "
-          f"dimension {str(size)!r}: jattn plans blocks and masks from known lengths and head "
-          f"sizes; export one program per length (pad to it and pass key_value_seq_lengths), "
-          f"the batch B and heads N may stay symbolic")
-  if min(T, S, H) == 0:
-    raise ValueError(f"empty attention: T={T}, S={S}, H={H} must all be positive")
-  full = (B, N, T, S)
-
-  if bias is not None:
-    bias = float_array("bias", bias)
-    bias = broadcastable("bias", bias, full, "(B, N, T, S)")
-  if isinstance(mask, _masks.Mask):
-    mask.validate(full)
-  elif mask is not None:
-    mask = _asarray("mask", mask, "a boolean array or a jattn.masks object")
-    if mask.dtype != jnp.bool_:
-      raise TypeError(f"mask must be a boolean array (True = attend) or a jattn.masks object, "
-                      f"got dtype {mask.dtype}; pass additive masks as bias")
-    mask = jnp.asarray(mask)
-    mask = broadcastable("mask", mask, full, "(B, N, T, S)")
-  if q_lengths is not None:
-    q_lengths = int_vector("query_seq_lengths", q_lengths, B)
-  if kv_lengths is not None:
-    kv_lengths = int_vector("key_value_seq_lengths", kv_lengths, B)
-  if (q_seg is None) != (kv_seg is None):
-    raise ValueError("q_segment_ids and kv_segment_ids must be given together, got only "
-                     + ("q_segment_ids" if kv_seg is None else "kv_segment_ids"))
-  if q_seg is not None:
-    q_seg = segment_ids("q_segment_ids", q_seg, B, T, "T")
-    kv_seg = segment_ids("kv_segment_ids", kv_seg, B, S, "S")
-  if sinks is not None:
-    sinks = float_array("sinks", sinks)
-    if sinks.shape != (N,):
-      raise ValueError(f"sinks must have shape (N,)=({N},), got {sinks.shape}")
-  return Arrays(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_seg, sinks,
-                unbatched)

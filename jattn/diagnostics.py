@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn import _chunked, _plan, _tile, _validation
+from jattn import _call, _chunked, _plan, _tile, _validation
 from jattn._plan import Operands
 from jattn import masks as _masks
 from jattn._tile import Config
@@ -174,7 +174,7 @@ def _own_implementation(impl):
 def _stats(query, key, bias, mask, q_lengths, kv_lengths, q_seg, kv_seg, sinks, *,
            opts: _Options):
   # The value is not needed; passing the key in its place reuses every shape check.
-  args = _validation.arrays(query, key, key, bias, mask, q_lengths, kv_lengths, q_seg, kv_seg,
+  args = _call.arrays(query, key, key, bias, mask, q_lengths, kv_lengths, q_seg, kv_seg,
                             sinks)
   query, key = args.query, args.key
   B, T, N, H = query.shape

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn import _sharding
+from jattn import _sharding, _validation
 from jattn._types import ArrayLike, CausalAlignment
 
 __all__ = [
@@ -41,12 +41,6 @@ __all__ = [
 EMPTY, PARTIAL, FULL = 0, 1, 2
 
 # CausalAlignment (Literal["top_left", "bottom_right"]) is re-exported from jattn._types.
-
-
-def _checks():
-  """`jattn._validation` (the argument checkers), imported on use: it imports this module."""
-  from jattn import _validation
-  return _validation
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -123,6 +117,47 @@ class Mask:
   def block_states(self, grid: BlockGrid, shape):  # pragma: no cover - abstract
     raise NotImplementedError
 
+  # What kernels and the parallel layer ask of a mask. The defaults fit a mask that is a function
+  # of positions and heads holding no arrays; kinds that differ override them.
+
+  def conjuncts(self) -> tuple["Mask", ...]:
+    """The masks ANDed together to make this one (itself, unless it is an AND)."""
+    return (self,)
+
+  def band(self) -> tuple[int | None, int | None] | None:
+    """(lo, hi) when this mask is the diagonal band q + lo <= k <= q + hi (None: that side
+    open), else None: a kernel with its own causal or window masks takes it as one of those."""
+    return None
+
+  def ids(self) -> tuple[str, Any, Any] | None:
+    """("lengths", q_lengths, kv_lengths) or ("segments", q_ids, kv_ids) for the masks made of
+    per-example arrays (a kernel may take them as ids), else None."""
+    return None
+
+  def is_position_based(self) -> bool:
+    """Whether this mask is a function of (batch, head, position) indices alone -- everything
+    but an array laid out over the whole (T, S), which a shard's positions cannot index without
+    gathering it."""
+    return True
+
+  def can_take_part(self) -> bool:
+    """Whether `take_part` knows where each of this mask's arrays keeps its batch and head axes
+    (by default: it holds none, so it is the same on every part)."""
+    return not jax.tree.leaves(self)
+
+  def take_part(self, cut: "Cut") -> "Mask":
+    """This mask on one device's examples and heads (``cut``), positions unchanged."""
+    return self
+
+  def shift_indices(self, batch0, head0) -> "Mask":
+    """This mask with its local example and head 0 at global ``batch0`` and ``head0``."""
+    return self
+
+  def unshifted(self) -> "Mask":
+    """This mask with any shift of its example and head indices dropped (a single-device call
+    whose shift reached it traced, see `jattn._splash`)."""
+    return self
+
   def __and__(self, other: "Mask") -> "Mask":
     _check_is_mask(other, "&")
     return _And(self, other)
@@ -143,6 +178,31 @@ class Mask:
 def _check_is_mask(other, op):
   if not isinstance(other, Mask):
     raise TypeError(f"mask {op} needs another jattn mask, got {type(other).__name__}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Cut:
+  """Examples batch0 .. batch0 + nb - 1 and query heads head0 .. head0 + nh - 1 of a problem of
+  B examples and N heads (``batch0`` and ``head0`` may be traced)."""
+
+  batch0: Any
+  nb: int
+  head0: Any
+  nh: int
+  B: int
+  N: int
+
+  def examples(self, x, axis: int = 0):
+    return _cut(x, axis, self.batch0, self.nb, self.B)
+
+  def heads(self, x, axis: int = 1):
+    return _cut(x, axis, self.head0, self.nh, self.N)
+
+
+def _cut(x, axis, start, n, whole):
+  if x is None or n == whole or jnp.ndim(x) <= axis or jnp.shape(x)[axis] != whole:
+    return x  # absent, not split, or broadcast along this axis
+  return jax.lax.dynamic_slice_in_dim(jnp.asarray(x), start, n, axis)
 
 
 def _register(cls, data_fields=()):
@@ -197,6 +257,9 @@ class _Band(Mask):
       empty = empty | (k0 > q1 + self.hi)
     return _summary(xp, empty, full)[None, None]
 
+  def band(self):
+    return self.lo, self.hi
+
   def __and__(self, other):
     if isinstance(other, _Band):
       return _Band(_max_opt(self.lo, other.lo), _min_opt(self.hi, other.hi))
@@ -217,7 +280,7 @@ _register(_Band)
 def band(lo: int | None, hi: int | None) -> Mask:
   """Keys k with ``q + lo <= k <= q + hi`` (``None``: unbounded on that side): the diagonal band
   that causal masks and windows are made of, given by its two edges."""
-  check = _checks()
+  check = _validation
   return _Band(check.integer("band: lo", lo, optional=True),
                check.integer("band: hi", hi, optional=True))
 
@@ -241,7 +304,7 @@ def causal(shape: Sequence[int] | None = None, *, alignment: CausalAlignment = "
   or ``(T, S)``. An explicit ``offset`` overrides the alignment; an int array offset (shape () or
   (B,)) gives a run-time diagonal, e.g. the fill level of a KV cache under `jit`.
   """
-  v = _checks()
+  v = _validation
   v.one_of("masks.causal: alignment", alignment, v.CAUSAL_ALIGNMENTS)
   if shape is not None:
     if not isinstance(shape, (tuple, list)) or not all(v.is_int(d) for d in shape):
@@ -283,6 +346,12 @@ class _DynamicCausal(Mask):
       raise ValueError(f"masks.causal: offset must be an int or an int array of shape () or "
                        f"(B,)=({B},), got shape {self.offset.shape}")
 
+  def can_take_part(self):
+    return True
+
+  def take_part(self, cut):
+    return _DynamicCausal(cut.examples(self.offset))
+
   def evaluate(self, q_pos, kv_pos, shape):
     off = jnp.reshape(self.offset, (-1, 1, 1)).astype(jnp.int32)
     return (kv_pos[None, None, :] <= q_pos[None, :, None] + off)[:, None]
@@ -310,7 +379,7 @@ def local_window(left: int | None, right: int | None = _SAME, *, offset: int = 0
   ``local_window(3, 2)`` is ``local_window_size=(3, 2)``. ``None`` on a side means unbounded.
   Causal sliding-window attention is ``local_window(w, 0)`` (or ``causal() & local_window(w)``).
   """
-  v = _checks()
+  v = _validation
   if right is _SAME:
     right = left
   left = v.non_negative_int("masks.local_window: left", left, optional=True)
@@ -356,7 +425,7 @@ _register(_ChunkedLocal)
 
 def chunked_local(chunk_size: int) -> Mask:
   """Attend only within fixed chunks of ``chunk_size`` positions (combine with causal)."""
-  return _ChunkedLocal(_checks().positive_int("masks.chunked_local: chunk_size", chunk_size))
+  return _ChunkedLocal(_validation.positive_int("masks.chunked_local: chunk_size", chunk_size))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -381,7 +450,7 @@ _register(_Prefix)
 
 def prefix_lm(prefix_length: int, *, offset: int = 0) -> Mask:
   """Prefix-LM: the first ``prefix_length`` keys are seen by all queries, the rest causally."""
-  v = _checks()
+  v = _validation
   prefix_length = v.non_negative_int("masks.prefix_lm: prefix_length", prefix_length)
   return _Prefix(prefix_length) | _Band(None, v.integer("masks.prefix_lm: offset", offset))
 
@@ -396,6 +465,9 @@ class _Full(Mask):
   def block_states(self, grid, shape):
     return np.full((1, 1, grid.num_q_blocks, grid.num_kv_blocks), FULL, np.int8)
 
+
+  def band(self):
+    return None, None
 
 _register(_Full)
 
@@ -418,9 +490,18 @@ class _Lengths(Mask):
   kv_lengths: Any
 
   def validate(self, shape):
-    from jattn import _validation  # imports this module
+
     _validation.int_vector("masks.lengths: q_lengths", self.q_lengths, shape[0], checked=True)
     _validation.int_vector("masks.lengths: kv_lengths", self.kv_lengths, shape[0], checked=True)
+
+  def ids(self):
+    return "lengths", self.q_lengths, self.kv_lengths
+
+  def can_take_part(self):
+    return True
+
+  def take_part(self, cut):
+    return _Lengths(cut.examples(self.q_lengths), cut.examples(self.kv_lengths))
 
   def evaluate(self, q_pos, kv_pos, shape):
     ok = jnp.ones((1, q_pos.shape[0], kv_pos.shape[0]), bool)
@@ -459,7 +540,7 @@ def lengths(q_lengths: ArrayLike | None = None, kv_lengths: ArrayLike | None = N
 def _int_array(name, x):
   """An integer array (or None); floats are refused here, where the mask is built (TypeError).
   Shapes are checked against the call, by ``validate`` (ValueError)."""
-  return _checks().int_array(name, x, optional=True)
+  return _validation.int_array(name, x, optional=True)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
@@ -470,11 +551,20 @@ class _Segments(Mask):
   kv_ids: Any
 
   def validate(self, shape):
-    from jattn import _validation  # imports this module
+
     B, _, T, S = shape
     _validation.segment_ids("masks.segments: q_segment_ids", self.q_ids, B, T, "T", checked=True)
     _validation.segment_ids("masks.segments: kv_segment_ids", self.kv_ids, B, S, "S",
                             checked=True)
+
+  def ids(self):
+    return "segments", self.q_ids, self.kv_ids
+
+  def can_take_part(self):
+    return True
+
+  def take_part(self, cut):
+    return _Segments(cut.examples(self.q_ids), cut.examples(self.kv_ids))
 
   def evaluate(self, q_pos, kv_pos, shape):
     qi = jnp.take(self.q_ids, q_pos, axis=1, mode="fill", fill_value=-1)
@@ -519,8 +609,17 @@ class _ArrayMask(Mask):
   array: Any
 
   def validate(self, shape):
-    from jattn import _validation  # imports this module
+
     _validation.broadcastable("masks.from_array: mask", self.array, shape, "(B, N, T, S)")
+
+  def is_position_based(self):
+    return False
+
+  def can_take_part(self):
+    return True
+
+  def take_part(self, cut):
+    return _array_part(self, cut)
 
   def evaluate(self, q_pos, kv_pos, shape):
     a = self.array
@@ -556,6 +655,14 @@ def _array_block_states(xp, a, grid):
   return _summary(xp, ~anyv, allv)
 
 
+def _array_part(mask, cut: Cut) -> Mask:
+  """An array mask's examples and heads of ``cut`` (the mask itself where it has none to cut)."""
+  a = mask.array
+  if (cut.nb == cut.B or a.shape[0] != cut.B) and (cut.nh == cut.N or a.shape[1] != cut.N):
+    return mask
+  return _ArrayMask(cut.heads(cut.examples(a)))
+
+
 def _table_rows(a, grid):
   """The rows (axis 2) and columns (axis 3) of a (b, n, t, s) array at a `_TableGrid`'s
   positions (of its T and S valid rows; axes of length 1 stay)."""
@@ -580,8 +687,11 @@ class _StaticArrayMask(Mask):
   digest: str
 
   def validate(self, shape):
-    from jattn import _validation  # imports this module
+
     _validation.broadcastable("mask", self.array, shape, "(B, N, T, S)")
+
+  def take_part(self, cut):
+    return _array_part(self, cut)
 
   def evaluate(self, q_pos, kv_pos, shape):
     return _ArrayMask(jnp.asarray(self.array)).evaluate(q_pos, kv_pos, shape)
@@ -610,9 +720,25 @@ def static_array(mask: np.ndarray) -> Mask:
   return _StaticArrayMask(m, digest)
 
 
+def checked(mask, shape):
+  """A call's ``mask`` argument checked against its (B, N, T, S) problem ``shape``: a mask
+  object validates its own arrays; an array must be boolean, of rank <= 4 and broadcastable
+  (returned as rank 4); None passes."""
+  if mask is None:
+    return None
+  if isinstance(mask, Mask):
+    mask.validate(shape)
+    return mask
+  mask = _validation.as_array("mask", mask, "a boolean array or a jattn.masks object")
+  if mask.dtype != jnp.bool_:
+    raise TypeError(f"mask must be a boolean array (True = attend) or a jattn.masks object, "
+                    f"got dtype {mask.dtype}; pass additive masks as bias")
+  return _validation.broadcastable("mask", jnp.asarray(mask), shape, "(B, N, T, S)")
+
+
 def from_array(mask: ArrayLike) -> Mask:
   """Wrap a boolean array broadcastable to (B, N, T, S) (True = attend)."""
-  m = _checks().bool_array("masks.from_array: mask", mask, "a boolean array (True = attend)")
+  m = _validation.bool_array("masks.from_array: mask", mask, "a boolean array (True = attend)")
   if m.ndim > 4:
     raise ValueError(f"masks.from_array: mask must have rank <= 4, broadcastable to "
                      f"(B, N, T, S), got shape {m.shape}")
@@ -632,6 +758,19 @@ class _FnMask(Mask):
   # Global index of local batch element 0 and query head 0 (one shard of a ring call).
   batch0: Any = 0
   head0: Any = 0
+
+  def can_take_part(self):
+    return True
+
+  def take_part(self, cut):
+    return self.shift_indices(cut.batch0, cut.head0)
+
+  def shift_indices(self, batch0, head0):
+    # Added to the mask's own shift (one already cut to a device's examples and heads).
+    return _FnMask(self.fn, self.batch0 + batch0, self.head0 + head0)
+
+  def unshifted(self):
+    return dataclasses.replace(self, batch0=0, head0=0)
 
   def evaluate(self, q_pos, kv_pos, shape):
     B, N = shape[0], shape[1]
@@ -666,7 +805,7 @@ _register(_FnMask, data_fields=("batch0", "head0"))
 
 def from_function(mask_fn: Callable) -> Mask:
   """Mask from ``mask_fn(batch, head, q_index, kv_index) -> bool`` (jnp ops, broadcasting)."""
-  return _FnMask(_checks().function("masks.from_function: mask_fn", mask_fn))
+  return _FnMask(_validation.function("masks.from_function: mask_fn", mask_fn))
 
 
 # --------------------------------------------------------------------------------------------
@@ -682,14 +821,50 @@ def _combine(op, a, b):
   return xp.maximum(a, b)
 
 
+class _Composite(Mask):
+  """A mask made of masks (`&`, `|`, `~`): each question goes to its parts."""
+
+  __slots__ = ()
+
+  def parts(self) -> tuple[Mask, ...]:  # pragma: no cover - abstract
+    raise NotImplementedError
+
+  def rebuilt(self, parts) -> Mask:  # pragma: no cover - abstract
+    raise NotImplementedError
+
+  def validate(self, shape):
+    for m in self.parts():
+      m.validate(shape)
+
+  def is_position_based(self):
+    return all(m.is_position_based() for m in self.parts())
+
+  def can_take_part(self):
+    return all(m.can_take_part() for m in self.parts())
+
+  def take_part(self, cut):
+    return self.rebuilt([m.take_part(cut) for m in self.parts()])
+
+  def shift_indices(self, batch0, head0):
+    return self.rebuilt([m.shift_indices(batch0, head0) for m in self.parts()])
+
+  def unshifted(self):
+    return self.rebuilt([m.unshifted() for m in self.parts()])
+
+
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
-class _And(Mask):
+class _And(_Composite):
   a: Mask
   b: Mask
 
-  def validate(self, shape):
-    self.a.validate(shape)
-    self.b.validate(shape)
+  def parts(self):
+    return self.a, self.b
+
+  def rebuilt(self, parts):
+    return _And(*parts)
+
+  def conjuncts(self):
+    return self.a.conjuncts() + self.b.conjuncts()
 
   def evaluate(self, q_pos, kv_pos, shape):
     return self.a.evaluate(q_pos, kv_pos, shape) & self.b.evaluate(q_pos, kv_pos, shape)
@@ -702,13 +877,15 @@ class _And(Mask):
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
-class _Or(Mask):
+class _Or(_Composite):
   a: Mask
   b: Mask
 
-  def validate(self, shape):
-    self.a.validate(shape)
-    self.b.validate(shape)
+  def parts(self):
+    return self.a, self.b
+
+  def rebuilt(self, parts):
+    return _Or(*parts)
 
   def evaluate(self, q_pos, kv_pos, shape):
     return self.a.evaluate(q_pos, kv_pos, shape) | self.b.evaluate(q_pos, kv_pos, shape)
@@ -721,11 +898,14 @@ class _Or(Mask):
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
-class _Not(Mask):
+class _Not(_Composite):
   a: Mask
 
-  def validate(self, shape):
-    self.a.validate(shape)
+  def parts(self):
+    return (self.a,)
+
+  def rebuilt(self, parts):
+    return _Not(*parts)
 
   def evaluate(self, q_pos, kv_pos, shape):
     return ~self.a.evaluate(q_pos, kv_pos, shape)
@@ -750,49 +930,15 @@ jax.tree_util.register_dataclass(_Not, data_fields=["a"], meta_fields=[])
 
 
 def can_take_part(mask: Mask | None) -> bool:
-  """Whether `take_part` knows where every array of ``mask`` keeps its batch and head axes:
-  jattn's own mask kinds (a subclass defined elsewhere may hold arrays of any layout)."""
-  if mask is None:
-    return True
-  if isinstance(mask, (_And, _Or)):
-    return can_take_part(mask.a) and can_take_part(mask.b)
-  if isinstance(mask, _Not):
-    return can_take_part(mask.a)
-  return type(mask) in _PART_KINDS
+  """Whether `take_part` knows where every array of ``mask`` keeps its batch and head axes."""
+  return mask is None or mask.can_take_part()
 
 
 def take_part(mask: Mask | None, batch0, nb: int, head0, nh: int, shape) -> Mask | None:
   """``mask`` of the (B, N, T, S) problem ``shape`` restricted to batch elements
   batch0 .. batch0 + nb - 1 and query heads head0 .. head0 + nh - 1 (``batch0`` and ``head0``
   may be traced). Positions along T and S are unchanged (see `remap` for those)."""
-  B, N = shape[0], shape[1]
-
-  def part(x, axis, start, n, whole):
-    if x is None or n == whole or jnp.ndim(x) <= axis or jnp.shape(x)[axis] != whole:
-      return x  # absent, not split, or broadcast along this axis
-    return jax.lax.dynamic_slice_in_dim(jnp.asarray(x), start, n, axis)
-
-  def go(m):
-    if isinstance(m, (_And, _Or)):
-      return type(m)(go(m.a), go(m.b))
-    if isinstance(m, _Not):
-      return _Not(go(m.a))
-    if isinstance(m, _FnMask):
-      return _shift_indices(m, batch0, head0)
-    if isinstance(m, _DynamicCausal):
-      return _DynamicCausal(part(m.offset, 0, batch0, nb, B))
-    if isinstance(m, _Lengths):
-      return _Lengths(part(m.q_lengths, 0, batch0, nb, B), part(m.kv_lengths, 0, batch0, nb, B))
-    if isinstance(m, _Segments):
-      return _Segments(part(m.q_ids, 0, batch0, nb, B), part(m.kv_ids, 0, batch0, nb, B))
-    if isinstance(m, (_ArrayMask, _StaticArrayMask)):
-      a = m.array
-      if (nb == B or a.shape[0] != B) and (nh == N or a.shape[1] != N):
-        return m  # nothing of it to split
-      return _ArrayMask(part(part(a, 0, batch0, nb, B), 1, head0, nh, N))
-    return m  # no arrays: the same everywhere
-
-  return None if mask is None else go(mask)
+  return None if mask is None else mask.take_part(Cut(batch0, nb, head0, nh, shape[0], shape[1]))
 
 
 # --------------------------------------------------------------------------------------------
@@ -801,14 +947,8 @@ def take_part(mask: Mask | None, batch0, nb: int, head0, nh: int, shape) -> Mask
 
 
 def is_position_based(mask: Mask) -> bool:
-  """Whether ``mask`` is a function of (batch, head, position) indices alone -- everything but
-  a `from_array` array, which is laid out over the whole (T, S) and cannot be evaluated from a
-  shard's positions without gathering it."""
-  if isinstance(mask, (_And, _Or)):
-    return is_position_based(mask.a) and is_position_based(mask.b)
-  if isinstance(mask, _Not):
-    return is_position_based(mask.a)
-  return not isinstance(mask, _ArrayMask)
+  """See `Mask.is_position_based`."""
+  return mask.is_position_based()
 
 
 def remap(mask: Mask, q_table, kv_table, batch0=0, head0=0) -> Mask:
@@ -820,20 +960,8 @@ def remap(mask: Mask, q_table, kv_table, batch0=0, head0=0) -> Mask:
   summaries come from each block's [min, max] of global positions: exact for blocks of
   consecutive positions, and sound (only more PARTIAL) for a block that straddles a jump.
   """
-  return _Remapped(_shift_indices(mask, batch0, head0), jnp.asarray(q_table, jnp.int32),
+  return _Remapped(mask.shift_indices(batch0, head0), jnp.asarray(q_table, jnp.int32),
                    jnp.asarray(kv_table, jnp.int32))
-
-
-def _shift_indices(mask, batch0, head0):
-  if isinstance(mask, _FnMask):
-    # Added to the mask's own shift (one already cut to a device's examples and heads).
-    return _FnMask(mask.fn, mask.batch0 + batch0, mask.head0 + head0)
-  if isinstance(mask, (_And, _Or)):
-    return type(mask)(_shift_indices(mask.a, batch0, head0),
-                      _shift_indices(mask.b, batch0, head0))
-  if isinstance(mask, _Not):
-    return _Not(_shift_indices(mask.a, batch0, head0))
-  return mask
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
@@ -883,9 +1011,6 @@ class _TableGrid:
 
 
 # The mask kinds `take_part` knows (the structural ones hold no arrays).
-_PART_KINDS = (_Band, _DynamicCausal, _ChunkedLocal, _Prefix, _Full, _Lengths, _Segments,
-               _ArrayMask, _StaticArrayMask, _FnMask)
-
 
 def reduce_states(states, shape) -> Any:
   """Summarise (B|1, N|1, nq, nk) states over batch and heads into one (nq, nk) map.
