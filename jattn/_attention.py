@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 
 import jax
 
-from jattn import _call, _dense, _dispatch
+from jattn import _call, _dense, _dispatch, _softmax
 from jattn import masks as _masks
 from jattn._types import ArrayLike, Implementation, IsCausal, LocalWindowSize, Schedule
 
@@ -43,7 +43,6 @@ def dot_product_attention(
     return_residual: bool = False,
     score_mod: Callable | None = None,
     sinks: ArrayLike | None = None,
-    _return_weights: bool = False,
 ):
   r"""Scaled dot-product attention, numerically stable, dense or chunked.
 
@@ -115,14 +114,12 @@ def dot_product_attention(
   Differences from jax.nn: a query row with nothing to attend to returns 0 (jax.nn returns the
   mean of V); its gradients are 0; masked positions never contribute inf or NaN.
   """
-  masked = any(x is not None for x in (query_seq_lengths, key_value_seq_lengths, q_segment_ids))
   opts, scale_operand = _call.options(
-      query, key, mask, scale=scale, is_causal=is_causal, local_window_size=local_window_size,
+      scale=scale, is_causal=is_causal, local_window_size=local_window_size,
       logits_soft_cap=logits_soft_cap, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
       dropout_broadcast=dropout_broadcast, implementation=implementation, block_q=block_q,
       block_kv=block_kv, schedule=schedule, step_width=step_width,
-      return_residual=return_residual, score_mod=score_mod, return_weights=_return_weights,
-      masked=masked)
+      return_residual=return_residual, score_mod=score_mod)
   if opts.dropout_rate == 0.0:
     dropout_rng = None
   return _attention(query, key, value, bias, _call.static_mask(mask, opts), query_seq_lengths,
@@ -135,22 +132,46 @@ def _attention(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_s
                sinks, scale_operand, *, opts: _call.Options):
   call = _call.bind(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_seg,
                     dropout_rng, sinks, scale_operand, opts)
-  if opts.return_weights:
-    w = _dense.weights(call)
-    return w[0] if call.static.unbatched else w
-  out, lse = _dispatch.run(call)
-  return _call.finish(call.static, out, lse)
+  out, lse = _dispatch.run(call)  # (B, T, N, Hv), (B, T, N)
+  if call.static.unbatched:
+    out, lse = out[0], lse[0]
+  if not opts.return_residual:
+    return out
+  return out, _softmax.returned_lse(lse, call.static.dtype)
 
 
-def attention_weights(query, key, value, bias=None, mask=None, **kwargs):
+_NOT_FOR_WEIGHTS = ("dropout_rate", "dropout_rng", "dropout_broadcast", "return_residual",
+                    "implementation", "block_q", "block_kv", "schedule", "step_width")
+
+
+def attention_weights(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
+                      query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
+                      q_segment_ids=None, kv_segment_ids=None, logits_soft_cap=None,
+                      score_mod=None, sinks=None, **ignored):
   """The (B, N, T, S) softmax weights (float32 for 16-bit inputs) that
   :func:`dot_product_attention` with the same arguments applies to ``value``, before dropout.
 
   Rows with nothing to attend to are 0. O(T x S) memory by nature: for inspecting weights
   (flax's ``sow_weights``), not for computing attention. ``value`` is checked against the others
-  but not used; dropout and ``return_residual`` do not apply.
+  but not used; dropout, ``return_residual`` and the choice of implementation do not apply (the
+  keywords are accepted and ignored).
   """
-  for name in ("dropout_rate", "dropout_rng", "dropout_broadcast", "return_residual",
-               "implementation", "block_q", "block_kv", "schedule", "step_width"):
-    kwargs.pop(name, None)
-  return dot_product_attention(query, key, value, bias, mask, _return_weights=True, **kwargs)
+  for name in ignored:
+    if name not in _NOT_FOR_WEIGHTS:
+      raise TypeError(f"attention_weights() got an unexpected keyword argument {name!r}")
+  opts, scale_operand = _call.options(
+      scale=scale, is_causal=is_causal, local_window_size=local_window_size,
+      logits_soft_cap=logits_soft_cap, dropout_rate=0.0, dropout_rng=None,
+      dropout_broadcast=False, implementation="dense", block_q=None, block_kv=None,
+      schedule=None, step_width=None, return_residual=False, score_mod=score_mod)
+  return _weights(query, key, value, bias, mask, query_seq_lengths, key_value_seq_lengths,
+                  q_segment_ids, kv_segment_ids, sinks, scale_operand, opts=opts)
+
+
+@functools.partial(jax.jit, static_argnames=("opts",))
+def _weights(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_seg, sinks,
+             scale_operand, *, opts: _call.Options):
+  call = _call.bind(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_seg, None,
+                    sinks, scale_operand, opts)
+  w = _dense.weights(call)
+  return w[0] if call.static.unbatched else w

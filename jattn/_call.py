@@ -107,7 +107,10 @@ def arrays(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_seg, 
   if bias is not None:
     bias = _validation.float_array("bias", bias)
     bias = _validation.broadcastable("bias", bias, full, "(B, N, T, S)")
-  mask = _masks.checked(mask, full)
+  if isinstance(mask, _masks.Mask):
+    mask.validate(full)
+  elif mask is not None:
+    mask = _validation.mask_array(mask, full)
   if q_lengths is not None:
     q_lengths = _validation.int_vector("query_seq_lengths", q_lengths, B)
   if kv_lengths is not None:
@@ -146,53 +149,40 @@ class Options:
   step_width: int | None
   return_residual: bool
   score_mod: Callable | None
-  # Return the (B, N, T, S) softmax weights instead of the output (for flax's sow_weights).
-  return_weights: bool = False
-  # The fused kernel a tuning table found fastest on this device for the call (implementation
-  # None only): tried first on its platform.
-  tuned_implementation: str | None = None
-  # (block_q, block_kv) for splash: the caller's, else a tuning table's where they are
-  # multiples of 128 (`jattn-bench tune` times splash with those), else splash's default.
-  splash_blocks: tuple[int | None, int | None] = (None, None)
+  # The contents of the tuning table that fills what the options leave open, if any (see
+  # `jattn._tuning.resolve`): a new table traces the call again.
+  tuning: str | None = None
+
+  def tunable(self) -> bool:
+    """Whether a tuning table may fill an option of this call."""
+    given = (self.block_q, self.block_kv, self.schedule, self.step_width)
+    return (self.implementation is None or None in given) and self.implementation != "dense"
 
 
-def options(query, key, mask, *, scale, is_causal, local_window_size, logits_soft_cap,
-            dropout_rate, dropout_rng, dropout_broadcast, implementation, block_q, block_kv,
-            schedule, step_width, return_residual, score_mod, return_weights=False, masked=False):
-  """(Options, scale operand or None) of dot_product_attention's keywords, every one checked;
-  a tuning table (jattn.tuning, $JATTN_TUNING) fills what the call leaves open. ``masked``:
-  lengths or segment ids are given (the table's mask kind)."""
+def options(*, scale, is_causal, local_window_size, logits_soft_cap, dropout_rate, dropout_rng,
+            dropout_broadcast, implementation, block_q, block_kv, schedule, step_width,
+            return_residual, score_mod, tuned=True):
+  """(Options, scale operand or None) of dot_product_attention's keywords, every one checked.
+  What they leave open a tuning table may fill (``tuned``), when the call is bound
+  (`jattn._tuning.resolve`)."""
   static_scale, scale_operand = _validation.scale_operand(scale)
-  causal = _validation.causal(is_causal)
-  window = _validation.window(local_window_size)
-  tuned = {}
-  if ((implementation is None or None in (block_q, block_kv, schedule, step_width))
-      and implementation not in ("dense", "xla")):
-    shape, kv_shape = jnp.shape(query), jnp.shape(key)
-    if len(shape) in (3, 4) and len(kv_shape) == len(shape) and hasattr(query, "dtype"):
-      kind = _tuning.mask_kind(causal, window, masked or mask is not None)
-      tuned = _tuning.options_for(query.dtype, shape[-1], kind, shape[-3], kv_shape[-3])
-  given_blocks = (_validation.block("block_q", block_q), _validation.block("block_kv", block_kv))
-  pick = lambda given, name: given if given is not None else tuned.get(name)
   opts = Options(
-      scale=static_scale, causal=causal, window=window,
+      scale=static_scale,
+      causal=_validation.causal(is_causal),
+      window=_validation.window(local_window_size),
       logits_soft_cap=_validation.soft_cap(logits_soft_cap),
       dropout_rate=_validation.dropout(dropout_rate, dropout_rng),
       dropout_broadcast=_validation.flag("dropout_broadcast", dropout_broadcast),
       implementation=_validation.implementation(implementation),
-      block_q=_validation.block("block_q", pick(block_q, "block_q")),
-      block_kv=_validation.block("block_kv", pick(block_kv, "block_kv")),
-      schedule=_validation.one_of("schedule", pick(schedule, "schedule"),
-                                  _validation.SCHEDULES + (None,)),
-      step_width=_validation.positive_int("step_width", pick(step_width, "step_width"),
-                                          optional=True),
+      block_q=_validation.block("block_q", block_q),
+      block_kv=_validation.block("block_kv", block_kv),
+      schedule=_validation.one_of("schedule", schedule, _validation.SCHEDULES + (None,)),
+      step_width=_validation.positive_int("step_width", step_width, optional=True),
       return_residual=_validation.flag("return_residual", return_residual),
       score_mod=_validation.callable_or_none("score_mod", score_mod),
-      return_weights=bool(return_weights),
-      tuned_implementation=tuned.get("implementation") if implementation is None else None,
-      splash_blocks=tuple(_tuning.splash_block(given, tuned.get(name)) for given, name
-                          in zip(given_blocks, ("block_q", "block_kv"))),
   )
+  if tuned and opts.tunable():
+    opts = dataclasses.replace(opts, tuning=_tuning.fingerprint())
   return opts, scale_operand
 
 
@@ -236,6 +226,7 @@ class Static:
   dtype: Any
   layout: Layout
   unbatched: bool
+  tuned: _tuning.Tuned = _tuning.Tuned()
 
   @property
   def G(self) -> int:
@@ -248,7 +239,7 @@ class Static:
   def block_sizes(self, T: int | None = None, S: int | None = None) -> tuple[int, int]:
     """The chunked block sizes for T query rows and S keys (the whole call's by default)."""
     return _plan.block_sizes(self.T if T is None else T, self.S if S is None else S,
-                             self.opts.block_q, self.opts.block_kv)
+                             self.tuned.block_q, self.tuned.block_kv)
 
   def config(self, tile_shape, *, T=None, S=None, B=None, K=None, replay=False):
     """(Config, score_mod's hoisted arrays) for tiles of ``tile_shape`` over ``T`` query rows
@@ -306,8 +297,14 @@ jax.tree_util.register_dataclass(
 def bind(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_seg, dropout_rng,
          sinks, scale_operand, opts: Options) -> Call:
   """The arrays checked against each other and laid out for the kernels (inside jit)."""
-  args = arrays(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_seg,
-                            sinks)
+  args = arrays(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_seg, sinks)
+  B, T, N, H = args.query.shape
+  S = args.key.shape[1]
+  masked = any(x is not None for x in (args.mask, args.q_lengths, args.kv_lengths, args.q_seg))
+  tuned = _tuning.resolve(opts.tuning, (opts.block_q, opts.block_kv, opts.schedule,
+                                        opts.step_width), opts.implementation,
+                          _tuning.mask_kind(opts.causal, opts.window, masked), args.query.dtype,
+                          H, T, S)
   args = _sharding.aligned_to_query(args)
   query, key, value = args.query, args.key, args.value
   layout = Layout()
@@ -315,6 +312,9 @@ def bind(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_seg, dr
     layout = Layout(*_sharding.sequence_layout(query, key, value))
     # Every query needs every key: K and V are gathered along S (as jax.nn's XLA path does).
     key, value = _sharding.unshard_axis(key, 1), _sharding.unshard_axis(value, 1)
+  combined = _masks.from_arguments((B, N, T, S), args.mask, opts.causal, opts.window,
+                                   q_lengths=args.q_lengths, kv_lengths=args.kv_lengths,
+                                   q_segment_ids=args.q_seg, kv_segment_ids=args.kv_seg)
   if scale_operand is not None:
     # A scale given as an array (traced under jit) is an operand, not a compile-time constant:
     # it scales the query (in its dtype, as splash attention folds its scale), q.k * s = (s q).k,
@@ -322,26 +322,12 @@ def bind(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_seg, dr
     query = query * scale_operand.astype(query.dtype)
     scale = 1.0
   else:
-    scale = opts.scale if opts.scale is not None else _plan.default_scale(query.shape[-1])
-  B, T, N, H = query.shape
+    scale = opts.scale if opts.scale is not None else _tile.default_scale(H)
   _, S, K, Hv = value.shape
-  static = Static(opts, scale, B, T, S, N, K, H, Hv, query.dtype, layout, args.unbatched)
-  combined = _plan.build_mask((B, N, T, S), args.mask, opts.causal, opts.window,
-                              q_lengths=args.q_lengths, kv_lengths=args.kv_lengths,
-                              q_segment_ids=args.q_seg, kv_segment_ids=args.kv_seg)
+  static = Static(opts, scale, B, T, S, N, K, H, Hv, query.dtype, layout, args.unbatched, tuned)
   sd = static.stat_dtype
   bias5 = None if args.bias is None else _tile.group_heads(args.bias, K, N // K)
   sink = None if args.sinks is None else args.sinks.astype(sd).reshape(1, K, N // K, 1)
   seed = (_dropout.seed_words(dropout_rng) if opts.dropout_rate > 0
           else jnp.zeros((2,), jnp.uint32))
   return Call(query, key, value, bias5, combined, seed, sink, args, static)
-
-
-def finish(static: Static, out, lse):
-  """The call's result from a backend's (out (B, T, N, Hv), lse (B, T, N)): unbatched again,
-  the lse clamped and returned only when asked for."""
-  if static.unbatched:
-    out, lse = out[0], lse[0]
-  if not static.opts.return_residual:
-    return out
-  return out, _plan.clamp_lse(lse, static.dtype)

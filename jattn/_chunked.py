@@ -798,7 +798,7 @@ def attend(static, q, k, v, bias, mask, seed, sink, score_args, cfg, *, q_offset
   already cut to them). ``saved``: (out, lse, dout, dlse) of an earlier call on the same
   operands; the operands' cotangents (an `Operands`) are returned instead. The schedule is the
   call's, else the platform's default, chosen where the program is lowered."""
-  opts = static.opts
+  opts = static.tuned
   bq, bk = _plan.block_sizes(cfg.T, cfg.S, opts.block_q, opts.block_kv)
   positions = None
   if batch0 is not None or q_offset is not None or kv_offset is not None:

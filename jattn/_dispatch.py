@@ -21,11 +21,10 @@ def run(call):
   """(out (B, T, N, Hv), lse (B, T, N)) of a bound call (`jattn._call.Call`)."""
   names = _validation.implementation_names(call.opts.implementation)
   runners = {name: functools.partial(attempt, name, call) for name in _registry.REGISTRY}
-  if not names:
-    return _plan.by_platform(automatic(call, runners))
   if len(names) == 1:
     return runners[names[0]]()
-  return _plan.by_platform(_takers(names, runners))
+  fns = _takers(names, runners) if names else automatic(call, runners)
+  return _plan.by_platform(fns)
 
 
 def attempt(name: str, call):
@@ -41,6 +40,7 @@ def attempt(name: str, call):
 def automatic(call, runners) -> dict:
   """implementation=None: {platform or "default": runner}."""
   s = call.static
+  decoding = _plan.decoding(s.T, s.S, s.G)
   unpartitioned = _sharding.unpartitioned()
   first = {}  # platform -> the backend that asks to go first there for long calls
   for name, backend in _registry.REGISTRY.items():
@@ -49,9 +49,9 @@ def automatic(call, runners) -> dict:
   choice = _plan.implementation_by_platform(s.B, s.N, s.T, s.S, s.G, s.dtype, call.mask,
                                             fused=first,
                                             keys_split=s.layout.kv_shards is not None)
-  tuned = s.opts.tuned_implementation
+  tuned = s.tuned.implementation
   if (tuned in _registry.REGISTRY and unpartitioned and s.layout.kv_shards is None
-      and not _plan.decoding(s.T, s.S, s.G) and _registry.get(tuned).traced_cheaply(call)):
+      and not decoding and _registry.get(tuned).traced_cheaply(call)):
     # The device's tuning table measured its fused kernel faster for calls like this one
     # (square ones: decoding-shaped calls share a length bucket but were not measured). Only
     # where the program cannot be partitioned, as for splash above: jax.nn's cuDNN call

@@ -1,10 +1,9 @@
 """The plan of one attention call: which implementation, which blocks, which tile variants.
 
 Every caller -- `dot_product_attention`, `ring_attention` and `diagnostics.attention_stats` --
-turns its arguments into the same three things here, and hands them to the kernels:
+has one `jattn.masks` object for everything that hides positions (`masks.from_arguments`) and
+gets the same two things here for the kernels:
 
-  * one `jattn.masks` object for everything that hides positions (`build_mask`): the mask
-    argument, causal, window, lengths and segment ids are all thin ways to build it;
   * a `Plan` (static, hashable: part of the jit cache key): the call's `Config`, the block grid,
     the tile variants that can occur and, for a block map known at trace time, each row's and
     column's range of non-empty blocks, so loops run between constants;
@@ -12,8 +11,9 @@ turns its arguments into the same three things here, and hands them to the kerne
     arguments), whose ``states`` field is the (nq, nk) int8 block map: NumPy-derived constants
     for structural masks, computed at run time for data-dependent ones.
 
-Defaults that every caller shares also live here, once: the logit scale 1/sqrt(H), the block
-sizes, the implementation rule, padding to whole blocks and the clamp of a returned log-sum-exp.
+Defaults that every caller shares also live here, once: the block sizes, the implementation
+rule (`implementation_by_platform`: names per platform, chosen where the program is lowered by
+`by_platform`), and padding to whole blocks.
 
 Shapes: B batch, T query length, S key/value length, N query heads, K key/value heads,
 H head dimension, G = N // K.
@@ -22,7 +22,6 @@ H head dimension, G = N // K.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -74,12 +73,6 @@ SCHEDULE_DEFAULTS = {"cpu": "serial", "default": "parallel"}
 DECODE_MAX_ROWS = 256
 DECODE_MIN_KEYS = 512
 SPLIT_KV_LANES = 16
-
-
-def default_scale(H: int) -> float:
-  """1 / sqrt(H): q.k of unit-variance vectors has variance H; this keeps the logits at unit
-  variance so the softmax neither saturates nor flattens as the head dimension grows."""
-  return 1.0 / float(np.sqrt(H))
 
 
 # implementation=None on GPU and TPU: dense while the (B, N, T, S) float32 scores fit in this many
@@ -143,17 +136,18 @@ def implementation_by_platform(B: int, N: int, T: int, S: int, G: int = 1, dtype
   are split along S over devices (an Explicit mesh): the chunked kernels merge per-shard parts
   across devices, where dense would gather the whole of K and V (a decoding step's cache).
   On GPU the default stays with jattn's kernels, as jax.nn's stays with XLA (a tuning table
-  that measured a fused kernel faster puts it first: see `jattn._attention`)."""
+  that measured a fused kernel faster puts it first: see `jattn._dispatch.automatic`)."""
   # A symbolic batch or head count (jax.export) bounds nothing: the program must serve every
   # size, so the scores are taken not to fit.
-  fits = (concrete(B, N)
-          and B * N * T * S * 4 <= ACCELERATOR_DENSE_SCORES_BYTES)
-  accelerator = "dense" if fits and not decoding(T, S, G) else "chunked"
-  choice = {"cpu": (choose_implementation(T, S, G, dtype, mask, (B, N, T, S)),),
-            "default": (accelerator,)}
   if keys_split:
     return {"default": ("chunked",)}
-  if not fits and not decoding(T, S, G):
+  decode = decoding(T, S, G)
+  cpu = choose_implementation(T, S, G, dtype, mask, (B, N, T, S))
+  fits = (concrete(B, N)
+          and B * N * T * S * 4 <= ACCELERATOR_DENSE_SCORES_BYTES)
+  accelerator = "dense" if fits and not decode else "chunked"
+  choice = {"cpu": (cpu,), "default": (accelerator,)}
+  if not (fits or decode):
     for platform, name in (fused or {}).items():
       choice[platform] = (name, accelerator)
   return choice
@@ -180,58 +174,9 @@ def block_sizes(T: int, S: int, block_q: int | None, block_kv: int | None, *,
   return min(bq, T), min(bk, S)
 
 
-def clamp_lse(lse, dtype):
-  """A returned log-sum-exp in ``dtype``: a row with nothing to attend to keeps a finite very
-  negative value there (float16's range is small: the kernels' sentinel would become -inf)."""
-  return jnp.maximum(lse, jnp.asarray(jnp.finfo(dtype).min, lse.dtype)).astype(dtype)
-
-
 # --------------------------------------------------------------------------------------------
 # One mask object for the call.
 # --------------------------------------------------------------------------------------------
-
-
-def band(shape, causal=None, window=None) -> tuple[int | None, int | None] | None:
-  """The diagonal band ``lo <= k - q <= hi`` of ``is_causal`` and ``local_window_size`` on a
-  (.., T, S) problem, or None when neither is given. The alignment sets the diagonal both are
-  measured from: 0 (top-left) or S - T (bottom-right)."""
-  if causal is None and window is None:
-    return None
-  offset = 0 if causal in (None, "top_left") else shape[3] - shape[2]
-  lo = hi = None
-  if causal is not None:
-    hi = offset
-  if window is not None:
-    left, right = window
-    lo = None if left is None else offset - left
-    if right is not None:
-      hi = offset + right if hi is None else min(hi, offset + right)
-  return lo, hi
-
-
-def build_mask(shape, mask=None, causal=None, window=None, *, q_lengths=None, kv_lengths=None,
-               q_segment_ids=None, kv_segment_ids=None):
-  """Turn the keyword arguments into one `jattn.masks` object (None when nothing is hidden).
-
-  The keywords are thin ways to build mask objects, so every implementation sees one mechanism.
-  """
-  parts = []
-  if mask is not None:
-    parts.append(mask if isinstance(mask, _masks.Mask) else _masks.from_array(mask))
-  lohi = band(shape, causal, window)
-  if lohi is not None:
-    parts.append(_masks.band(*lohi))
-  if q_lengths is not None or kv_lengths is not None:
-    parts.append(_masks.lengths(q_lengths, kv_lengths))
-  if q_segment_ids is not None:
-    parts.append(_masks.segments(q_segment_ids, kv_segment_ids))
-  return combine(parts)
-
-
-def combine(parts):
-  """The AND of a list of masks (None entries skipped); None when nothing is left."""
-  parts = [p for p in parts if p is not None]
-  return functools.reduce(lambda a, b: a & b, parts) if parts else None
 
 
 # --------------------------------------------------------------------------------------------

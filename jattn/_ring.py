@@ -16,7 +16,7 @@ dK/dV) in flight, and O(T / P) statistics -- independent of P.
 
 Global positions. Masks, score_mod and dropout are about positions in the whole sequence, but
 the kernel sees local positions 0 .. T/P - 1. The call's mask is built once, on global
-positions, by the same `jattn._plan.build_mask` as the single-device call; for each pair of shards
+positions, by the same `jattn.masks.from_arguments` as the single-device call; for each pair of shards
 `jattn.masks.remap` evaluates it through tables of the global position of every local row,
 computed from the device index and the layout:
   contiguous: device d holds positions [d * T/P, (d + 1) * T/P);
@@ -173,7 +173,7 @@ def _pair(rc: _RingConfig, ro: _RingOperands, q, k, v, q_index, kv_index, kv_seg
   if ro.q_seg is not None:
     # Segment ids are per token: the key shard's ids travelled with it, so they are local here.
     parts.append(_masks.segments(ro.q_seg, kv_seg))
-  mask = _plan.combine(parts)
+  mask = _masks.combine(parts)
   states = _plan.block_map(mask, plan.grid, (cfg.B, cfg.N, cfg.T, cfg.S))
   positions = None
   if cfg.score_mod is not None or cfg.dropout_rate > 0:
@@ -322,21 +322,13 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class _RingOptions:
-  """The static (hashable) options of one call."""
+  """The static (hashable) options of one call: those it shares with `dot_product_attention`
+  (``call``) and the ring's own."""
 
+  call: _call.Options
   axis_name: Any
   num_devices: int
   layout: str
-  scale: float | None
-  causal: str | None
-  window: tuple[int | None, int | None] | None
-  logits_soft_cap: float | None
-  dropout_rate: float
-  dropout_broadcast: bool
-  block_q: int | None
-  block_kv: int | None
-  return_residual: bool
-  score_mod: Callable | None
   kernel: str  # the per-shard kernel: "chunked" or "dense"
 
 
@@ -477,23 +469,16 @@ def ring_attention(
     raise ValueError(
         f"ring_attention: axis_name={axis_name!r} is not a bound mesh axis; call it inside "
         f"jax.shard_map over a mesh with that axis (or use ring_attention_sharded)") from e
-  opts = _RingOptions(
-      axis_name=axis_name,
-      num_devices=int(num_devices),
-      layout=layout,
-      scale=_validation.scale(scale),
-      causal=_validation.causal(is_causal),
-      window=_validation.window(local_window_size),
-      logits_soft_cap=_validation.soft_cap(logits_soft_cap),
-      dropout_rate=_validation.dropout(dropout_rate, dropout_rng),
-      dropout_broadcast=_validation.flag("dropout_broadcast", dropout_broadcast),
-      block_q=_validation.block("block_q", block_q),
-      block_kv=_validation.block("block_kv", block_kv),
-      return_residual=_validation.flag("return_residual", return_residual),
-      score_mod=_validation.callable_or_none("score_mod", score_mod),
-      kernel=_ring_kernel(implementation),
-  )
-  if opts.dropout_rate == 0.0:
+  kernel = _ring_kernel(implementation)
+  call, _ = _call.options(
+      scale=_validation.scale(scale), is_causal=is_causal, local_window_size=local_window_size,
+      logits_soft_cap=logits_soft_cap, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+      dropout_broadcast=dropout_broadcast, implementation=kernel, block_q=block_q,
+      block_kv=block_kv, schedule=None, step_width=None, return_residual=return_residual,
+      score_mod=score_mod, tuned=False)
+  opts = _RingOptions(call=call, axis_name=axis_name, num_devices=int(num_devices),
+                      layout=layout, kernel=kernel)
+  if opts.call.dropout_rate == 0.0:
     dropout_rng = None
   batch0, head0 = (0, 0) if _index_offsets is None else _index_offsets
   return _ring_attention(query, key, value, mask, query_seq_lengths, key_value_seq_lengths,
@@ -523,34 +508,34 @@ def _ring_attention(query, key, value, mask, q_lengths, kv_lengths, q_seg, kv_se
   global_shape = (B, N, T, S)
   if mask is not None:
     mask.validate(global_shape)
-  global_mask = _plan.build_mask(global_shape, mask, opts.causal, opts.window,
+  global_mask = _masks.from_arguments(global_shape, mask, opts.call.causal, opts.call.window,
                                  q_lengths=args.q_lengths, kv_lengths=args.kv_lengths)
 
   if opts.kernel == "dense":
     # The whole pair in one tile (no block may straddle two zigzag chunks).
     bq, bk = (Ts // 2, Ss // 2) if zigzag else (Ts, Ss)
   else:
-    bq, bk = _plan.block_sizes(Ts, Ss, opts.block_q, opts.block_kv,
+    bq, bk = _plan.block_sizes(Ts, Ss, opts.call.block_q, opts.call.block_kv,
                                cap_q=Ts // 2 if zigzag else None,
                                cap_kv=Ss // 2 if zigzag else None)
   sd = _tile.stat_dtype(query.dtype)
   score_mod, score_args = None, ()
-  if opts.score_mod is not None:
+  if opts.call.score_mod is not None:
     # Replayed with its arrays passed in varying (see _sharding.VaryingReplay).
-    score_mod, score_args = _plan.closure_convert_score_mod(opts.score_mod, (B, N, bq, bk), sd,
+    score_mod, score_args = _plan.closure_convert_score_mod(opts.call.score_mod, (B, N, bq, bk), sd,
                                                             varying_like=(query, key),
                                                             replay=True)
   cfg = Config(B=B, T=Ts, S=Ss, K=K, G=G, H=H,
-               scale=opts.scale if opts.scale is not None else _plan.default_scale(H),
-               logits_soft_cap=opts.logits_soft_cap, dropout_rate=opts.dropout_rate,
-               score_mod=score_mod, dropout_broadcast=opts.dropout_broadcast)
+               scale=opts.call.scale if opts.call.scale is not None else _tile.default_scale(H),
+               logits_soft_cap=opts.call.logits_soft_cap, dropout_rate=opts.call.dropout_rate,
+               score_mod=score_mod, dropout_broadcast=opts.call.dropout_broadcast)
   plan, _ = _plan.make_plan(cfg, None, bq, bk)
   # The block map of every pair is computed at run time (it depends on the ring step), so every
   # tile variant is compiled.
   rc = _RingConfig(dataclasses.replace(plan, kinds=(_masks.EMPTY, _masks.PARTIAL, _masks.FULL),
                                        q_ranges=None, kv_ranges=None),
                    opts.axis_name, P, opts.layout)
-  seed = (_dropout.seed_words(dropout_rng) if opts.dropout_rate > 0
+  seed = (_dropout.seed_words(dropout_rng) if opts.call.dropout_rate > 0
           else jnp.zeros((2,), jnp.uint32))
   sink = None if args.sinks is None else args.sinks.astype(sd).reshape(1, K, G, 1)
   ro = _RingOperands(global_mask, args.q_seg, args.kv_seg, seed, score_args, sink, batch0, head0)
@@ -561,9 +546,9 @@ def _ring_attention(query, key, value, mask, q_lengths, kv_lengths, q_seg, kv_se
   out = out[:, :Ts]
   if args.unbatched:
     out = out[0]
-  if not opts.return_residual:
+  if not opts.call.return_residual:
     return out
-  lse = _plan.clamp_lse(lse[:, :Ts], query.dtype)
+  lse = _softmax.returned_lse(lse[:, :Ts], query.dtype)
   if args.unbatched:
     lse = lse[0]
   return out, lse

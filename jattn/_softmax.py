@@ -135,6 +135,12 @@ def lse_for_recompute(lse):
   return jnp.where(lse <= jnp.asarray(NEG, lse.dtype), jnp.asarray(jnp.inf, lse.dtype), lse)
 
 
+def returned_lse(lse, dtype):
+  """A returned log-sum-exp in ``dtype``: a row with nothing to attend to keeps a finite very
+  negative value there (float16's range is small: the kernels' sentinel would become -inf)."""
+  return jnp.maximum(lse, jnp.asarray(jnp.finfo(dtype).min, lse.dtype)).astype(dtype)
+
+
 def merge_pair(out_a, lse_a, out_b, lse_b):
   """Exact merge of two results over disjoint key sets, in the statistics dtype.
 

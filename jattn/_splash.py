@@ -337,7 +337,7 @@ def run(call):
   s = call.static
   go = functools.partial(splash_attention, call.query, call.key, call.value, call.mask,
                          call.given.sinks, scale=s.scale, soft_cap=s.opts.logits_soft_cap,
-                         block_q=s.opts.splash_blocks[0], block_kv=s.opts.splash_blocks[1],
+                         block_q=s.tuned.splash_blocks[0], block_kv=s.tuned.splash_blocks[1],
                          shard=shards(call))
   if interpreting():
     return go()

@@ -46,6 +46,13 @@ class Config:
     return self.K * self.G
 
 
+def default_scale(H: int) -> float:
+  """1 / sqrt(H): q.k of unit-variance vectors has variance H; this keeps the logits at unit
+  variance so the softmax neither saturates nor flattens as the head dimension grows (large
+  logits make it one-hot, with vanishing gradients)."""
+  return 1.0 / float(np.sqrt(H))
+
+
 def matmul(a, b, spec: str, out_dtype, fold: bool = True):
   """A per-(batch, kv-head) matmul with the G query heads of a group stacked as extra rows.
 

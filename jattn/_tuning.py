@@ -12,7 +12,7 @@ kind (``full``, ``causal``, ``window`` or ``masked``: any other mask) and length
 power of two at or above max(T, S)); it holds ``block_q``, ``block_kv``, ``schedule`` and
 ``step_width``, and ``implementation`` (``"cudnn"`` or ``"splash"``) where the device's fused
 kernel beat jattn's kernels: ``implementation=None`` then tries that kernel first on its platform
-(see `jattn._attention`). Arguments given to the call always win; a table never changes results,
+(see `jattn._dispatch.automatic`). Arguments given to the call always win; a table never changes results,
 only how they are computed. A table that cannot be read is an error naming the file; one written by
 another jattn version, or for other devices only, is used with a warning naming the file.
 """
@@ -26,7 +26,7 @@ import hashlib
 import json
 import os
 import warnings
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 
@@ -186,6 +186,44 @@ def active() -> TuningTable | None:
   if (path, stamp) not in _env_cache:
     _env_cache[(path, stamp)] = load(path)
   return _env_cache[(path, stamp)]
+
+
+class Tuned(NamedTuple):
+  """The options a call runs with: its own, else a tuning table's."""
+
+  block_q: int | None = None
+  block_kv: int | None = None
+  schedule: str | None = None
+  step_width: int | None = None
+  # The fused kernel a tuning table found fastest on this device for the call (implementation
+  # None only): tried first on its platform.
+  implementation: str | None = None
+  # (block_q, block_kv) for splash: the caller's, else a tuning table's where they are
+  # multiples of 128 (`jattn-bench tune` times splash with those), else splash's default.
+  splash_blocks: tuple[int | None, int | None] = (None, None)
+
+
+def resolve(fingerprint_, given, implementation, kind, dtype, H, T, S) -> Tuned:
+  """The options a call runs with: ``given`` (block_q, block_kv, schedule, step_width), what
+  they leave open filled from the active table when the call's ``fingerprint_`` (of that table,
+  see `fingerprint`) is not None. Read while the call is traced."""
+  table = {} if fingerprint_ is None else options_for(dtype, H, kind, T, S)
+  pick = [g if g is not None else table.get(n)
+          for g, n in zip(given, ("block_q", "block_kv", "schedule", "step_width"))]
+  return Tuned(*pick,
+               implementation=table.get("implementation") if implementation is None else None,
+               splash_blocks=(splash_block(given[0], table.get("block_q")),
+                              splash_block(given[1], table.get("block_kv"))))
+
+
+def fingerprint() -> str | None:
+  """The identity of the active table's contents (None without one). A call's static options
+  carry it, so that a jitted call is traced again when the table it reads changes (a `tuning`
+  block's table is in jit's key anyway; $JATTN_TUNING's is not)."""
+  table = active()
+  if table is None:
+    return None
+  return hashlib.sha256(json.dumps(table.entries, sort_keys=True).encode()).hexdigest()
 
 
 def options_for(dtype, head_dim: int, kind: str, T: int, S: int) -> dict[str, Any]:

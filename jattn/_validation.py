@@ -376,6 +376,16 @@ def broadcastable(name, x, shape, letters):
   return x4
 
 
+def mask_array(x, shape):
+  """The ``mask`` argument given as an array: boolean, of rank <= 4, broadcastable to the
+  (B, N, T, S) ``shape`` (returned as rank 4)."""
+  x = as_array("mask", x, "a boolean array or a jattn.masks object")
+  if x.dtype != jnp.bool_:
+    raise TypeError(f"mask must be a boolean array (True = attend) or a jattn.masks object, "
+                    f"got dtype {x.dtype}; pass additive masks as bias")
+  return broadcastable("mask", jnp.asarray(x), shape, "(B, N, T, S)")
+
+
 def int_vector(name, x, B, *, checked=False):
   """An int (B,) array as int32. ``checked``: only check (mask objects keep their own arrays);
   None passes."""

@@ -84,16 +84,12 @@ class AttentionStats(NamedTuple):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Options:
-  scale: float | None
-  causal: str | None
-  window: tuple[int, int] | None
-  logits_soft_cap: float | None
-  implementation: str | None
-  block_q: int | None
-  block_kv: int | None
+  """The call's options (those of `jattn.dot_product_attention` it shares) and the statistics'
+  own."""
+
+  call: _call.Options
   per_query: bool
   saturation_threshold: float
-  score_mod: Callable | None
 
 
 def attention_stats(
@@ -141,18 +137,16 @@ def attention_stats(
   """
   saturation_threshold = _validation.real("saturation_threshold", saturation_threshold, above=0,
                                          at_most=1)
-  opts = _Options(
-      scale=_validation.scale(scale),
-      causal=_validation.causal(is_causal),
-      window=_validation.window(local_window_size),
-      logits_soft_cap=_validation.soft_cap(logits_soft_cap),
+  call, _ = _call.options(
+      scale=_validation.scale(scale), is_causal=is_causal, local_window_size=local_window_size,
+      logits_soft_cap=logits_soft_cap, dropout_rate=0.0, dropout_rng=None,
+      dropout_broadcast=False,
       implementation=_own_implementation(_validation.implementation(implementation)),
-      block_q=_validation.block("block_q", block_q),
-      block_kv=_validation.block("block_kv", block_kv),
-      per_query=_validation.flag("per_query", per_query),
-      saturation_threshold=float(saturation_threshold),
-      score_mod=_validation.callable_or_none("score_mod", score_mod),
-  )
+      block_q=block_q, block_kv=block_kv, schedule=None, step_width=None, return_residual=False,
+      score_mod=score_mod, tuned=False)  # the statistics do not depend on block sizes
+  opts = _Options(call=call,
+                  per_query=_validation.flag("per_query", per_query),
+                  saturation_threshold=float(saturation_threshold))
   return _stats(query, key, bias, mask, query_seq_lengths, key_value_seq_lengths, q_segment_ids,
                 kv_segment_ids, sinks, opts=opts)
 
@@ -174,31 +168,16 @@ def _own_implementation(impl):
 def _stats(query, key, bias, mask, q_lengths, kv_lengths, q_seg, kv_seg, sinks, *,
            opts: _Options):
   # The value is not needed; passing the key in its place reuses every shape check.
-  args = _call.arrays(query, key, key, bias, mask, q_lengths, kv_lengths, q_seg, kv_seg,
-                            sinks)
-  query, key = args.query, args.key
-  B, T, N, H = query.shape
-  _, S, K, _ = key.shape
-  G = N // K
-  scale = opts.scale if opts.scale is not None else _plan.default_scale(H)
-  shape = (B, N, T, S)
-  sd = _tile.stat_dtype(query.dtype)
-
-  combined = _plan.build_mask(shape, args.mask, opts.causal, opts.window,
-                              q_lengths=args.q_lengths, kv_lengths=args.kv_lengths,
-                              q_segment_ids=args.q_seg, kv_segment_ids=args.kv_seg)
-  impl = opts.implementation or _plan.choose_implementation(T, S, G, query.dtype, combined, shape)
-  bq, bk = (T, S) if impl == "dense" else _plan.block_sizes(T, S, opts.block_q, opts.block_kv)
-
-  score_mod, score_args = None, ()
-  if opts.score_mod is not None:
-    score_mod, score_args = _plan.closure_convert_score_mod(opts.score_mod, (B, N, bq, bk),
-                                                                 sd)
-  cfg = Config(B=B, T=T, S=S, K=K, G=G, H=H, scale=scale, logits_soft_cap=opts.logits_soft_cap,
-               dropout_rate=0.0, score_mod=score_mod)
-
-  bias5 = None if args.bias is None else _tile.group_heads(args.bias, K, G)
-  sink = None if args.sinks is None else args.sinks.astype(sd).reshape(1, K, G, 1)
+  call = _call.bind(query, key, key, bias, mask, q_lengths, kv_lengths, q_seg, kv_seg, None,
+                    sinks, None, opts.call)
+  s = call.static
+  B, T, N, H, S, K, G = s.B, s.T, s.N, s.H, s.S, s.K, s.G
+  query, key, combined, bias5, sink = call.query, call.key, call.mask, call.bias, call.sink
+  sd = s.stat_dtype
+  impl = opts.call.implementation or _plan.choose_implementation(T, S, G, query.dtype, combined,
+                                                                 (B, N, T, S))
+  bq, bk = (T, S) if impl == "dense" else s.block_sizes()
+  cfg, score_args = s.config((B, N, bq, bk))
 
   if impl == "dense":
     q = jnp.transpose(query, (0, 2, 1, 3)).reshape(B, K, G, T, H)
@@ -215,7 +194,7 @@ def _stats(query, key, bias, mask, q_lengths, kv_lengths, q_seg, kv_seg, sinks, 
   out = _finish(rows, sink is not None, jnp.finfo(query.dtype).max, opts)
   # (B, K, G, T) -> (B, N, T); per head: (B, N).
   out = AttentionStats(*(x.reshape((B, N, T) if opts.per_query else (B, N)) for x in out))
-  if args.unbatched:
+  if s.unbatched:
     out = AttentionStats(*(x[0] for x in out))
   return out
 

@@ -21,6 +21,7 @@ Shapes: B batch, T query length, S key length, N query heads.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Sequence
 
 import jax
@@ -720,22 +721,6 @@ def static_array(mask: np.ndarray) -> Mask:
   return _StaticArrayMask(m, digest)
 
 
-def checked(mask, shape):
-  """A call's ``mask`` argument checked against its (B, N, T, S) problem ``shape``: a mask
-  object validates its own arrays; an array must be boolean, of rank <= 4 and broadcastable
-  (returned as rank 4); None passes."""
-  if mask is None:
-    return None
-  if isinstance(mask, Mask):
-    mask.validate(shape)
-    return mask
-  mask = _validation.as_array("mask", mask, "a boolean array or a jattn.masks object")
-  if mask.dtype != jnp.bool_:
-    raise TypeError(f"mask must be a boolean array (True = attend) or a jattn.masks object, "
-                    f"got dtype {mask.dtype}; pass additive masks as bias")
-  return _validation.broadcastable("mask", jnp.asarray(mask), shape, "(B, N, T, S)")
-
-
 def from_array(mask: ArrayLike) -> Mask:
   """Wrap a boolean array broadcastable to (B, N, T, S) (True = attend)."""
   m = _validation.bool_array("masks.from_array: mask", mask, "a boolean array (True = attend)")
@@ -922,6 +907,55 @@ class _Not(_Composite):
 jax.tree_util.register_dataclass(_And, data_fields=["a", "b"], meta_fields=[])
 jax.tree_util.register_dataclass(_Or, data_fields=["a", "b"], meta_fields=[])
 jax.tree_util.register_dataclass(_Not, data_fields=["a"], meta_fields=[])
+
+
+# --------------------------------------------------------------------------------------------
+# The call's masking keywords as one mask.
+# --------------------------------------------------------------------------------------------
+
+
+def keyword_band(shape, causal=None, window=None) -> tuple[int | None, int | None] | None:
+  """The diagonal band ``lo <= k - q <= hi`` of ``is_causal`` and ``local_window_size`` on a
+  (.., T, S) problem, or None when neither is given. The alignment sets the diagonal both are
+  measured from: 0 (top-left) or S - T (bottom-right)."""
+  if causal is None and window is None:
+    return None
+  offset = 0 if causal in (None, "top_left") else shape[3] - shape[2]
+  lo = hi = None
+  if causal is not None:
+    hi = offset
+  if window is not None:
+    left, right = window
+    lo = None if left is None else offset - left
+    if right is not None:
+      hi = offset + right if hi is None else min(hi, offset + right)
+  return lo, hi
+
+
+def from_arguments(shape, mask=None, causal=None, window=None, *, q_lengths=None, kv_lengths=None,
+               q_segment_ids=None, kv_segment_ids=None):
+  """Turn the keyword arguments into one `jattn.masks` object (None when nothing is hidden).
+
+  The keywords are thin ways to build mask objects, so every implementation sees one mechanism.
+  The arrays are the call's, checked already (`jattn._call.arrays`), so they are not again.
+  """
+  parts = []
+  if mask is not None:
+    parts.append(mask if isinstance(mask, Mask) else _ArrayMask(mask))
+  lohi = keyword_band(shape, causal, window)
+  if lohi is not None:
+    parts.append(_Band(*lohi))
+  if q_lengths is not None or kv_lengths is not None:
+    parts.append(_Lengths(q_lengths, kv_lengths))
+  if q_segment_ids is not None:
+    parts.append(_Segments(q_segment_ids, kv_segment_ids))
+  return combine(parts)
+
+
+def combine(parts):
+  """The AND of a list of masks (None entries skipped); None when nothing is left."""
+  parts = [p for p in parts if p is not None]
+  return functools.reduce(lambda a, b: a & b, parts) if parts else None
 
 
 # --------------------------------------------------------------------------------------------

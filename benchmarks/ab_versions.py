@@ -1,0 +1,105 @@
+"""Old against new jattn in one process, interleaved: the CPU targets' calls (configs/cpu_targets
+.toml: chunked at T = 4096, full and causal, forward and forward+backward) timed alternately on
+this checkout and on an earlier commit, so that the ratio new / old is read on the same machine
+state. jax.nn's time is taken alongside, for the targets' ratios.
+
+  python benchmarks/ab_versions.py --before 84fff63 [--repeats 9] [--T 4096]
+
+The earlier commit's package is extracted with `git archive` into a temporary directory and
+imported as ``jattn_before``. Prints one JSON object: medians (seconds) and ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import pathlib
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def load_before(commit: str):
+  tmp = pathlib.Path(tempfile.mkdtemp())
+  archive = subprocess.run(["git", "archive", commit, "jattn"], cwd=ROOT, check=True,
+                           capture_output=True).stdout
+  subprocess.run(["tar", "-x", "-C", str(tmp)], input=archive, check=True)
+  (tmp / "jattn").rename(tmp / "jattn_before")
+  for f in (tmp / "jattn_before").rglob("*.py"):
+    text = re.sub(r"\b(from|import) jattn\b", r"\1 jattn_before", f.read_text())
+    f.write_text(text)
+  sys.path.insert(0, str(tmp))
+  return importlib.import_module("jattn_before")
+
+
+def calls(lib, T: int):
+  """name -> a jitted function of (q, k, v): the cpu_targets cases on ``lib``."""
+  out = {}
+  for causal in (False, True):
+    kw = dict(implementation="chunked", block_q=512, block_kv=256, is_causal=causal)
+    fwd = jax.jit(lambda q, k, v, kw=kw: lib.dot_product_attention(q, k, v, **kw))
+    loss = lambda q, k, v, kw=kw: lib.dot_product_attention(q, k, v, **kw).astype(
+        jnp.float32).sum()
+    bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    tag = "causal" if causal else "full"
+    out[f"forward/{tag}"] = fwd
+    out[f"forward+backward/{tag}"] = bwd
+  return out
+
+
+def main():
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--before", required=True)
+  parser.add_argument("--repeats", type=int, default=9)
+  parser.add_argument("--T", type=int, default=4096)
+  args = parser.parse_args()
+  import jattn
+  before = load_before(args.before)
+  keys = jax.random.split(jax.random.key(0), 3)
+  q, k, v = (jax.random.normal(key, (1, args.T, 8, 64), jnp.float32) for key in keys)
+  libs = {"new": calls(jattn, args.T), "old": calls(before, args.T)}
+  libs["jax.nn"] = {
+      "forward/full": jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v)),
+      "forward+backward/full": jax.jit(jax.grad(
+          lambda q, k, v: jax.nn.dot_product_attention(q, k, v).sum(), argnums=(0, 1, 2)))}
+  times = {lib: {name: [] for name in fns} for lib, fns in libs.items()}
+  for fns in libs.values():
+    for fn in fns.values():
+      jax.block_until_ready(fn(q, k, v))  # compile and warm up
+  for r in range(args.repeats):
+    # Alternate which version goes first, so neither always follows the other.
+    order = ["new", "old", "jax.nn"] if r % 2 == 0 else ["old", "new", "jax.nn"]
+    for name in libs["new"]:
+      for lib in order:
+        if name not in libs[lib]:
+          continue
+        t0 = time.perf_counter()
+        jax.block_until_ready(libs[lib][name](q, k, v))
+        times[lib][name].append(time.perf_counter() - t0)
+  med = {lib: {n: statistics.median(ts) for n, ts in d.items()} for lib, d in times.items()}
+  report = {
+      "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+      "before": args.before, "T": args.T, "repeats": args.repeats, "median_s": med,
+      "new_over_old": {n: med["new"][n] / med["old"][n] for n in med["new"]},
+      "targets": {
+          side: {"forward_vs_jax_nn": med[side]["forward/full"] / med["jax.nn"]["forward/full"],
+                 "fwd_bwd_vs_jax_nn": (med[side]["forward+backward/full"]
+                                       / med["jax.nn"]["forward+backward/full"]),
+                 "causal_vs_full_fwd_bwd": (med[side]["forward+backward/causal"]
+                                            / med[side]["forward+backward/full"])}
+          for side in ("new", "old")},
+  }
+  print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+  main()
