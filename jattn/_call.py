@@ -12,7 +12,7 @@ H head dimension, G = N // K query heads per key/value head.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -259,6 +259,18 @@ class Static:
     return cfg, score_args
 
 
+class Place(NamedTuple):
+  """Where one device's part of a call sits in the whole call (None: it is not cut there): the
+  global position of its first query row (``q_offset``) and first key (``kv_offset``), the global
+  index of its first example (``batch0``) and first query head (``head0``). Masks, score_mod and
+  dropout then see the whole call's positions and indices."""
+
+  q_offset: Any = None
+  kv_offset: Any = None
+  batch0: Any = None
+  head0: Any = None
+
+
 @dataclasses.dataclass(frozen=True)
 class Call:
   """One bound call. ``query`` (B, T, N, H) (times an array scale, if given), ``key``, ``value``
@@ -266,7 +278,8 @@ class Call:
   (B|1, K|1, G|1, T|1, S|1); ``mask`` every masking argument combined (a `jattn.masks` object, or
   None); ``seed`` dropout's (2,) words; ``sink`` (1, K, G, 1) in the statistics dtype; ``given``
   the validated arguments as passed (rank 4), for the kernels that take them as jax.nn does and
-  for the parts a sharded call splits."""
+  for the parts a sharded call splits; ``place`` where the call sits when it is one device's
+  part of a larger one (see `Place`; the parallel layer makes such parts)."""
 
   query: Any
   key: Any
@@ -275,8 +288,9 @@ class Call:
   mask: Any
   seed: Any
   sink: Any
-  given: Arrays
+  given: Arrays | None
   static: Static
+  place: Place = Place()
 
   @property
   def opts(self) -> Options:
@@ -290,7 +304,7 @@ class Call:
 
 
 jax.tree_util.register_dataclass(
-    Call, data_fields=["query", "key", "value", "bias", "mask", "seed", "sink", "given"],
+    Call, data_fields=["query", "key", "value", "bias", "mask", "seed", "sink", "given", "place"],
     meta_fields=["static"])
 
 

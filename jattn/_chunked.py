@@ -786,37 +786,38 @@ def chunked_attention_grads(plan: Plan, ops: Operands, out, lse, dout, dlse) -> 
   return grads._replace(q=dq, k=dk, v=dv, bias=dbias)
 
 
-def attend(static, q, k, v, bias, mask, seed, sink, score_args, cfg, *, q_offset=None,
-           kv_offset=None, batch0=None, head0=None, saved=None):
-  """The chunked kernels for a bound call (``static``: its `jattn._call.Static`) on queries
-  (B, cfg.T, N, H) and keys (B, cfg.S, K, H): (out, lse).
+def attend(call, cfg, score_args, saved=None):
+  """The chunked kernels on a bound call (`jattn._call.Call`), or on one device's part of one:
+  queries (B, cfg.T, N, H), keys (B, cfg.S, K, H); ``cfg`` and ``score_args`` from its
+  `Static.config`. Returns (out, lse).
 
-  ``q_offset``, ``kv_offset``: the global position of the first row when q, or k and v, are one
-  device's shard of the sequence (masks, score_mod and dropout then see global positions);
-  ``batch0``, ``head0``: the global index of the first example and query head when they are one
-  device's part of the batch and heads (score_mod and dropout see global indices; the mask is
-  already cut to them). ``saved``: (out, lse, dout, dlse) of an earlier call on the same
-  operands; the operands' cotangents (an `Operands`) are returned instead. The schedule is the
-  call's, else the platform's default, chosen where the program is lowered."""
-  opts = static.tuned
-  bq, bk = _plan.block_sizes(cfg.T, cfg.S, opts.block_q, opts.block_kv)
+  Where the call is a part (``call.place``): rows of a query shard, or keys of a key/value
+  shard, see their global positions (the mask is remapped to them; score_mod and dropout see
+  them too), and examples and heads their global indices (the mask is already cut to them).
+  ``saved``: (out, lse, dout, dlse) of an earlier call on the same operands; the operands'
+  cotangents (an `Operands`) are returned instead. The schedule is the call's, else the
+  platform's default, chosen where the program is lowered."""
+  tuned, place, mask = call.static.tuned, call.place, call.mask
+  bq, bk = _plan.block_sizes(cfg.T, cfg.S, tuned.block_q, tuned.block_kv)
   positions = None
-  if batch0 is not None or q_offset is not None or kv_offset is not None:
-    q_table, kv_table = _position_table(q_offset, cfg.T, bq), _position_table(kv_offset, cfg.S, bk)
-    if mask is not None and (q_offset is not None or kv_offset is not None):
+  if any(x is not None for x in place):
+    q_table = _position_table(place.q_offset, cfg.T, bq)
+    kv_table = _position_table(place.kv_offset, cfg.S, bk)
+    if mask is not None and (place.q_offset is not None or place.kv_offset is not None):
       mask = _masks.remap(mask, q_table, kv_table)
     if cfg.score_mod is not None or cfg.dropout_rate > 0:
-      positions = _plan.Positions(q_table, kv_table, 0 if batch0 is None else batch0,
-                                  0 if head0 is None else head0)
+      positions = _plan.Positions(q_table, kv_table, 0 if place.batch0 is None else place.batch0,
+                                  0 if place.head0 is None else place.head0)
   run = {}
-  for schedule in (opts.schedule,) if opts.schedule else _plan.SCHEDULES:
-    plan, states = _plan.make_plan(cfg, mask, bq, bk, schedule, opts.step_width)
-    ops = Operands(q=q, k=k, v=v, bias=bias, mask=mask, states=states, seed=seed,
-                   score_args=score_args, sink=sink, positions=positions)
+  for schedule in (tuned.schedule,) if tuned.schedule else _plan.SCHEDULES:
+    plan, states = _plan.make_plan(cfg, mask, bq, bk, schedule, tuned.step_width)
+    ops = Operands(q=call.query, k=call.key, v=call.value, bias=call.bias, mask=mask,
+                   states=states, seed=call.seed, score_args=score_args, sink=call.sink,
+                   positions=positions)
     run[schedule] = (functools.partial(chunked_attention, plan, ops) if saved is None
                      else functools.partial(chunked_attention_grads, plan, ops, *saved))
-  if opts.schedule:
-    return run[opts.schedule]()
+  if tuned.schedule:
+    return run[tuned.schedule]()
   return _plan.by_platform({p: run[s] for p, s in _plan.SCHEDULE_DEFAULTS.items()})
 
 

@@ -20,11 +20,12 @@ Each way calls `jattn._chunked.attend` with the part's global positions (``q_off
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 
-from jattn import _chunked, _partition, _sharding, _softmax
+from jattn import _call, _chunked, _partition, _sharding, _softmax
 
 
 def chunked(call):
@@ -37,32 +38,33 @@ def chunked(call):
     out, lse = sequence_sharded(call, *layout.kv_shards, split_query=False)
   else:
     cfg, score_args = s.config((s.B, s.N) + s.block_sizes())
-    q = call.query if layout.spec is None else _sharding.unshard_axis(call.query, 1)
-    operands = (q, call.key, call.value, call.bias, call.mask, call.seed, call.sink)
+    if layout.spec is not None:
+      call = dataclasses.replace(call, query=_sharding.unshard_axis(call.query, 1))
     if layout.spec is None and _partition.applies(call.mask, score_args):
+      operands = (call.query, call.key, call.value, call.bias, call.mask, call.seed, call.sink)
       out, lse = _partition.attention(
           _partition.Problem(s.B, s.T, s.S, s.N, s.K, functools.partial(part, s),
                              None if call.bias is None else call.bias.shape), operands)
     else:
-      out, lse = _chunked.attend(s, *operands, score_args, cfg)
+      out, lse = _chunked.attend(call, cfg, score_args)
   if layout.spec is not None and _sharding.spec_of(out) != layout.spec:
     out = jax.sharding.reshard(out, layout.spec)
   return out, lse
 
 
-def part(static, q, k, v, bias, mask, seed, sink, part, saved=None):
-  """The chunked kernels on one device's part of the call (``part``: a `_partition.Part`, or
+def part(static, q, k, v, bias, mask, seed, sink, cut, saved=None):
+  """The chunked kernels on one device's part of the call (``cut``: a `_partition.Part`, or
   None for the whole), as `_partition` runs them when XLA partitions the program: (out, lse),
   or with ``saved`` (see `jattn._chunked.attend`) the operands' cotangents."""
   Bl, Tl, Nl, _ = q.shape
   Sl, Kl = k.shape[1], k.shape[2]
-  cfg, score_args = static.config((Bl, Nl) + static.block_sizes(Tl, Sl), T=Tl, S=Sl, B=Bl, K=Kl)
-  if part is None:
-    return _chunked.attend(static, q, k, v, bias, mask, seed, sink, score_args, cfg, saved=saved)
-  return _chunked.attend(static, q, k, v, bias, mask, seed, sink, score_args, cfg,
-                         q_offset=part.row0 if Tl != static.T else None,
-                         kv_offset=part.key0 if Sl != static.S else None, batch0=part.batch0,
-                         head0=part.head0, saved=saved)
+  local = dataclasses.replace(static, B=Bl, T=Tl, S=Sl, N=Nl, K=Kl)
+  cfg, score_args = local.config((Bl, Nl) + local.block_sizes())
+  place = _call.Place() if cut is None else _call.Place(
+      q_offset=cut.row0 if Tl != static.T else None,
+      kv_offset=cut.key0 if Sl != static.S else None, batch0=cut.batch0, head0=cut.head0)
+  call = _call.Call(q, k, v, bias, mask, seed, sink, None, local, place)
+  return _chunked.attend(call, cfg, score_args, saved=saved)
 
 
 def sequence_sharded(call, axes, count, split_query: bool):
@@ -74,7 +76,8 @@ def sequence_sharded(call, axes, count, split_query: bool):
   (gradients flow through the merge: the kernels' VJP takes the lse's cotangent)."""
   s = call.static
   Tl, Sl = (s.T // count, s.S) if split_query else (s.T, s.S // count)
-  cfg, score_args = s.config((s.B, s.N) + s.block_sizes(Tl, Sl), T=Tl, S=Sl, replay=True)
+  local = dataclasses.replace(s, T=Tl, S=Sl)
+  cfg, score_args = local.config((s.B, s.N) + local.block_sizes(), replay=True)
   P = jax.sharding.PartitionSpec
   seq = _sharding.spec_entry(axes)
   split = (call.query,) if split_query else (call.given.key, call.given.value)
@@ -91,8 +94,9 @@ def sequence_sharded(call, axes, count, split_query: bool):
     whole, mask, seed, sink, score_args = whole
     q, k, v = split + whole if split_query else whole + split
     offset = jax.lax.axis_index(axes) * (Tl if split_query else Sl)
-    out, lse = _chunked.attend(s, q, k, v, bias, mask, seed, sink, score_args, cfg,
-                               **{"q_offset" if split_query else "kv_offset": offset})
+    place = _call.Place(q_offset=offset) if split_query else _call.Place(kv_offset=offset)
+    part = _call.Call(q, k, v, bias, mask, seed, sink, None, local, place)
+    out, lse = _chunked.attend(part, cfg, score_args)
     return (out, lse) if split_query else _softmax.merge_over_devices(out, lse, axes)
 
   rows = P(None, seq) if split_query else P()
