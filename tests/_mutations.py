@@ -9,7 +9,7 @@ MUTATIONS = [
    "    acc = acc * corr[..., None] + _tile.pv(p, vb)\n    return m_new, l, acc",
    "    acc = (acc * corr[..., None] + _tile.pv(p, vb)).astype(q.dtype).astype(sd)\n    return m_new, l, acc",
    ["tests/test_precision16.py"]),
-  ("all tile math in bf16 (_tile)", "jattn/_tile.py",
+  ("all tile math in bf16 (_softmax.stat_dtype)", "jattn/_softmax.py",
    "  return jnp.dtype(jnp.float64) if jnp.dtype(dtype) == jnp.float64 else jnp.dtype(jnp.float32)",
    "  return jnp.dtype(dtype)",
    ["tests/test_precision16.py"]),
