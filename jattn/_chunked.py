@@ -504,7 +504,7 @@ def _tile_grads(plan: Plan, ops: Operands, bw: _Backward, view: TileView, kb, vb
         s, ops.score_args)
   if vis is not None:
     s = jnp.where(vis, s, jnp.asarray(_tile.NEG, sd))
-  p = jnp.exp(s - lse_b)  # exact 0 where masked, and in empty rows (lse = inf)
+  p = _softmax.probabilities(s, lse_b)
   dp = _kv_rows_matmul(vb, do2, sd).reshape(B, K, bk, G, bq)
   pd = p
   if cfg.dropout_rate > 0:

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jattn._tile import NEG
-from jattn import _fused
+from jattn import _fused, _softmax
 from jattn import masks as _masks
 
 
@@ -129,9 +129,5 @@ def _lse(q, k, bias, mask, q_len, kv_len, *, scale, causal, window):
     vis = vis & (t < q_len[:, None, None, None])
   if kv_len is not None:
     vis = vis & (j < kv_len[:, None, None, None])
-  s = jnp.where(vis, s, -jnp.inf)
-  m = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
-  m = jnp.where(jnp.isfinite(m), m, 0.0)
-  l = jnp.sum(jnp.where(vis, jnp.exp(s - m), 0.0), axis=-1)
-  lse = jnp.where(l > 0, jnp.log(jnp.where(l > 0, l, 1.0)) + m[..., 0], NEG)
-  return jnp.transpose(lse, (0, 2, 1))
+  _, l, m = _softmax.exp_rows(jnp.where(vis, s, NEG))
+  return jnp.transpose(_softmax.lse(m, l), (0, 2, 1))

@@ -72,6 +72,13 @@ def exp_rows(s, sink=None):
   return p, l, m
 
 
+def probabilities(s, lse):
+  """P = exp(s - lse) from a row's final log-sum-exp (the backward's recompute): exact 0 where
+  a logit was masked (NEG) and in rows with nothing to attend to (their lse is +inf, see
+  `lse_for_recompute`)."""
+  return jnp.exp(s - lse)
+
+
 def join_sink(m, l, acc, sink):
   """Running statistics with the sink joined: the denominator gains exp(sink - m'); the sink
   takes no value, so acc is only rescaled."""

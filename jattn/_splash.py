@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn import _fused, _plan, _sharding, _tuning
+from jattn import _fused, _plan, _sharding, _softmax, _tuning
 from jattn._types import concrete
 from jattn._tile import NEG
 
@@ -455,16 +455,11 @@ def _pure(groups, soft_cap, lse: bool = False):
       s = soft_cap * jnp.tanh(s / soft_cap)
     vis = masks[None] & (q_ids[:, None, None, :, None] == kv_ids[:, None, None, None, :])
     s = jnp.where(vis, s, NEG)
-    m = s.max(-1, keepdims=True)
-    if sinks is not None:
-      m = jnp.maximum(m, sinks[None, :, :, None, None])
-    p = jnp.where(vis, jnp.exp(s - m), 0.0)
-    l = p.sum(-1, keepdims=True)
-    if sinks is not None:
-      l = l + jnp.exp(sinks[None, :, :, None, None] - m)
+    p, l, m = _softmax.exp_rows(s, None if sinks is None else sinks[None, :, :, None])
     if lse:
-      return (m + jnp.log(jnp.where(l == 0, 1.0, l)))[..., 0]
-    out = jnp.einsum("bkgts,bksh->bkgth", p / jnp.where(l == 0, 1.0, l), v.astype(jnp.float32))
+      return _softmax.lse(m, l)
+    out = _softmax.normalize(jnp.einsum("bkgts,bksh->bkgth", p, v.astype(jnp.float32)), l, m,
+                             0.0)
     return out.astype(q.dtype)
 
   return run
