@@ -5,13 +5,14 @@ one `register` call here; the dispatcher, tuning tables, ring attention and the 
 matrix read the table.
 """
 
-from jattn import _cudnn, _dense, _parallel, _splash
+from jattn import _cudnn, _dense, _splash
+from jattn._parallel import split as _split
 from jattn._registry import Backend, register
 
 register(Backend("dense", _dense.run, aliases=("xla",)))
 # The chunked kernels, through the parallel layer (Explicit-mesh splits, the Auto partitioning
 # rule) where the call is sharded.
-register(Backend("chunked", _parallel.chunked))
+register(Backend("chunked", _split.chunked))
 register(Backend(
     "splash", _splash.run, platforms=("tpu",), supports=_splash.supports, fused=True,
     first_for_long=_splash.first_for_long,

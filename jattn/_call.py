@@ -202,11 +202,13 @@ class Layout:
   PartitionSpec; ``q_shards`` (mesh axes, count) when only the query's T is split (each device
   runs its rows against the whole K, V); ``kv_shards`` likewise when the query is whole and K, V
   are split along S (a decoding step against a sharded cache: each device attends to its own
-  keys and the parts merge)."""
+  keys and the parts merge). ``unpartitioned``: the program runs on one device as written (see
+  `jattn._sharding.unpartitioned`), so a kernel XLA cannot partition may stand in it."""
 
   spec: Any = None
   q_shards: tuple | None = None
   kv_shards: tuple | None = None
+  unpartitioned: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -321,9 +323,10 @@ def bind(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_seg, dr
                           H, T, S)
   args = _sharding.aligned_to_query(args)
   query, key, value = args.query, args.key, args.value
-  layout = Layout()
+  layout = Layout(unpartitioned=_sharding.unpartitioned())
   if _sharding.explicit_mesh():
-    layout = Layout(*_sharding.sequence_layout(query, key, value))
+    layout = Layout(*_sharding.sequence_layout(query, key, value),
+                    unpartitioned=layout.unpartitioned)
     # Every query needs every key: K and V are gathered along S (as jax.nn's XLA path does).
     key, value = _sharding.unshard_axis(key, 1), _sharding.unshard_axis(value, 1)
   combined = _masks.from_arguments((B, N, T, S), args.mask, opts.causal, opts.window,

@@ -767,7 +767,7 @@ def chunked_attention(plan: Plan, ops: Operands):
 def chunked_attention_grads(plan: Plan, ops: Operands, out, lse, dout, dlse) -> Operands:
   """The cotangents of `chunked_attention`'s operands from its saved output and log-sum-exp
   (out (B, T, N, H), lse (B, T, N)) and their cotangents: its backward pass, run by a caller
-  that keeps the residuals itself (the partitioned operation of `jattn._partition`)."""
+  that keeps the residuals itself (the partitioned operation of `jattn._parallel.partition`)."""
   padded, unpad = jax.vjp(lambda q, k, v, bias: _plan.pad_to_blocks(plan, q, k, v, bias),
                           ops.q, ops.k, ops.v, ops.bias)
   pt = plan.Tp - plan.cfg.T

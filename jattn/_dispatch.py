@@ -14,7 +14,7 @@ import functools
 
 import jax
 
-from jattn import _backends, _plan, _registry, _sharding, _validation  # noqa: F401  (registers)
+from jattn import _backends, _plan, _registry, _validation  # noqa: F401  (registers)
 
 
 def run(call):
@@ -41,16 +41,15 @@ def automatic(call, runners) -> dict:
   """implementation=None: {platform or "default": runner}."""
   s = call.static
   decoding = _plan.decoding(s.T, s.S, s.G)
-  unpartitioned = _sharding.unpartitioned()
   first = {}  # platform -> the backend that asks to go first there for long calls
   for name, backend in _registry.REGISTRY.items():
-    if backend.first_for_long is not None and backend.first_for_long(call, unpartitioned):
+    if backend.first_for_long is not None and backend.first_for_long(call):
       first.update(dict.fromkeys(backend.platforms or (), name))
   choice = _plan.implementation_by_platform(s.B, s.N, s.T, s.S, s.G, s.dtype, call.mask,
                                             fused=first,
                                             keys_split=s.layout.kv_shards is not None)
   tuned = s.tuned.implementation
-  if (tuned in _registry.REGISTRY and unpartitioned and s.layout.kv_shards is None
+  if (tuned in _registry.REGISTRY and s.layout.unpartitioned and s.layout.kv_shards is None
       and not decoding and _registry.get(tuned).traced_cheaply(call)):
     # The device's tuning table measured its fused kernel faster for calls like this one
     # (square ones: decoding-shaped calls share a length bucket but were not measured). Only

@@ -29,9 +29,9 @@ class Backend:
   what it finds only while tracing).
   ``fused``: a platform's fused kernel: a tuning table may name it, and ``implementation=None``
   tries it first where the table measured it faster.
-  ``first_for_long(call, unpartitioned) -> bool``: ``implementation=None`` tries it first on its
-  platforms for calls too large for dense (splash on a TPU), where this holds (``unpartitioned``:
-  the program runs on one device as written, see `jattn._sharding.unpartitioned`).
+  ``first_for_long(call) -> bool``: ``implementation=None`` tries it first on its platforms for
+  calls too large for dense (splash on a TPU), where this holds (``call.static.layout`` says
+  whether the program can be partitioned).
   ``traced_cheaply(call) -> bool``: whether trying it costs nothing much while tracing
   (splash evaluates a mask it cannot build lazily into a (T, S) array per head): required before
   ``implementation=None`` puts it first, by a tuning table or for long calls.
@@ -43,7 +43,7 @@ class Backend:
   platforms: tuple[str, ...] | None = None
   supports: Callable[[Any], str | None] = _takes_everything
   fused: bool = False
-  first_for_long: Callable[[Any, bool], bool] | None = None
+  first_for_long: Callable[[Any], bool] | None = None
   traced_cheaply: Callable[[Any], bool] = lambda call: True
   ring: str | None = None
   aliases: tuple[str, ...] = ()

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 import jattn
-from jattn import _registry, _ring
+from jattn import _registry
+from jattn._parallel import ring as _ring
 
 import reference as ref
 

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import jattn
-from jattn import _ring
+from jattn._parallel import ring as _ring
 from jattn import masks as jmasks
 from jattn._tile import NEG
 

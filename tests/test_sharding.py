@@ -209,7 +209,7 @@ WORKER = textwrap.dedent('''
       return got, colls
     # (name, options, wheres). The chunked kernels, called plainly, are one operation with a
     # partitioning rule that reads the query's sharding when XLA partitions the program
-    # (jattn._partition); called through jax.sharding.explicit_axes they see it while tracing.
+    # (jattn._parallel.partition); called through jax.sharding.explicit_axes they see it while tracing.
     impls = [("dense", dict(implementation="dense"), wheres)]
     for sched in ("serial", "parallel"):
       kw = dict(implementation="chunked", schedule=sched, block_q=32, block_kv=32)
@@ -423,7 +423,7 @@ def test_the_partitioned_operation_unpartitioned_equals_the_kernels(monkeypatch,
   import numpy as np
 
   import jattn
-  from jattn import _partition
+  from jattn._parallel import partition as _partition
 
   B, T, N, K, H = 2, 50, 4, 2, 8
   ks = jax.random.split(jax.random.key(0), 5)

@@ -75,7 +75,7 @@ def child(cfg):
   import jax.numpy as jnp
   import numpy as np
   import jattn
-  from jattn import _ring
+  from jattn._parallel import ring as _ring
 
   P = cfg["devices"]
   assert jax.device_count() >= P, jax.devices()

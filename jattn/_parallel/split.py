@@ -10,10 +10,10 @@ A bound call reaches the kernels in one of four ways, chosen here and nowhere el
 - K and V split along S under an Explicit mesh with the query whole (a decoding step against a
   sharded cache): each device attends all queries to its own keys, and the parts are merged
   through their log-sum-exps across the devices (`jattn._softmax.merge_over_devices`);
-- under an Auto mesh, through the partitioning rule of `jattn._partition`, which runs `part` on
+- under an Auto mesh, through the partitioning rule of `jattn._parallel.partition`, which runs `part` on
   each device's share of the partitioned program.
 
-Ring attention (`jattn._ring`) is the fifth: K and V travel round the devices.
+Ring attention (`jattn._parallel.ring`) is the fifth: K and V travel round the devices.
 Each way calls `jattn._chunked.attend` with the part's global positions (``q_offset``,
 ``kv_offset``, ``batch0``, ``head0``), so masks, score_mod and dropout see the whole call's.
 """
@@ -25,7 +25,8 @@ import functools
 
 import jax
 
-from jattn import _call, _chunked, _partition, _sharding, _softmax
+from jattn import _call, _chunked, _sharding, _softmax
+from jattn._parallel import partition as _partition
 
 
 def chunked(call):
