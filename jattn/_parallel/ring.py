@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn import (_call, _chunked, _dropout, _plan, _registry, _sharding, _softmax, _tile,
+from jattn import (_call, _chunked, _plan, _registry, _sharding, _softmax, _tile,
                    _validation)
 from jattn import masks as _masks
 from jattn._tile import NEG, Config
@@ -490,12 +490,13 @@ def ring_attention(
 @functools.partial(jax.jit, static_argnames=("opts",))
 def _ring_attention(query, key, value, mask, q_lengths, kv_lengths, q_seg, kv_seg, dropout_rng,
                     sinks, batch0, head0, *, opts: _RingOptions):
-  args = _call.arrays(query, key, value, None, None, q_lengths, kv_lengths, q_seg, kv_seg,
-                            sinks)
-  query, key, value = args.query, args.key, args.value
-  B, Ts, N, H = query.shape
-  _, Ss, K, Hv = value.shape
-  G = N // K
+  # This device's shards bound as a call of their own (its mask, over the shard, is not used:
+  # the ring's mask is over the whole sequence, and the key segment ids travel round the ring).
+  call = _call.bind(query, key, value, None, None, q_lengths, kv_lengths, q_seg, kv_seg,
+                    dropout_rng, sinks, None, opts.call)
+  args, st = call.given, call.static
+  query, key, value = call.query, call.key, call.value
+  B, Ts, N, H, Ss, K, G = st.B, st.T, st.N, st.H, st.S, st.K, st.G
   P = opts.num_devices
   zigzag = opts.layout == "zigzag"
   if zigzag and (Ts % 2 or Ss % 2):
@@ -518,15 +519,14 @@ def _ring_attention(query, key, value, mask, q_lengths, kv_lengths, q_seg, kv_se
     bq, bk = _plan.block_sizes(Ts, Ss, opts.call.block_q, opts.call.block_kv,
                                cap_q=Ts // 2 if zigzag else None,
                                cap_kv=Ss // 2 if zigzag else None)
-  sd = _tile.stat_dtype(query.dtype)
+  sd = st.stat_dtype
   score_mod, score_args = None, ()
   if opts.call.score_mod is not None:
     # Replayed with its arrays passed in varying (see _sharding.VaryingReplay).
     score_mod, score_args = _plan.closure_convert_score_mod(opts.call.score_mod, (B, N, bq, bk), sd,
                                                             varying_like=(query, key),
                                                             replay=True)
-  cfg = Config(B=B, T=Ts, S=Ss, K=K, G=G, H=H,
-               scale=opts.call.scale if opts.call.scale is not None else _tile.default_scale(H),
+  cfg = Config(B=B, T=Ts, S=Ss, K=K, G=G, H=H, scale=st.scale,
                logits_soft_cap=opts.call.logits_soft_cap, dropout_rate=opts.call.dropout_rate,
                score_mod=score_mod, dropout_broadcast=opts.call.dropout_broadcast)
   plan, _ = _plan.make_plan(cfg, None, bq, bk)
@@ -535,23 +535,18 @@ def _ring_attention(query, key, value, mask, q_lengths, kv_lengths, q_seg, kv_se
   rc = _RingConfig(dataclasses.replace(plan, kinds=(_masks.EMPTY, _masks.PARTIAL, _masks.FULL),
                                        q_ranges=None, kv_ranges=None),
                    opts.axis_name, P, opts.layout)
-  seed = (_dropout.seed_words(dropout_rng) if opts.call.dropout_rate > 0
-          else jnp.zeros((2,), jnp.uint32))
-  sink = None if args.sinks is None else args.sinks.astype(sd).reshape(1, K, G, 1)
-  ro = _RingOperands(global_mask, args.q_seg, args.kv_seg, seed, score_args, sink, batch0, head0)
+  ro = _RingOperands(global_mask, args.q_seg, args.kv_seg, call.seed, score_args, call.sink,
+                     batch0, head0)
 
   # Sequence-major as the chunked kernel takes them, padded to whole blocks: (B, Tp, N, H).
   q, k, v, _ = _plan.pad_to_blocks(rc.plan, query, key, value, None)
   out, lse = _ring(rc, q, k, v, ro)
-  out = out[:, :Ts]
-  if args.unbatched:
-    out = out[0]
+  out, lse = out[:, :Ts], lse[:, :Ts]
+  if st.unbatched:
+    out, lse = out[0], lse[0]
   if not opts.call.return_residual:
     return out
-  lse = _softmax.returned_lse(lse[:, :Ts], query.dtype)
-  if args.unbatched:
-    lse = lse[0]
-  return out, lse
+  return out, _softmax.returned_lse(lse, query.dtype)
 
 
 def merge_attention(outs, lses):
