@@ -17,7 +17,7 @@ register(Backend(
     "splash", _splash.run, platforms=("tpu",), supports=_splash.supports, fused=True,
     first_for_long=_splash.first_for_long,
     traced_cheaply=lambda call: _splash.builds_lazily(call.mask),
-    ring="while splash attention compiles its mask in"))
+    ring="while splash attention compiles its mask in", traced_mask=True))
 register(Backend(
     "cudnn", _cudnn.run, platforms=("cuda",), supports=_cudnn.supports, fused=True,
     ring="while cuDNN's kernel takes only its own causal/window/length options"))

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn import _dropout, _plan, _sharding, _tile, _tuning, _validation
+from jattn import _dropout, _plan, _registry, _sharding, _tile, _tuning, _validation
 from jattn import masks as _masks
 from jattn._tile import Config
 from jattn._types import concrete
@@ -187,11 +187,12 @@ def options(*, scale, is_causal, local_window_size, logits_soft_cap, dropout_rat
 
 
 def static_mask(mask, opts: Options):
-  """A NumPy boolean ``mask`` asked to run on splash becomes a mask object: splash builds its
-  block lists from the mask when the call is traced, so the mask is part of the program instead
-  of a run-time argument."""
+  """A NumPy boolean ``mask`` for a call that names a backend building its kernels from the mask
+  when the call is traced (splash: its block lists) becomes a mask object known at trace time:
+  part of the program instead of a run-time argument."""
   if (isinstance(mask, np.ndarray) and mask.dtype == np.bool_ and mask.ndim <= 4
-      and "splash" in _validation.implementation_names(opts.implementation)):
+      and any(_registry.get(n).traced_mask
+              for n in _validation.implementation_names(opts.implementation))):
     return _masks.static_array(mask)
   return mask
 

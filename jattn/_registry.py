@@ -36,6 +36,8 @@ class Backend:
   (splash evaluates a mask it cannot build lazily into a (T, S) array per head): required before
   ``implementation=None`` puts it first, by a tuning table or for long calls.
   ``ring``: None where ring attention can run it on each pair of shards, else why not.
+  ``traced_mask``: it builds its kernels from the mask while the call is traced, so a NumPy
+  boolean mask given for it becomes part of the program (`jattn._call.static_mask`).
   """
 
   name: str
@@ -46,6 +48,7 @@ class Backend:
   first_for_long: Callable[[Any], bool] | None = None
   traced_cheaply: Callable[[Any], bool] = lambda call: True
   ring: str | None = None
+  traced_mask: bool = False
   aliases: tuple[str, ...] = ()
 
 
