@@ -122,3 +122,22 @@ def test_gone_once_unregistered():
   _registry.unregister(NAME)
   with pytest.raises(ValueError, match="implementation"):
     jattn.dot_product_attention(q, k, v, implementation=NAME)
+
+
+def test_the_bound_call_is_a_pytree():
+  # Arrays are its leaves and its static description the tree's metadata, so a bound call
+  # crosses jit as an argument and a backend runs on it there.
+  from jattn import _call, _dispatch
+  q, k, v = _inputs()
+  opts, _ = _call.options(
+      scale=None, is_causal=True, local_window_size=None, logits_soft_cap=None, dropout_rate=0.0,
+      dropout_rng=None, dropout_broadcast=False, implementation="chunked", block_q=8,
+      block_kv=8, schedule=None, step_width=None, return_residual=False, score_mod=None)
+  call = _call.bind(q, k, v, None, None, None, None, None, None, None, jnp.zeros(4), None, opts)
+  leaves, tree = jax.tree.flatten(call)
+  assert all(hasattr(x, "shape") for x in leaves)
+  assert jax.tree.unflatten(tree, leaves).static == call.static
+  out, _ = jax.jit(_dispatch.run)(call)
+  want = jattn.dot_product_attention(q, k, v, is_causal=True, implementation="chunked",
+                                     block_q=8, block_kv=8, sinks=jnp.zeros(4))
+  np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6)
