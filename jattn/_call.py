@@ -244,21 +244,19 @@ class Static:
     return _plan.block_sizes(self.T if T is None else T, self.S if S is None else S,
                              self.tuned.block_q, self.tuned.block_kv)
 
-  def config(self, tile_shape, *, T=None, S=None, B=None, K=None, replay=False):
-    """(Config, score_mod's hoisted arrays) for tiles of ``tile_shape`` over ``T`` query rows
-    and ``S`` keys of ``B`` examples and ``K`` key/value heads (the whole call's by default);
-    ``replay``: score_mod is to be called inside a shard_map."""
+  def config(self, tile_shape, *, replay=False):
+    """(Config, score_mod's hoisted arrays) for tiles of ``tile_shape`` over this call (a
+    device's part of a call has its own `Static`); ``replay``: score_mod is to be called inside
+    a shard_map."""
     score_mod, score_args = None, ()
     if self.opts.score_mod is not None:
       score_mod, score_args = _plan.closure_convert_score_mod(
           self.opts.score_mod, tile_shape, self.stat_dtype, replay=replay)
       score_args = _sharding.replicated(score_args)
     opts = self.opts
-    cfg = Config(B=self.B if B is None else B, T=self.T if T is None else T,
-                 S=self.S if S is None else S, K=self.K if K is None else K, G=self.G, H=self.H,
-                 scale=self.scale, logits_soft_cap=opts.logits_soft_cap,
-                 dropout_rate=opts.dropout_rate, score_mod=score_mod,
-                 dropout_broadcast=opts.dropout_broadcast)
+    cfg = Config(B=self.B, T=self.T, S=self.S, K=self.K, G=self.G, H=self.H, scale=self.scale,
+                 logits_soft_cap=opts.logits_soft_cap, dropout_rate=opts.dropout_rate,
+                 score_mod=score_mod, dropout_broadcast=opts.dropout_broadcast)
     return cfg, score_args
 
 
@@ -341,11 +339,11 @@ def bind(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_seg, dr
     scale = 1.0
   else:
     scale = opts.scale if opts.scale is not None else _tile.default_scale(H)
-  _, S, K, Hv = value.shape
+  K, Hv = value.shape[2], value.shape[3]
   static = Static(opts, scale, B, T, S, N, K, H, Hv, query.dtype, layout, args.unbatched, tuned)
-  sd = static.stat_dtype
-  bias5 = None if args.bias is None else _tile.group_heads(args.bias, K, N // K)
-  sink = None if args.sinks is None else args.sinks.astype(sd).reshape(1, K, N // K, 1)
+  bias5 = None if args.bias is None else _tile.group_heads(args.bias, K, static.G)
+  sink = (None if args.sinks is None
+          else args.sinks.astype(static.stat_dtype).reshape(1, K, static.G, 1))
   seed = (_dropout.seed_words(dropout_rng) if opts.dropout_rate > 0
           else jnp.zeros((2,), jnp.uint32))
   return Call(query, key, value, bias5, combined, seed, sink, args, static)

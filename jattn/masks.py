@@ -281,9 +281,8 @@ _register(_Band)
 def band(lo: int | None, hi: int | None) -> Mask:
   """Keys k with ``q + lo <= k <= q + hi`` (``None``: unbounded on that side): the diagonal band
   that causal masks and windows are made of, given by its two edges."""
-  check = _validation
-  return _Band(check.integer("band: lo", lo, optional=True),
-               check.integer("band: hi", hi, optional=True))
+  return _Band(_validation.integer("band: lo", lo, optional=True),
+               _validation.integer("band: hi", hi, optional=True))
 
 
 def _alignment_offset(alignment: str, shape) -> int:
@@ -305,12 +304,11 @@ def causal(shape: Sequence[int] | None = None, *, alignment: CausalAlignment = "
   or ``(T, S)``. An explicit ``offset`` overrides the alignment; an int array offset (shape () or
   (B,)) gives a run-time diagonal, e.g. the fill level of a KV cache under `jit`.
   """
-  v = _validation
-  v.one_of("masks.causal: alignment", alignment, v.CAUSAL_ALIGNMENTS)
+  _validation.one_of("masks.causal: alignment", alignment, _validation.CAUSAL_ALIGNMENTS)
   if shape is not None:
-    if not isinstance(shape, (tuple, list)) or not all(v.is_int(d) for d in shape):
+    if not isinstance(shape, (tuple, list)) or not all(_validation.is_int(d) for d in shape):
       raise TypeError(f"masks.causal: shape must be a (T, S) or (B, N, T, S) tuple of ints, got "
-                      f"{v.describe(shape)}")
+                      f"{_validation.describe(shape)}")
     if len(shape) not in (2, 4) or any(d < 0 for d in shape):
       raise ValueError(f"masks.causal: shape must be a (T, S) or (B, N, T, S) tuple of "
                        f"non-negative ints, got {tuple(shape)}")
@@ -319,12 +317,12 @@ def causal(shape: Sequence[int] | None = None, *, alignment: CausalAlignment = "
                      "or (B, N, T, S) (or an explicit offset), got shape=None")
   if offset is None:
     offset = 0 if alignment == "top_left" else _alignment_offset(alignment, _shape4(shape))
-  if v.is_int(offset):
+  if _validation.is_int(offset):
     return _Band(None, int(offset))
   expected = "an int or an integer array of shape () or (B,)"
   if not hasattr(offset, "dtype") and not isinstance(offset, (list, tuple)):
-    raise TypeError(f"masks.causal: offset must be {expected}, got {v.describe(offset)}")
-  offset = v.int_array("masks.causal: offset", offset)
+    raise TypeError(f"masks.causal: offset must be {expected}, got {_validation.describe(offset)}")
+  offset = _validation.int_array("masks.causal: offset", offset)
   if offset.ndim > 1:
     raise ValueError(f"masks.causal: offset must be {expected}, got shape {offset.shape}")
   return _DynamicCausal(offset)
@@ -380,12 +378,11 @@ def local_window(left: int | None, right: int | None = _SAME, *, offset: int = 0
   ``local_window(3, 2)`` is ``local_window_size=(3, 2)``. ``None`` on a side means unbounded.
   Causal sliding-window attention is ``local_window(w, 0)`` (or ``causal() & local_window(w)``).
   """
-  v = _validation
   if right is _SAME:
     right = left
-  left = v.non_negative_int("masks.local_window: left", left, optional=True)
-  right = v.non_negative_int("masks.local_window: right", right, optional=True)
-  offset = v.integer("masks.local_window: offset", offset)
+  left = _validation.non_negative_int("masks.local_window: left", left, optional=True)
+  right = _validation.non_negative_int("masks.local_window: right", right, optional=True)
+  offset = _validation.integer("masks.local_window: offset", offset)
   return _Band(None if left is None else offset - left,
                None if right is None else offset + right)
 
@@ -451,9 +448,9 @@ _register(_Prefix)
 
 def prefix_lm(prefix_length: int, *, offset: int = 0) -> Mask:
   """Prefix-LM: the first ``prefix_length`` keys are seen by all queries, the rest causally."""
-  v = _validation
-  prefix_length = v.non_negative_int("masks.prefix_lm: prefix_length", prefix_length)
-  return _Prefix(prefix_length) | _Band(None, v.integer("masks.prefix_lm: offset", offset))
+  prefix_length = _validation.non_negative_int("masks.prefix_lm: prefix_length", prefix_length)
+  offset = _validation.integer("masks.prefix_lm: offset", offset)
+  return _Prefix(prefix_length) | _Band(None, offset)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
