@@ -15,9 +15,10 @@ register(Backend("dense", _dense.run, aliases=("xla",)))
 register(Backend("chunked", _split.chunked))
 register(Backend(
     "splash", _splash.run, platforms=("tpu",), supports=_splash.supports, fused=True,
-    first_for_long=_splash.first_for_long,
+    first=_splash.first,
     traced_cheaply=lambda call: _splash.builds_lazily(call.mask),
     ring="while splash attention compiles its mask in", traced_mask=True))
 register(Backend(
     "cudnn", _cudnn.run, platforms=("cuda",), supports=_cudnn.supports, fused=True,
+    first=_cudnn.first,
     ring="while cuDNN's kernel takes only its own causal/window/length options"))

@@ -299,51 +299,54 @@ def forward(plan: Plan, ops: Operands):
 
 
 def _lanes(plan: Plan, packed, states, per_row: int = 1):
-  """(rows, columns, kinds) as jax arrays, the number of steps, and whether any tile
-  needs mask arithmetic: static lanes from the plan, or run-time ones from the block map
-  (``per_row`` lanes per row)."""
+  """The lane tables (a `jattn._plan.Lanes` of jax arrays, ``segmented`` kept from the static
+  tables), the number of steps, and whether any tile needs mask arithmetic: static lanes from
+  the plan, or run-time ones from the block map (``per_row`` lanes per row)."""
   if packed is not None:
     ln = _plan.lanes_of(packed)
     masked = PARTIAL in plan.kinds or bool((ln.kinds == EMPTY).any())
-    return tuple(jnp.asarray(a) for a in ln), ln.columns.shape[1], masked
+    return _LaneTables(ln, ln.segmented), ln.columns.shape[1], masked
   ln, steps = _plan.run_time_lanes(states, per_row)
-  return tuple(ln), steps, True
+  return _LaneTables(ln, False), steps, True
 
 
-def _in_groups(lanes, width, per_lane, shared, run):
+class _LaneTables(NamedTuple):
+  lanes: _plan.Lanes  # as jax arrays, or NumPy ones (static)
+  segmented: bool  # some lane runs several parts: reset and write out its carry mid-loop
+
+
+def _in_groups(tables: _LaneTables, width, per_lane, shared, run):
   """Run the lanes ``width`` at a time (all at once when width is None or >= their number).
 
-  ``per_lane`` is a pytree of (V, ...) arrays (lane tables, constants, initial carries);
-  ``run(group_lanes, group_per_lane, shared) -> (group_results, shared)`` runs one group, whose
-  (W, ...) results are written back in lane order. Lanes added to fill the last group repeat the
-  last lane with every step EMPTY (no work that counts) and are dropped. Returns (results,
-  shared). Callers mask every step when `_pads` says padding lanes exist.
-  """
-  rows, columns, kinds = lanes
-  V = rows.shape[0]
+  ``per_lane`` is a pytree of (V, ...) arrays (constants, initial carries); ``run(group_tables,
+  group_per_lane, shared) -> shared`` runs one group with its (W, L) step tables (rows,
+  columns, kinds, starts, emit) and (W,) final rows; everything a group leaves (its parts merged
+  into their rows, sums) is in ``shared``, so nothing grows with the number of lanes. Lanes
+  added to fill the last group repeat the last lane with every step EMPTY and merge no part.
+  Callers mask every step when `_pads` says padding lanes exist."""
+  ln = tables.lanes
+  step_tables = [jnp.asarray(x) for x in (ln.rows, ln.columns, ln.kinds, ln.starts, ln.emit,
+                                           ln.final)]
+  V = step_tables[0].shape[0]
   W = V if width is None else max(1, min(int(width), V))
   groups = -(-V // W)
   pad = groups * W - V
   if pad:
-    grow = lambda x: jnp.concatenate([x, jnp.repeat(x[-1:], pad, axis=0)])
-    rows, columns, per_lane = grow(rows), grow(columns), jax.tree.map(grow, per_lane)
-    kinds = jnp.concatenate([kinds, jnp.full((pad,) + kinds.shape[1:], EMPTY, kinds.dtype)])
-  padded_lanes = (rows, columns, kinds)
+    none = jnp.iinfo(jnp.int32).max  # a row past every accumulator: dropped
+    fills = (None, None, EMPTY, None, none, none)  # None: repeat the last lane's entry
+    grow = lambda x, fill=None: jnp.concatenate(
+        [x, jnp.repeat(x[-1:], pad, axis=0) if fill is None
+         else jnp.full((pad,) + x.shape[1:], fill, x.dtype)])
+    step_tables = [grow(x, f) for x, f in zip(step_tables, fills)]
+    per_lane = jax.tree.map(grow, per_lane)
   if groups == 1:
-    results, shared = run(padded_lanes, per_lane, shared)
-  else:
-    def group(g, carry):
-      results, shared = carry
-      take = lambda x: jax.lax.dynamic_slice_in_dim(x, g * W, W, axis=0)
-      got, shared = run((take(rows), take(columns), take(kinds)),
-                        jax.tree.map(take, per_lane), shared)
-      put = lambda buf, x: jax.lax.dynamic_update_slice_in_dim(buf, x, g * W, axis=0)
-      return jax.tree.map(put, results, got), shared
+    return run(step_tables, per_lane, shared)
 
-    results0 = jax.eval_shape(lambda: run(padded_lanes, per_lane, shared)[0])
-    results0 = jax.tree.map(lambda s: jnp.zeros((groups * W,) + s.shape[1:], s.dtype), results0)
-    results, shared = jax.lax.fori_loop(0, groups, group, (results0, shared))
-  return jax.tree.map(lambda x: x[:V], results), shared
+  def group(g, shared):
+    take = lambda x: jax.lax.dynamic_slice_in_dim(x, g * W, W, axis=0)
+    return run([take(x) for x in step_tables], jax.tree.map(take, per_lane), shared)
+
+  return jax.lax.fori_loop(0, groups, group, shared)
 
 
 def _pads(n_lanes: int, width) -> bool:
@@ -351,48 +354,77 @@ def _pads(n_lanes: int, width) -> bool:
   return width is not None and int(width) < n_lanes and n_lanes % int(width) != 0
 
 
-def _lane_steps(lanes, steps, masked, carry0, visit, const, width=None, name=None):
+def _lane_steps(tables: _LaneTables, steps, masked, carry0, visit, const, rows0, fold,
+                width=None, name=None, shared=None, gather=None, transposed=False):
   """Run ``steps`` steps; in each, every lane of a group (see `_in_groups`) visits its next
-  block (vmapped over lanes): ``visit(i, j, live, masked, lane_const, lane_carry) ->
-  lane_carry``, i the lane's row, j its block, ``const`` per-lane data that does not change
-  (a lane's query tile)."""
-  masked = masked or _pads(lanes[0].shape[0], width)
+  block (vmapped over lanes): ``visit(i, j, live, masked, lane_const, lane_carry) -> (lane_carry,
+  outs)``, i the step's row, j its block, ``const`` per-lane data that does not change (None
+  when lanes are segmented: a lane's row changes between parts, so visit loads what it needs).
 
-  def run(group_lanes, per_lane, shared):
-    rows, columns, kinds = group_lanes
-    const_g, carry_g = per_lane
+  A lane's carry restarts from its ``carry0`` where a part starts; after a part's last step,
+  ``fold(rows, at, carries) -> rows`` merges the finished carries into their rows ``at`` (R or
+  more: none) of the accumulator that starts as ``rows0``. ``gather(shared, outs, rows_t,
+  columns_t) -> shared`` folds each step's other results into ``shared``. Returns (rows,
+  shared). ``transposed``: rows are key blocks (the dK/dV pass), for the block hook."""
+  ln, segmented = tables
+  masked = masked or _pads(ln.rows.shape[0], width)
 
-    def step(t, carry):
-      kinds_t, columns_t = jnp.take(kinds, t, axis=1), jnp.take(columns, t, axis=1)
+  def run(step_tables, per_lane, state):
+    rows, columns, kinds, starts, emit, final = step_tables
+    const_g, init_g = per_lane
+
+    def step(t, c):
+      carry, acc, shared = c
+      at = lambda x: jnp.take(x, t, axis=1)
+      rows_t, columns_t, kinds_t = at(rows), at(columns), at(kinds)
+      if segmented:
+        restart = at(starts)
+        carry = jax.tree.map(
+            lambda x, x0: jnp.where(restart.reshape((-1,) + (1,) * (x.ndim - 1)), x0, x),
+            carry, init_g)
       live = kinds_t != EMPTY
       fn = lambda i, j, lv, k, c: visit(i, j, lv if masked else None, masked, k, c)
-      _hook(name, rows, columns_t, kinds_t)
-      return jax.vmap(fn)(rows, columns_t, live, const_g, carry)
+      if transposed:
+        _hook(name, columns_t, rows_t, kinds_t)
+      else:
+        _hook(name, rows_t, columns_t, kinds_t)
+      carry, outs = jax.vmap(fn)(rows_t, columns_t, live, const_g, carry)
+      if gather is not None:
+        shared = gather(shared, outs, rows_t, columns_t)
+      if segmented:
+        acc = fold(acc, at(emit), carry)
+      return carry, acc, shared
 
-    return jax.lax.fori_loop(0, steps, step, carry_g), shared
+    acc, shared = state
+    carry, acc, shared = jax.lax.fori_loop(0, steps, step, (init_g, acc, shared))
+    return fold(acc, final, carry), shared
 
-  results, _ = _in_groups(lanes, width, (const, carry0), None, run)
-  return results
+  return _in_groups(tables, width, (const, carry0), (rows0, shared), run)
 
 
 def _forward_parallel(plan: Plan, ops: Operands, start, tile):
-  """Every lane's next key/value block in one step (see `jattn._plan.lanes`); the lanes of a row
-  are merged through their running max and sum, then the sink joins once."""
+  """Every lane's next key/value block in one step (see `jattn._plan.lanes`); the parts of a
+  row are merged through their running max and sum, then the sink joins once."""
   cfg = plan.cfg
   sd = _tile.stat_dtype(ops.q.dtype)
-  lanes, steps, masked = _lanes(plan, plan.row_lanes, ops.states, plan.row_split)
-  rows = lanes[0]
-  qbs, carry0 = jax.vmap(start)(rows)
+  tables, steps, masked = _lanes(plan, plan.row_lanes, ops.states, plan.row_split)
+  qbs, carry0 = jax.vmap(start)(jnp.asarray(tables.lanes.rows)[:, 0])
 
   def visit(i, j, live, masked, qb, carry):
-    return tile(qb, tile_view(plan, ops, i, j, masked, live), carry)
+    if qb is None:  # segmented lanes: the step's own row
+      qb = start(i)[0]
+    return tile(qb, tile_view(plan, ops, i, j, masked, live), carry), None
 
-  m, l, acc = _lane_steps(lanes, steps, masked, carry0, visit, qbs, plan.width, name="fwd")
-  # Rows layout (V, B, K, G * bq[, H]) -> (V, B, K, G, bq[, H]).
-  m, l, acc = (_unrows(x, cfg.G, lead=1) for x in (m, l, acc))
-  # Merge: the lanes of a row saw disjoint key blocks. Scatter-max and scatter-add by row.
+  # The rows' statistics, in rows layout (R, B, K, G * bq[, H]); each part is merged into its
+  # row as it finishes.
   R = plan.grid.num_q_blocks
-  m_r, l_r, acc_r = _softmax.merge_by_row(rows, m, l, acc, R)
+  m0, l0, acc0 = carry0
+  rows0 = (_softmax.no_rows(m0, R, _tile.NEG), _softmax.no_rows(l0, R), _softmax.no_rows(acc0, R))
+  rows, _ = _lane_steps(tables, steps, masked, carry0, visit,
+                        None if tables.segmented else qbs, rows0, _softmax.merge_into,
+                        plan.width, name="fwd")
+  # (R, B, K, G * bq[, H]) -> (R, B, K, G, bq[, H]).
+  m_r, l_r, acc_r = (_unrows(x, cfg.G, lead=1) for x in rows)
   if ops.sink is not None:
     m_r, l_r, acc_r = _softmax.join_sink(m_r, l_r, acc_r, ops.sink.astype(sd)[None])
   out = _softmax.normalize(acc_r, l_r, m_r, cfg.dropout_rate).astype(ops.q.dtype)
@@ -610,9 +642,9 @@ def _backward_parallel(plan: Plan, ops: Operands, tile_grads, scale, dk_scale):
   sd = _tile.stat_dtype(q.dtype)
 
   # dK, dV: lanes over key blocks (the transposed map).
-  lanes, steps, masked = _lanes(plan, plan.column_lanes,
-                                None if plan.column_lanes is not None else ops.states.T)
-  kv_rows, columns, kinds = lanes
+  tables, steps, masked = _lanes(plan, plan.column_lanes,
+                                 None if plan.column_lanes is not None else ops.states.T)
+  kv_rows = jnp.asarray(tables.lanes.rows)[:, 0]
   kbs = jax.vmap(lambda j: kv_tile(k, j, bk))(kv_rows)
   vbs = jax.vmap(lambda j: kv_tile(v, j, bk))(kv_rows)
   if bias is not None:
@@ -630,64 +662,55 @@ def _backward_parallel(plan: Plan, ops: Operands, tile_grads, scale, dk_scale):
   else:
     blocked0 = None
 
-  width = plan.width
-  masked = masked or _pads(kv_rows.shape[0], width)
+  def kv_visit(j, i, live, masked, kvb, carry):
+    kb, vb = (kv_tile(k, j, bk), kv_tile(v, j, bk)) if kvb is None else kvb
+    c = tile_grads(tile_view(plan, ops, i, j, masked, live), kb, vb)
+    dk_l, dv_l = carry
+    return (dk_l + c.dk, dv_l + c.dv), (c.dbias, c.dargs)
 
-  def run(group_lanes, per_lane, shared):
-    rows_g, columns_g, kinds_g = group_lanes
-    kbs_g, vbs_g, dk0, dv0 = per_lane
+  def gather(shared, outs, j_vec, i_vec):
+    blocked, dargs = shared
+    dbias_c, dargs_c = outs
+    if blocked is not None:
+      # Padding steps and padding lanes add exact zeros (their tiles are fully masked).
+      zero = jnp.zeros_like(i_vec)
+      dbias_c = _sharding.reshard_to(dbias_c.astype(sd), lane_spec)
+      blocked = blocked.at[i_vec if tq else zero, j_vec if tk else zero].add(dbias_c)
+    return blocked, jax.tree.map(lambda a, b: a + b.sum(axis=0), dargs, dargs_c)
 
-    def kv_step(t, carry):
-      dk_l, dv_l, blocked, dargs = carry
-      i_vec = jnp.take(columns_g, t, axis=1)
-      kinds_t = jnp.take(kinds_g, t, axis=1)
-      live = kinds_t != EMPTY
-      _hook("bwd", i_vec, rows_g, kinds_t)
-
-      def one(j, i, lv, kb, vb):
-        c = tile_grads(tile_view(plan, ops, i, j, masked, lv if masked else None), kb, vb)
-        return c.dk, c.dv, c.dbias, c.dargs
-
-      ddk, ddv, dbias_c, dargs_c = jax.vmap(one)(rows_g, i_vec, live, kbs_g, vbs_g)
-      if blocked is not None:
-        # Padding steps and padding lanes add exact zeros (their tiles are fully masked).
-        zero = jnp.zeros_like(i_vec)
-        dbias_c = _sharding.reshard_to(dbias_c.astype(sd), lane_spec)
-        blocked = blocked.at[i_vec if tq else zero, rows_g if tk else zero].add(dbias_c)
-      dargs = jax.tree.map(lambda a, b: a + b.sum(axis=0), dargs, dargs_c)
-      return dk_l + ddk, dv_l + ddv, blocked, dargs
-
-    dk_l, dv_l, blocked, dargs = jax.lax.fori_loop(0, steps, kv_step, (dk0, dv0) + shared)
-    return (dk_l, dv_l), (blocked, dargs)
-
-  per_lane = (kbs, vbs, jnp.zeros_like(kbs, dtype=sd), jnp.zeros_like(vbs, dtype=sd))
-  (dk_l, dv_l), (blocked, dargs) = _in_groups(
-      lanes, width, per_lane, (blocked0, jax.tree.map(jnp.zeros_like, ops.score_args)), run)
+  carry0 = (jnp.zeros_like(kbs, dtype=sd), jnp.zeros_like(vbs, dtype=sd))
+  (dk_r, dv_r), (blocked, dargs) = _lane_steps(
+      tables, steps, masked, carry0, kv_visit, None if tables.segmented else (kbs, vbs),
+      tuple(_softmax.no_rows(x, nk) for x in carry0), _softmax.add_into, plan.width,
+      name="bwd", shared=(blocked0, jax.tree.map(jnp.zeros_like, ops.score_args)),
+      gather=gather, transposed=True)
   # (nk, B, K, bk, H) -> (B, Sp, K, H)
   to_seq = lambda x: _sharding.reshape(jnp.transpose(x, (1, 0, 3, 2, 4)),
                                        (B, nk * bk, K, x.shape[-1]))
-  dk = to_seq(_softmax.sum_by_row(kv_rows, dk_l, nk) * dk_scale).astype(k.dtype)
-  dv = to_seq(_softmax.sum_by_row(kv_rows, dv_l, nk)).astype(v.dtype)
+  dk = to_seq(dk_r * dk_scale).astype(k.dtype)
+  dv = to_seq(dv_r).astype(v.dtype)
   dbias = None
   if blocked is not None:
     dbias = _sharding.reshape(jnp.transpose(blocked, (2, 3, 4, 0, 5, 1, 6)), bias.shape)
 
   # dQ: lanes over query blocks, as in the forward pass.
-  lanes, steps, masked = _lanes(plan, plan.row_lanes, ops.states, plan.row_split)
-  q_rows = lanes[0]
+  tables, steps, masked = _lanes(plan, plan.row_lanes, ops.states, plan.row_split)
+  q_rows = jnp.asarray(tables.lanes.rows)[:, 0]
 
   def visit(i, j, live, masked, const, dq_l):
     c = tile_grads(tile_view(plan, ops, i, j, masked, live), kv_tile(k, j, bk),
                    kv_tile(v, j, bk))
-    return dq_l + c.dq_t
+    return dq_l + c.dq_t, None
 
   # (V, B, K, H, G * bq) zeros typed like the query tiles they sum (see forward).
   qbs = jax.vmap(lambda i: q_tile(q, i, bq, K, G))(q_rows)  # (V, B, K, G, bq, H)
   dq0 = _sharding.reshape(jnp.zeros_like(jnp.transpose(qbs, (0, 1, 2, 5, 3, 4)), dtype=sd),
                           qbs.shape[:3] + (H, G * bq))
-  dq_l = _lane_steps(lanes, steps, masked, dq0, visit, q_rows, plan.width, name="bwd_dq")
-  dq = _softmax.sum_by_row(q_rows, dq_l, nq) * scale  # (nq, B, K, H, G * bq)
-  dq = _sharding.reshape(dq, (nq, B, K, H, G, bq))
+  dq, _ = _lane_steps(tables, steps, masked, dq0, visit, None, _softmax.no_rows(dq0, nq),
+                      _softmax.add_into, plan.width, name="bwd_dq")
+  # Cast before the transpose: the sequence-major copy is then in q's dtype, not float32.
+  dq = (dq * scale).astype(q.dtype)
+  dq = _sharding.reshape(dq, (nq, B, K, H, G, bq))  # (nq, B, K, H, G * bq) split
   dq = _sharding.reshape(jnp.transpose(dq, (1, 0, 5, 2, 4, 3)), (B, nq * bq, K * G, H))
   return dq, dk, dv, dbias, dargs
 

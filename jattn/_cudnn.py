@@ -50,6 +50,15 @@ def supports(call) -> str | None:
   return None
 
 
+def first(call) -> bool:
+  """implementation=None tries cuDNN first on a GPU for the 16-bit calls it takes (`supports`)
+  where the program cannot be partitioned (jax.nn's cuDNN call refuses sequence-sharded inputs
+  once the program is partitioned, after tracing). Where this process has no GPU with cuDNN (a
+  program exported for cuda from a CPU) tracing it raises NotImplementedError and the call falls
+  through to jattn's kernels."""
+  return supports(call) is None and call.static.layout.unpartitioned
+
+
 def run(call):
   """jax.nn's cuDNN kernel on a bound call: (out (B, T, N, H), lse (B, T, N)). It takes the
   arguments as given (jax.nn's layout), the query scaled if the scale is an array."""

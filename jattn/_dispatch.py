@@ -38,19 +38,41 @@ def attempt(name: str, call):
 
 
 def automatic(call, runners) -> dict:
-  """implementation=None: {platform or "default": runner}."""
+  """implementation=None: {platform or "default": runner}, the first of `order`'s names per
+  platform that takes the call."""
+  fns = {}
+  for platform, names in order(call).items():
+    takers = _takers(names, runners)
+    fns[platform] = takers.get(platform, takers.get("default"))
+  return fns
+
+
+def order(call) -> dict:
+  """The decision behind implementation=None: {platform or "default": names to try in order}.
+
+  `jattn._plan.implementation_by_platform`'s rule, with each registered backend whose ``first``
+  holds for the call in front on its platforms (splash on a TPU, cuDNN on a GPU). A tuning table
+  entry for the case says otherwise where it measured otherwise (measured wins over reasoned):
+  a fused kernel it names goes first; "chunked" or "dense" goes first and the fused kernel is
+  not tried."""
   s = call.static
   decoding = _plan.decoding(s.T, s.S, s.G)
-  first = {}  # platform -> the backend that asks to go first there for long calls
+  first = {}  # platform -> the backend that asks to go first there
   for name, backend in _registry.REGISTRY.items():
-    if backend.first_for_long is not None and backend.first_for_long(call):
+    if (backend.first is not None and backend.first(call)
+        and backend.traced_cheaply(call)):
       first.update(dict.fromkeys(backend.platforms or (), name))
   choice = _plan.implementation_by_platform(s.B, s.N, s.T, s.S, s.G, s.dtype, call.mask,
                                             fused=first,
                                             keys_split=s.layout.kv_shards is not None)
   tuned = s.tuned.implementation
-  if (tuned in _registry.REGISTRY and s.layout.unpartitioned and s.layout.kv_shards is None
-      and not decoding and _registry.get(tuned).traced_cheaply(call)):
+  if tuned in ("chunked", "dense") and not decoding:
+    # Measured: jattn's kernels beat the device's fused kernel for calls like this one.
+    for platform in first:
+      choice[platform] = (tuned,) + tuple(n for n in choice[platform]
+                                          if n != tuned and not _registry.get(n).fused)
+  elif (tuned in _registry.REGISTRY and s.layout.unpartitioned and s.layout.kv_shards is None
+        and not decoding and _registry.get(tuned).traced_cheaply(call)):
     # The device's tuning table measured its fused kernel faster for calls like this one
     # (square ones: decoding-shaped calls share a length bucket but were not measured). Only
     # where the program cannot be partitioned, as for splash above: jax.nn's cuDNN call
@@ -58,11 +80,7 @@ def automatic(call, runners) -> dict:
     for platform in _registry.platforms(tuned) or ():
       rest = choice.get(platform, choice["default"])
       choice[platform] = (tuned,) + tuple(n for n in rest if n != tuned)
-  fns = {}
-  for platform, names in choice.items():
-    takers = _takers(names, runners)
-    fns[platform] = takers.get(platform, takers.get("default"))
-  return fns
+  return choice
 
 
 def _takers(names, runners):

@@ -75,11 +75,13 @@ DECODE_MIN_KEYS = 512
 SPLIT_KV_LANES = 16
 
 
-# implementation=None on GPU and TPU: dense while the (B, N, T, S) float32 scores fit in this many
-# bytes, chunked beyond. Reasoned, not measured: an accelerator's fused dense pass (one batched
-# matmul, one softmax) is fast while its score tensor is a small part of device memory; its
-# backward holds a few such tensors. 1 GiB is e.g. B=4, N=16, T=S=2048.
-ACCELERATOR_DENSE_SCORES_BYTES = 1 << 30
+# implementation=None on GPU and TPU, where no fused kernel takes the call: dense while the
+# (B, N, T, S) float32 scores fit in this many bytes, chunked beyond. Reasoned, not measured: an
+# accelerator's dense pass (one batched matmul, one softmax) is fast while its score tensor is a
+# small part of device memory; its backward holds about four such tensors, so 256 MiB of scores
+# keeps it near the chunked kernels' 1 GiB (B=4, N=16, T=S=2048 was 1 GiB of scores and 3.6 GiB
+# of temporaries forward+backward; the chunked kernels' is ~0.5 GiB there).
+ACCELERATOR_DENSE_SCORES_BYTES = 256 << 20
 
 
 def decoding(T: int, S: int, G: int = 1) -> bool:
@@ -130,13 +132,17 @@ def implementation_by_platform(B: int, N: int, T: int, S: int, G: int = 1, dtype
   GPU and TPU (reasoned, not measured): decoding-shaped calls go to the chunked kernels (their
   parallel schedule splits the cache over lanes, split-KV), others to dense while the
   (B, N, T, S) float32 scores fit ACCELERATOR_DENSE_SCORES_BYTES, and beyond that to the chunked
-  kernels -- first to a fused kernel where ``fused`` ({platform: name}) names one for the
-  platform (splash on a TPU, where the program cannot be partitioned: see
-  `jattn._sharding.unpartitioned`, and splash builds the mask lazily). ``keys_split``: K and V
-  are split along S over devices (an Explicit mesh): the chunked kernels merge per-shard parts
-  across devices, where dense would gather the whole of K and V (a decoding step's cache).
-  On GPU the default stays with jattn's kernels, as jax.nn's stays with XLA (a tuning table
-  that measured a fused kernel faster puts it first: see `jattn._dispatch.automatic`)."""
+  kernels -- and before either, at every size, to the platform's fused kernel where ``fused``
+  ({platform: name}) names one that takes the call (`jattn._registry.Backend.first`: splash on
+  a TPU, cuDNN on a GPU for 16-bit calls, where the program cannot be partitioned). A fused
+  kernel reads each score tile once from on-chip memory, where XLA's dense pass writes the
+  (B, N, T, S) scores to HBM and reads them back; published figures put cuDNN's and
+  FlashAttention-3's forward at about 65% of an H100's peak and XLA-only attention several
+  times slower. Decoding-shaped calls keep split-KV (a fused kernel would pad their few query
+  rows to a whole block). ``keys_split``: K and V are split along S over devices (an Explicit
+  mesh): the chunked kernels merge per-shard parts across devices, where dense would gather
+  the whole of K and V (a decoding step's cache). A tuning table can say otherwise for its case
+  (see `jattn._dispatch.order`)."""
   # A symbolic batch or head count (jax.export) bounds nothing: the program must serve every
   # size, so the scores are taken not to fit.
   if keys_split:
@@ -147,7 +153,7 @@ def implementation_by_platform(B: int, N: int, T: int, S: int, G: int = 1, dtype
           and B * N * T * S * 4 <= ACCELERATOR_DENSE_SCORES_BYTES)
   accelerator = "dense" if fits and not decode else "chunked"
   choice = {"cpu": (cpu,), "default": (accelerator,)}
-  if not (fits or decode):
+  if not decode:
     for platform, name in (fused or {}).items():
       choice[platform] = (name, accelerator)
   return choice
@@ -267,48 +273,70 @@ def block_lists(states):
 
 class Lanes(NamedTuple):
   """A block map's work laid out for the parallel schedule: lanes computed side by side, each
-  walking its own list of blocks of one row, one block per step (NumPy, from a static map).
+  walking its own list of blocks, one block per step.
 
-  rows (V,): the row of each lane, whose partial results are combined with the row's other
-  lanes at the end; columns, kinds (V, L): its blocks and their states (EMPTY pads a short lane:
-  a tile computed fully masked, no work that counts).
+  A lane may run several short rows one after another, and a long row may be cut over several
+  lanes: the pieces of a row seen by one lane are its *parts*. A part's running statistics start
+  afresh at its first step and, after its last, are merged into its row's (split-KV style: the
+  parts of a row saw disjoint keys), so nothing is kept per lane once a part is done.
+
+  rows, columns, kinds (V, L): each step's row, block and state (EMPTY pads the last lane: a tile
+  computed fully masked, no work that counts); starts (V, L): the step begins a new part (the
+  lane's statistics restart); emit (V, L): the row whose part a step finishes, when that part is
+  not the lane's last (R, one past the rows: none); final (V,): the row of each lane's last part
+  (R: none).
   """
 
-  rows: np.ndarray
-  columns: np.ndarray
-  kinds: np.ndarray
+  rows: Any
+  columns: Any
+  kinds: Any
+  starts: Any
+  emit: Any
+  final: Any
+
+  @property
+  def segmented(self) -> bool:
+    """Whether some lane runs more than one part (static lanes only; run-time ones never do)."""
+    return isinstance(self.starts, np.ndarray) and bool(self.starts.any())
 
 
 def lanes(states: np.ndarray, min_lanes: int = 1) -> Lanes:
-  """Split every row's block list into lanes of at most L = ceil(total / max(rows, min_lanes))
-  blocks.
+  """The non-empty blocks of a static map, row after row, cut into lanes of
+  L = ceil(total / max(rows, min_lanes)) steps.
 
-  Rows of equal length (an unmasked call, a band) stay one lane each, L = their length. A causal
-  map's rows hold 1 .. R blocks: they split into about R + R/4 lanes of L = ceil((R + 1) / 2)
-  blocks, so the schedule runs about half the steps of the unmasked call, each as wide (the
-  long rows are spread over several lanes and merged through their log-sum-exps, split-KV
-  style). ``min_lanes`` above the number of rows (a decoding step: one row of blocks, see
-  `split_kv_lanes`) splits the rows further, into about that many lanes."""
+  The steps are today's depth (a causal map's rows hold 1 .. R blocks: L = ceil((R + 1) / 2),
+  about half the unmasked call's) and every lane but the last is full, so the tiles computed are
+  the non-empty ones plus less than one lane of padding, for any mask: causal in either
+  alignment, windows, chunked-local, prefix-LM. (Splitting each row into its own lanes instead
+  pads short rows to L: 1.5x the non-empty tiles for a causal map.) ``min_lanes`` above the
+  number of rows (a decoding step: one row of blocks, see `split_kv_lanes`) cuts the rows
+  further, into about that many lanes."""
   columns, kinds, counts = block_lists(np.asarray(states))
   R = states.shape[0]
-  L = max(1, -(-int(counts.sum()) // max(R, int(min_lanes))))
-  rows, cols, knds = [], [], []
-  for r in range(R):
-    n = int(counts[r])
-    for start in range(0, max(n, 1), L):  # an empty row keeps one (empty) lane
-      take = min(L, max(n - start, 0))
-      pad_col = columns[r, start + take - 1] if take else (columns[r, 0] if n else 0)
-      rows.append(r)
-      cols.append(list(columns[r, start:start + take]) + [pad_col] * (L - take))
-      knds.append(list(kinds[r, start:start + take]) + [EMPTY] * (L - take))
-  V = len(rows)
-  return Lanes(np.array(rows, np.int32), np.array(cols, np.int32).reshape(V, L),
-               np.array(knds, np.int8).reshape(V, L))
+  total = int(counts.sum())
+  L = max(1, -(-total // max(R, int(min_lanes))))
+  V = max(1, -(-total // L))
+  live = np.arange(columns.shape[1])[None, :] < counts[:, None]
+  rows = np.broadcast_to(np.arange(R, dtype=np.int32)[:, None], columns.shape)[live]
+  cols, knds = columns[live], kinds[live]
+  if total == 0:  # nothing to compute: one lane of one padding step, whose part is dropped
+    rows, cols, knds = np.zeros(1, np.int32), np.zeros(1, np.int32), np.full(1, EMPTY, np.int8)
+  pad = V * L - rows.size  # padding repeats the last entry (a block its row reads anyway)
+  rows, cols = (np.concatenate([x, np.repeat(x[-1:], pad)]).reshape(V, L) for x in (rows, cols))
+  knds = np.concatenate([knds, np.full(pad, EMPTY, np.int8)]).reshape(V, L)
+  starts = np.zeros((V, L), bool)
+  starts[:, 1:] = rows[:, 1:] != rows[:, :-1]
+  ends = np.zeros((V, L), bool)
+  ends[:, :-1] = starts[:, 1:]
+  emit = np.where(ends, rows, R).astype(np.int32)
+  final = rows[:, -1].copy() if total else np.full(V, R, np.int32)
+  return Lanes(rows.astype(np.int32), cols.astype(np.int32), knds.astype(np.int8), starts, emit,
+               final.astype(np.int32))
 
 
 def run_time_lanes(states, per_row: int = 1):
-  """`Lanes` of a run-time (jax) block map: ``per_row`` lanes per row over every column, and the
-  number of steps that matter, as a jax scalar (the loop runs that many).
+  """`Lanes` of a run-time (jax) block map: ``per_row`` lanes per row over every column, one part
+  each, and the number of steps that matter, as a jax scalar (the loop runs that many).
 
   A row's lanes take its compact block list in turn (lane p: entries p, p + per_row, ...), so
   however many blocks a row turns out to have at run time, they are spread evenly: the steps
@@ -317,16 +345,18 @@ def run_time_lanes(states, per_row: int = 1):
   R, C = columns.shape
   P = max(1, min(int(per_row), C))
   rows = jnp.arange(R, dtype=jnp.int32)
-  if P == 1:
-    return Lanes(rows, columns, kinds), counts.max()
   L = -(-C // P)
-  pad = L * P - C
-  if pad:  # padding re-reads the row's last listed block, as EMPTY
-    columns = jnp.concatenate([columns, jnp.repeat(columns[:, -1:], pad, axis=1)], axis=1)
-    kinds = jnp.concatenate([kinds, jnp.full((R, pad), EMPTY, kinds.dtype)], axis=1)
-  deal = lambda x: jnp.transpose(x.reshape(R, L, P), (0, 2, 1)).reshape(R * P, L)
+  if P > 1:
+    pad = L * P - C
+    if pad:  # padding re-reads the row's last listed block, as EMPTY
+      columns = jnp.concatenate([columns, jnp.repeat(columns[:, -1:], pad, axis=1)], axis=1)
+      kinds = jnp.concatenate([kinds, jnp.full((R, pad), EMPTY, kinds.dtype)], axis=1)
+    deal = lambda x: jnp.transpose(x.reshape(R, L, P), (0, 2, 1)).reshape(R * P, L)
+    columns, kinds, rows = deal(columns), deal(kinds), jnp.repeat(rows, P)
   steps = (counts.max() + (P - 1)) // P
-  return Lanes(jnp.repeat(rows, P), deal(columns), deal(kinds)), steps
+  V = rows.shape[0]
+  return Lanes(jnp.broadcast_to(rows[:, None], (V, L)), columns, kinds,
+               np.zeros((V, L), bool), jnp.full((V, L), R, jnp.int32), rows), steps
 
 
 def _loop_bounds(ranges, states):
@@ -432,33 +462,50 @@ class Plan:
     return _loop_bounds(self.kv_ranges, None if states is None else states.T)
 
 
-# The parallel schedule's lanes per step when the caller does not say (step_width=None), in
-# both passes. Reasoned, not measured: a step holds one (block_q, block_kv) tile per lane and a
-# few temporaries of that size, so 64 lanes of 512 x 256 tiles are ~32 MiB per (batch, head)
-# and a handful of them; at default blocks that covers T = S = 16384 (causal: more) in one group
-# of lanes, and longer sequences run group after group instead of growing the step.
-DEFAULT_STEP_WIDTH = 64
+# The parallel schedule's transient memory when the caller does not say (step_width=None): the
+# lanes of a step are as many as fit this many bytes of score-sized tiles. A step holds, per lane,
+# a (B, N, block_q, block_kv) tile of logits and a few more of its size (probabilities, and in
+# the backward dP and dS: STEP_TILE_COPIES in all, in the statistics' dtype), so the step's
+# memory is bounded by the budget and not by B x N x lanes; lanes that do not fit run group after
+# group. Reasoned, not measured on an accelerator: 256 MiB is a few percent of an accelerator's
+# memory, and a step as wide as it allows holds B x N x lanes tiles of 512 x 256 -- 64 of them
+# at B x N x lanes = 64, already more than a GPU has streaming multiprocessors. It keeps the
+# depth of a long causal call at B = 1, N = 4 (T = 8192: 17 steps forward, 43 forward+backward)
+# and gives B = 4, N = 16 four lanes per step. The `step_width` keyword, or a tuning table's
+# entry for the case, sets the width instead (measured wins over reasoned).
+STEP_BYTES = 256 << 20
+STEP_TILE_COPIES = 4
 
 
-def split_kv_lanes(cfg: Config, grid: BlockGrid, width: int | None) -> int:
+def default_step_width(cfg: Config, block_q: int, block_kv: int) -> int:
+  """Lanes per step within STEP_BYTES (at least 1). A batch or head count that is symbolic
+  (jax.export) counts as 1: the budget then holds per example or head."""
+  B = cfg.B if concrete(cfg.B) else 1
+  N = cfg.N if concrete(cfg.N) else 1
+  per_lane = STEP_TILE_COPIES * 4 * B * N * block_q * block_kv  # float32 (float64: twice)
+  return max(1, STEP_BYTES // per_lane)
+
+
+def split_kv_lanes(cfg: Config, grid: BlockGrid, width: int) -> int:
   """The lanes the parallel schedule splits a call's single row of blocks over when its query
   rows fit one block of at most DECODE_MAX_ROWS (1: no split)."""
   if grid.num_q_blocks != 1 or cfg.T * cfg.G > DECODE_MAX_ROWS:
     return 1
-  return max(1, min(SPLIT_KV_LANES, width or DEFAULT_STEP_WIDTH, grid.num_kv_blocks))
+  return max(1, min(SPLIT_KV_LANES, width, grid.num_kv_blocks))
 
 
 def make_plan(cfg: Config, mask, block_q: int, block_kv: int, schedule: str = "serial",
               width: int | None = None):
   """(Plan, states): the plan over (cfg.T, cfg.S) in blocks of (block_q, block_kv), and its block
-  map as a jax int8 array. ``width``: the parallel schedule's lanes per step (default
-  DEFAULT_STEP_WIDTH)."""
+  map as a jax int8 array. ``width``: the parallel schedule's lanes per step (default: as many
+  as fit STEP_BYTES, see `default_step_width`)."""
   grid = BlockGrid(cfg.T, cfg.S, block_q, block_kv)
   states, kinds = block_map_and_kinds(mask, grid, (cfg.B, cfg.N, cfg.T, cfg.S))
   parallel = schedule == "parallel"
+  width = (width or default_step_width(cfg, block_q, block_kv)) if parallel else None
   split = split_kv_lanes(cfg, grid, width) if parallel else 1
   plan = Plan(cfg, grid, kinds, schedule=schedule,
-              width=(width or DEFAULT_STEP_WIDTH) if parallel else None, row_split=split)
+              width=width, row_split=split)
   if isinstance(states, np.ndarray):
     plan = dataclasses.replace(plan, q_ranges=static_ranges(states),
                                kv_ranges=static_ranges(states.T))
@@ -469,12 +516,13 @@ def make_plan(cfg: Config, mask, block_q: int, block_kv: int, schedule: str = "s
 
 
 def _hashable(ln: Lanes) -> tuple:
-  return tuple((a.shape, tuple(a.reshape(-1).tolist())) for a in ln)
+  return tuple((a.shape, tuple(np.asarray(a, np.int32).reshape(-1).tolist())) for a in ln)
 
 
 def lanes_of(packed: tuple) -> Lanes:
   """The `Lanes` a plan stores as hashable tuples."""
-  return Lanes(*(np.array(flat, np.int32).reshape(shape) for shape, flat in packed))
+  ln = Lanes(*(np.array(flat, np.int32).reshape(shape) for shape, flat in packed))
+  return ln._replace(kinds=ln.kinds.astype(np.int8), starts=ln.starts.astype(bool))
 
 
 class Positions(NamedTuple):

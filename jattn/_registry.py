@@ -29,12 +29,12 @@ class Backend:
   what it finds only while tracing).
   ``fused``: a platform's fused kernel: a tuning table may name it, and ``implementation=None``
   tries it first where the table measured it faster.
-  ``first_for_long(call) -> bool``: ``implementation=None`` tries it first on its platforms for
-  calls too large for dense (splash on a TPU), where this holds (``call.static.layout`` says
-  whether the program can be partitioned).
+  ``first(call) -> bool``: ``implementation=None`` tries it first on its platforms where this
+  holds (splash on a TPU, cuDNN on a GPU, for the calls they take; ``call.static.layout`` says
+  whether the program can be partitioned), falling back to jattn's kernels.
   ``traced_cheaply(call) -> bool``: whether trying it costs nothing much while tracing
   (splash evaluates a mask it cannot build lazily into a (T, S) array per head): required before
-  ``implementation=None`` puts it first, by a tuning table or for long calls.
+  ``implementation=None`` puts it first, by a tuning table or by ``first``.
   ``ring``: None where ring attention can run it on each pair of shards, else why not.
   ``traced_mask``: it builds its kernels from the mask while the call is traced, so a NumPy
   boolean mask given for it becomes part of the program (`jattn._call.static_mask`).
@@ -45,7 +45,7 @@ class Backend:
   platforms: tuple[str, ...] | None = None
   supports: Callable[[Any], str | None] = _takes_everything
   fused: bool = False
-  first_for_long: Callable[[Any], bool] | None = None
+  first: Callable[[Any], bool] | None = None
   traced_cheaply: Callable[[Any], bool] = lambda call: True
   ring: str | None = None
   traced_mask: bool = False

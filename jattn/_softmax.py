@@ -87,21 +87,41 @@ def join_sink(m, l, acc, sink):
   return m2, l * corr + jnp.exp(sink - m2), acc * corr[..., None]
 
 
-def merge_by_row(rows, m, l, acc, R: int):
-  """Merge lanes (the leading axis of m, l, acc) that saw disjoint keys of the same query rows
-  (``rows``: each lane's row, in [0, R)): scatter-max of the maxima, scatter-add of the rescaled
-  sums and accumulators. Returns the R rows' (m, l, acc)."""
-  m_r = (jnp.zeros_like(m[:1]) + jnp.asarray(NEG, m.dtype)).repeat(R, axis=0).at[rows].max(m)
-  w = jnp.exp(m - jnp.take(m_r, rows, axis=0))
-  return m_r, sum_by_row(rows, w * l, R), sum_by_row(rows, w[..., None] * acc, R)
+def merge_into(rows, at, part):
+  """Merge finished parts into their rows' running statistics as they finish (the parallel
+  schedule: a part is the share of a row's keys one lane saw; parts of a row saw disjoint keys).
+
+  ``rows`` = (m, l, acc) of R rows (leading axis R); ``part`` = (m, l, acc) of W parts (leading
+  axis W) and ``at`` (W,) their rows (R or more: no part, dropped). Several parts of one row may
+  come at once: the new max is a scatter-max; what the row held is rescaled to it by a
+  scatter-set whose duplicates all write the same value; the parts, rescaled, are scatter-added.
+  Returns the rows' (m, l, acc)."""
+  m_r, l_r, acc_r = rows
+  m, l, acc = part
+  take = lambda x: jnp.take(x, at, axis=0, mode="clip")
+  old = take(m_r)
+  m_r = m_r.at[at].max(m, mode="drop")
+  new = take(m_r)
+  keep, w = jnp.exp(old - new), jnp.exp(m - new)
+
+  def fold(x_r, x):
+    by_row = lambda s: s.reshape(s.shape + (1,) * (x.ndim - s.ndim))
+    return (x_r.at[at].set(take(x_r) * by_row(keep), mode="drop")
+            .at[at].add(x * by_row(w), mode="drop"))
+
+  return m_r, fold(l_r, l), fold(acc_r, acc)
 
 
-def sum_by_row(rows, x, R):
-  """Lane results (V, ...) summed per row: (R, ...), lane v adding into row rows[v].
+def add_into(rows, at, part):
+  """Scatter-add parts (leading axis W, rows ``at``; R or more: dropped) into R rows (a pytree
+  of sums: dK and dV per key block, dQ per query block)."""
+  return jax.tree.map(lambda r, x: r.at[at].add(x, mode="drop"), rows, part)
 
-  A scatter-add (the zeros are made from x, so they share its sharding under an Explicit mesh);
-  gathering lanes per row through a (R, M) table instead crashed jaxlib 0.10's CPU runtime."""
-  return jnp.zeros_like(x[:1]).repeat(R, axis=0).at[rows].add(x)
+
+def no_rows(like, R: int, fill=0.0):
+  """R rows shaped like one part of ``like`` (leading axis: parts), filled with ``fill``; made from
+  ``like``, so they share its sharding under an Explicit mesh."""
+  return jnp.zeros_like(like[:1]).repeat(R, axis=0) + jnp.asarray(fill, like.dtype)
 
 
 def empty_rows(m, l):

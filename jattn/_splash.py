@@ -319,15 +319,15 @@ def shards(call):
   return _sharding.examples_and_heads(call.query, call.given.key, call.given.value)
 
 
-def first_for_long(call) -> bool:
-  """implementation=None tries splash first on a TPU for long calls only where the program
+def first(call) -> bool:
+  """implementation=None tries splash first on a TPU, at every size, only where the program
   cannot be partitioned (a Pallas kernel lowered into a multi-device program outside shard_map
   is refused by TPU lowering, and under an Auto mesh whether the program will be partitioned is
   not known while the call is traced), or where an Explicit mesh shards only examples and heads
   (the shardings are in the types, so it runs per device inside a shard_map); and only for
   masks it builds lazily (see `builds_lazily`)."""
-  return builds_lazily(call.mask) and (call.static.layout.unpartitioned
-                                      or isinstance(shards(call), tuple))
+  return supports(call) is None and builds_lazily(call.mask) and (
+      call.static.layout.unpartitioned or isinstance(shards(call), tuple))
 
 
 def run(call):

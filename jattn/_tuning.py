@@ -10,9 +10,10 @@ uses it for every call it covers that does not set the option itself::
 An entry is keyed by device kind (``jax.devices()[0].device_kind``), dtype, head dimension, mask
 kind (``full``, ``causal``, ``window`` or ``masked``: any other mask) and length bucket (the
 power of two at or above max(T, S)); it holds ``block_q``, ``block_kv``, ``schedule`` and
-``step_width``, and ``implementation`` (``"cudnn"`` or ``"splash"``) where the device's fused
-kernel beat jattn's kernels: ``implementation=None`` then tries that kernel first on its platform
-(see `jattn._dispatch.automatic`). Arguments given to the call always win; a table never changes results,
+``step_width``, and ``implementation``: ``"cudnn"`` or ``"splash"`` where the device's fused
+kernel beat jattn's kernels (``implementation=None`` then tries it first on its platform), or
+``"chunked"``/``"dense"`` where jattn's kernels beat it (the fused kernel is then not tried;
+see `jattn._dispatch.order`). Arguments given to the call always win; a table never changes results,
 only how they are computed. A table that cannot be read is an error naming the file; one written by
 another jattn version, or for other devices only, is used with a warning naming the file.
 """
@@ -119,11 +120,11 @@ def _check_options(options, where):
       if value not in ("serial", "parallel"):
         raise ValueError(f"{where}: schedule must be 'serial' or 'parallel', got {value!r}")
     elif name == "implementation":
-      # The fused kernels of the registry (jattn's own two are chosen by the rule in
-      # jattn._plan.implementation_by_platform, which also bounds dense's memory).
-      fused = _registry.fused()
-      if value not in fused:
-        raise ValueError(f"{where}: implementation must be one of {fused}, got {value!r}")
+      # A fused kernel of the registry measured faster than jattn's kernels, or "chunked" /
+      # "dense" measured faster than the fused kernel implementation=None would try first.
+      known = _registry.fused() + ("chunked", "dense")
+      if value not in known:
+        raise ValueError(f"{where}: implementation must be one of {known}, got {value!r}")
     elif value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                 or value <= 0):
       raise ValueError(f"{where}: {name} must be a positive int or null, got {value!r}")

@@ -74,36 +74,106 @@ def test_a_sequence_of_platform_bound_kernels_serves_each_platform():
   assert _tpu_module(f, q, k, v).count("tpu_custom_call") == 1
 
 
-def test_implementation_none_on_tpu_tries_splash_where_jattn_would_go_chunked():
+@pytest.mark.parametrize("T", [1024, 4096])
+def test_implementation_none_on_tpu_runs_splash_for_every_call_it_takes(T):
   # Lowered for a TPU from this one-device process (a program that cannot be partitioned),
-  # implementation=None runs splash where the accelerator rule would leave dense (its float32
-  # scores past 1 GiB) ...
+  # implementation=None runs splash at every size it takes, forward ...
   causal = lambda q, k, v: jattn.dot_product_attention(q, k, v, is_causal=True)
-  big = (jax.ShapeDtypeStruct((8, 4096, 16, 64), jnp.bfloat16),) * 3  # 8 GiB of scores
-  assert _tpu_module(causal, *big).count("tpu_custom_call") == 1
-  # ... and gradients through splash's own backward kernels.
+  args = (jax.ShapeDtypeStruct((1, T, 4, 64), jnp.bfloat16),) * 3
+  assert _tpu_module(causal, *args).count("tpu_custom_call") == 1
+  # ... and forward+backward, through splash's own backward kernels.
   grad = jax.grad(lambda q, k, v: causal(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))
-  assert _tpu_module(grad, *big).count("tpu_custom_call") > 1
-  # A call splash cannot take (a bias array) falls back to jattn's kernels: no custom call,
-  # the chunked kernels' loop instead.
-  bias = jax.ShapeDtypeStruct((1, 1, 4096, 4096), jnp.float32)
+  assert _tpu_module(grad, *args).count("tpu_custom_call") > 1
+  # A call splash cannot take (a bias array) falls back to jattn's kernels: no custom call.
+  bias = jax.ShapeDtypeStruct((1, 1, T, T), jnp.float32)
   with_bias = lambda q, k, v, b: jattn.dot_product_attention(q, k, v, b, is_causal=True)
-  module = _tpu_module(with_bias, *big, bias)
-  assert "tpu_custom_call" not in module and "stablehlo.while" in module
+  assert "tpu_custom_call" not in _tpu_module(with_bias, *args, bias)
+
+
+def test_implementation_none_keeps_jattn_kernels_where_splash_should_not_run():
+  big = (jax.ShapeDtypeStruct((8, 4096, 16, 64), jnp.bfloat16),) * 3
   # A mask splash would evaluate into a (T, S) array per head when traced (a chunked-local
   # one) is not tried: choosing never costs that, on any platform.
   local = lambda q, k, v: jattn.dot_product_attention(q, k, v,
                                                       mask=jattn.masks.chunked_local(512))
-  assert "tpu_custom_call" not in _tpu_module(local, *big)
-  # Calls dense serves (scores within the budget) and decoding steps (split-KV) stay jattn's;
-  # GPU programs never get a fused kernel by default.
-  small = (jax.ShapeDtypeStruct((1, 1024, 4, 64), jnp.bfloat16),) * 3
+  module = _tpu_module(local, *big)
+  assert "tpu_custom_call" not in module and "stablehlo.while" in module
+  # Decoding steps keep split-KV (splash would pad the one query row to a block of 128).
+  causal = lambda q, k, v: jattn.dot_product_attention(q, k, v, is_causal=True)
   step = (jax.ShapeDtypeStruct((8, 1, 16, 64), jnp.bfloat16),
           *(jax.ShapeDtypeStruct((8, 65536, 4, 64), jnp.bfloat16),) * 2)
-  assert "tpu_custom_call" not in _tpu_module(causal, *small)
   assert "tpu_custom_call" not in _tpu_module(causal, *step)
+  # Exported for cuda from this CPU, cuDNN cannot be traced (jax.nn checks for a GPU): the
+  # program falls through to jattn's kernels.
   cuda = jax.export.export(jax.jit(causal), platforms=["cuda"])(*big).mlir_module()
   assert "cudnn" not in cuda and "tpu_custom_call" not in cuda
+
+
+def _order(q, k, v, bias=None, implementation=None, **kw):
+  """The implementations implementation=None tries per platform for this call (the decision)."""
+  from jattn import _call, _dispatch
+  options = dict(scale=None, is_causal=None, local_window_size=None, logits_soft_cap=None,
+                 dropout_rate=0.0, dropout_rng=None, dropout_broadcast=False,
+                 implementation=implementation, block_q=None, block_kv=None, schedule=None,
+                 step_width=None, return_residual=False, score_mod=None)
+  options.update(kw)
+  opts, _ = _call.options(**options)
+  seen = []
+
+  def decide(q, k, v, bias):
+    call = _call.bind(q, k, v, bias, None, None, None, None, None, None, None, None, opts)
+    seen.append(_dispatch.order(call))
+    return q
+
+  jax.eval_shape(decide, q, k, v, bias)
+  return seen[0]
+
+
+def test_gpu_and_tpu_choice_is_the_fused_kernel_first_for_calls_it_takes():
+  bf16 = lambda T, S=None: (jax.ShapeDtypeStruct((2, T, 8, 64), jnp.bfloat16),
+                            *(jax.ShapeDtypeStruct((2, S or T, 4, 64), jnp.bfloat16),) * 2)
+  for T in (512, 1024, 4096, 16384):  # every size: dense's range and the chunked kernels'
+    order = _order(*bf16(T), is_causal=True)
+    assert order["cuda"][0] == "cudnn" and order["tpu"][0] == "splash", (T, order)
+    assert order["cuda"][1:] == order["tpu"][1:] == order["default"], (T, order)
+    assert order["cpu"] in (("dense",), ("chunked",))
+  # What cuDNN cannot take leaves the GPU with jattn's kernels: float32, a soft cap,
+  # bottom-right causality, a one-sided window; splash still goes first on a TPU where it takes
+  # the call.
+  f32 = tuple(jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in bf16(2048))
+  for args, kw in ((f32, dict(is_causal=True)),
+                   (bf16(2048), dict(is_causal=True, logits_soft_cap=30.0)),
+                   (bf16(2048), dict(is_causal="bottom_right")),
+                   (bf16(2048), dict(local_window_size=(256, None)))):
+    order = _order(*args, **kw)
+    assert "cudnn" not in order.get("cuda", ()), (kw, order)
+    assert order.get("cuda", order["default"]) == order["default"]
+  # A bias array: cuDNN takes it, splash does not.
+  bias = jax.ShapeDtypeStruct((1, 8, 2048, 2048), jnp.bfloat16)
+  order = _order(*bf16(2048), bias)
+  assert order["cuda"][0] == "cudnn" and "splash" not in order.get("tpu", ())
+  # Decoding steps keep split-KV everywhere.
+  order = _order(*bf16(1, 65536))
+  assert all("cudnn" not in o and "splash" not in o for o in order.values())
+  assert order["default"] == ("chunked",)
+
+
+def test_a_tuning_table_overrides_the_fused_default_for_its_case(tmp_path):
+  # Measured wins over reasoned: a table entry saying jattn's kernels were faster keeps the
+  # fused kernel out for calls in its bucket; a fused name keeps it first.
+  args = (jax.ShapeDtypeStruct((2, 4096, 8, 64), jnp.bfloat16),) * 3
+  device = jax.devices()[0].device_kind
+  for said, first in (("chunked", "chunked"), ("cudnn", "cudnn")):
+    table = jattn.TuningTable()
+    table.add(device, "bfloat16", 64, "causal", 4096, implementation=said)
+    with table:
+      order = _order(*args, is_causal=True)
+    assert order["cuda"][0] == first, (said, order)
+    assert ("cudnn" in order["cuda"]) == (said == "cudnn"), order
+  # Another bucket keeps the default.
+  with table:
+    order = _order(*(jax.ShapeDtypeStruct((2, 1024, 8, 64), jnp.bfloat16),) * 3, is_causal=True)
+  assert order["cuda"][0] == "cudnn"
 
 
 @pytest.mark.parametrize("value, error, words", [

@@ -132,14 +132,82 @@ def test_exported_program_runs_here_and_equals_jattn():
 
 def test_implementation_none_per_platform():
   # implementation=None is decided where the program is lowered: the CPU's rule (dense below
-  # T x S = 2^20, chunked and serial above) and the accelerators' (dense while the (B, N, T, S)
-  # float32 scores fit 1 GiB, then chunked and parallel; on a TPU splash first, see
-  # test_implementations.py).
+  # T x S = 2^20, chunked and serial above) and the accelerators' (their fused kernel first where
+  # it takes the call, see test_implementations.py; then dense while the (B, N, T, S) float32
+  # scores fit 256 MiB, chunked and parallel beyond).
   f = lambda q, k, v: jattn.dot_product_attention(q, k, v)
   small = (jax.ShapeDtypeStruct((1, 4096, 4, 64), jnp.bfloat16),) * 3  # 256 MiB of scores
   big = (jax.ShapeDtypeStruct((8, 4096, 16, 64), jnp.bfloat16),) * 3  # 8 GiB of scores
   assert _steps(f, *small).steps == (4096 // 512) * (4096 // 256)  # CPU: chunked, serial
-  for platform in ("cuda", "tpu"):
-    assert _steps(f, *small, platform=platform).loops == 0  # dense: no loop
-  # GPU: chunked, parallel (a TPU program gets splash here: not compilable on this CPU).
-  assert _steps(f, *big, platform="cuda").steps == 4096 // 256
+  # cuda: no GPU here to trace cuDNN with, so the rule's dense (no loop); a TPU program gets
+  # splash (not compilable on this CPU, see test_implementations.py).
+  assert _steps(f, *small, platform="cuda").loops == 0
+  # GPU: chunked, parallel (a TPU program gets splash here: not compilable on this CPU). A step
+  # holds 8 x 16 (B x N) tiles per lane; the 256 MiB step budget fits one lane, so the 8 rows of
+  # blocks run one after another; step_width=8 runs them side by side.
+  assert _steps(f, *big, platform="cuda").steps == 8 * (4096 // 256)
+  wide = lambda q, k, v: jattn.dot_product_attention(q, k, v, implementation="chunked",
+                                                     step_width=8)
+  assert _steps(wide, *big, platform="cuda").steps == 4096 // 256
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_lanes_compute_the_work_the_mask_leaves(platform):
+  # The work the accelerator program does, read from it: every matmul's FLOPs times how often
+  # it runs (loop trip counts), against the mask's non-empty tiles' matmuls. T = S = 8192,
+  # default 512 x 256 blocks: the causal program does ~0.53x the unmasked one's work forward
+  # and forward+backward (not the 0.8x of lanes padded to the depth), a causal window of 1024
+  # within 1.15x of its non-empty tiles, at the depth of before (17 / 43 steps).
+  from jattn import _plan
+  T, N, H = 8192, 4, 64
+  args = (jax.ShapeDtypeStruct((1, T, N, H), jnp.bfloat16),) * 3
+  got = {}
+  masks = {"full": {}, "causal": dict(is_causal=True),
+           "window": dict(is_causal=True, local_window_size=(1024, 0))}
+  for name, kw in masks.items():
+    f = lambda q, k, v, kw=kw: jattn.dot_product_attention(q, k, v, implementation="chunked",
+                                                           **kw)
+    g = jax.grad(lambda q, k, v: f(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+    for pass_, fn in (("fwd", f), ("fwd+bwd", g)):
+      hlo = structure.lowered_for(fn, args, platform)
+      got[name, pass_] = (structure.matmul_flops(hlo), structure.loop_structure(hlo).steps)
+  for pass_ in ("fwd", "fwd+bwd"):
+    assert got["causal", pass_][0] <= 0.6 * got["full", pass_][0], got
+  assert (got["causal", "fwd"][1], got["causal", "fwd+bwd"][1]) == (17, 43), got
+  assert (got["full", "fwd"][1], got["full", "fwd+bwd"][1]) == (32, 80), got
+  # The window's non-empty tiles, from its block map; per tile the forward's 2 matmuls, the
+  # backward's 7 (two passes, each recomputing P).
+  mask = jattn.masks.from_arguments((1, N, T, T), causal="top_left", window=(1024, 0))
+  grid = jattn.masks.BlockGrid(T, T, 512, 256)
+  states, _ = _plan.block_map_and_kinds(mask, grid, (1, N, T, T))
+  tiles = int((np.asarray(states) != jattn.masks.EMPTY).sum())
+  tile = 2 * 2 * N * 512 * 256 * H  # 2 matmuls of 2 FLOPs per multiply-add
+  assert got["window", "fwd"][0] <= 1.15 * tiles * tile, (got["window"], tiles)
+  assert got["window", "fwd+bwd"][0] <= 1.15 * tiles * tile * 4.5, (got["window"], tiles)
+
+
+def test_transient_memory_is_bounded_by_the_step_budget():
+  # B=4 N=16 K=4 H=128 bf16, causal, exported for cuda and compiled here: the step's tiles
+  # stay within jattn._plan.STEP_BYTES (lanes run group after group), so the temporaries are
+  # the budget plus arrays of the size of the query in float32 (the output's accumulator, dQ's,
+  # and XLA's CPU compile converting the 16-bit q, dO and O to float32), growing linearly in T.
+  from jattn import _plan
+  B, N, K, H = 4, 16, 4, 128
+
+  def temp(T):
+    q = jax.ShapeDtypeStruct((B, T, N, H), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((B, T, K, H), jnp.bfloat16)
+    f = lambda q, k, v: jattn.dot_product_attention(q, k, v, is_causal=True,
+                                                    implementation="chunked")
+
+    def train(q, k, v, dout):
+      return jax.vjp(f, q, k, v)[1](dout)
+
+    exp = jax.export.export(jax.jit(train), platforms=["cuda"], disabled_checks=[
+        jax.export.DisabledSafetyCheck.platform()])(q, kv, kv, q)
+    return jax.jit(exp.call).lower(q, kv, kv, q).compile().memory_analysis().temp_size_in_bytes
+
+  sizes = {T: temp(T) for T in (4096, 8192)}
+  query_f32 = B * 8192 * N * H * 4
+  assert sizes[8192] <= _plan.STEP_BYTES + 6 * query_f32, sizes  # 1.5 GiB; it was 7.3
+  assert sizes[8192] <= 2.1 * sizes[4096], sizes  # linear in T: nothing of T x S

@@ -95,7 +95,7 @@ def test_a_table_applies_to_a_function_jitted_before_it(tmp_path):
     (json.dumps({"format": _tuning.FORMAT, "entries": {"cpu|float32|8|full|64": {
         "schedule": "fast"}}}), "schedule"),
     (json.dumps({"format": _tuning.FORMAT, "entries": {"cpu|float32|8|full|64": {
-        "implementation": "dense"}}}), "implementation must be one of .*cudnn.*splash"),
+        "implementation": "flash"}}}), "implementation must be one of .*cudnn.*splash"),
 ])
 def test_bad_tables_are_errors_naming_the_file(tmp_path, content, words):
   path = tmp_path / "bad.json"
@@ -147,22 +147,28 @@ def _lowered_for(platform, f, *args):
 
 
 def test_a_table_preferring_the_fused_kernel_puts_it_first_on_its_platform():
-  """An entry that says splash (its fused kernel won on that device) makes implementation=None
-  lowered for a TPU use splash for a call the rule alone sends to dense; on other platforms,
-  for a call that asks for an implementation, and for decoding-shaped calls (another shape in
-  the same length bucket, never measured) nothing changes."""
+  """implementation=None lowered for a TPU runs splash for a call it takes; an entry that says
+  jattn's kernels won on that device keeps splash out, one that says splash keeps it in. On
+  other platforms, for a call that asks for an implementation, and for decoding-shaped calls
+  (another shape in the same length bucket, never measured) nothing changes."""
   T, H = _plan.DECODE_MIN_KEYS, 64  # one length bucket for both shapes
   q = jax.random.normal(jax.random.key(0), (1, T, 2, H))
   causal = lambda q: jattn.dot_product_attention(q, q, q, is_causal=True)
   decode = lambda q: jattn.dot_product_attention(q[:, :1], q, q)
   dense = lambda q: jattn.dot_product_attention(q, q, q, is_causal=True, implementation="dense")
-  table = jattn.TuningTable()
-  for kind in ("causal", "full"):
-    # The block sizes are the chunked kernels' (splash's must be multiples of 128): splash
-    # keeps its own.
-    table.add(DEVICE, "float32", H, kind, T, implementation="splash", block_q=64, block_kv=64)
+  said = {}
+  for name in ("splash", "chunked"):
+    said[name] = jattn.TuningTable()
+    for kind in ("causal", "full"):
+      # The block sizes are the chunked kernels' (splash's must be multiples of 128): splash
+      # keeps its own.
+      said[name].add(DEVICE, "float32", H, kind, T, implementation=name, block_q=64,
+                     block_kv=64)
   # Fresh functions for each trace: a table is read when a call is traced.
-  assert "tpu_custom_call" not in _lowered_for("tpu", lambda q: causal(q), q)
+  assert "tpu_custom_call" in _lowered_for("tpu", lambda q: causal(q), q)
+  with jattn.tuning(said["chunked"]):
+    assert "tpu_custom_call" not in _lowered_for("tpu", lambda q: causal(q), q)
+  table = said["splash"]
   with jattn.tuning(table):
     assert "tpu_custom_call" in _lowered_for("tpu", lambda q: causal(q), q)
     assert "tpu_custom_call" not in _lowered_for("tpu", lambda q: decode(q), q)
@@ -177,14 +183,15 @@ def test_tune_entry_and_fused_kernel_choice():
   chunked = [(2.0, slow), (1.0, fast)]
   assert bench_tune.entry(chunked) == fast
   cudnn = lambda t: {(None, None): (t, "cudnn")}
-  assert bench_tune.entry(chunked, cudnn(1.5)) == fast
+  # A fused kernel timed and slower: the entry says jattn's kernels won (None then skips it).
+  assert bench_tune.entry(chunked, cudnn(1.5)) == dict(fast, implementation="chunked")
   assert bench_tune.entry(chunked, cudnn(0.5)) == dict(fast, implementation="cudnn")
   # Splash takes an entry's block sizes that are multiples of 128 (else its default): it is
   # judged at the sizes the fastest chunked entry would give it.
   assert bench_tune.fused_blocks("splash", 256, 64) == (256, None)
   assert bench_tune.fused_blocks("cudnn", 256, 64) == (None, None)
   splash = {(256, None): (1.5, "splash"), (None, None): (0.5, "splash")}
-  assert bench_tune.entry(chunked, splash) == fast
+  assert bench_tune.entry(chunked, splash) == dict(fast, implementation="chunked")
   splash[(256, None)] = (0.9, "splash")
   assert bench_tune.entry(chunked, splash) == dict(fast, implementation="splash")
   fk = bench_tune.fused_kernel
@@ -211,5 +218,6 @@ def test_jattn_bench_tune_times_the_fused_kernel_in_the_same_rounds(tmp_path, ca
   assert set(times) == {"64x64 serial", "splash"}, printed
   entry = jattn.load_tuning(out).entries[f"{DEVICE}|float32|8|causal|128"]
   splash_won = float(times["splash"]) < float(times["64x64 serial"])
-  assert (entry.get("implementation") == "splash") == splash_won
+  # Measured wins either way: the fused kernel, or jattn's kernels (then it is not tried first).
+  assert entry["implementation"] == ("splash" if splash_won else "chunked")
   assert (entry["block_q"], entry["schedule"]) == (64, "serial")

@@ -208,6 +208,56 @@ def _runs_per_computation(comps, entry) -> dict[str, int | None]:
   return runs
 
 
+_DEF = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*[a-z]+\d*\[([\d,]*)\]")
+_DOT = re.compile(r"\sdot\(%?([\w.\-]+),")
+_LHS_CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
+_FUSION_CALLS = re.compile(r"\scalls=%?([\w.\-]+)")
+
+
+def matmul_flops(hlo: str) -> int | None:
+  """The floating-point operations of every matmul (``dot``) one call of the program runs:
+  2 x output elements x contracted length per dot, times how often its computation runs (loop
+  trip counts multiplied through, fusion bodies as often as the fusion). None when a dot sits
+  under a loop whose trip count is only known at run time.
+
+  The work a schedule does, read from the program it compiles to: a tile computed fully masked
+  (a lane's padding step) costs its matmuls like any other, so this is the number to compare
+  with a mask's ideal (its non-empty tiles' matmuls)."""
+  comps, entry = _computations(hlo)
+  runs = _runs_per_computation(comps, entry)
+  # Fusion bodies run as often as the instruction that calls them.
+  todo = [n for n in runs]
+  while todo:
+    name = todo.pop()
+    for line in comps.get(name, ()):
+      if _opcode(line) == "fusion":
+        m = _FUSION_CALLS.search(line)
+        if m and m.group(1) not in runs:
+          runs[m.group(1)] = runs[name]
+          todo.append(m.group(1))
+  total = 0
+  for name, lines in comps.items():
+    if name not in runs:
+      continue
+    shapes = {}
+    for line in lines:
+      d = _DEF.match(line)
+      if d:
+        shapes[d.group(1)] = tuple(int(x) for x in d.group(2).split(",") if x)
+    for line in lines:
+      m = _DOT.search(line)
+      if not m or _opcode(line) != "dot":
+        continue
+      out = shapes[_DEF.match(line).group(1)]
+      lhs = shapes[m.group(1)]
+      contracting = [int(x) for x in _LHS_CONTRACTING.search(line).group(1).split(",") if x]
+      if runs[name] is None:
+        return None
+      total += (2 * int(np.prod(out, dtype=np.int64))
+                * int(np.prod([lhs[a] for a in contracting], dtype=np.int64)) * runs[name])
+  return total
+
+
 def collectives(hlo: str) -> list[Collective]:
   """The collectives of a compiled (partitioned) HLO text, with per-device shapes and how many
   times one call runs each (a collective inside a loop body runs once per step)."""
