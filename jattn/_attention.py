@@ -94,9 +94,9 @@ def dot_product_attention(
       CPU's default), ``"parallel"`` (every lane's next block per step, block lists instead of
       branches: the GPU's and TPU's default), or ``None`` (the platform's default, chosen where
       the program is lowered). Same results either way.
-    step_width: the parallel schedule's lanes per step (default 64); a step holds one
-      (block_q, block_kv) tile per lane, so this bounds its memory; more lanes run group after
-      group.
+    step_width: the parallel schedule's lanes per step (default: as many as fit 256 MiB of
+      (B, N, block_q, block_kv) float32 tiles, four per lane); more lanes run group after
+      group, so this bounds a step's memory.
     return_residual: also return the log-sum-exp of each row, shaped (B, T, N) (or (T, N)) like
       jax.nn's. Unlike jax.nn's it carries its gradient (d lse / d logits = the softmax), so a
       `merge_attention` of parts differentiates exactly. A row with nothing to attend to has a

@@ -205,7 +205,9 @@ def segment_ids(B, T, S, Tp, Sp, lengths, segments):
     # searching each side's ids in the other's sorted ids, O((T + S) log), not a (T, S) table.
     def present(ids, among):
       srt = jnp.sort(among, axis=-1)
-      at = jax.vmap(jnp.searchsorted)(srt, ids)
+      # method="sort": the default scan fails under vmap on arrays typed sharded by an
+      # Explicit mesh (jax 0.10: "Resource axis x ... not found in mesh: ()").
+      at = jax.vmap(lambda a, v: jnp.searchsorted(a, v, method="sort"))(srt, ids)
       return jnp.take_along_axis(srt, jnp.minimum(at, srt.shape[-1] - 1), axis=-1) == ids
     q_ok, kv_ok = q_ok & present(q, kv), kv_ok & present(kv, q)
   return q, kv, q_ok, kv_ok

@@ -197,7 +197,7 @@ def test_quick_writes_csv_markdown_and_plots(quick):
 # The report's table columns and the JSON row field each shows (with the rounding it prints).
 _MD_CASE_COLUMNS = ["pass", "mask", "dtype", "B", "N", "K", "H", "T", "S"]
 _TABLE_COLUMNS = ["impl", "compile_s", "median_s", "min..max_s", "temp_MiB", "GFLOP/s", "%peak",
-                  "vs jax-nn", "max abs diff", "steps", "ops/step", "status"]
+                  "vs jax-nn", "max abs diff", "steps", "ops/step", "work", "status"]
 
 
 def _check_cell(column, cell, row):
@@ -234,6 +234,8 @@ def _check_cell(column, cell, row):
     assert cell == want, (cell, row)
   elif column == "ops/step":
     assert cell == ("-" if not row["loops"] else str(row["ops_per_step"])), (cell, row)
+  elif column == "work":
+    number(row["work_vs_ideal"], abs_=0.0051)                           # .2f
   elif column == "status":
     assert cell == row["status"], (cell, row)
   else:
@@ -265,7 +267,7 @@ def test_quick_terminal_table_matches_the_json_rows(quick):
   assert "T=128 S=128" in text[0] and f"({rows[0]['flops'] / 1e9:.4g} GFLOP per call)" in text[0]
   header = text[1].split()
   assert header == ["impl", "compile_s", "median_s", "min..max_s", "temp_MiB", "GFLOP/s", "%peak",
-                    "vs_jax-nn", "max|diff|", "steps", "ops/step", "status"]
+                    "vs_jax-nn", "max|diff|", "steps", "ops/step", "work", "status"]
   for line, row in zip(text[2:], rows, strict=True):
     cells = line.split()
     assert len(cells) == len(header), line
@@ -441,6 +443,11 @@ masks = ["full"]
   assert rows["forward", "jattn-chunked-16x16"]["ops_per_step"] > 0
   for impl in ("jattn-dense", "jax-nn"):
     assert rows["forward", impl]["loop_steps"] == 0 and rows["forward", impl]["loops"] == 0
+  # Unmasked, every program computes exactly the case's matmuls forward; forward+backward the
+  # chunked kernels' two-pass backward recomputes P once more (9 matmuls for 7).
+  for impl in ("jattn-dense", "jattn-chunked-16x16", "jattn-serial-16x16", "jax-nn"):
+    assert rows["forward", impl]["work_vs_ideal"] == pytest.approx(1.0), impl
+  assert rows["forward+backward", "jattn-chunked-16x16"]["work_vs_ideal"] == pytest.approx(9 / 7)
 
 
 # ------------------------------------------------------------------------------ the ring benchmark

@@ -35,8 +35,10 @@ the fp32/bf16 matmul peak measured at the start of the run); vs_<baseline> (base
 this time: > 1 is faster); max|diff| (largest difference from the reference implementation's
 output and gradients); steps (sequential loop steps of one call, read from the compiled HLO;
 "run-time" when a trip count is computed when it runs); ops/step (HLO ops in the innermost loop
-body, a fusion counting one); status (ok, compiled, skipped, unsupported, oom, error: with the
-reason).
+body, a fusion counting one); work (the matmul FLOPs the compiled program runs, loop trip counts
+multiplied through, over the case's FLOPs: 1.00 computes nothing the mask hides; the two-pass
+backward recomputes P once more, 1.29 at best forward+backward); status (ok, compiled, skipped,
+unsupported, oom, error: with the reason).
 """
 
 

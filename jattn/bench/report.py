@@ -133,7 +133,7 @@ class Progress:
 # ---------------------------------------------------------------------------------------- table
 
 _COLUMNS = ("impl", "compile_s", "median_s", "min..max_s", "temp_MiB", "GFLOP/s", "%peak",
-            "vs_base", "max|diff|", "steps", "ops/step", "status")
+            "vs_base", "max|diff|", "steps", "ops/step", "work", "status")
 
 
 def _fmt(x, spec=".3g"):
@@ -159,6 +159,7 @@ def _cells(row: dict) -> list[str]:
       _fmt(row["max_abs_diff"], ".1e"),
       _steps(row),
       _fmt(row["ops_per_step"] if row["loops"] else None, "d"),
+      _fmt(row["work_vs_ideal"], ".2f"),
       status,
   ]
 

@@ -38,6 +38,7 @@ ROW_FIELDS = (
     "flops", "flops_per_s", "peak_fraction", "temp_bytes", "argument_bytes", "output_bytes",
     "memory_estimate_bytes", "baseline", "speedup_vs_baseline", "temp_vs_baseline",
     "max_abs_diff", "diff_reference", "platform", "loop_steps", "loops", "ops_per_step",
+    "program_flops", "work_vs_ideal",
 )
 STATUSES = ("ok", "compiled", "skipped", "unsupported", "oom", "error")
 
@@ -168,9 +169,15 @@ class _JaxRunner:
     memory = compiled_memory(self.compiled)
     if memory is not None:
       self.row.update(memory)
-    st = _structure.loop_structure(self.compiled.as_text())
+    text = self.compiled.as_text()
+    st = _structure.loop_structure(text)
+    # The work the program does (its matmuls, loop trip counts multiplied through) against the
+    # case's FLOPs (visible pairs only): what masked or padding tiles cost it.
+    program = _structure.matmul_flops(text)
     self.row.update(platform=self.platform or jax.default_backend(), loop_steps=st.steps,
-                    loops=st.loops, ops_per_step=st.ops_per_step)
+                    loops=st.loops, ops_per_step=st.ops_per_step, program_flops=program,
+                    work_vs_ideal=None if not program or not self.row["flops"]
+                    else program / self.row["flops"])
 
   def measured_bytes(self) -> int | None:
     if self.row["temp_bytes"] is None:
