@@ -189,13 +189,16 @@ def segment_ids(B, T, S, Tp, Sp, lengths, segments):
       segments[0].astype(jnp.int32), (B, T))
   kv = jnp.zeros((B, S), jnp.int32) if segments is None else jnp.broadcast_to(
       segments[1].astype(jnp.int32), (B, S))
-  q_ok = jnp.arange(Tp)[None, :] < T
-  kv_ok = jnp.arange(Sp)[None, :] < S
+  # int32 positions: under jax_enable_x64 an arange is int64, which strict dtype promotion
+  # refuses to compare with int32 lengths.
+  q_pos = jnp.arange(Tp, dtype=jnp.int32)[None, :]
+  kv_pos = jnp.arange(Sp, dtype=jnp.int32)[None, :]
+  q_ok, kv_ok = q_pos < T, kv_pos < S
   for q_lengths, kv_lengths in lengths:
     if q_lengths is not None:
-      q_ok = q_ok & (jnp.arange(Tp)[None, :] < q_lengths[:, None])
+      q_ok = q_ok & (q_pos < q_lengths.astype(jnp.int32)[:, None])
     if kv_lengths is not None:
-      kv_ok = kv_ok & (jnp.arange(Sp)[None, :] < kv_lengths[:, None])
+      kv_ok = kv_ok & (kv_pos < kv_lengths.astype(jnp.int32)[:, None])
   q = jnp.pad(q, ((0, 0), (0, Tp - T)))
   kv = jnp.pad(kv, ((0, 0), (0, Sp - S)))
   low = jnp.minimum(q.min(), kv.min())

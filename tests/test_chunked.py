@@ -256,12 +256,15 @@ def test_memory_at_16k_is_a_few_inputs_and_a_tenth_of_dense():
   assert chunked < dense / 10, (chunked, dense)
 
 
-@pytest.mark.parametrize("width,causal", [(1, False), (2, True), (3, False), (None, True)])
-def test_parallel_schedule_step_widths_against_reference(width, causal):
+@pytest.mark.parametrize("width,causal,lengths", [
+    (1, False, True), (2, True, True), (3, False, True), (None, True, True),
+    (1, True, False), (3, True, False), (None, True, False)])
+def test_parallel_schedule_step_widths_against_reference(width, causal, lengths):
   # The parallel schedule with 1, 2, 3 or all lanes per step (7 query blocks, 9 key blocks:
   # groups that do not divide the lanes leave padding lanes) equals the float64 reference:
-  # output and the gradients of q, k, v, a full bias and the sinks, with lengths (a run-time map
-  # when causal is off), a window, soft cap and dropout.
+  # output and the gradients of q, k, v, a full bias and the sinks, with lengths (a run-time map,
+  # one part per lane) or without (a static map: lanes that run several rows' parts one after
+  # another, and rows cut over lanes), a window, soft cap and dropout.
   from test_attention import keep_mask
   B, T, S, N, K, H = 2, 50, 70, 4, 2, 8
   keys = jax.random.split(jax.random.key(0), 5)
@@ -273,9 +276,11 @@ def test_parallel_schedule_step_widths_against_reference(width, causal):
   sinks = jnp.linspace(-1.0, 1.0, N)
   rng, rate = jax.random.key(9), 0.2
   lens = np.array([S, 33])
-  kw = dict(key_value_seq_lengths=jnp.asarray(lens, jnp.int32), logits_soft_cap=5.0,
-            dropout_rate=rate, dropout_rng=rng)
-  vis_kw = dict(kv_lengths=lens)
+  kw = dict(logits_soft_cap=5.0, dropout_rate=rate, dropout_rng=rng)
+  vis_kw = {}
+  if lengths:
+    kw.update(key_value_seq_lengths=jnp.asarray(lens, jnp.int32))
+    vis_kw.update(kv_lengths=lens)
   if causal:
     kw.update(is_causal="bottom_right", local_window_size=(25, 0))
     vis_kw.update(causal="bottom_right", window=(25, 0))
@@ -294,7 +299,46 @@ def test_parallel_schedule_step_widths_against_reference(width, causal):
   for name, a, b in zip(("out", "dq", "dk", "dv", "dbias", "dsinks"), got, want):
     scale = max(1.0, float(np.abs(b).max()))
     np.testing.assert_allclose(np.asarray(a) / scale, np.asarray(b) / scale, atol=2e-5,
-                               err_msg=f"{name} width={width} causal={causal}")
+                               err_msg=f"{name} width={width} causal={causal} {lengths=}")
+
+
+@pytest.mark.parametrize("name", ["causal", "bottom_right", "window", "chunked_local",
+                                  "prefix_lm", "random", "empty_rows", "nothing"])
+@pytest.mark.parametrize("min_lanes", [1, 4])
+def test_lanes_cover_every_nonempty_block_once_at_the_depth(name, min_lanes):
+  # The parallel schedule's lanes (`_plan.lanes`) over a static block map: every non-empty
+  # block exactly once, in its row's order within a lane; padding only in the last lane
+  # (tiles <= non-empty + L - 1); L = ceil(non-empty / max(rows, min_lanes)); a lane's parts
+  # restart where its row changes and each part is merged into its row once (emit / final).
+  R, C = 12, 20
+  r, c = np.arange(R)[:, None], np.arange(C)[None, :]
+  rng = np.random.default_rng(0)
+  vis = {"causal": c <= 2 * r + 1, "bottom_right": c <= 2 * r + 8,
+         "window": (c <= 2 * r + 1) & (c >= 2 * r - 4), "chunked_local": (c // 5) == (r // 3),
+         "prefix_lm": (c <= 2 * r + 1) | (c < 6), "random": rng.random((R, C)) < 0.3,
+         "empty_rows": (r % 3 == 0) & (c < 7), "nothing": np.zeros((R, C), bool)}[name]
+  states = np.where(vis, M.FULL, M.EMPTY).astype(np.int8)
+  ln = _plan.lanes(states, min_lanes)
+  total = int(vis.sum())
+  V, L = ln.columns.shape
+  assert L == max(1, -(-total // max(R, min_lanes)))
+  live = ln.kinds != M.EMPTY
+  assert live.sum() == total and V * L <= total + L - 1 + (total == 0)
+  assert not (~live[:-1]).any()  # every lane but the last is full
+  got = sorted(zip(ln.rows[live].tolist(), ln.columns[live].tolist()))
+  assert got == sorted(zip(*np.nonzero(vis)))
+  # Parts: a row's blocks within a lane are one run in column order; the step before a start
+  # (and the lane's end) merges the part into its row.
+  ends = np.zeros((V, L), bool)
+  ends[:, :-1] = ln.starts[:, 1:]
+  assert (ln.starts == np.concatenate([np.zeros((V, 1), bool),
+                                       ln.rows[:, 1:] != ln.rows[:, :-1]], axis=1)).all()
+  np.testing.assert_array_equal(ln.emit, np.where(ends, ln.rows, R))
+  np.testing.assert_array_equal(ln.final, ln.rows[:, -1] if total else np.full(V, R))
+  for v in range(V):
+    for row in set(ln.rows[v][live[v]].tolist()):
+      cols = ln.columns[v][live[v] & (ln.rows[v] == row)]
+      assert (np.diff(cols) > 0).all()
 
 
 def test_parallel_causal_at_a_size_that_crashed_jaxlib_0_10():
