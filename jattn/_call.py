@@ -79,8 +79,11 @@ def _qkv(query, key, value):
   if value.dtype != key.dtype:
     raise TypeError(f"value must have the dtype of key (and query): key.dtype={key.dtype}, "
                     f"value.dtype={value.dtype}")
-  if value.shape != key.shape:
-    raise ValueError(f"value must have the shape of key (B, S, K, H): {kv}")
+  if value.shape[:-1] != key.shape[:-1]:
+    # The value's head size Hv is its own (MLA: query/key 192, value 128); the rest is key's.
+    raise ValueError(f"value must have key's (B, S, K) before its head size Hv: {kv}")
+  if not concrete(value.shape[-1]) or value.shape[-1] < 1:
+    raise ValueError(f"value's head size Hv must be a known positive size: {kv}")
   return query, key, value
 
 

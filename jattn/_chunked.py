@@ -252,7 +252,8 @@ def forward(plan: Plan, ops: Operands):
     # contributes exp(sink - m) to the sum (parallel: it joins once per row, in the merge).
     sink = ops.sink if not parallel else None
     m0, l0 = _softmax.start(jnp.zeros_like(qb[..., 0], dtype=sd), sink)  # (B, K, G, bq)
-    acc0 = jnp.zeros_like(qb, dtype=sd)  # (B, K, G, bq, Hv): Hv = H (value has key's shape)
+    # (B, K, G, bq, Hv): value's head size is its own.
+    acc0 = jnp.repeat(jnp.zeros_like(qb[..., :1], dtype=sd), v.shape[-1], axis=-1)
     # The tile math and its carries are in rows layout, the G query heads of a group stacked as
     # rows: a separate (often size-1) G axis makes XLA's CPU backend copy every (bq, bk) tile of
     # logits to a new layout before its row max, and the carries on every step.
@@ -287,7 +288,7 @@ def forward(plan: Plan, ops: Operands):
     return _forward_parallel(plan, ops, start, tile)
   # Each query block writes its rows of the output in place: stacking per-block results (as
   # lax.map does) would need another full-size copy to put them back in sequence order.
-  out0 = jnp.zeros_like(q)  # (B, Tp, N, Hv)
+  out0 = jnp.repeat(jnp.zeros_like(q[..., :1]), v.shape[-1], axis=-1)  # (B, Tp, N, Hv)
   lse0 = jnp.zeros_like(q[..., 0], dtype=sd)
   outs0 = _sharding.varying_tree((out0, lse0), *inputs)
   return walk_rows(plan, ops, start=start, tile=tile, finish=finish, outs=outs0, name="fwd")

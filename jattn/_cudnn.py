@@ -41,6 +41,9 @@ def supports(call) -> str | None:
                       ("logits_soft_cap", opts.logits_soft_cap is not None)):
     if given:
       return f"{name}: jax.nn's cuDNN call has no such input"
+  if call.static.Hv != call.static.H:
+    return (f"a value head size Hv={call.static.Hv} other than the key's H={call.static.H}: "
+            f"jax.nn's call takes value with key's shape")
   if call.query.dtype not in (jnp.bfloat16, jnp.float16):
     return f"query dtype {call.query.dtype}: cuDNN's flash attention takes float16 or bfloat16"
   if opts.causal == "bottom_right":

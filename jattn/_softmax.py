@@ -112,6 +112,14 @@ def merge_into(rows, at, part):
   return m_r, fold(l_r, l), fold(acc_r, acc)
 
 
+def merge_lanes(m, l, acc):
+  """Merge the running statistics of lanes (the leading axis) that saw disjoint keys of the same
+  rows (split-KV): one max, the sums and accumulators rescaled to it."""
+  m_r = m.max(axis=0)
+  w = jnp.exp(m - m_r[None])
+  return m_r, (w * l).sum(axis=0), (w[..., None] * acc).sum(axis=0)
+
+
 def add_into(rows, at, part):
   """Scatter-add parts (leading axis W, rows ``at``; R or more: dropped) into R rows (a pytree
   of sums: dK and dV per key block, dQ per query block)."""

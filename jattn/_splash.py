@@ -303,6 +303,9 @@ def supports(call) -> str | None:
                       ("score_mod", s.opts.score_mod is not None)):
     if given:
       return f"{name}: the fused kernel has no such input"
+  if s.Hv != s.H:
+    return (f"a value head size Hv={s.Hv} other than the key's H={s.H}: splash's kernels take "
+            f"value with key's shape")
   if not concrete(s.B, s.N):
     return (f"a symbolic batch or head count (B={s.B}, N={s.N}): its block masks are built per "
             f"head while the call is traced")

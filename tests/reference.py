@@ -115,7 +115,7 @@ def grads(cache, dout, bias_shape=None):
   dq = np.einsum("bnts,bsnh->btnh", draw, kr)
   dkr = np.einsum("bnts,btnh->bsnh", draw, q)
   dk = dkr.reshape(B, -1, K, G, H).sum(3)
-  dv = dvr.reshape(B, -1, K, G, H).sum(3)
+  dv = dvr.reshape(B, -1, K, G, dvr.shape[-1]).sum(3)
   return dq, dk, dv, dbias, dsinks
 
 

@@ -85,8 +85,9 @@ CASES = [
     # The argument that is wrong is the one named: key against query, value against key.
     ("key head dim, value right", (q, jnp.zeros((B, S, K, 8)), v), {}, ValueError,
      ["key must have the head dim H of query", "H=16", "H=8"]),
-    ("value head dim", (q, k, jnp.zeros((B, S, K, 8))), {}, ValueError,
-     ["value must have the shape of key", "key.shape=(2, 12, 2, 16)"]),
+    # A value head size of its own is valid (tests/test_value_head.py); its length is not.
+    ("value length", (q, k, jnp.zeros((B, S + 1, K, 8))), {}, ValueError,
+     ["value must have key's (B, S, K)", "key.shape=(2, 12, 2, 16)"]),
     ("key batch, value right", (q, jnp.zeros((3, S, K, H)), v), {}, ValueError,
      ["key must have the batch size B of query", "B=3"]),
     ("value heads", (q, k, jnp.zeros((B, S, 1, H))), {}, ValueError, ["value", "key"]),
@@ -136,7 +137,7 @@ def test_clear_error_under_jit(what, args, kwargs, exc, words):
 BLAME = [
     ("key", (q, jnp.zeros((B, S, K, 8)), v)),  # query H=16, key H=8, value H=16
     ("key", (q, jnp.zeros((B, S, K, 8)), jnp.zeros((B, S, K, 8)))),
-    ("value", (q, k, jnp.zeros((B, S, K, 8)))),
+    ("value", (q, k, jnp.zeros((B, S, 1, 8)))),  # a head size of its own is fine; K is not
     ("key", (q, k.astype(jnp.bfloat16), v)),
     ("value", (q, k, v.astype(jnp.bfloat16))),
     ("key", (q, jnp.zeros((1, S, K, H)), v)),

@@ -1,0 +1,437 @@
+"""Attention against a paged KV cache: a pool of fixed-size pages and a page table per sequence.
+
+Serving systems keep each sequence's keys and values in pages of a shared pool (vLLM,
+FlashAttention's ``block_table``): sequence b's tokens 0 .. kv_lengths[b] - 1 live in pages
+page_table[b, 0], page_table[b, 1], ... in order. Queries are the new tokens of each sequence,
+bottom-right aligned: the last query of sequence b sits at position kv_lengths[b] - 1. They come
+padded, (B, T, N, H), or ragged, (total, N, H) with offsets ``query_start`` (B + 1,), so prefill
+chunks and single decode tokens of different sequences share one call (continuous batching).
+
+The kernel never builds a contiguous cache. Query rows are cut into *tiles* of at most ``tq``
+rows of one sequence (a decoding step: one tile per sequence); each step gathers, for every tile,
+the pages of its sequence's next key block straight from the pool (dequantising int8 / float8
+pages with their scales there, in float32) and folds the block into the tile's running softmax
+(`jattn._softmax`). Causality, windows and the cache's fill level are measured in positions.
+On the CPU one lane walks the blocks; on GPU and TPU (chosen where the program is lowered) the
+blocks are dealt over up to SPLIT_KV lanes side by side and merged by log-sum-exp (split-KV).
+
+Shapes: B sequences, T new tokens each (or ``total`` ragged rows), N query heads, K key/value
+heads, G = N // K, H query/key head size, Hv value head size, P pages of ``page_size`` tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jattn import _plan, _softmax, _validation
+from jattn._types import concrete
+
+# Keys per step: whole pages adding up to about this many (a page larger than it is one block).
+BLOCK_KEYS = 256
+# Split-KV lanes on GPU and TPU (reasoned, as for the chunked kernels' decoding split): with
+# B x K tiles per lane, 16 lanes fill a device's cores at B x K >= 8.
+SPLIT_KV = 16
+QUANTIZED = (jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2)
+
+
+class _Static(NamedTuple):
+  """What the kernel is planned from (hashable)."""
+
+  B: int
+  N: int
+  K: int
+  H: int
+  Hv: int
+  page_size: int
+  pages_per_block: int
+  max_pages: int
+  tq: int  # query rows per tile
+  tiles: int  # an upper bound on the tiles (static)
+  ragged: bool
+  rows: int  # T (padded) or total (ragged)
+  scale: float
+  causal: bool
+  window: tuple | None
+  soft_cap: float | None
+  k_scale: str | None  # "tensor" | "head" | "token" | None (pages not quantised)
+  v_scale: str | None
+  dtype: Any  # the query's (and output's)
+
+  @property
+  def G(self) -> int:
+    return self.N // self.K
+
+  @property
+  def block(self) -> int:
+    return self.pages_per_block * self.page_size
+
+  @property
+  def blocks(self) -> int:
+    return -(-self.max_pages // self.pages_per_block)
+
+
+def paged_attention(query, key_pages, value_pages, page_table, kv_lengths, *, query_start=None,
+                    scale=None, is_causal=True, local_window_size=None, logits_soft_cap=None,
+                    sinks=None, k_scale=None, v_scale=None, implementation=None,
+                    return_residual=False):
+  """Attention of new tokens against a paged KV cache (forward only; see the module docstring).
+
+  Args:
+    query: (B, T, N, H) -- T new tokens per sequence, query t of sequence b at position
+      kv_lengths[b] - T + t -- or, with ``query_start``, ragged (total, N, H).
+    key_pages: (P, page_size, K, H) pool of key pages: float (the query's dtype), or int8 /
+      float8_e4m3fn / float8_e5m2 with ``k_scale``.
+    value_pages: (P, page_size, K, Hv), likewise with ``v_scale``.
+    page_table: int (B, max_pages): sequence b's pages in order; entries past its last page are
+      ignored (any value, including out of range).
+    kv_lengths: int (B,): the valid cached tokens of each sequence, the new ones included.
+    query_start: int (B + 1,) offsets of a ragged query (FlashAttention varlen's
+      ``cu_seqlens_q``): sequence b's queries are rows query_start[b] .. query_start[b+1] - 1,
+      the last at position kv_lengths[b] - 1.
+    scale: logit scale (default 1 / sqrt(H)).
+    is_causal: a query sees keys at its position or before (positions, not array indices).
+    local_window_size: ``w`` or ``(left, right)`` in positions, as in dot_product_attention.
+    logits_soft_cap: ``cap * tanh(logits / cap)``.
+    sinks: (N,) one extra logit per head with no value.
+    k_scale, v_scale: dequantisation scales of quantised pages, broadcasting against the pages
+      without their last axis: ``()`` per tensor, ``(K,)`` per head, ``(P, page_size, K)`` per
+      token and head; applied per tile in float32.
+    implementation: None or "chunked" (jattn's own kernel; the only one here).
+    return_residual: also return the log-sum-exp per query row and head, (B, T, N) / (total, N).
+
+  Returns:
+    (B, T, N, Hv) or (total, N, Hv) in the query's dtype; a sequence with no cached tokens, or a
+    query that sees none, gives zeros.
+  """
+  st, arrays = _check(query, key_pages, value_pages, page_table, kv_lengths, query_start, scale,
+                      is_causal, local_window_size, logits_soft_cap, sinks, k_scale, v_scale,
+                      implementation)
+  out, lse = _attend(st, *arrays)
+  return (out, lse) if return_residual else out
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attend(st: _Static, query, key_pages, value_pages, page_table, kv_lengths, query_start,
+            sinks, k_scale, v_scale):
+  return _jitted(st, query, key_pages, value_pages, page_table, kv_lengths, query_start, sinks,
+                 k_scale, v_scale)
+
+
+def _attend_fwd(st, *args):
+  return _attend(st, *args), None
+
+
+def _attend_bwd(st, res, ct):
+  raise NotImplementedError(
+      "paged_attention is forward only (serving): its gradient is not implemented; for "
+      "training use dot_product_attention on contiguous keys and values")
+
+
+_attend.defvjp(_attend_fwd, _attend_bwd)
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _jitted(st: _Static, query, key_pages, value_pages, page_table, kv_lengths, query_start,
+            sinks, k_scale, v_scale):
+  tiles = _tiles(st, query_start, kv_lengths)
+  q = _gather_queries(st, query, tiles)  # (M, K, G * tq, H)
+  run = {}
+  for platform, lanes in (("cpu", 1), ("default", min(SPLIT_KV, st.blocks))):
+    run[platform] = functools.partial(_walk, st, lanes, q, tiles, key_pages, value_pages,
+                                      page_table, kv_lengths, k_scale, v_scale)
+  m, l, acc = _plan.by_platform(run)
+  if sinks is not None:
+    sink = jnp.repeat(sinks.astype(jnp.float32).reshape(1, st.K, st.G, 1), st.tq, axis=-1)
+    m, l, acc = _softmax.join_sink(m, l, acc, sink.reshape(1, st.K, st.G * st.tq))
+  out = _softmax.normalize(acc, l, m, 0.0).astype(st.dtype)  # (M, K, G * tq, Hv)
+  lse = _softmax.lse(m, l)
+  return _scatter_rows(st, out, tiles), _scatter_rows(st, lse[..., None], tiles)[..., 0]
+
+
+# --------------------------------------------------------------------------------------------
+# Tiles: query rows of one sequence each.
+# --------------------------------------------------------------------------------------------
+
+
+class _Tiles(NamedTuple):
+  seq: Any  # (M,) the tile's sequence (clipped into range; see ``rows``)
+  rows: Any  # (M, tq) the flat query row of each tile row, or -1 (none)
+  pos: Any  # (M, tq) the position of each tile row (meaningless where rows is -1)
+  first: Any  # (M,) first key block the tile needs
+  last: Any  # (M,) one past the last key block it needs
+
+
+def _tiles(st: _Static, query_start, kv_lengths) -> _Tiles:
+  """Cut each sequence's query rows into tiles of at most tq rows (at run time: the offsets are
+  data). A padded query has query_start = (0, T, 2T, ...) and one tile per sequence."""
+  kv_lengths = kv_lengths.astype(jnp.int32)
+  if query_start is None:
+    query_start = jnp.arange(st.B + 1, dtype=jnp.int32) * st.rows
+  qs = query_start.astype(jnp.int32)
+  counts = qs[1:] - qs[:-1]  # (B,) queries per sequence
+  per_seq = (counts + st.tq - 1) // st.tq
+  ends = jnp.cumsum(per_seq)  # tiles of sequences 0 .. b
+  m = jnp.arange(st.tiles, dtype=jnp.int32)
+  seq = jnp.minimum(jnp.searchsorted(ends, m, side="right", method="sort").astype(jnp.int32),
+                    st.B - 1)
+  within = m - (ends[seq] - per_seq[seq])  # the tile's index within its sequence
+  offset = within[:, None] * st.tq + jnp.arange(st.tq, dtype=jnp.int32)[None, :]
+  valid = (m < ends[-1])[:, None] & (offset < counts[seq][:, None])
+  rows = jnp.where(valid, qs[seq][:, None] + offset, -1)
+  # Bottom-right: the sequence's last query sits at its last cached position.
+  pos = kv_lengths[seq][:, None] - counts[seq][:, None] + offset
+  lo, hi = _key_range(st, jnp.where(valid, pos, jnp.int32(2 ** 30)),
+                      jnp.where(valid, pos, -1), kv_lengths[seq])
+  return _Tiles(seq, rows, pos, lo, hi)
+
+
+def _key_range(st: _Static, pos_min, pos_max, kv_len):
+  """[first, last) key blocks a tile needs: keys below its sequence's length, and within its
+  rows' causal and window reach."""
+  lo_key = jnp.zeros_like(kv_len)
+  hi_key = kv_len
+  if st.window is not None and st.window[0] is not None:
+    lo_key = jnp.maximum(lo_key, pos_min.min(axis=1) - st.window[0])
+  reach = None
+  if st.causal:
+    reach = 0
+  if st.window is not None and st.window[1] is not None:
+    reach = st.window[1] if reach is None else min(reach, st.window[1])
+  if reach is not None:
+    hi_key = jnp.minimum(hi_key, pos_max.max(axis=1) + reach + 1)
+  first = jnp.clip(lo_key // st.block, 0, st.blocks)
+  last = jnp.clip((hi_key + st.block - 1) // st.block, 0, st.blocks)
+  return first, jnp.maximum(last, first)
+
+
+def _gather_queries(st: _Static, query, tiles: _Tiles):
+  """(M, K, G * tq, H): each tile's query rows (zeros for rows it does not have), the G heads of
+  a group stacked as rows (row g * tq + t is query head k * G + g of tile row t)."""
+  flat = query.reshape((-1,) + query.shape[-2:])  # (B * T | total, N, H)
+  q = jnp.take(flat, jnp.maximum(tiles.rows, 0), axis=0)  # (M, tq, N, H)
+  q = jnp.where((tiles.rows >= 0)[..., None, None], q, jnp.zeros((), q.dtype))
+  M = q.shape[0]
+  q = jnp.transpose(q.reshape(M, st.tq, st.K, st.G, st.H), (0, 2, 3, 1, 4))
+  return q.reshape(M, st.K, st.G * st.tq, st.H)
+
+
+def _scatter_rows(st: _Static, x, tiles: _Tiles):
+  """Tile results (M, K, G * tq, X) back to the query's rows: (B, T, N, X) or (total, N, X)."""
+  M, X = x.shape[0], x.shape[-1]
+  x = jnp.transpose(x.reshape(M, st.K, st.G, st.tq, X), (0, 3, 1, 2, 4))
+  x = x.reshape(M * st.tq, st.N, X)
+  n = st.B * st.rows if not st.ragged else st.rows
+  rows = tiles.rows.reshape(-1)
+  out = jnp.zeros((n, st.N, X), x.dtype).at[jnp.where(rows >= 0, rows, n)].set(x, mode="drop")
+  return out.reshape(st.B, st.rows, st.N, X) if not st.ragged else out
+
+
+# --------------------------------------------------------------------------------------------
+# The walk over key blocks.
+# --------------------------------------------------------------------------------------------
+
+
+def _walk(st: _Static, lanes: int, q, tiles: _Tiles, key_pages, value_pages, page_table,
+          kv_lengths, k_scale, v_scale):
+  """Every tile's running softmax over its key blocks: (m, l, acc) of (M, K, G * tq[, Hv]).
+
+  ``lanes`` lanes side by side, lane p taking blocks p, p + lanes, ... of every tile; one lane
+  walks from the first block any tile needs to the last (bounds known at run time), several
+  walk ceil(blocks / lanes) steps each (a static count) and are merged by log-sum-exp."""
+  M = q.shape[0]
+  like = jnp.zeros((M, st.K, st.G * st.tq), jnp.float32)
+  m0, l0 = _softmax.start(like)
+  acc0 = jnp.zeros((M, st.K, st.G * st.tq, st.Hv), jnp.float32)
+  kv_len = kv_lengths.astype(jnp.int32)[tiles.seq]
+  step = functools.partial(_block, st, q, tiles, kv_len, key_pages, value_pages, page_table,
+                           k_scale, v_scale)
+  if lanes == 1:
+    lo, hi = tiles.first.min(), tiles.last.max()
+    return jax.lax.fori_loop(lo, jnp.maximum(hi, lo), step, (m0, l0, acc0))
+  steps = -(-st.blocks // lanes)
+
+  def lane(p):
+    body = lambda t, carry: step(t * lanes + p, carry)
+    return jax.lax.fori_loop(0, steps, body, (m0, l0, acc0))
+
+  m, l, acc = jax.vmap(lane)(jnp.arange(lanes, dtype=jnp.int32))
+  return _softmax.merge_lanes(m, l, acc)
+
+
+def _block(st: _Static, q, tiles: _Tiles, kv_len, key_pages, value_pages, page_table, k_scale,
+           v_scale, j, carry):
+  """Fold key block j of every tile's sequence into the tiles' running (m, l, acc)."""
+  m, l, acc = carry
+  k = _gather_block(st, key_pages, page_table, tiles.seq, j, k_scale, st.k_scale, q.dtype)
+  v = _gather_block(st, value_pages, page_table, tiles.seq, j, v_scale, st.v_scale, q.dtype)
+  q = q.astype(k.dtype)  # float32 where the pages were dequantised
+  s = jnp.einsum("mkrh,mksh->mkrs", q, k, preferred_element_type=jnp.float32) * st.scale
+  if st.soft_cap is not None:
+    s = st.soft_cap * jnp.tanh(s / st.soft_cap)
+  vis = _visible(st, tiles, kv_len, j)  # (M, 1, G * tq, bk)
+  live = (j >= tiles.first) & (j < tiles.last)
+  vis = vis & live[:, None, None, None]
+  s = jnp.where(vis, s, jnp.asarray(_softmax.NEG, s.dtype))
+  # Hidden keys' values are zeroed: a masked weight is an exact 0, but 0 * NaN is NaN (a page
+  # of garbage, past a sequence's last token, must not leak).
+  v = jnp.where(vis.any(axis=2)[..., None], v, jnp.zeros((), v.dtype))
+  m_new, p, corr, l = _softmax.update(m, l, s)
+  acc = acc * corr[..., None] + jnp.einsum("mkrs,mksh->mkrh", p.astype(v.dtype), v,
+                                           preferred_element_type=jnp.float32)
+  return m_new, l, acc
+
+
+def _gather_block(st: _Static, pages, page_table, seq, j, scale, scale_kind, dtype):
+  """(M, K, bk, X): key block j of each tile's sequence, read page by page from the pool,
+  dequantised (float32 times its scale) when the pool is quantised, else in the query's dtype."""
+  P = pages.shape[0]
+  cols = j * st.pages_per_block + jnp.arange(st.pages_per_block, dtype=jnp.int32)
+  ids = jnp.take(page_table, seq, axis=0)  # (M, max_pages)
+  ids = jnp.take(ids, jnp.minimum(cols, st.max_pages - 1), axis=1, mode="clip")  # (M, ppb)
+  # Entries past a sequence's last page may be anything: read a page that exists; the mask
+  # hides what it holds.
+  ids = jnp.clip(ids.astype(jnp.int32), 0, P - 1)
+  x = jnp.take(pages, ids, axis=0)  # (M, ppb, page_size, K, X)
+  M = x.shape[0]
+  x = x.reshape(M, st.block, st.K, x.shape[-1])
+  if scale_kind is not None:
+    x = x.astype(jnp.float32)
+    if scale_kind == "token":
+      sc = jnp.take(scale, ids, axis=0).reshape(M, st.block, st.K, 1)
+    elif scale_kind == "head":
+      sc = scale.reshape(1, 1, st.K, 1)
+    else:
+      sc = scale
+    x = x * sc.astype(jnp.float32)
+    dtype = jnp.float32
+  return jnp.transpose(x.astype(dtype), (0, 2, 1, 3))
+
+
+def _visible(st: _Static, tiles: _Tiles, kv_len, j):
+  """(M, 1, G * tq, bk) bool: which keys of block j each tile row sees, in positions."""
+  key = j * st.block + jnp.arange(st.block, dtype=jnp.int32)[None, None, :]  # (1, 1, bk)
+  pos = tiles.pos[:, :, None]  # (M, tq, 1)
+  vis = (key < kv_len[:, None, None]) & (tiles.rows >= 0)[:, :, None]
+  if st.causal:
+    vis = vis & (key <= pos)
+  if st.window is not None:
+    left, right = st.window
+    if left is not None:
+      vis = vis & (key >= pos - left)
+    if right is not None:
+      vis = vis & (key <= pos + right)
+  M = vis.shape[0]
+  vis = jnp.broadcast_to(vis[:, None], (M, st.G, st.tq, st.block))
+  return vis.reshape(M, 1, st.G * st.tq, st.block)
+
+
+# --------------------------------------------------------------------------------------------
+# Checking the call.
+# --------------------------------------------------------------------------------------------
+
+
+def _check(query, key_pages, value_pages, page_table, kv_lengths, query_start, scale, is_causal,
+           local_window_size, logits_soft_cap, sinks, k_scale, v_scale, implementation):
+  """(_Static, arrays) of a call, every argument checked (errors name the argument)."""
+  if implementation not in (None, "chunked"):
+    raise NotImplementedError(
+        f"paged_attention runs jattn's own kernel (implementation=None or 'chunked'), got "
+        f"implementation={implementation!r}: no fused paged kernel is registered")
+  query = _validation.float_array("query", query)
+  ragged = query_start is not None
+  want = 3 if ragged else 4
+  if query.ndim != want:
+    raise ValueError(
+        f"query must be {'(total, N, H) with query_start' if ragged else '(B, T, N, H)'}, got "
+        f"query.shape={query.shape}")
+  key_pages, value_pages = _pages("key_pages", key_pages), _pages("value_pages", value_pages)
+  P, page_size, K, H = key_pages.shape
+  if value_pages.shape[:3] != key_pages.shape[:3]:
+    raise ValueError(f"value_pages must have key_pages' (P, page_size, K): key_pages.shape="
+                     f"{key_pages.shape}, value_pages.shape={value_pages.shape}")
+  N = query.shape[-2]
+  if query.shape[-1] != H:
+    raise ValueError(f"query's head size must be key_pages' H={H}: query.shape={query.shape}")
+  if N % K:
+    raise ValueError(f"the query heads N={N} must be a multiple of the key/value heads K={K}")
+  page_table = _validation.int_array("page_table", page_table)
+  if page_table.ndim != 2:
+    raise ValueError(f"page_table must be (B, max_pages), got shape {page_table.shape}")
+  B, max_pages = page_table.shape
+  kv_lengths = _validation.int_array("kv_lengths", kv_lengths)
+  if kv_lengths.shape != (B,):
+    raise ValueError(f"kv_lengths must be (B,) = ({B},) like page_table's rows, got shape "
+                     f"{kv_lengths.shape}")
+  if ragged:
+    query_start = _validation.int_array("query_start", query_start)
+    if query_start.shape != (B + 1,):
+      raise ValueError(f"query_start must be (B + 1,) = ({B + 1},), got shape "
+                       f"{query_start.shape}")
+    rows = query.shape[0]
+  else:
+    if query.shape[0] != B:
+      raise ValueError(f"query's batch B={query.shape[0]} must be page_table's B={B}")
+    rows = query.shape[1]
+  if not concrete(rows, N, H, B, max_pages, P, page_size, K):
+    raise NotImplementedError("paged_attention plans its tiles and blocks from known sizes")
+  kinds = []
+  for name, sc, pages in (("k_scale", k_scale, key_pages), ("v_scale", v_scale, value_pages)):
+    kinds.append(_scale_kind(name, sc, pages, query.dtype))
+  if sinks is not None:
+    sinks = _validation.float_array("sinks", sinks)
+    if sinks.shape != (N,):
+      raise ValueError(f"sinks must be (N,) = ({N},), got shape {sinks.shape}")
+  static_scale = (1.0 / float(np.sqrt(H)) if scale is None
+                  else _validation.real("scale", scale))
+  causal = _validation.causal(is_causal)
+  if causal == "top_left" and is_causal is not True:
+    raise ValueError("is_causal here is True or False: queries are placed at their positions "
+                     "(bottom-right, after the cache), not aligned to the top-left")
+  window = _validation.window(local_window_size)
+  # Ragged tiles hold at most 16 rows (a sequence's rows fill one tile, the rest pad it);
+  # padded queries one tile per sequence of all T rows.
+  tq = min(16, rows) if ragged else rows
+  tiles = (-(-rows // tq) + B) if ragged else B
+  ppb = max(1, BLOCK_KEYS // page_size)
+  st = _Static(B, N, K, H, value_pages.shape[-1], page_size, min(ppb, max_pages), max_pages, tq,
+               tiles, ragged, rows, static_scale, causal is not None, window,
+               _validation.soft_cap(logits_soft_cap), kinds[0], kinds[1], query.dtype)
+  return st, (query, key_pages, value_pages, page_table, kv_lengths, query_start, sinks,
+              None if k_scale is None else jnp.asarray(k_scale),
+              None if v_scale is None else jnp.asarray(v_scale))
+
+
+def _pages(name, x):
+  x = _validation.as_array(name, x, "an array of pages")
+  if x.ndim != 4:
+    raise ValueError(f"{name} must be (P, page_size, K, H), got {name}.shape={x.shape}")
+  return x
+
+
+def _scale_kind(name, scale, pages, dtype):
+  """How ``scale`` broadcasts against quantised ``pages``: "tensor", "head" or "token"; None for
+  float pages (which must have the query's dtype and no scale)."""
+  pages_name = "key_pages" if name == "k_scale" else "value_pages"
+  quantized = any(pages.dtype == d for d in QUANTIZED)
+  if not quantized:
+    if pages.dtype != dtype:
+      raise TypeError(f"{pages_name} must have the query's dtype {dtype} or be int8 / float8 "
+                      f"(with {name}), got {pages.dtype}")
+    if scale is not None:
+      raise ValueError(f"{name} is for int8 / float8 pages; {pages_name} are {pages.dtype}")
+    return None
+  if scale is None:
+    raise ValueError(f"{pages_name} of dtype {pages.dtype} need {name} (their dequantisation "
+                     f"scale)")
+  scale = _validation.float_array(name, scale)
+  P, page_size, K = pages.shape[:3]
+  for kind, shape in (("tensor", ()), ("head", (K,)), ("token", (P, page_size, K))):
+    if scale.shape == shape:
+      return kind
+  raise ValueError(f"{name} must be () per tensor, (K,) = ({K},) per head or (P, page_size, K) = "
+                   f"{(P, page_size, K)} per token and head, got shape {scale.shape}")

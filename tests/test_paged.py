@@ -1,0 +1,267 @@
+"""`jattn.paged_attention` against a float64 NumPy reference written from its definition.
+
+The definition: sequence b's cached tokens 0 .. kv_lengths[b] - 1 live in pages
+page_table[b, 0], page_table[b, 1], ... of the pool, in order; its queries are its new tokens,
+the last one at position kv_lengths[b] - 1; a query sees the keys its causality and window allow
+(in positions) among the cached ones. Quantised pages are dequantised (value times scale) first.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jattn
+
+
+def reference(q, kp, vp, table, lens, qs=None, *, scale=None, causal=True, window=None,
+              cap=None, sinks=None, ks=None, vs=None):
+  """Float64 (out, lse), padded (B, T, N, Hv) or ragged (total, N, Hv)."""
+  q, kp, vp = (np.asarray(x, np.float64) for x in (q, kp, vp))
+  if ks is not None:
+    kp = kp * np.broadcast_to(np.asarray(ks, np.float64), kp.shape[:3])[..., None]
+  if vs is not None:
+    vp = vp * np.broadcast_to(np.asarray(vs, np.float64), vp.shape[:3])[..., None]
+  table, lens = np.asarray(table), np.asarray(lens)
+  B = table.shape[0]
+  ps, K, H = kp.shape[1:]
+  Hv = vp.shape[-1]
+  N = q.shape[-2]
+  G = N // K
+  scale = 1 / np.sqrt(H) if scale is None else scale
+  rows = (np.arange(B + 1) * q.shape[1]) if qs is None else np.asarray(qs)
+  flat = q.reshape(-1, N, H)
+  out = np.zeros(flat.shape[:2] + (Hv,))
+  lse = np.full(flat.shape[:2], -np.inf)
+  for b in range(B):
+    L = int(lens[b])
+    keys = np.concatenate([kp[table[b, i]] for i in range(-(-L // ps))] or
+                          [np.zeros((0, K, H))])[:L]
+    vals = np.concatenate([vp[table[b, i]] for i in range(-(-L // ps))] or
+                          [np.zeros((0, K, Hv))])[:L]
+    n = rows[b + 1] - rows[b]
+    for i in range(n):
+      r, pos = rows[b] + i, L - n + i
+      for h in range(N):
+        s = keys[:, h // G] @ flat[r, h] * scale
+        if cap is not None:
+          s = cap * np.tanh(s / cap)
+        key = np.arange(L)
+        vis = np.ones(L, bool)
+        if causal:
+          vis &= key <= pos
+        if window is not None:
+          left, right = window
+          if left is not None:
+            vis &= key >= pos - left
+          if right is not None:
+            vis &= key <= pos + right
+        logits = s[vis]
+        if sinks is not None:
+          logits = np.append(logits, sinks[h])
+        if not vis.any():
+          if sinks is not None:
+            lse[r, h] = sinks[h]
+          continue
+        mx = logits.max()
+        w = np.exp(logits - mx)
+        tot = w.sum()
+        out[r, h] = (w[:vis.sum()] / tot) @ vals[vis][:, h // G]
+        lse[r, h] = mx + np.log(tot)
+  if qs is None:
+    return out.reshape(q.shape[:3] + (Hv,)), lse.reshape(q.shape[:3])
+  return out, lse
+
+
+def pool(key, P, ps, K, H, Hv, B, lens, dtype=jnp.float32, garbage=True):
+  """A shuffled page pool holding B sequences of ``lens`` tokens, and its page table; unused
+  pages and table entries hold garbage (NaN, out-of-range ids)."""
+  ks = jax.random.split(key, 3)
+  kp = np.array(jax.random.normal(ks[0], (P, ps, K, H)), np.float32)
+  vp = np.array(jax.random.normal(ks[1], (P, ps, K, Hv)), np.float32)
+  need = [-(-int(L) // ps) for L in lens]
+  max_pages = max(max(need), 1) + 1
+  perm = np.random.default_rng(int(jax.random.randint(ks[2], (), 0, 1000))).permutation(P)
+  assert sum(need) <= P
+  table = np.full((B, max_pages), P + 7, np.int32)  # past a sequence's pages: out of range
+  at = 0
+  for b, n in enumerate(need):
+    table[b, :n] = perm[at:at + n]
+    at += n
+  used = set(perm[:at].tolist())
+  if garbage:
+    for p in range(P):
+      if p not in used:
+        kp[p] = np.nan
+        vp[p] = np.nan
+    # The tail of each sequence's last page is garbage too.
+    for b, L in enumerate(lens):
+      if L % ps:
+        kp[table[b, L // ps], L % ps:] = np.nan
+        vp[table[b, L // ps], L % ps:] = np.inf
+  return jnp.asarray(kp, dtype), jnp.asarray(vp, dtype), jnp.asarray(table)
+
+
+def _check(got, want, atol=2e-5):
+  got, want = np.asarray(got, np.float64), np.asarray(want)
+  assert got.shape == want.shape
+  assert np.isfinite(got).all()
+  scale = max(1.0, np.abs(want).max())
+  np.testing.assert_allclose(got / scale, want / scale, atol=atol)
+
+
+@pytest.mark.parametrize("ps", [4, 16])
+@pytest.mark.parametrize("T", [1, 5])
+@pytest.mark.parametrize("N,K", [(4, 2), (4, 1), (2, 2)])
+def test_decode_and_chunked_prefill(ps, T, N, K):
+  B, H, Hv = 3, 8, 8
+  lens = np.array([37, 5, 64])
+  kp, vp, table = pool(jax.random.key(0), 40, ps, K, H, Hv, B, lens)
+  q = jax.random.normal(jax.random.key(1), (B, T, N, H))
+  out, lse = jattn.paged_attention(q, kp, vp, table, jnp.asarray(lens), return_residual=True)
+  want, want_lse = reference(q, kp, vp, table, lens)
+  _check(out, want)
+  _check(lse, want_lse)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(local_window_size=(6, 0)), dict(logits_soft_cap=2.0), dict(sinks=True),
+    dict(is_causal=False), dict(is_causal=False, local_window_size=(3, 2)), dict(scale=0.3)])
+def test_options_against_reference(kw):
+  B, N, K, H, Hv, T, ps = 3, 4, 2, 8, 12, 6, 8
+  lens = np.array([30, 6, 19])
+  kp, vp, table = pool(jax.random.key(2), 16, ps, K, H, Hv, B, lens)
+  q = jax.random.normal(jax.random.key(3), (B, T, N, H))
+  kw = dict(kw)
+  if kw.pop("sinks", None):
+    kw["sinks"] = jnp.linspace(-1.0, 2.0, N)
+  out = jattn.paged_attention(q, kp, vp, table, jnp.asarray(lens), **kw)
+  ref_kw = dict(scale=kw.get("scale"), causal=kw.get("is_causal", True),
+                window=kw.get("local_window_size"), cap=kw.get("logits_soft_cap"),
+                sinks=None if "sinks" not in kw else np.asarray(kw["sinks"]))
+  want, _ = reference(q, kp, vp, table, lens, **ref_kw)
+  _check(out, want)
+
+
+def test_ragged_batch_with_empty_sequences_mixes_prefill_and_decode():
+  # Five sequences: a prefill chunk of 21 rows (more than a tile), two decode tokens, one with
+  # no new queries and one with an empty cache; GQA and a value head size of its own.
+  N, K, H, Hv, ps = 4, 2, 8, 6, 8
+  lens = np.array([40, 9, 17, 0, 3])
+  counts = np.array([21, 1, 0, 0, 1])
+  qs = np.concatenate([[0], np.cumsum(counts)])
+  B = len(lens)
+  kp, vp, table = pool(jax.random.key(4), 24, ps, K, H, Hv, B, lens)
+  q = jax.random.normal(jax.random.key(5), (int(qs[-1]), N, H))
+  for kw in ({}, dict(local_window_size=(7, 0), sinks=jnp.ones(N))):
+    out, lse = jattn.paged_attention(q, kp, vp, table, jnp.asarray(lens),
+                                     query_start=jnp.asarray(qs), return_residual=True, **kw)
+    want, want_lse = reference(q, kp, vp, table, lens, qs,
+                               window=kw.get("local_window_size"),
+                               sinks=None if "sinks" not in kw else np.ones(N))
+    _check(out, want)
+    finite = np.isfinite(want_lse)
+    _check(np.where(finite, lse, 0), np.where(finite, want_lse, 0))
+
+
+@pytest.mark.parametrize("dtype", [jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2])
+@pytest.mark.parametrize("kind", ["tensor", "head", "token"])
+def test_quantized_pages(dtype, kind):
+  B, N, K, H, Hv, T, ps, P = 2, 4, 2, 16, 16, 3, 8, 12
+  lens = np.array([41, 20])
+  kp, vp, table = pool(jax.random.key(6), P, ps, K, H, Hv, B, lens, garbage=False)
+  shape = {"tensor": (), "head": (K,), "token": (P, ps, K)}[kind]
+  k_amax = np.abs(np.asarray(kp)).max(axis=-1)
+  v_amax = np.abs(np.asarray(vp)).max(axis=-1)
+  top = 127.0 if dtype == jnp.int8 else float(jnp.finfo(dtype).max)
+  reduce = {"tensor": lambda a: a.max(), "head": lambda a: a.max(axis=(0, 1)),
+            "token": lambda a: a}[kind]
+  ks, vs = reduce(k_amax) / top, reduce(v_amax) / top
+  quant = lambda x, s: (np.round(x / np.broadcast_to(s, x.shape[:3])[..., None])
+                        if dtype == jnp.int8 else x / np.broadcast_to(s, x.shape[:3])[..., None])
+  kq = jnp.asarray(np.clip(quant(np.asarray(kp), ks), -top, top)).astype(dtype)
+  vq = jnp.asarray(np.clip(quant(np.asarray(vp), vs), -top, top)).astype(dtype)
+  q = jax.random.normal(jax.random.key(7), (B, T, N, H))
+  ks, vs = jnp.asarray(ks, jnp.float32).reshape(shape), jnp.asarray(vs, jnp.float32).reshape(shape)
+  out = jattn.paged_attention(q, kq, vq, table, jnp.asarray(lens), k_scale=ks, v_scale=vs)
+  # Exactly the attention of the dequantised cache (float32 arithmetic) ...
+  want, _ = reference(q, kq.astype(jnp.float32), vq.astype(jnp.float32), table, lens,
+                      ks=np.asarray(ks), vs=np.asarray(vs))
+  _check(out, want)
+  # ... which is within the quantisation's own error of the unquantised cache's.
+  exact, _ = reference(q, kp, vp, table, lens)
+  bound = {jnp.int8: 0.05, jnp.float8_e4m3fn: 0.15, jnp.float8_e5m2: 0.3}[dtype]
+  assert np.abs(np.asarray(out) - exact).max() < bound
+
+
+def test_bf16_queries_keep_float32_statistics():
+  # bfloat16 in and out; the error against float64 within a few roundings of the output.
+  B, N, K, H, T, ps = 2, 4, 2, 32, 4, 16
+  lens = np.array([300, 77])
+  kp, vp, table = pool(jax.random.key(8), 32, ps, K, H, H, B, lens, garbage=False)
+  q = jax.random.normal(jax.random.key(9), (B, T, N, H))
+  bf = lambda x: x.astype(jnp.bfloat16)
+  out = jattn.paged_attention(bf(q), bf(kp), bf(vp), table, jnp.asarray(lens))
+  assert out.dtype == jnp.bfloat16
+  want, _ = reference(bf(q).astype(jnp.float32), bf(kp).astype(jnp.float32),
+                      bf(vp).astype(jnp.float32), table, lens)
+  rounding = np.abs(np.asarray(jnp.asarray(want, jnp.bfloat16), np.float64) - want).max()
+  assert np.abs(np.asarray(out, np.float64) - want).max() <= 4 * rounding + 1e-6
+
+
+def test_split_kv_program_for_accelerators():
+  # Exported for cuda (split-KV lanes, chosen where the program is lowered) and run here: the
+  # same result; a decoding step against S = 16384 runs ceil(S / 256 / 16) = 4 sequential steps,
+  # with nothing of the cache's size per query.
+  from jattn.bench import structure
+  B, N, K, H, ps = 2, 4, 2, 8, 16
+  lens = np.array([200, 57])
+  kp, vp, table = pool(jax.random.key(10), 32, ps, K, H, H, B, lens)
+  q = jax.random.normal(jax.random.key(11), (B, 1, N, H))
+  f = lambda q, kp, vp, t, l: jattn.paged_attention(q, kp, vp, t, l)
+  args = (q, kp, vp, table, jnp.asarray(lens))
+  exp = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[
+      jax.export.DisabledSafetyCheck.platform()])(*args)
+  want, _ = reference(*args[:4], lens)
+  _check(exp.call(*args), want)
+  _check(f(*args), want)
+  S, P = 16384, 16384 // 16 * 4
+  shapes = (jax.ShapeDtypeStruct((4, 1, 32, 128), jnp.bfloat16),
+            jax.ShapeDtypeStruct((P, 16, 8, 128), jnp.bfloat16),
+            jax.ShapeDtypeStruct((P, 16, 8, 128), jnp.bfloat16),
+            jax.ShapeDtypeStruct((4, S // 16), jnp.int32), jax.ShapeDtypeStruct((4,), jnp.int32))
+  for platform in ("cuda", "tpu"):
+    hlo = structure.lowered_for(f, shapes, platform)
+    assert structure.loop_structure(hlo).steps <= -(-S // 256 // 16) + 2
+
+
+@pytest.mark.parametrize("call, error, words", [
+    (lambda a: dict(a, query=a["query"][0]), ValueError, r"query must be \(B, T, N, H\)"),
+    (lambda a: dict(a, page_table=a["page_table"][0]), ValueError, "page_table must be"),
+    (lambda a: dict(a, kv_lengths=a["kv_lengths"][:1]), ValueError, "kv_lengths must be"),
+    (lambda a: dict(a, value_pages=a["value_pages"][:, :2]), ValueError, "value_pages must have"),
+    (lambda a: dict(a, key_pages=a["key_pages"].astype(jnp.int8)), ValueError, "need k_scale"),
+    (lambda a: dict(a, key_pages=a["key_pages"].astype(jnp.int8), k_scale=jnp.ones(3)),
+     ValueError, "k_scale must be"),
+    (lambda a: dict(a, key_pages=a["key_pages"].astype(jnp.bfloat16)), TypeError, "dtype"),
+    (lambda a: dict(a, page_table=a["page_table"].astype(jnp.float32)), TypeError, "page_table"),
+    (lambda a: dict(a, sinks=jnp.ones(3)), ValueError, r"sinks must be \(N,\)"),
+    (lambda a: dict(a, implementation="splash"), NotImplementedError, "jattn's own kernel"),
+])
+def test_malformed_calls_name_the_argument(call, error, words):
+  lens = np.array([10, 3])
+  kp, vp, table = pool(jax.random.key(12), 8, 4, 2, 8, 8, 2, lens)
+  a = dict(query=jnp.ones((2, 1, 4, 8)), key_pages=kp, value_pages=vp, page_table=table,
+           kv_lengths=jnp.asarray(lens))
+  with pytest.raises(error, match=words):
+    jattn.paged_attention(**call(a))
+
+
+def test_gradients_are_refused_with_a_clear_error():
+  lens = np.array([10, 3])
+  kp, vp, table = pool(jax.random.key(13), 8, 4, 2, 8, 8, 2, lens)
+  q = jnp.ones((2, 1, 4, 8))
+  with pytest.raises(NotImplementedError, match="forward only"):
+    jax.grad(lambda q: jattn.paged_attention(q, kp, vp, table, jnp.asarray(lens)).sum())(q)
