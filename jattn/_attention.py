@@ -7,10 +7,12 @@ Shape vocabulary (as in `jax.nn.dot_product_attention`):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 
 from jattn import _call, _dense, _dispatch, _softmax
 from jattn import masks as _masks
@@ -43,6 +45,8 @@ def dot_product_attention(
     return_residual: bool = False,
     score_mod: Callable | None = None,
     sinks: ArrayLike | None = None,
+    q_positions: ArrayLike | None = None,
+    kv_positions: ArrayLike | None = None,
 ):
   r"""Scaled dot-product attention, numerically stable, dense or chunked.
 
@@ -106,6 +110,12 @@ def dot_product_attention(
       closes over receive gradients. Define it once: a new function object recompiles.
     sinks: optional float (N,) per-head sink logits that join every row's softmax denominator and
       take no value (attention sinks); they receive gradients.
+    q_positions, kv_positions: int (B, T) and (B, S) (or (T,), (S,) unbatched), given together:
+      ``is_causal`` and ``local_window_size`` are then measured in these positions instead of
+      array indices (either alignment: key visible iff its position <= the query's) -- a cache
+      with padding inside, packed sequences whose positions restart. Blocks are skipped from
+      each block's range of positions (`jattn.masks.positions`). Padding still needs its own
+      mask (lengths, segment ids).
 
   Returns:
     The output, shaped like ``query`` (value has key's shape), in the query dtype; with
@@ -122,9 +132,27 @@ def dot_product_attention(
       return_residual=return_residual, score_mod=score_mod)
   if opts.dropout_rate == 0.0:
     dropout_rng = None
+  if q_positions is not None or kv_positions is not None:
+    mask, opts = _positions_mask(query, mask, q_positions, kv_positions, opts)
   return _attention(query, key, value, bias, _call.static_mask(mask, opts), query_seq_lengths,
                     key_value_seq_lengths, q_segment_ids, kv_segment_ids, dropout_rng, sinks,
                     scale_operand, opts=opts)
+
+
+def _positions_mask(query, mask, q_positions, kv_positions, opts):
+  """(mask, opts) with causality and the window moved from the keywords into a
+  `jattn.masks.positions` mask ANDed with ``mask``."""
+  if q_positions is None or kv_positions is None:
+    raise ValueError("q_positions and kv_positions must be given together, got only "
+                     + ("q_positions" if kv_positions is None else "kv_positions"))
+  if getattr(query, "ndim", None) == 3:  # unbatched: positions (T,), (S,)
+    q_positions, kv_positions = (jnp.asarray(x)[None] for x in (q_positions, kv_positions))
+  by_position = _masks.positions(q_positions, kv_positions, causal=opts.causal is not None,
+                                 window=opts.window)
+  if mask is not None:
+    other = mask if isinstance(mask, _masks.Mask) else _masks.from_array(mask)
+    by_position = other & by_position
+  return by_position, dataclasses.replace(opts, causal=None, window=None)
 
 
 @functools.partial(jax.jit, static_argnames=("opts",))

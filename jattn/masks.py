@@ -592,6 +592,98 @@ def _block_min_max(ids, positions, valid):
 _register(_Segments, data_fields=("q_ids", "kv_ids"))
 
 
+# Positions given to blocks past the sequence's end: far apart, so no window reaches across
+# them, yet far from int32's ends, so q - k cannot overflow.
+_FAR = 1 << 29
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class _Positions(Mask):
+  """Causality and a window measured in positions, not array indices: query t of example b sits
+  at q_positions[b, t], key s at kv_positions[b, s]. Key k is visible to query q iff
+  kv <= q (causal) and q - left <= kv <= q + right (window; None on a side: unbounded).
+
+  What a cache with padding inside needs (prompts of different lengths in one buffer, each
+  left-padded), and packed sequences whose positions restart. Blocks are skipped from each
+  block's range of positions (its min and max), so nothing of size (T, S) is built."""
+
+  q_positions: Any
+  kv_positions: Any
+  causal: bool = True
+  window: tuple | None = None
+
+  def validate(self, shape):
+    B, _, T, S = shape
+    _validation.segment_ids("masks.positions: q_positions", self.q_positions, B, T, "T",
+                            checked=True)
+    _validation.segment_ids("masks.positions: kv_positions", self.kv_positions, B, S, "S",
+                            checked=True)
+
+  def can_take_part(self):
+    return True
+
+  def take_part(self, cut):
+    return _Positions(cut.examples(self.q_positions), cut.examples(self.kv_positions),
+                      self.causal, self.window)
+
+  def _visible(self, q, k):
+    """Visibility of keys at positions k from queries at positions q (broadcast)."""
+    ok = jnp.ones(jnp.broadcast_shapes(q.shape, k.shape), bool)
+    if self.causal:
+      ok = ok & (k <= q)
+    if self.window is not None:
+      left, right = self.window
+      if left is not None:
+        ok = ok & (k >= q - left)
+      if right is not None:
+        ok = ok & (k <= q + right)
+    return ok
+
+  def evaluate(self, q_pos, kv_pos, shape):
+    q = jnp.take(self.q_positions.astype(jnp.int32), q_pos, axis=1, mode="fill",
+                 fill_value=-_FAR)
+    k = jnp.take(self.kv_positions.astype(jnp.int32), kv_pos, axis=1, mode="fill",
+                 fill_value=_FAR)
+    ok = self._visible(q[:, :, None], k[:, None, :])
+    # A query or key past the arrays (a block's padding) sees nothing.
+    ok = ok & (q > -_FAR)[:, :, None] & (k < _FAR)[:, None, :]
+    return ok[:, None]
+
+  def block_states(self, grid, shape):
+    qmin, qmax = _block_min_max(self.q_positions.astype(jnp.int32), *grid.q_blocks())
+    kmin, kmax = _block_min_max(self.kv_positions.astype(jnp.int32), *grid.kv_blocks())
+    qmin, qmax = qmin[:, :, None], qmax[:, :, None]
+    kmin, kmax = kmin[:, None, :], kmax[:, None, :]
+    # Every pair of a block sees the other iff its extreme pairs do (each condition is one
+    # inequality between q and k); none does iff the closest pairs do not.
+    full = jnp.ones(jnp.broadcast_shapes(qmin.shape, kmin.shape), bool)
+    empty = jnp.zeros_like(full)
+    if self.causal:
+      full, empty = full & (kmax <= qmin), empty | (kmin > qmax)
+    if self.window is not None:
+      left, right = self.window
+      if left is not None:
+        full, empty = full & (kmin >= qmax - left), empty | (kmax < qmin - left)
+      if right is not None:
+        full, empty = full & (kmax <= qmin + right), empty | (kmin > qmax + right)
+    return jnp.where(empty, EMPTY, jnp.where(full, FULL, PARTIAL)).astype(jnp.int8)[:, None]
+
+
+_register(_Positions, data_fields=("q_positions", "kv_positions"))
+
+
+def positions(q_positions: ArrayLike, kv_positions: ArrayLike, *, causal: bool = True,
+              window: int | tuple | None = None) -> Mask:
+  """Causality and a ``window`` (``w`` or ``(left, right)``, as ``local_window_size``)
+  measured in positions: int arrays q_positions (B, T) and kv_positions (B, S). Combine with
+  `lengths` or `segments` to hide padding (a position alone does not say a slot is empty)."""
+  q = _int_array("masks.positions: q_positions", q_positions)
+  kv = _int_array("masks.positions: kv_positions", kv_positions)
+  if q is None or kv is None:
+    raise TypeError("masks.positions needs both q_positions and kv_positions (int arrays)")
+  return _Positions(q, kv, bool(causal), _validation.window(window))
+
+
 def segments(q_segment_ids: ArrayLike, kv_segment_ids: ArrayLike | None = None) -> Mask:
   """Packed-document mask from integer segment ids, q (B, T) and kv (B, S)."""
   q = _int_array("masks.segments: q_segment_ids", q_segment_ids)

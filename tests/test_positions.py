@@ -1,0 +1,135 @@
+"""Causality and windows measured in positions (`q_positions`, `kv_positions`,
+`jattn.masks.positions`): a cache with padding inside, packed sequences whose positions restart.
+
+Checked against a float64 reference that builds the visibility from the positions, index by
+index, for every jattn kernel (dense, chunked in both schedules), with gradients; and block
+skipping from per-block position ranges: no block the positions hide is computed.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jattn
+from jattn import _chunked
+
+import reference as ref
+from test_attention import IMPLS
+
+B, T, S, N, K, H = 2, 24, 40, 4, 2, 8
+
+
+def _padded_cache():
+  """Example 0: 10 pad slots, then 30 tokens (positions 0..29); example 1: 40 tokens. The last
+  T of each are the queries. Returns (q_pos (B, T), kv_pos (B, S), kv_valid (B, S))."""
+  kv_pos = np.stack([np.concatenate([np.zeros(10), np.arange(30)]), np.arange(40)]).astype(np.int32)
+  valid = np.stack([np.arange(S) >= 10, np.ones(S, bool)])
+  return kv_pos[:, -T:], kv_pos, valid
+
+
+def _packed():
+  """Two packed documents per example whose positions restart: (q_pos, kv_pos, segments)."""
+  pos = np.stack([np.concatenate([np.arange(15), np.arange(25)]),
+                  np.concatenate([np.arange(33), np.arange(7)])]).astype(np.int32)
+  seg = np.stack([np.repeat([0, 1], [15, 25]), np.repeat([0, 1], [33, 7])]).astype(np.int32)
+  return pos, seg
+
+
+def _visible(q_pos, kv_pos, causal, window, kv_valid=None, q_seg=None, kv_seg=None):
+  vis = np.zeros((B, N, q_pos.shape[1], kv_pos.shape[1]), bool)
+  for b in range(B):
+    for t in range(q_pos.shape[1]):
+      for s in range(kv_pos.shape[1]):
+        q, k = q_pos[b, t], kv_pos[b, s]
+        ok = not causal or k <= q
+        if window is not None:
+          ok = ok and q - window[0] <= k <= q + window[1]
+        if kv_valid is not None:
+          ok = ok and kv_valid[b, s]
+        if q_seg is not None:
+          ok = ok and q_seg[b, t] == kv_seg[b, s]
+        vis[b, :, t, s] = ok
+  return vis
+
+
+def _run(impl, q, k, v, do, **kw):
+  f = lambda q, k, v: jattn.dot_product_attention(q, k, v, **IMPLS[impl], **kw)
+  out, pull = jax.vjp(f, q, k, v)
+  return (out,) + pull(do)
+
+
+def _compare(got, q, k, v, do, vis):
+  want_out, _, cache = ref.attention(q, k, v, visible=vis)
+  want = (want_out,) + tuple(ref.grads(cache, do))[:3]
+  for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+    scale = max(1.0, float(np.abs(b).max()))
+    np.testing.assert_allclose(np.asarray(a) / scale, np.asarray(b) / scale, atol=2e-5,
+                               err_msg=name)
+
+
+def _inputs(T_):
+  ks = jax.random.split(jax.random.key(0), 4)
+  return (jax.random.normal(ks[0], (B, T_, N, H)), jax.random.normal(ks[1], (B, S, K, H)),
+          jax.random.normal(ks[2], (B, S, K, H)), jax.random.normal(ks[3], (B, T_, N, H)))
+
+
+@pytest.mark.parametrize("impl", sorted(IMPLS))
+@pytest.mark.parametrize("window", [None, (6, 0)])
+def test_padded_cache_window_counts_positions(impl, window):
+  q_pos, kv_pos, valid = _padded_cache()
+  q, k, v, do = _inputs(T)
+  # The padding sits at the start of example 0's cache: a segment id marks it.
+  seg_q, seg_kv = np.ones((B, T), np.int32), valid.astype(np.int32)
+  got = _run(impl, q, k, v, do, is_causal=True, local_window_size=window,
+             q_positions=jnp.asarray(q_pos), kv_positions=jnp.asarray(kv_pos),
+             q_segment_ids=jnp.asarray(seg_q), kv_segment_ids=jnp.asarray(seg_kv))
+  _compare(got, q, k, v, do, _visible(q_pos, kv_pos, True, window, kv_valid=valid))
+
+
+@pytest.mark.parametrize("impl", sorted(IMPLS))
+def test_packed_sequences_whose_positions_restart(impl):
+  pos, seg = _packed()
+  q, k, v, do = _inputs(S)
+  mask = jattn.masks.positions(pos, pos, window=(5, 0)) & jattn.masks.segments(seg, seg)
+  got = _run(impl, q, k, v, do, mask=mask)
+  _compare(got, q, k, v, do, _visible(pos, pos, True, (5, 0), q_seg=seg, kv_seg=seg))
+
+
+def test_blocks_hidden_by_positions_are_never_computed():
+  # Two documents of 40 tokens packed in 80, positions restarting, a window of 8: the blocks
+  # between a query block and keys more than 8 positions back are skipped (the hook counts).
+  pos = np.tile(np.arange(40), 2)[None].astype(np.int32)
+  q = jax.random.normal(jax.random.key(1), (1, 80, 2, 8))
+  seen = []
+  _chunked._BLOCK_HOOK = lambda name, i, j, state: seen.append((i, j, state))
+  try:
+    jax.block_until_ready(jattn.dot_product_attention(
+        q, q, q, implementation="chunked", block_q=8, block_kv=8, is_causal=True,
+        local_window_size=(8, 0), q_positions=jnp.asarray(pos), kv_positions=jnp.asarray(pos)))
+  finally:
+    _chunked._BLOCK_HOOK = None
+  computed = {(i, j) for i, j, state in seen if state}
+  # Exactly the blocks holding a visible pair (positions rise within each block, so a block's
+  # position range decides): own document's diagonal blocks, and -- positions alone do not know
+  # documents -- the other document's blocks at the same positions.
+  p = pos[0]
+  vis = (p[None, :] <= p[:, None]) & (p[None, :] >= p[:, None] - 8)
+  want = {(i, j) for i in range(10) for j in range(10)
+          if vis[8 * i:8 * i + 8, 8 * j:8 * j + 8].any()}
+  assert computed == want, sorted(computed ^ want)
+  assert len(want) < 100 // 2
+
+
+def test_positions_errors_name_the_argument():
+  q, k, v, _ = _inputs(T)
+  with pytest.raises(ValueError, match="q_positions and kv_positions must be given together"):
+    jattn.dot_product_attention(q, k, v, q_positions=jnp.zeros((B, T), jnp.int32))
+  with pytest.raises(ValueError, match=r"masks.positions: kv_positions must have shape \(B, S\)"):
+    jattn.dot_product_attention(q, k, v, q_positions=jnp.zeros((B, T), jnp.int32),
+                                kv_positions=jnp.zeros((B, S + 1), jnp.int32))
+  with pytest.raises(TypeError, match="q_positions"):
+    jattn.dot_product_attention(q, k, v, q_positions=jnp.zeros((B, T)),
+                                kv_positions=jnp.zeros((B, S), jnp.int32))
