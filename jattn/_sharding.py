@@ -306,7 +306,8 @@ def aligned_to_query(args):
   bias (broadcastable to (B, N, T, S)) sharded as the scores are (B, N and T as the query, S
   whole unless only K and V are split along it); a boolean mask by example and head, segment
   ids and lengths by example, their sequence dimensions whole (masks read them at positions,
-  by gathers a sharded operand cannot follow); the sinks replicated. Elsewhere unchanged.
+  by gathers a sharded operand cannot follow), and so the arrays of a mask object; the sinks
+  replicated. Elsewhere unchanged.
 
   ``args``: a `jattn._validation.Arrays`."""
   if not explicit_mesh():
@@ -333,8 +334,15 @@ def aligned_to_query(args):
     return reshard_to(x, PartitionSpec(q[0] if x.shape[0] == B else None,
                                        *(None,) * (x.ndim - 1)))
 
+  mask = args.mask
+  if mask is not None and not hasattr(mask, "ndim"):
+    # A mask object's arrays (positions, segment ids, lengths, offsets) likewise by example.
+    mask = jax.tree.map(lambda x: per_example(x) if getattr(x, "ndim", 0) else replicated(x),
+                        mask)
+  else:
+    mask = like_scores(mask, rows=False)
   return dataclasses.replace(
-      args, bias=like_scores(args.bias), mask=like_scores(args.mask, rows=False),
+      args, bias=like_scores(args.bias), mask=mask,
       q_lengths=per_example(args.q_lengths), kv_lengths=per_example(args.kv_lengths),
       q_seg=per_example(args.q_seg), kv_seg=per_example(args.kv_seg),
       sinks=replicated(args.sinks))

@@ -81,6 +81,14 @@ _Q_LEN = np.array([T, 5, 17, 0], np.int32)  # an example with no queries
 _KV_LEN = np.array([S, 3, 0, 20], np.int32)  # an example with no keys
 _SEG = np.stack([(np.arange(T) >= c).astype(np.int32) for c in (0, 10, 20, 31)])
 _MASK = _rng(4).random((B, 1, T, S)) < 0.7
+# Positions: per example a left-padded cache (its positions start after pad slots, the pads at
+# position 0) or a restart (two packed sequences); the queries are the last T keys' positions.
+_KV_POS = np.stack([np.concatenate([np.zeros(p), np.arange(S - p)]) if p >= 0
+                    else np.concatenate([np.arange(-p), np.arange(S + p)])
+                    for p in (0, 6, 13, -11)]).astype(np.int32)
+_Q_POS = _KV_POS[:, S - T:]
+_POS_VIS = ((_KV_POS[:, None, None, :] <= _Q_POS[:, None, :, None])
+            & (_KV_POS[:, None, None, :] >= _Q_POS[:, None, :, None] - 7))
 _RATE = 0.25
 
 OPTIONS: dict[str, Option] = {
@@ -113,6 +121,11 @@ OPTIONS: dict[str, Option] = {
     "mask-array": Option(
         call=lambda a: dict(mask=a["mask"]),
         arrays={"mask": (_MASK, "B_TS")}, mask_kw=dict(mask=_MASK)),
+    "positions": Option(
+        call=lambda a: dict(is_causal=True, local_window_size=(7, 0), q_positions=a["q_pos"],
+                            kv_positions=a["kv_pos"]),
+        arrays={"q_pos": (_Q_POS, "BT"), "kv_pos": (_KV_POS, "BS")},
+        mask_kw=dict(mask=_POS_VIS)),
     "mask-object": Option(
         call=lambda a: dict(mask=_mask_object()),
         mask_kw=dict(causal="top_left", window=(5, 5))),
