@@ -769,3 +769,37 @@ max_memory_gib = 1.0
   assert decode_bench.main([str(tmp_path / "missing.toml")]) == 2
   bad = _write_config(tmp_path, 'S = [4]\nT = 8\n')
   assert decode_bench.main([bad]) == 2 and "every S must be" in capsys.readouterr().err
+
+
+def test_decode_bench_times_the_paged_call_against_its_floor(tmp_path, capsys):
+  # With page_sizes, `jattn-bench decode` times jattn.paged_attention for each page dtype
+  # against the floor of reading its pool once; its output equals jattn's chunked kernels on
+  # the same (dequantised) cache laid out contiguously, and the ratios come from the medians.
+  path = _write_config(tmp_path, """
+name = "tiny-paged"
+repeats = 2
+warmup = 0
+batch = 2
+heads = 4
+kv_heads = 2
+head_dim = 16
+T = 1
+S = [300]
+dtypes = ["float32"]
+page_sizes = [16]
+page_dtypes = ["float32", "int8", "float8_e5m2"]
+max_memory_gib = 1.0
+""")
+  out = tmp_path / "paged.json"
+  assert cli.main(["decode", path, "--paged-only", "--json", str(out)]) == 0
+  printed = capsys.readouterr().out
+  rows = {r["page_dtype"]: r for r in json.loads(out.read_text())["rows"]}
+  assert set(rows) == {"float32", "int8", "float8_e5m2"}
+  for r in rows.values():
+    assert r["status"] == "ok" and r["max_abs_diff"] < 1e-5, r
+    assert r["ms"]["floor"] == min(r["ms"]["floor-sum"], r["ms"]["floor-max"])
+    assert r["vs_floor"] == pytest.approx(r["ms"]["paged"] / r["ms"]["floor"])
+    assert r["vs_float32"] == pytest.approx(r["ms"]["paged"] / rows["float32"]["ms"]["paged"])
+  assert sum(ln.startswith("| int8 | 16 | 300") for ln in printed.splitlines()) == 1
+  bad = _write_config(tmp_path, 'page_dtypes = ["int4"]\n')
+  assert decode_bench.main([bad]) == 2 and "page_dtypes" in capsys.readouterr().err

@@ -17,6 +17,16 @@ settled between calls (`jattn.bench.runner.settle`):
 Each row gives the median milliseconds, the ratio to the floor and jattn's speed-up over jax.nn
 (above 1 is faster), and the largest difference from jattn dense's output. Cases whose inputs
 and one full-size copy would not fit ``max_memory_gib`` are skipped and listed.
+
+With ``page_sizes`` (and ``page_dtypes``: float32, bfloat16, int8, float8_e4m3fn, float8_e5m2)
+it also times `jattn.paged_attention` on a pool of pages in shuffled order (each sequence S
+tokens; quantised pages with per-token-and-head scales), interleaved with its own floor: one
+read of exactly the pool's bytes in their dtype -- the faster of two one-pass readers, a float32
+sum and a max over the bytes as unsigned integers of the same width (on XLA's CPU backend
+either can be the slow one: integer reductions are not vectorised, float8 converts in
+software). Each paged row gives its time, the ratio to that floor, the ratio to the float32
+pool's step of the same S and page size, and the largest difference from jattn's chunked kernels
+on the same (dequantised) cache laid out contiguously.
 """
 
 from __future__ import annotations
@@ -31,14 +41,16 @@ from jattn.bench.config import configs_dir, read_table
 
 DEFAULT_CONFIG = configs_dir() / "decode.toml"
 KEYS = {"name", "description", "repeats", "warmup", "batch", "heads", "kv_heads", "head_dim",
-        "T", "S", "dtypes", "max_memory_gib"}
+        "T", "S", "dtypes", "max_memory_gib", "page_sizes", "page_dtypes"}
+PAGE_DTYPES = ("float32", "bfloat16", "int8", "float8_e4m3fn", "float8_e5m2")
 IMPLS = ("jattn", "jattn-chunked", "jattn-dense", "jax.nn", "floor")
 
 
 def load_config(path, overrides=None) -> dict:
   cfg = read_table(path, KEYS, {
       "repeats": 5, "warmup": 1, "batch": 4, "heads": 32, "kv_heads": 8, "head_dim": 128,
-      "T": 1, "S": [4096, 16384], "dtypes": ["bfloat16", "float32"], "max_memory_gib": 12.0})
+      "T": 1, "S": [4096, 16384], "dtypes": ["bfloat16", "float32"], "max_memory_gib": 12.0,
+      "page_sizes": [], "page_dtypes": ["float32", "bfloat16", "int8", "float8_e4m3fn"]})
   cfg.update({k: v for k, v in (overrides or {}).items() if v is not None})
   if isinstance(cfg["S"], int):
     cfg["S"] = [cfg["S"]]
@@ -54,6 +66,12 @@ def load_config(path, overrides=None) -> dict:
   bad = set(cfg["dtypes"]) - {"bfloat16", "float16", "float32"}
   if bad:
     raise ValueError(f"{path}: dtypes has {sorted(bad)}; allowed: bfloat16, float16, float32")
+  bad = set(cfg["page_dtypes"]) - set(PAGE_DTYPES)
+  if bad:
+    raise ValueError(f"{path}: page_dtypes has {sorted(bad)}; allowed: {', '.join(PAGE_DTYPES)}")
+  bad = [p for p in cfg["page_sizes"] if not isinstance(p, int) or p < 1]
+  if bad:
+    raise ValueError(f"{path}: page_sizes must be positive ints, got {bad}")
   return cfg
 
 
@@ -130,6 +148,127 @@ def run(cfg: dict, log=print) -> list[dict]:
   return rows
 
 
+def _pool(key, B, S, K, H, page_size, dtype):
+  """A pool holding B sequences of S tokens in shuffled pages, its table, the scales of
+  quantised pages (per token and head) and the contiguous dequantised (B, S, K, H) cache."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  n = -(-S // page_size)
+  P = B * n
+  table = np.random.default_rng(S + page_size).permutation(P).reshape(B, n).astype(np.int32)
+  pools, scales, caches = [], [], []
+  for k in jax.random.split(key, 2):
+    x = jax.random.normal(k, (P, page_size, K, H), jnp.float32)
+    if dtype in ("int8", "float8_e4m3fn", "float8_e5m2"):
+      top = 127.0 if dtype == "int8" else float(jnp.finfo(dtype).max)
+      scale = jnp.abs(x).max(axis=-1) / top
+      q = x / scale[..., None]
+      x = (jnp.round(q) if dtype == "int8" else q).astype(dtype)
+      deq = x.astype(jnp.float32) * scale[..., None]
+    else:
+      x, scale = x.astype(dtype), None
+      deq = x.astype(jnp.float32)
+    pools.append(x)
+    scales.append(scale)
+    caches.append(deq[jnp.asarray(table)].reshape(B, n * page_size, K, H)[:, :S])
+  return pools, scales, jnp.asarray(table), caches
+
+
+def _floor_max(x):
+  """Read every byte of ``x`` once, as unsigned integers of its width."""
+  import jax
+  import jax.numpy as jnp
+  width = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[jnp.dtype(x.dtype).itemsize]
+  return jax.lax.bitcast_convert_type(x, width).max()
+
+
+def _floor_sum(x):
+  """Read every element of ``x`` once, summed in float32."""
+  import jax.numpy as jnp
+  return x.astype(jnp.float32).sum()
+
+
+def run_paged(cfg: dict, log=print) -> list[dict]:
+  """The paged rows: `jattn.paged_attention` against its floor, per S, page size and dtype."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  import jattn
+  from jattn.bench.runner import settle
+
+  B, N, K, H, T = cfg["batch"], cfg["heads"], cfg["kv_heads"], cfg["head_dim"], cfg["T"]
+  paged = jax.jit(lambda q, kp, vp, t, n, ks, vs: jattn.paged_attention(
+      q, kp, vp, t, n, k_scale=ks, v_scale=vs))
+  contiguous = jax.jit(lambda q, k, v, n: jattn.dot_product_attention(
+      q, k, v, key_value_seq_lengths=n, is_causal="bottom_right", implementation="chunked"))
+  floor_max = jax.jit(lambda k, v: (_floor_max(k), _floor_max(v)))
+  floor_sum = jax.jit(lambda k, v: (_floor_sum(k), _floor_sum(v)))
+  rows = []
+  for S in cfg["S"]:
+    for page_size in cfg["page_sizes"]:
+      for dtype in cfg["page_dtypes"]:
+        base = dict(kind="paged", page_dtype=dtype, page_size=page_size, B=B, N=N, K=K, H=H,
+                    T=T, S=S)
+        need = 4 * B * S * K * H * 4  # float32 pools while quantising, and the contiguous copy
+        if need > cfg["max_memory_gib"] * 2 ** 30:
+          rows.append(dict(base, status="skipped",
+                           reason=f"needs ~{need / 2 ** 30:.1f} GiB > {cfg['max_memory_gib']}"))
+          continue
+        (kp, vp), (ks, vs), table, (kc, vc) = _pool(jax.random.key(S), B, S, K, H, page_size,
+                                                    dtype)
+        qdt = jnp.bfloat16 if dtype == "bfloat16" else jnp.float32
+        q = jax.random.normal(jax.random.key(1), (B, T, N, H), jnp.float32).astype(qdt)
+        lens = jnp.full((B,), S, jnp.int32)
+        calls = {"paged": lambda: paged(q, kp, vp, table, lens, ks, vs),
+                 "floor-sum": lambda: floor_sum(kp, vp), "floor-max": lambda: floor_max(kp, vp)}
+        out = jax.block_until_ready(calls["paged"]())
+        for _ in range(cfg["warmup"] + 1):
+          for f in calls.values():
+            jax.block_until_ready(f())
+        times = {name: [] for name in calls}
+        for _ in range(cfg["repeats"]):
+          for name, f in calls.items():
+            settle()
+            start = time.perf_counter()
+            jax.block_until_ready(f())
+            times[name].append(time.perf_counter() - start)
+        ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+        ms["floor"] = min(ms["floor-sum"], ms["floor-max"])
+        want = contiguous(q.astype(jnp.float32), kc, vc, lens)
+        rows.append(dict(base, status="ok", ms=ms, vs_floor=ms["paged"] / ms["floor"],
+                         pool_mib=2 * kp.size * jnp.dtype(kp.dtype).itemsize / 2 ** 20,
+                         max_abs_diff=float(np.abs(np.asarray(out, np.float32)
+                                                   - np.asarray(want)).max())))
+        log(f"paged {dtype} page {page_size} S={S}: {ms['paged']:.1f} ms, floor "
+            f"{ms['floor']:.1f} ms")
+  f32 = {(r["S"], r["page_size"]): r["ms"]["paged"] for r in rows
+         if r["status"] == "ok" and r["page_dtype"] == "float32"}
+  for r in rows:
+    if r["status"] == "ok":
+      r["vs_float32"] = (r["ms"]["paged"] / f32[r["S"], r["page_size"]]
+                         if (r["S"], r["page_size"]) in f32 else None)
+  return rows
+
+
+def paged_table(rows: list[dict]) -> str:
+  head = ("| paged pool | page size | S | pool MiB | paged ms | floor ms | paged / floor | "
+          "/ float32 pool | max abs diff |")
+  lines = [head, "|---" * (head.count("|") - 1) + "|"]
+  for r in rows:
+    if r["status"] != "ok":
+      lines.append(f"| {r['page_dtype']} | {r['page_size']} | {r['S']} | {r['reason']} "
+                   "| | | | | |")
+      continue
+    rel = "-" if r["vs_float32"] is None else f"{r['vs_float32']:.2f}x"
+    lines.append(f"| {r['page_dtype']} | {r['page_size']} | {r['S']} | {r['pool_mib']:.0f} | "
+                 f"{r['ms']['paged']:.1f} | {r['ms']['floor']:.1f} | {r['vs_floor']:.2f}x | "
+                 f"{rel} | {r['max_abs_diff']:.1e} |")
+  return "\n".join(lines)
+
+
 def table(rows: list[dict]) -> str:
   head = ("| dtype | S | cache MiB | jattn ms | chunked ms | dense ms | jax.nn ms | floor ms | "
           "jattn / floor | jattn speed-up vs jax.nn | max abs diff |")
@@ -155,18 +294,27 @@ def main(argv=None) -> int:
   p.add_argument("--S", type=int, nargs="+", help="cache lengths (override the config)")
   p.add_argument("--dtypes", nargs="+", help="dtypes (override the config)")
   p.add_argument("--repeats", type=int, help="timed rounds (override the config)")
+  p.add_argument("--page-sizes", type=int, nargs="*",
+                 help="time jattn.paged_attention with these page sizes (override the config)")
+  p.add_argument("--paged-only", action="store_true", help="only the paged rows")
   p.add_argument("--json", help="also write the rows to this JSON file")
   a = p.parse_args(argv)
   try:
-    cfg = load_config(a.config, dict(S=a.S, dtypes=a.dtypes, repeats=a.repeats))
+    cfg = load_config(a.config, dict(S=a.S, dtypes=a.dtypes, repeats=a.repeats,
+                                     page_sizes=a.page_sizes))
   except (OSError, ValueError) as e:
     print(f"jattn-bench decode: {e}", file=sys.stderr)
     return 2
   log = lambda s: print(s, file=sys.stderr, flush=True)
-  rows = run(cfg, log)
+  rows = [] if a.paged_only else run(cfg, log)
+  paged = run_paged(cfg, log) if cfg["page_sizes"] else []
   print(f"<!-- jattn-bench decode: B={cfg['batch']} N={cfg['heads']} K={cfg['kv_heads']} "
         f"H={cfg['head_dim']} T={cfg['T']}, medians of {cfg['repeats']} interleaved rounds -->")
-  print(table(rows))
+  if rows:
+    print(table(rows))
+  if paged:
+    print(paged_table(paged))
+  rows = rows + paged
   if a.json:
     with open(a.json, "w") as f:
       json.dump(dict(config=cfg, rows=rows), f, indent=1)
