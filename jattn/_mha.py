@@ -257,3 +257,101 @@ def attend_cached(opts: Options, q, k, v, cached_key, cached_value, cache_index,
   rate, rng = _dropout(opts, deterministic, dropout_rng)
   out = _attention(opts, q, cached_key, cached_value, collect, rate, rng, sow, mask=m)
   return out, cached_key, cached_value, valid
+
+
+# --------------------------------------------------------------------------------------------
+# Quantised KV caches: int8 / float8 values with a float32 scale per token and head.
+# --------------------------------------------------------------------------------------------
+
+QUANTIZED_CACHE = (jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2)
+
+
+def is_quantized(dtype) -> bool:
+  return any(jnp.dtype(dtype) == jnp.dtype(d) for d in QUANTIZED_CACHE)
+
+
+def quantize(x, dtype):
+  """(x in ``dtype``, scale (..., K) float32): each token and head scaled so its largest
+  magnitude is the dtype's largest value (int8: 127, rounded to the nearest integer)."""
+  dtype = jnp.dtype(dtype)
+  top = 127.0 if dtype == jnp.int8 else float(jnp.finfo(dtype).max)
+  amax = jnp.abs(x.astype(jnp.float32)).max(axis=-1)
+  scale = jnp.where(amax > 0, amax / top, jnp.ones((), jnp.float32))
+  y = x.astype(jnp.float32) / scale[..., None]
+  if dtype == jnp.int8:
+    y = jnp.round(y)
+  return jnp.clip(y, -top, top).astype(dtype), scale
+
+
+def _cache_pages(S_max: int) -> int:
+  """A page size dividing S_max (the largest power of two up to 256), so the contiguous cache
+  is read as pages of a pool without a copy."""
+  size = 256
+  while S_max % size:
+    size //= 2
+  return size
+
+
+def attend_quantized(opts: Options, q, k, v, cache, cache_index, *, positions=None,
+                     query_seq_lengths=None, masked=False, dropout=False, stats=False):
+  """`attend_cached` for a quantised cache: ``cache`` = (cached_key, cached_value, key_scale,
+  value_scale), values int8 / float8 (B, S_max, K, H), scales float32 (B, S_max, K). The new
+  keys and values are quantised per token and head and written at the fill level; the step
+  attends through `jattn.paged_attention`, which reads the quantised cache block by block (its
+  contiguous rows seen as pages: no dequantised copy). Returns (out, new cache, cache_index)."""
+  from jattn._paged import paged_attention  # the serving kernel
+  for what, given in (("a mask", masked), ("dropout", dropout),
+                      ("collect_stats / sow_weights", stats)):
+    if given:
+      raise NotImplementedError(
+          f"decoding with a quantised cache takes causality, windows and soft caps (it runs "
+          f"jattn.paged_attention), not {what}; use a float cache for that")
+  ck, cv, ks, vs = cache
+  B, T = q.shape[:2]
+  S_max, K, H = ck.shape[1:]
+  index = cache_index.astype(jnp.int32)
+  new = (T if query_seq_lengths is None
+         else _lengths("query_seq_lengths", query_seq_lengths, B))
+  if opts.rope:
+    p = _positions("positions", positions, B, T, offset=index)
+    q, k = rope(q, p, opts.rope_base), rope(k, p, opts.rope_base)
+  slots = index[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+  rows = jnp.arange(B, dtype=jnp.int32)[:, None]
+  kq, k_scale = quantize(k, ck.dtype)
+  vq, v_scale = quantize(v, cv.dtype)
+  ck, cv = ck.at[rows, slots].set(kq, mode="drop"), cv.at[rows, slots].set(vq, mode="drop")
+  ks = ks.at[rows, slots].set(k_scale, mode="drop")
+  vs = vs.at[rows, slots].set(v_scale, mode="drop")
+  ps = _cache_pages(S_max)
+  n = S_max // ps
+  pages = lambda x: x.reshape((B * n, ps) + x.shape[2:])
+  table = jnp.arange(B * n, dtype=jnp.int32).reshape(B, n)
+  # Query t sits at position index + t: bottom-right against index + T keys (the new ones,
+  # padded or not, written), so padded queries see only real keys; their rows are zeroed.
+  out = paged_attention(q, pages(ck), pages(cv), table, jnp.minimum(index + T, S_max),
+                        scale=opts.scale, is_causal=True, local_window_size=opts.window,
+                        logits_soft_cap=opts.logits_soft_cap, k_scale=pages(ks),
+                        v_scale=pages(vs))
+  if query_seq_lengths is not None:
+    live = jnp.arange(T, dtype=jnp.int32)[None, :] < new[:, None]
+    out = jnp.where(live[..., None, None], out, jnp.zeros((), out.dtype))
+  return out, (ck, cv, ks, vs), index + new
+
+
+def decode_step(opts: Options, q, k, v, cache, cache_index, *, mask=None, positions=None,
+                query_seq_lengths=None, deterministic=True, dropout_rng=None, collect=None,
+                sow=None):
+  """A decoding step on a module's cache, float or quantised: ``cache`` is (cached_key,
+  cached_value) or, quantised, (cached_key, cached_value, key_scale, value_scale). Returns
+  (out, new cache of the same form, new cache_index)."""
+  if len(cache) == 4:
+    return attend_quantized(
+        opts, q, k, v, cache, cache_index, positions=positions,
+        query_seq_lengths=query_seq_lengths, masked=mask is not None,
+        dropout=not deterministic and opts.dropout_rate > 0,
+        stats=collect is not None or sow is not None)
+  out, ck, cv, idx = attend_cached(
+      opts, q, k, v, *cache, cache_index, mask=mask, positions=positions,
+      query_seq_lengths=query_seq_lengths, deterministic=deterministic,
+      dropout_rng=dropout_rng, collect=collect, sow=sow)
+  return out, (ck, cv), idx

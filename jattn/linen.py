@@ -47,6 +47,11 @@ class MultiHeadAttention(nn.Module):
       (B,)); then each ``apply(..., mutable=['cache'])`` on (B, T, D) appends T tokens (a
       prompt prefill, or one or a few generated tokens) and attends causally over the filled
       cache. Needs ``is_causal``.
+    cache_dtype: the cache's dtype (default: the keys'). int8, float8_e4m3fn or float8_e5m2
+      keep a quantised cache: values in that dtype with a float32 scale per token and head
+      (``cached_key_scale``, ``cached_value_scale`` (B, S_max, K)); decoding steps then read it
+      through `jattn.paged_attention` (causality, windows, soft caps; no masks, dropout or
+      statistics).
     collect_stats: sow the softmax statistics of every call (`jattn.diagnostics.AttentionStats`)
       into ``'intermediates'`` under ``attention_stats`` when that collection is mutable
       (``apply(..., mutable=['intermediates'])``). Off by default, and then nothing is computed.
@@ -75,6 +80,7 @@ class MultiHeadAttention(nn.Module):
   rope_base: float = 10000.0
   decode: bool = False
   collect_stats: bool = False
+  cache_dtype: Any = None
 
   @nn.compact
   def __call__(self, inputs_q: ArrayLike, inputs_k: ArrayLike | None = None,
@@ -156,19 +162,22 @@ class MultiHeadAttention(nn.Module):
     decoding = decode and self.has_variable("cache", "cached_key")
     if decode:
       # As in flax: the first (init) call sizes the cache from its input, (B, S_max, ...).
-      cached_key = self.variable("cache", "cached_key", jnp.zeros, k.shape, k.dtype)
-      cached_value = self.variable("cache", "cached_value", jnp.zeros, v.shape, v.dtype)
-      cache_index = self.variable("cache", "cache_index",
-                                  lambda: jnp.zeros((k.shape[0],), jnp.int32))
+      dtype = k.dtype if self.cache_dtype is None else self.cache_dtype
+      variables = [self.variable("cache", name, jnp.zeros, k.shape, dtype)
+                   for name in ("cached_key", "cached_value")] + [
+          self.variable("cache", name, jnp.ones, k.shape[:3], jnp.float32)
+          for name in ("cached_key_scale", "cached_value_scale") if _mha.is_quantized(dtype)]
+      cache_index = self.variable("cache", "cache_index", jnp.zeros, k.shape[:1], jnp.int32)
     if decoding:
       _mha.check_decode_call(self_attention, kv_positions=kv_positions,
                              key_value_seq_lengths=key_value_seq_lengths,
                              q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
-      x, ck, cv, idx = _mha.attend_cached(
-          opts, q, k, v, cached_key.value, cached_value.value, cache_index.value, mask=mask,
+      x, cache, cache_index.value = _mha.decode_step(
+          opts, q, k, v, tuple(var.value for var in variables), cache_index.value, mask=mask,
           positions=positions, query_seq_lengths=query_seq_lengths,
           deterministic=m_deterministic, dropout_rng=dropout_rng, collect=collect, sow=sow)
-      cached_key.value, cached_value.value, cache_index.value = ck, cv, idx
+      for var, value in zip(variables, cache):
+        var.value = value
     else:
       x = _mha.attend(
           opts, q, k, v, self_attention=self_attention, mask=mask, positions=positions,

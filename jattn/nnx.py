@@ -119,11 +119,17 @@ class MultiHeadAttention(nnx.Module):
     self.cached_key = nnx.data(None)
     self.cached_value = nnx.data(None)
     self.cache_index = nnx.data(None)
+    self.cached_key_scale = nnx.data(None)
+    self.cached_value_scale = nnx.data(None)
 
   def init_cache(self, batch_size: int, max_length: int, dtype: Any = None):
     """Create a zero KV cache: ``cached_key``, ``cached_value`` (B, S_max, K, H) and
     ``cache_index`` int32 (B,), as ``nnx.Cache`` variables. ``dtype`` defaults to the
-    computation dtype (``dtype``, else ``param_dtype``); it must be the dtype keys come in."""
+    computation dtype (``dtype``, else ``param_dtype``); it must be the dtype keys come in, or
+    int8 / float8_e4m3fn / float8_e5m2 for a quantised cache: keys and values are then stored
+    in that dtype with a float32 scale per token and head (``cached_key_scale``,
+    ``cached_value_scale`` (B, S_max, K)), and decoding steps read them through
+    `jattn.paged_attention` (causality, windows, soft caps; no masks, dropout or statistics)."""
     batch_size = _validation.positive_int("batch_size", batch_size)
     max_length = _validation.positive_int("max_length", max_length)
     if dtype is None:
@@ -132,6 +138,11 @@ class MultiHeadAttention(nnx.Module):
     self.cached_key = nnx.Cache(jnp.zeros(shape, dtype))
     self.cached_value = nnx.Cache(jnp.zeros(shape, dtype))
     self.cache_index = nnx.Cache(jnp.zeros((batch_size,), jnp.int32))
+    if _mha.is_quantized(dtype):
+      self.cached_key_scale = nnx.Cache(jnp.ones(shape[:3], jnp.float32))
+      self.cached_value_scale = nnx.Cache(jnp.ones(shape[:3], jnp.float32))
+    else:
+      self.cached_key_scale = self.cached_value_scale = nnx.data(None)
 
   def __call__(self, inputs_q: ArrayLike, inputs_k: ArrayLike | None = None,
                inputs_v: ArrayLike | None = None, *, mask: _masks.Mask | ArrayLike | None = None,
@@ -215,13 +226,14 @@ class MultiHeadAttention(nnx.Module):
       _mha.check_decode_call(self_attention, kv_positions=kv_positions,
                              key_value_seq_lengths=key_value_seq_lengths,
                              q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
-      x, ck, cv, idx = _mha.attend_cached(
-          o, q, k, v, self.cached_key[...], self.cached_value[...], self.cache_index[...],
-          mask=mask, positions=positions, query_seq_lengths=query_seq_lengths,
-          deterministic=det, dropout_rng=dropout_rng, collect=collect, sow=sow)
-      self.cached_key[...] = ck
-      self.cached_value[...] = cv
-      self.cache_index[...] = idx
+      variables = [self.cached_key, self.cached_value, self.cached_key_scale,
+                   self.cached_value_scale][:2 if self.cached_key_scale is None else 4]
+      x, cache, self.cache_index[...] = _mha.decode_step(
+          o, q, k, v, tuple(var[...] for var in variables), self.cache_index[...], mask=mask,
+          positions=positions, query_seq_lengths=query_seq_lengths, deterministic=det,
+          dropout_rng=dropout_rng, collect=collect, sow=sow)
+      for var, value in zip(variables, cache):
+        var[...] = value
     else:
       x = _mha.attend(
           o, q, k, v, self_attention=self_attention, mask=mask, positions=positions,

@@ -621,3 +621,84 @@ def test_decode_with_explicit_positions_equals_the_uncached_pass(impl):
   np.testing.assert_allclose(jnp.concatenate(lin_outs, 1), full, atol=2e-6, rtol=0)
   # The positions matter: arange(T) gives another answer.
   assert float(jnp.abs(full - lin.apply({"params": params}, x)).max()) > 1e-3
+
+
+# ---- quantised caches ----------------------------------------------------------------------
+
+
+def _dequantized_forward(lin, params, x, dtype):
+  """The uncached forward pass with keys and values rounded as a quantised cache stores them
+  (per token and head), through the float64-free path of dense attention: what a decode with
+  that cache must give."""
+  from jattn import _mha
+
+  def round_trip(t):
+    y, s = _mha.quantize(t, dtype)
+    return (y.astype(jnp.float32) * s[..., None]).astype(t.dtype)
+
+  real = jattn.dot_product_attention
+
+  def rounded(q, k, v, *a, **kw):
+    return real(q, round_trip(k), round_trip(v), *a, **kw)
+
+  import jattn._mha as mha_module
+  saved = mha_module.dot_product_attention
+  mha_module.dot_product_attention = rounded
+  try:
+    return lin.apply({"params": params}, x)
+  finally:
+    mha_module.dot_product_attention = saved
+
+
+@pytest.mark.parametrize("dtype", [jnp.int8, jnp.float8_e4m3fn])
+@pytest.mark.parametrize("window", [None, (2, 0)])
+def test_quantized_cache_decode_equals_the_rounded_full_forward(dtype, window):
+  # An nnx module with an int8 / float8 cache (init_cache(dtype=...)) decodes step by step
+  # (prefill, then 1, 1, 2, 1 tokens) to the uncached forward pass whose keys and values are
+  # rounded exactly as the cache stores them; and within the rounding's own error of the float
+  # forward pass.
+  kw = dict(is_causal=True, rope=True, local_window_size=window)
+  lin, params, mod = _linen_pair(5, **kw)
+  x = _x(6)
+  mod.init_cache(B, 11, dtype=dtype)
+  assert mod.cached_key[...].dtype == dtype and mod.cached_key_scale[...].shape == (B, 11, K)
+  step = nnx.jit(lambda m, xt: m(xt, decode=True))
+  got = jnp.concatenate([step(mod, x[:, a:b]) for a, b in STEPS], 1)
+  np.testing.assert_array_equal(mod.cache_index[...], [T, T])
+  np.testing.assert_allclose(got, _dequantized_forward(lin, params, x, dtype), atol=2e-5)
+  full = lin.apply({"params": params}, x)
+  bound = 0.05 if dtype == jnp.int8 else 0.3
+  assert float(jnp.abs(got - full).max()) < bound * float(jnp.abs(full).max())
+  # The linen module with cache_dtype: the same numbers.
+  dec = lin.clone(decode=True, cache_dtype=dtype)
+  cache = dec.init(jax.random.key(0), jnp.zeros((B, 11, D)))["cache"]
+  assert cache["cached_value"].dtype == dtype and cache["cached_value_scale"].shape == (B, 11, K)
+  outs = []
+  for a, b in STEPS:
+    o, upd = dec.apply({"params": params, "cache": cache}, x[:, a:b], mutable=["cache"])
+    cache = upd["cache"]
+    outs.append(o)
+  np.testing.assert_allclose(jnp.concatenate(outs, 1), got, atol=1e-6)
+
+
+def test_quantized_cache_padded_prompts_and_refusals():
+  lin, params, mod = _linen_pair(7, is_causal=True, rope=True)
+  lengths = np.array([5, 3], np.int32)
+  prompt, gen = _x(8, (B, 5, D)), _x(9, (B, 3, D))
+  mod.init_cache(B, 10)
+  float_pre = mod(prompt, decode=True, query_seq_lengths=jnp.asarray(lengths))
+  mod.init_cache(B, 10, dtype=jnp.int8)
+  pre = mod(prompt, decode=True, query_seq_lengths=jnp.asarray(lengths))
+  np.testing.assert_array_equal(mod.cache_index[...], lengths)
+  # Padded queries attend to nothing, as with a float cache (the projection's bias remains).
+  np.testing.assert_allclose(pre[1, 3:], float_pre[1, 3:], atol=1e-6)
+  steps = [mod(gen[:, t:t + 1], decode=True) for t in range(3)]
+  for b in range(B):
+    seq = jnp.concatenate([prompt[b:b + 1, :lengths[b]], gen[b:b + 1]], axis=1)
+    full = lin.apply({"params": params}, seq)[0]
+    np.testing.assert_allclose(pre[b, :lengths[b]], full[:lengths[b]], atol=5e-2)
+    for t in range(3):
+      np.testing.assert_allclose(steps[t][b, 0], full[lengths[b] + t], atol=5e-2)
+  mod.init_cache(B, 10, dtype=jnp.int8)
+  with pytest.raises(NotImplementedError, match="quantised cache.*a mask"):
+    mod(prompt, decode=True, mask=jnp.ones((B, 1, 5, 10), bool))
