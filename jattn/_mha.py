@@ -198,6 +198,21 @@ def check_decode_call(self_attention: bool, **cache_set):
       raise ValueError(f"{name} is set by the cache while decoding; got a value")
 
 
+def _at_fill_level(opts: Options, q, k, cache_index, positions, query_seq_lengths):
+  """The T new tokens of a decoding step placed at each example's fill level: (q, k with RoPE
+  at their positions, index (B,), new tokens per example, rows (B, 1) and slots (B, T): their
+  cache positions)."""
+  B, T = q.shape[:2]
+  index = cache_index.astype(jnp.int32)
+  new = (T if query_seq_lengths is None
+         else _lengths("query_seq_lengths", query_seq_lengths, B))
+  if opts.rope:
+    p = _positions("positions", positions, B, T, offset=index)
+    q, k = rope(q, p, opts.rope_base), rope(k, p, opts.rope_base)
+  slots = index[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+  return q, k, index, new, jnp.arange(B, dtype=jnp.int32)[:, None], slots
+
+
 def attend_cached(opts: Options, q, k, v, cached_key, cached_value, cache_index, *, mask=None,
                   positions=None, query_seq_lengths=None, deterministic: bool = True,
                   dropout_rng=None, collect=None, sow=None):
@@ -230,15 +245,8 @@ def attend_cached(opts: Options, q, k, v, cached_key, cached_value, cache_index,
   if k.shape[0] != B or cached_key.shape[0] != B or cached_key.shape[2:] != k.shape[2:]:
     raise ValueError(f"cache of shape {cached_key.shape} (B, S_max, K, H) does not match new "
                      f"keys of shape {k.shape} (B, T, K, H)")
-  index = cache_index.astype(jnp.int32)
-  new = (T if query_seq_lengths is None
-         else _lengths("query_seq_lengths", query_seq_lengths, B))
-  if opts.rope:
-    p = _positions("positions", positions, B, T, offset=index)
-    q, k = rope(q, p, opts.rope_base), rope(k, p, opts.rope_base)
-
-  slots = index[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # (B, T) cache positions
-  rows = jnp.arange(B, dtype=jnp.int32)[:, None]
+  q, k, index, new, rows, slots = _at_fill_level(opts, q, k, cache_index, positions,
+                                                 query_seq_lengths)
   # mode="drop": an out-of-range write is lost rather than clamped onto valid entries.
   cached_key = cached_key.at[rows, slots].set(k, mode="drop")
   cached_value = cached_value.at[rows, slots].set(v, mode="drop")
@@ -309,14 +317,8 @@ def attend_quantized(opts: Options, q, k, v, cache, cache_index, *, positions=No
   ck, cv, ks, vs = cache
   B, T = q.shape[:2]
   S_max, K, H = ck.shape[1:]
-  index = cache_index.astype(jnp.int32)
-  new = (T if query_seq_lengths is None
-         else _lengths("query_seq_lengths", query_seq_lengths, B))
-  if opts.rope:
-    p = _positions("positions", positions, B, T, offset=index)
-    q, k = rope(q, p, opts.rope_base), rope(k, p, opts.rope_base)
-  slots = index[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
-  rows = jnp.arange(B, dtype=jnp.int32)[:, None]
+  q, k, index, new, rows, slots = _at_fill_level(opts, q, k, cache_index, positions,
+                                                 query_seq_lengths)
   kq, k_scale = quantize(k, ck.dtype)
   vq, v_scale = quantize(v, cv.dtype)
   ck, cv = ck.at[rows, slots].set(kq, mode="drop"), cv.at[rows, slots].set(vq, mode="drop")
