@@ -32,11 +32,20 @@ from jattn import _plan, _softmax, _validation
 from jattn._types import concrete
 
 # Keys per step: whole pages adding up to about this many (a page larger than it is one block).
-BLOCK_KEYS = 256
+# On the CPU a block's keys and values, read from the pool, stay in the core's cache until the
+# matmuls use them; 128 keys (measured: 256 was 1.2-1.5x slower a step at B=4 K=8 H=128).
+BLOCK_KEYS = {"cpu": 128, "default": 256}
 # Split-KV lanes on GPU and TPU (reasoned, as for the chunked kernels' decoding split): with
 # B x K tiles per lane, 16 lanes fill a device's cores at B x K >= 8.
 SPLIT_KV = 16
 QUANTIZED = (jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2)
+# Pool layouts (FlashInfer's names): NHD pages are (page_size, K, H), token-major as vLLM and
+# FlashAttention keep them; HND pages are (K, page_size, H), head-major, so that a page's keys
+# of one head are contiguous and reach the matmuls without a relayout.
+LAYOUTS = ("NHD", "HND")
+# HND pages at least this long are multiplied page by page; shorter ones are first laid side by
+# side per head (a matmul of a few keys costs more than the copy).
+PAGE_MATMUL_MIN = 64
 
 
 class _Static(NamedTuple):
@@ -48,6 +57,7 @@ class _Static(NamedTuple):
   H: int
   Hv: int
   page_size: int
+  layout: str  # "NHD" | "HND"
   pages_per_block: int
   max_pages: int
   tq: int  # query rows per tile
@@ -61,6 +71,9 @@ class _Static(NamedTuple):
   k_scale: str | None  # "tensor" | "head" | "token" | None (pages not quantised)
   v_scale: str | None
   dtype: Any  # the query's (and output's)
+  # Pages become float32 before the matmuls (the CPU's program: XLA's CPU matmuls of 16-bit
+  # floats are several times slower than float32 ones, and float8 converts run in software).
+  upcast: bool = False
 
   @property
   def G(self) -> int:
@@ -74,19 +87,28 @@ class _Static(NamedTuple):
   def blocks(self) -> int:
     return -(-self.max_pages // self.pages_per_block)
 
+  @property
+  def pieces(self) -> int:
+    """A block's keys go to the matmuls as ``pieces`` runs of ``block // pieces`` keys."""
+    per_page = self.layout == "HND" and self.page_size >= PAGE_MATMUL_MIN
+    return self.pages_per_block if per_page else 1
+
+  def with_block(self, keys: int) -> "_Static":
+    return self._replace(pages_per_block=min(max(1, keys // self.page_size), self.max_pages))
+
 
 def paged_attention(query, key_pages, value_pages, page_table, kv_lengths, *, query_start=None,
                     scale=None, is_causal=True, local_window_size=None, logits_soft_cap=None,
-                    sinks=None, k_scale=None, v_scale=None, implementation=None,
-                    return_residual=False):
+                    sinks=None, k_scale=None, v_scale=None, kv_layout="NHD",
+                    implementation=None, return_residual=False):
   """Attention of new tokens against a paged KV cache (forward only; see the module docstring).
 
   Args:
     query: (B, T, N, H) -- T new tokens per sequence, query t of sequence b at position
       kv_lengths[b] - T + t -- or, with ``query_start``, ragged (total, N, H).
-    key_pages: (P, page_size, K, H) pool of key pages: float (the query's dtype), or int8 /
-      float8_e4m3fn / float8_e5m2 with ``k_scale``.
-    value_pages: (P, page_size, K, Hv), likewise with ``v_scale``.
+    key_pages: (P, page_size, K, H) pool of key pages (``kv_layout="HND"``: (P, K, page_size,
+      H)): float (the query's dtype), or int8 / float8_e4m3fn / float8_e5m2 with ``k_scale``.
+    value_pages: (P, page_size, K, Hv) (HND: (P, K, page_size, Hv)), likewise with ``v_scale``.
     page_table: int (B, max_pages): sequence b's pages in order; entries past its last page are
       ignored (any value, including out of range).
     kv_lengths: int (B,): the valid cached tokens of each sequence, the new ones included.
@@ -100,7 +122,10 @@ def paged_attention(query, key_pages, value_pages, page_table, kv_lengths, *, qu
     sinks: (N,) one extra logit per head with no value.
     k_scale, v_scale: dequantisation scales of quantised pages, broadcasting against the pages
       without their last axis: ``()`` per tensor, ``(K,)`` per head, ``(P, page_size, K)`` per
-      token and head; applied per tile in float32.
+      token and head (HND: ``(P, K, page_size)``); applied per tile in float32.
+    kv_layout: "NHD" (token-major pages, vLLM's and FlashAttention's) or "HND" (head-major
+      pages, FlashInfer's other layout: each head's keys of a page contiguous; faster on the
+      CPU, see docs/benchmarks.md).
     implementation: None or "chunked" (jattn's own kernel; the only one here).
     return_residual: also return the log-sum-exp per query row and head, (B, T, N) / (total, N).
 
@@ -110,7 +135,7 @@ def paged_attention(query, key_pages, value_pages, page_table, kv_lengths, *, qu
   """
   st, arrays = _check(query, key_pages, value_pages, page_table, kv_lengths, query_start, scale,
                       is_causal, local_window_size, logits_soft_cap, sinks, k_scale, v_scale,
-                      implementation)
+                      kv_layout, implementation)
   out, lse = _attend(st, *arrays)
   return (out, lse) if return_residual else out
 
@@ -141,8 +166,10 @@ def _jitted(st: _Static, query, key_pages, value_pages, page_table, kv_lengths, 
   tiles = _tiles(st, query_start, kv_lengths)
   q = _gather_queries(st, query, tiles)  # (M, K, G * tq, H)
   run = {}
-  for platform, lanes in (("cpu", 1), ("default", min(SPLIT_KV, st.blocks))):
-    run[platform] = functools.partial(_walk, st, lanes, q, tiles, key_pages, value_pages,
+  for platform in ("cpu", "default"):
+    sp = st.with_block(BLOCK_KEYS[platform])._replace(upcast=platform == "cpu")
+    lanes = 1 if platform == "cpu" else min(SPLIT_KV, sp.blocks)
+    run[platform] = functools.partial(_walk, sp, lanes, q, tiles, key_pages, value_pages,
                                       page_table, kv_lengths, k_scale, v_scale)
   m, l, acc = _plan.by_platform(run)
   if sinks is not None:
@@ -162,8 +189,8 @@ class _Tiles(NamedTuple):
   seq: Any  # (M,) the tile's sequence (clipped into range; see ``rows``)
   rows: Any  # (M, tq) the flat query row of each tile row, or -1 (none)
   pos: Any  # (M, tq) the position of each tile row (meaningless where rows is -1)
-  first: Any  # (M,) first key block the tile needs
-  last: Any  # (M,) one past the last key block it needs
+  lo: Any  # (M,) the first key position the tile needs
+  hi: Any  # (M,) one past the last
 
 
 def _tiles(st: _Static, query_start, kv_lengths) -> _Tiles:
@@ -191,7 +218,7 @@ def _tiles(st: _Static, query_start, kv_lengths) -> _Tiles:
 
 
 def _key_range(st: _Static, pos_min, pos_max, kv_len):
-  """[first, last) key blocks a tile needs: keys below its sequence's length, and within its
+  """[lo, hi) key positions a tile needs: keys below its sequence's length, and within its
   rows' causal and window reach."""
   lo_key = jnp.zeros_like(kv_len)
   hi_key = kv_len
@@ -204,8 +231,13 @@ def _key_range(st: _Static, pos_min, pos_max, kv_len):
     reach = st.window[1] if reach is None else min(reach, st.window[1])
   if reach is not None:
     hi_key = jnp.minimum(hi_key, pos_max.max(axis=1) + reach + 1)
-  first = jnp.clip(lo_key // st.block, 0, st.blocks)
-  last = jnp.clip((hi_key + st.block - 1) // st.block, 0, st.blocks)
+  return lo_key, jnp.maximum(hi_key, lo_key)
+
+
+def _block_range(st: _Static, tiles: _Tiles):
+  """[first, last) key blocks each tile needs."""
+  first = jnp.clip(tiles.lo // st.block, 0, st.blocks)
+  last = jnp.clip((tiles.hi + st.block - 1) // st.block, 0, st.blocks)
   return first, jnp.maximum(last, first)
 
 
@@ -248,10 +280,11 @@ def _walk(st: _Static, lanes: int, q, tiles: _Tiles, key_pages, value_pages, pag
   m0, l0 = _softmax.start(like)
   acc0 = jnp.zeros((M, st.K, st.G * st.tq, st.Hv), jnp.float32)
   kv_len = kv_lengths.astype(jnp.int32)[tiles.seq]
-  step = functools.partial(_block, st, q, tiles, kv_len, key_pages, value_pages, page_table,
-                           k_scale, v_scale)
+  first, last = _block_range(st, tiles)
+  step = functools.partial(_block, st, q, tiles, (first, last), kv_len, key_pages, value_pages,
+                           page_table, k_scale, v_scale)
   if lanes == 1:
-    lo, hi = tiles.first.min(), tiles.last.max()
+    lo, hi = first.min(), last.max()
     return jax.lax.fori_loop(lo, jnp.maximum(hi, lo), step, (m0, l0, acc0))
   steps = -(-st.blocks // lanes)
 
@@ -263,53 +296,133 @@ def _walk(st: _Static, lanes: int, q, tiles: _Tiles, key_pages, value_pages, pag
   return _softmax.merge_lanes(m, l, acc)
 
 
-def _block(st: _Static, q, tiles: _Tiles, kv_len, key_pages, value_pages, page_table, k_scale,
-           v_scale, j, carry):
-  """Fold key block j of every tile's sequence into the tiles' running (m, l, acc)."""
+def _block(st: _Static, q, tiles: _Tiles, needed, kv_len, key_pages, value_pages, page_table,
+           k_scale, v_scale, j, carry):
+  """Fold key block j of every tile's sequence into the tiles' running (m, l, acc).
+
+  The block reaches the matmuls as (M, c, K, bk / c, X): c pieces of keys per head, batched
+  with the tile and the head, so that no head-major pool is relaid out. Quantised pages are
+  only converted; their scales (one per key and head, or coarser) multiply the scores and the
+  probabilities, which is the same sum: q . (k * s) = s * (q . k)."""
   m, l, acc = carry
-  k = _gather_block(st, key_pages, page_table, tiles.seq, j, k_scale, st.k_scale, q.dtype)
-  v = _gather_block(st, value_pages, page_table, tiles.seq, j, v_scale, st.v_scale, q.dtype)
-  q = q.astype(k.dtype)  # float32 where the pages were dequantised
-  s = jnp.einsum("mkrh,mksh->mkrs", q, k, preferred_element_type=jnp.float32) * st.scale
-  if st.soft_cap is not None:
-    s = st.soft_cap * jnp.tanh(s / st.soft_cap)
+  ids = _page_ids(st, page_table, tiles.seq, j, key_pages.shape[0])
+  k, ks = _read(st, key_pages, ids, k_scale, st.k_scale, q.dtype)
   vis = _visible(st, tiles, kv_len, j)  # (M, 1, G * tq, bk)
-  live = (j >= tiles.first) & (j < tiles.last)
+  live = (j >= needed[0]) & (j < needed[1])
   vis = vis & live[:, None, None, None]
-  s = jnp.where(vis, s, jnp.asarray(_softmax.NEG, s.dtype))
   # Hidden keys' values are zeroed: a masked weight is an exact 0, but 0 * NaN is NaN (a page
   # of garbage, past a sequence's last token, must not leak).
-  v = jnp.where(vis.any(axis=2)[..., None], v, jnp.zeros((), v.dtype))
+  M, c = q.shape[0], st.pieces
+  keep = vis.any(axis=(1, 2)).reshape(M, c, 1, st.block // c, 1)
+  v, vs = _read(st, value_pages, ids, v_scale, st.v_scale, q.dtype, keep)
+  qp = jnp.broadcast_to(q[:, None].astype(k.dtype), (M, st.pieces) + q.shape[1:])
+  s = jnp.einsum("mckxh,mckrh->mckrx", k, qp, preferred_element_type=jnp.float32)
+  if ks is not None:
+    s = s * ks
+  s = _unpieces(st, s) * st.scale  # (M, K, R, bk)
+  if st.soft_cap is not None:
+    s = st.soft_cap * jnp.tanh(s / st.soft_cap)
+  s = jnp.where(vis, s, jnp.asarray(_softmax.NEG, s.dtype))
   m_new, p, corr, l = _softmax.update(m, l, s)
-  acc = acc * corr[..., None] + jnp.einsum("mkrs,mksh->mkrh", p.astype(v.dtype), v,
-                                           preferred_element_type=jnp.float32)
-  return m_new, l, acc
+  p = _pieces(st, p)  # (M, c, K, R, bk / c)
+  if vs is not None:
+    p = p * vs
+  # Piece by piece, then summed: one contraction over (c, x) would relay V out per head.
+  pv = jnp.einsum("mckrx,mckxh->mckrh", p.astype(v.dtype), v,
+                  preferred_element_type=jnp.float32).sum(axis=1)
+  return m_new, l, acc * corr[..., None] + pv
 
 
-def _gather_block(st: _Static, pages, page_table, seq, j, scale, scale_kind, dtype):
-  """(M, K, bk, X): key block j of each tile's sequence, read page by page from the pool,
-  dequantised (float32 times its scale) when the pool is quantised, else in the query's dtype."""
-  P = pages.shape[0]
+def _pieces(st: _Static, x):
+  """(M, K', R, bk) -> (M, c, K', R, bk / c): a block's keys as its pieces."""
+  c = st.pieces
+  x = x.reshape(x.shape[:3] + (c, st.block // c))
+  return jnp.moveaxis(x, 3, 1)
+
+
+def _unpieces(st: _Static, x):
+  """(M, c, K, R, bk / c) -> (M, K, R, bk)."""
+  x = jnp.moveaxis(x, 1, 3)
+  return x.reshape(x.shape[:3] + (st.block,))
+
+
+def _page_ids(st: _Static, page_table, seq, j, P):
+  """(M, pages per block): the pool pages of key block j of each tile's sequence."""
   cols = j * st.pages_per_block + jnp.arange(st.pages_per_block, dtype=jnp.int32)
   ids = jnp.take(page_table, seq, axis=0)  # (M, max_pages)
-  ids = jnp.take(ids, jnp.minimum(cols, st.max_pages - 1), axis=1, mode="clip")  # (M, ppb)
+  ids = jnp.take(ids, jnp.minimum(cols, st.max_pages - 1), axis=1, mode="clip")
   # Entries past a sequence's last page may be anything: read a page that exists; the mask
   # hides what it holds.
-  ids = jnp.clip(ids.astype(jnp.int32), 0, P - 1)
-  x = jnp.take(pages, ids, axis=0)  # (M, ppb, page_size, K, X)
-  M = x.shape[0]
-  x = x.reshape(M, st.block, st.K, x.shape[-1])
-  if scale_kind is not None:
-    x = x.astype(jnp.float32)
-    if scale_kind == "token":
-      sc = jnp.take(scale, ids, axis=0).reshape(M, st.block, st.K, 1)
-    elif scale_kind == "head":
-      sc = scale.reshape(1, 1, st.K, 1)
-    else:
-      sc = scale
-    x = x * sc.astype(jnp.float32)
-    dtype = jnp.float32
-  return jnp.transpose(x.astype(dtype), (0, 2, 1, 3))
+  return jnp.clip(ids.astype(jnp.int32), 0, P - 1)
+
+
+def _read(st: _Static, pages, ids, scale, scale_kind, dtype, keep=None):
+  """A block of the pool as (M, c, K, bk / c, X) and its scale as (M, c, K, 1, bk / c) (or one
+  that broadcasts so; None for float pages). Quantised pages become float32, float pages stay
+  in the query's dtype; ``keep`` (M, c, 1, bk / c, 1) zeroes the keys it marks False."""
+  if st.upcast and pages.dtype.itemsize < 4 and jnp.issubdtype(pages.dtype, jnp.floating):
+    # Gathered as unsigned integers of their width and converted by arithmetic on their bits
+    # (`_float32`): XLA's CPU gather of 16- and 8-bit floats, and its float8 converts, are
+    # several times slower (measured, a step at S = 16384: bfloat16 pages 210 -> 105 ms,
+    # float8_e4m3fn 310 -> 80 ms).
+    raw = jax.lax.bitcast_convert_type(pages, _UINT[pages.dtype.itemsize])
+    x = _float32(jnp.take(raw, ids, axis=0), pages.dtype)
+  else:
+    x = jnp.take(pages, ids, axis=0)  # (M, ppb, page_size, K, X) | (M, ppb, K, page_size, X)
+  M, X = x.shape[0], x.shape[-1]
+  if st.layout == "NHD":
+    x = jnp.moveaxis(x, 3, 1).reshape(M, 1, st.K, st.block, X)
+  elif st.pieces == 1:
+    x = jnp.moveaxis(x, 2, 1).reshape(M, 1, st.K, st.block, X)
+  # else HND page by page: (M, ppb, K, page_size, X) are the pieces already.
+  x = x.astype(jnp.float32) if scale_kind is not None else x
+  if keep is not None:
+    x = jnp.where(keep, x, jnp.zeros((), x.dtype))
+  if scale_kind is None:
+    return x.astype(jnp.float32 if st.upcast else dtype), None
+  if scale_kind == "tensor":
+    return x, scale.astype(jnp.float32)
+  if scale_kind == "head":
+    return x, scale.astype(jnp.float32).reshape(1, 1, st.K, 1, 1)
+  sc = jnp.take(scale, ids, axis=0).astype(jnp.float32)  # (M, ppb, page_size, K) | (.., K, ps)
+  if st.layout == "NHD":
+    sc = jnp.moveaxis(sc, 3, 1).reshape(M, st.K, st.block)
+  else:
+    sc = jnp.moveaxis(sc, 2, 1).reshape(M, st.K, st.block)
+  c = st.pieces
+  return x, jnp.moveaxis(sc.reshape(M, st.K, 1, c, st.block // c), 3, 1)
+
+
+# float8 layouts: (exponent bits, mantissa bits, exponent bias).
+_FLOAT8 = {jnp.dtype(jnp.float8_e4m3fn): (4, 3, 7), jnp.dtype(jnp.float8_e5m2): (5, 2, 15)}
+_UINT = {1: jnp.uint8, 2: jnp.uint16}
+
+
+def _float32(u, dtype):
+  """Floats of ``dtype`` given as their bits ``u`` (unsigned ints), as float32, exactly; by
+  integer arithmetic on the bits where XLA's CPU backend would convert element by element in
+  software (float8: about ten times slower)."""
+  dtype = jnp.dtype(dtype)
+  if dtype == jnp.bfloat16:  # the high half of a float32
+    return jax.lax.bitcast_convert_type(u.astype(jnp.uint32) << 16, jnp.float32)
+  if dtype not in _FLOAT8:
+    return jax.lax.bitcast_convert_type(u.astype(jnp.uint16), dtype).astype(jnp.float32)
+  e_bits, m_bits, bias = _FLOAT8[dtype]
+  u = u.astype(jnp.uint32)
+  em = u & 0x7F  # exponent and mantissa
+  # A normal number's bits moved into float32's fields, its exponent re-biased; a subnormal
+  # one (exponent 0) is its mantissa times the smallest subnormal (float32 subnormals may be
+  # flushed to zero on the CPU, so they are not used).
+  normal = jax.lax.bitcast_convert_type((em << (23 - m_bits)) + ((127 - bias) << 23),
+                                        jnp.float32)
+  sub = em.astype(jnp.float32) * jnp.float32(2.0 ** (1 - bias - m_bits))
+  v = jnp.where(em < (1 << m_bits), sub, normal)
+  if dtype == jnp.float8_e4m3fn:  # all ones: NaN (no infinities)
+    v = jnp.where(em == 0x7F, jnp.float32(jnp.nan), v)
+  else:  # the top exponent: infinity (mantissa 0) or NaN
+    v = jnp.where(em >= 0x7C, jnp.where(em == 0x7C, jnp.float32(jnp.inf),
+                                        jnp.float32(jnp.nan)), v)
+  return jnp.where(u >= 0x80, -v, v)
 
 
 def _visible(st: _Static, tiles: _Tiles, kv_len, j):
@@ -336,8 +449,13 @@ def _visible(st: _Static, tiles: _Tiles, kv_len, j):
 
 
 def _check(query, key_pages, value_pages, page_table, kv_lengths, query_start, scale, is_causal,
-           local_window_size, logits_soft_cap, sinks, k_scale, v_scale, implementation):
+           local_window_size, logits_soft_cap, sinks, k_scale, v_scale, kv_layout,
+           implementation):
   """(_Static, arrays) of a call, every argument checked (errors name the argument)."""
+  if kv_layout not in LAYOUTS:
+    raise ValueError(f"kv_layout must be 'NHD' (pages (P, page_size, K, H)) or 'HND' (pages "
+                     f"(P, K, page_size, H)), got kv_layout={kv_layout!r}")
+  dims = "(P, page_size, K, H)" if kv_layout == "NHD" else "(P, K, page_size, H)"
   if implementation not in (None, "chunked"):
     raise NotImplementedError(
         f"paged_attention runs jattn's own kernel (implementation=None or 'chunked'), got "
@@ -349,11 +467,15 @@ def _check(query, key_pages, value_pages, page_table, kv_lengths, query_start, s
     raise ValueError(
         f"query must be {'(total, N, H) with query_start' if ragged else '(B, T, N, H)'}, got "
         f"query.shape={query.shape}")
-  key_pages, value_pages = _pages("key_pages", key_pages), _pages("value_pages", value_pages)
-  P, page_size, K, H = key_pages.shape
+  key_pages = _pages("key_pages", key_pages, dims)
+  value_pages = _pages("value_pages", value_pages, dims)
+  if kv_layout == "NHD":
+    P, page_size, K, H = key_pages.shape
+  else:
+    P, K, page_size, H = key_pages.shape
   if value_pages.shape[:3] != key_pages.shape[:3]:
-    raise ValueError(f"value_pages must have key_pages' (P, page_size, K): key_pages.shape="
-                     f"{key_pages.shape}, value_pages.shape={value_pages.shape}")
+    raise ValueError(f"value_pages must have key_pages' first three sizes {dims[:-4]}): "
+                     f"key_pages.shape={key_pages.shape}, value_pages.shape={value_pages.shape}")
   N = query.shape[-2]
   if query.shape[-1] != H:
     raise ValueError(f"query's head size must be key_pages' H={H}: query.shape={query.shape}")
@@ -381,7 +503,7 @@ def _check(query, key_pages, value_pages, page_table, kv_lengths, query_start, s
     raise NotImplementedError("paged_attention plans its tiles and blocks from known sizes")
   kinds = []
   for name, sc, pages in (("k_scale", k_scale, key_pages), ("v_scale", v_scale, value_pages)):
-    kinds.append(_scale_kind(name, sc, pages, query.dtype))
+    kinds.append(_scale_kind(name, sc, pages, query.dtype, dims))
   if sinks is not None:
     sinks = _validation.float_array("sinks", sinks)
     if sinks.shape != (N,):
@@ -397,23 +519,23 @@ def _check(query, key_pages, value_pages, page_table, kv_lengths, query_start, s
   # padded queries one tile per sequence of all T rows.
   tq = min(16, rows) if ragged else rows
   tiles = (-(-rows // tq) + B) if ragged else B
-  ppb = max(1, BLOCK_KEYS // page_size)
-  st = _Static(B, N, K, H, value_pages.shape[-1], page_size, min(ppb, max_pages), max_pages, tq,
-               tiles, ragged, rows, static_scale, causal is not None, window,
+  st = _Static(B, N, K, H, value_pages.shape[-1], page_size, kv_layout, 1, max_pages, tq, tiles,
+               ragged, rows, static_scale, causal is not None, window,
                _validation.soft_cap(logits_soft_cap), kinds[0], kinds[1], query.dtype)
+  st = st.with_block(BLOCK_KEYS["default"])
   return st, (query, key_pages, value_pages, page_table, kv_lengths, query_start, sinks,
               None if k_scale is None else jnp.asarray(k_scale),
               None if v_scale is None else jnp.asarray(v_scale))
 
 
-def _pages(name, x):
+def _pages(name, x, dims):
   x = _validation.as_array(name, x, "an array of pages")
   if x.ndim != 4:
-    raise ValueError(f"{name} must be (P, page_size, K, H), got {name}.shape={x.shape}")
+    raise ValueError(f"{name} must be {dims}, got {name}.shape={x.shape}")
   return x
 
 
-def _scale_kind(name, scale, pages, dtype):
+def _scale_kind(name, scale, pages, dtype, dims):
   """How ``scale`` broadcasts against quantised ``pages``: "tensor", "head" or "token"; None for
   float pages (which must have the query's dtype and no scale)."""
   pages_name = "key_pages" if name == "k_scale" else "value_pages"
@@ -429,9 +551,10 @@ def _scale_kind(name, scale, pages, dtype):
     raise ValueError(f"{pages_name} of dtype {pages.dtype} need {name} (their dequantisation "
                      f"scale)")
   scale = _validation.float_array(name, scale)
-  P, page_size, K = pages.shape[:3]
-  for kind, shape in (("tensor", ()), ("head", (K,)), ("token", (P, page_size, K))):
+  K = pages.shape[2] if dims.startswith("(P, page_size") else pages.shape[1]
+  token = pages.shape[:3]
+  for kind, shape in (("tensor", ()), ("head", (K,)), ("token", token)):
     if scale.shape == shape:
       return kind
-  raise ValueError(f"{name} must be () per tensor, (K,) = ({K},) per head or (P, page_size, K) = "
-                   f"{(P, page_size, K)} per token and head, got shape {scale.shape}")
+  raise ValueError(f"{name} must be () per tensor, (K,) = ({K},) per head or {dims[:-4]}) = "
+                   f"{token} per token and head, got shape {scale.shape}")

@@ -104,6 +104,20 @@ def pool(key, P, ps, K, H, Hv, B, lens, dtype=jnp.float32, garbage=True):
   return jnp.asarray(kp, dtype), jnp.asarray(vp, dtype), jnp.asarray(table)
 
 
+def head_major(kp, vp, ks=None, vs=None):
+  """The same pool in the HND layout: pages (P, K, page_size, X), token scales (P, K, ps)."""
+  t = lambda x: None if x is None else (jnp.swapaxes(x, 1, 2) if x.ndim >= 3 else x)
+  return t(kp), t(vp), t(ks), t(vs)
+
+
+def call(layout, q, kp, vp, table, lens, **kw):
+  """paged_attention on the NHD pool given, or on the same pool laid out head-major."""
+  if layout == "HND":
+    kp, vp, ks, vs = head_major(kp, vp, kw.pop("k_scale", None), kw.pop("v_scale", None))
+    kw.update({} if ks is None else dict(k_scale=ks, v_scale=vs), kv_layout="HND")
+  return jattn.paged_attention(q, kp, vp, table, jnp.asarray(lens), **kw)
+
+
 def _check(got, want, atol=2e-5):
   got, want = np.asarray(got, np.float64), np.asarray(want)
   assert got.shape == want.shape
@@ -112,15 +126,16 @@ def _check(got, want, atol=2e-5):
   np.testing.assert_allclose(got / scale, want / scale, atol=atol)
 
 
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("ps", [4, 16])
 @pytest.mark.parametrize("T", [1, 5])
 @pytest.mark.parametrize("N,K", [(4, 2), (4, 1), (2, 2)])
-def test_decode_and_chunked_prefill(ps, T, N, K):
+def test_decode_and_chunked_prefill(ps, T, N, K, layout):
   B, H, Hv = 3, 8, 8
   lens = np.array([37, 5, 64])
   kp, vp, table = pool(jax.random.key(0), 40, ps, K, H, Hv, B, lens)
   q = jax.random.normal(jax.random.key(1), (B, T, N, H))
-  out, lse = jattn.paged_attention(q, kp, vp, table, jnp.asarray(lens), return_residual=True)
+  out, lse = call(layout, q, kp, vp, table, lens, return_residual=True)
   want, want_lse = reference(q, kp, vp, table, lens)
   _check(out, want)
   _check(lse, want_lse)
@@ -166,9 +181,26 @@ def test_ragged_batch_with_empty_sequences_mixes_prefill_and_decode():
     _check(np.where(finite, lse, 0), np.where(finite, want_lse, 0))
 
 
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("ps", [64, 300])
+def test_long_pages_in_either_layout(ps, layout):
+  # Pages of 64 keys (two to a CPU block; head-major: multiplied page by page) and of 300 (a
+  # page longer than a block); windows reach back across page boundaries; Hv != H.
+  B, N, K, H, Hv, T = 3, 4, 2, 8, 6, 3
+  lens = np.array([700, 64, 301])
+  kp, vp, table = pool(jax.random.key(14), 24, ps, K, H, Hv, B, lens)
+  q = jax.random.normal(jax.random.key(15), (B, T, N, H))
+  for kw in ({}, dict(local_window_size=(100, 0), logits_soft_cap=3.0)):
+    out = call(layout, q, kp, vp, table, lens, **kw)
+    want, _ = reference(q, kp, vp, table, lens, window=kw.get("local_window_size"),
+                        cap=kw.get("logits_soft_cap"))
+    _check(out, want)
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("dtype", [jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2])
 @pytest.mark.parametrize("kind", ["tensor", "head", "token"])
-def test_quantized_pages(dtype, kind):
+def test_quantized_pages(dtype, kind, layout):
   B, N, K, H, Hv, T, ps, P = 2, 4, 2, 16, 16, 3, 8, 12
   lens = np.array([41, 20])
   kp, vp, table = pool(jax.random.key(6), P, ps, K, H, Hv, B, lens, garbage=False)
@@ -185,7 +217,7 @@ def test_quantized_pages(dtype, kind):
   vq = jnp.asarray(np.clip(quant(np.asarray(vp), vs), -top, top)).astype(dtype)
   q = jax.random.normal(jax.random.key(7), (B, T, N, H))
   ks, vs = jnp.asarray(ks, jnp.float32).reshape(shape), jnp.asarray(vs, jnp.float32).reshape(shape)
-  out = jattn.paged_attention(q, kq, vq, table, jnp.asarray(lens), k_scale=ks, v_scale=vs)
+  out = call(layout, q, kq, vq, table, lens, k_scale=ks, v_scale=vs)
   # Exactly the attention of the dequantised cache (float32 arithmetic) ...
   want, _ = reference(q, kq.astype(jnp.float32), vq.astype(jnp.float32), table, lens,
                       ks=np.asarray(ks), vs=np.asarray(vs))
@@ -211,7 +243,8 @@ def test_bf16_queries_keep_float32_statistics():
   assert np.abs(np.asarray(out, np.float64) - want).max() <= 4 * rounding + 1e-6
 
 
-def test_split_kv_program_for_accelerators():
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_split_kv_program_for_accelerators(layout):
   # Exported for cuda (split-KV lanes, chosen where the program is lowered) and run here: the
   # same result; a decoding step against S = 16384 runs ceil(S / 256 / 16) = 4 sequential steps,
   # with nothing of the cache's size per query.
@@ -220,11 +253,13 @@ def test_split_kv_program_for_accelerators():
   lens = np.array([200, 57])
   kp, vp, table = pool(jax.random.key(10), 32, ps, K, H, H, B, lens)
   q = jax.random.normal(jax.random.key(11), (B, 1, N, H))
-  f = lambda q, kp, vp, t, l: jattn.paged_attention(q, kp, vp, t, l)
+  want, _ = reference(q, kp, vp, table, lens)
+  f = lambda q, kp, vp, t, l: jattn.paged_attention(q, kp, vp, t, l, kv_layout=layout)
+  if layout == "HND":
+    kp, vp, _, _ = head_major(kp, vp)
   args = (q, kp, vp, table, jnp.asarray(lens))
   exp = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[
       jax.export.DisabledSafetyCheck.platform()])(*args)
-  want, _ = reference(*args[:4], lens)
   _check(exp.call(*args), want)
   _check(f(*args), want)
   S, P = 16384, 16384 // 16 * 4
@@ -249,6 +284,10 @@ def test_split_kv_program_for_accelerators():
     (lambda a: dict(a, page_table=a["page_table"].astype(jnp.float32)), TypeError, "page_table"),
     (lambda a: dict(a, sinks=jnp.ones(3)), ValueError, r"sinks must be \(N,\)"),
     (lambda a: dict(a, implementation="splash"), NotImplementedError, "jattn's own kernel"),
+    (lambda a: dict(a, kv_layout="BSHD"), ValueError, "kv_layout must be"),
+    (lambda a: dict(a, kv_layout="HND", key_pages=a["key_pages"].astype(jnp.int8),
+                    value_pages=a["value_pages"].astype(jnp.int8), k_scale=jnp.ones((8, 4, 2)),
+                    v_scale=jnp.ones((8, 2, 4))), ValueError, r"v_scale must be .*\(P, K, page_size\)"),
 ])
 def test_malformed_calls_name_the_argument(call, error, words):
   lens = np.array([10, 3])
