@@ -793,13 +793,17 @@ max_memory_gib = 1.0
   out = tmp_path / "paged.json"
   assert cli.main(["decode", path, "--paged-only", "--json", str(out)]) == 0
   printed = capsys.readouterr().out
-  rows = {r["page_dtype"]: r for r in json.loads(out.read_text())["rows"]}
-  assert set(rows) == {"float32", "int8", "float8_e5m2"}
-  for r in rows.values():
+  rows = {(r["page_dtype"], r["layout"]): r for r in json.loads(out.read_text())["rows"]}
+  assert set(rows) == {(d, layout) for d in ("float32", "int8", "float8_e5m2")
+                       for layout in ("NHD", "HND")}
+  for (dtype, layout), r in rows.items():
     assert r["status"] == "ok" and r["max_abs_diff"] < 1e-5, r
     assert r["ms"]["floor"] == min(r["ms"]["floor-sum"], r["ms"]["floor-max"])
     assert r["vs_floor"] == pytest.approx(r["ms"]["paged"] / r["ms"]["floor"])
-    assert r["vs_float32"] == pytest.approx(r["ms"]["paged"] / rows["float32"]["ms"]["paged"])
-  assert sum(ln.startswith("| int8 | 16 | 300") for ln in printed.splitlines()) == 1
+    f32 = rows["float32", layout]["ms"]["paged"]
+    assert r["vs_float32"] == pytest.approx(r["ms"]["paged"] / f32)
+  assert sum(ln.startswith("| int8 | HND | 16 | 300") for ln in printed.splitlines()) == 1
   bad = _write_config(tmp_path, 'page_dtypes = ["int4"]\n')
   assert decode_bench.main([bad]) == 2 and "page_dtypes" in capsys.readouterr().err
+  bad = _write_config(tmp_path, 'page_layouts = ["NDH"]\n')
+  assert decode_bench.main([bad]) == 2 and "page_layouts" in capsys.readouterr().err

@@ -32,6 +32,7 @@ on the same (dequantised) cache laid out contiguously.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -41,7 +42,7 @@ from jattn.bench.config import configs_dir, read_table
 
 DEFAULT_CONFIG = configs_dir() / "decode.toml"
 KEYS = {"name", "description", "repeats", "warmup", "batch", "heads", "kv_heads", "head_dim",
-        "T", "S", "dtypes", "max_memory_gib", "page_sizes", "page_dtypes"}
+        "T", "S", "dtypes", "max_memory_gib", "page_sizes", "page_dtypes", "page_layouts"}
 PAGE_DTYPES = ("float32", "bfloat16", "int8", "float8_e4m3fn", "float8_e5m2")
 IMPLS = ("jattn", "jattn-chunked", "jattn-dense", "jax.nn", "floor")
 
@@ -50,7 +51,8 @@ def load_config(path, overrides=None) -> dict:
   cfg = read_table(path, KEYS, {
       "repeats": 5, "warmup": 1, "batch": 4, "heads": 32, "kv_heads": 8, "head_dim": 128,
       "T": 1, "S": [4096, 16384], "dtypes": ["bfloat16", "float32"], "max_memory_gib": 12.0,
-      "page_sizes": [], "page_dtypes": ["float32", "bfloat16", "int8", "float8_e4m3fn"]})
+      "page_sizes": [], "page_dtypes": ["float32", "bfloat16", "int8", "float8_e4m3fn"],
+      "page_layouts": ["NHD", "HND"]})
   cfg.update({k: v for k, v in (overrides or {}).items() if v is not None})
   if isinstance(cfg["S"], int):
     cfg["S"] = [cfg["S"]]
@@ -72,6 +74,9 @@ def load_config(path, overrides=None) -> dict:
   bad = [p for p in cfg["page_sizes"] if not isinstance(p, int) or p < 1]
   if bad:
     raise ValueError(f"{path}: page_sizes must be positive ints, got {bad}")
+  bad = set(cfg["page_layouts"]) - {"NHD", "HND"}
+  if bad or not cfg["page_layouts"]:
+    raise ValueError(f"{path}: page_layouts must be some of NHD, HND, got {cfg['page_layouts']}")
   return cfg
 
 
@@ -200,8 +205,10 @@ def run_paged(cfg: dict, log=print) -> list[dict]:
   from jattn.bench.runner import settle
 
   B, N, K, H, T = cfg["batch"], cfg["heads"], cfg["kv_heads"], cfg["head_dim"], cfg["T"]
-  paged = jax.jit(lambda q, kp, vp, t, n, ks, vs: jattn.paged_attention(
-      q, kp, vp, t, n, k_scale=ks, v_scale=vs))
+  paged = {layout: jax.jit(lambda q, kp, vp, t, n, ks, vs, layout=layout: jattn.paged_attention(
+      q, kp, vp, t, n, k_scale=ks, v_scale=vs, kv_layout=layout)) for layout in ("NHD", "HND")}
+  # The same pool head-major: pages (P, K, page_size, H), token scales (P, K, page_size).
+  hnd = jax.jit(lambda *xs: [None if x is None else jnp.swapaxes(x, 1, 2) for x in xs])
   contiguous = jax.jit(lambda q, k, v, n: jattn.dot_product_attention(
       q, k, v, key_value_seq_lengths=n, is_causal="bottom_right", implementation="chunked"))
   floor_max = jax.jit(lambda k, v: (_floor_max(k), _floor_max(v)))
@@ -211,20 +218,25 @@ def run_paged(cfg: dict, log=print) -> list[dict]:
     for page_size in cfg["page_sizes"]:
       for dtype in cfg["page_dtypes"]:
         base = dict(kind="paged", page_dtype=dtype, page_size=page_size, B=B, N=N, K=K, H=H,
-                    T=T, S=S)
+                    T=T, S=S, layout=None)
         need = 4 * B * S * K * H * 4  # float32 pools while quantising, and the contiguous copy
         if need > cfg["max_memory_gib"] * 2 ** 30:
-          rows.append(dict(base, status="skipped",
-                           reason=f"needs ~{need / 2 ** 30:.1f} GiB > {cfg['max_memory_gib']}"))
+          rows.extend(dict(base, layout=layout, status="skipped",
+                           reason=f"needs ~{need / 2 ** 30:.1f} GiB > {cfg['max_memory_gib']}")
+                      for layout in cfg["page_layouts"])
           continue
         (kp, vp), (ks, vs), table, (kc, vc) = _pool(jax.random.key(S), B, S, K, H, page_size,
                                                     dtype)
         qdt = jnp.bfloat16 if dtype == "bfloat16" else jnp.float32
         q = jax.random.normal(jax.random.key(1), (B, T, N, H), jnp.float32).astype(qdt)
         lens = jnp.full((B,), S, jnp.int32)
-        calls = {"paged": lambda: paged(q, kp, vp, table, lens, ks, vs),
-                 "floor-sum": lambda: floor_sum(kp, vp), "floor-max": lambda: floor_max(kp, vp)}
-        out = jax.block_until_ready(calls["paged"]())
+        pools = {"NHD": (kp, vp, ks, vs)}
+        if "HND" in cfg["page_layouts"]:
+          pools["HND"] = tuple(hnd(kp, vp, ks, vs))
+        calls = {layout: functools.partial(paged[layout], q, p[0], p[1], table, lens, p[2], p[3])
+                 for layout, p in pools.items() if layout in cfg["page_layouts"]}
+        calls.update({"floor-sum": lambda: floor_sum(kp, vp), "floor-max": lambda: floor_max(kp, vp)})
+        outs = {layout: jax.block_until_ready(calls[layout]()) for layout in cfg["page_layouts"]}
         for _ in range(cfg["warmup"] + 1):
           for f in calls.values():
             jax.block_until_ready(f())
@@ -236,34 +248,38 @@ def run_paged(cfg: dict, log=print) -> list[dict]:
             jax.block_until_ready(f())
             times[name].append(time.perf_counter() - start)
         ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
-        ms["floor"] = min(ms["floor-sum"], ms["floor-max"])
-        want = contiguous(q.astype(jnp.float32), kc, vc, lens)
-        rows.append(dict(base, status="ok", ms=ms, vs_floor=ms["paged"] / ms["floor"],
-                         pool_mib=2 * kp.size * jnp.dtype(kp.dtype).itemsize / 2 ** 20,
-                         max_abs_diff=float(np.abs(np.asarray(out, np.float32)
-                                                   - np.asarray(want)).max())))
-        log(f"paged {dtype} page {page_size} S={S}: {ms['paged']:.1f} ms, floor "
-            f"{ms['floor']:.1f} ms")
-  f32 = {(r["S"], r["page_size"]): r["ms"]["paged"] for r in rows
+        floor = min(ms["floor-sum"], ms["floor-max"])
+        want = np.asarray(contiguous(q.astype(jnp.float32), kc, vc, lens))
+        for layout, out in outs.items():
+          rows.append(dict(base, layout=layout, status="ok",
+                           ms=dict(paged=ms[layout], floor=floor, **{
+                               k: ms[k] for k in ("floor-sum", "floor-max")}),
+                           vs_floor=ms[layout] / floor,
+                           pool_mib=2 * kp.size * jnp.dtype(kp.dtype).itemsize / 2 ** 20,
+                           max_abs_diff=float(np.abs(np.asarray(out, np.float32) - want).max())))
+          log(f"paged {layout} {dtype} page {page_size} S={S}: {ms[layout]:.1f} ms, floor "
+              f"{floor:.1f} ms")
+  f32 = {(r["S"], r["page_size"], r["layout"]): r["ms"]["paged"] for r in rows
          if r["status"] == "ok" and r["page_dtype"] == "float32"}
   for r in rows:
     if r["status"] == "ok":
-      r["vs_float32"] = (r["ms"]["paged"] / f32[r["S"], r["page_size"]]
-                         if (r["S"], r["page_size"]) in f32 else None)
+      r["vs_float32"] = f32.get((r["S"], r["page_size"], r["layout"]), 0) and (
+          r["ms"]["paged"] / f32[r["S"], r["page_size"], r["layout"]])
   return rows
 
 
 def paged_table(rows: list[dict]) -> str:
-  head = ("| paged pool | page size | S | pool MiB | paged ms | floor ms | paged / floor | "
+  head = ("| paged pool | layout | page size | S | pool MiB | paged ms | floor ms | paged / floor | "
           "/ float32 pool | max abs diff |")
   lines = [head, "|---" * (head.count("|") - 1) + "|"]
   for r in rows:
     if r["status"] != "ok":
-      lines.append(f"| {r['page_dtype']} | {r['page_size']} | {r['S']} | {r['reason']} "
-                   "| | | | | |")
+      lines.append(f"| {r['page_dtype']} | {r['layout']} | {r['page_size']} | {r['S']} | "
+                   f"{r['reason']} | | | | | |")
       continue
-    rel = "-" if r["vs_float32"] is None else f"{r['vs_float32']:.2f}x"
-    lines.append(f"| {r['page_dtype']} | {r['page_size']} | {r['S']} | {r['pool_mib']:.0f} | "
+    rel = f"{r['vs_float32']:.2f}x" if r["vs_float32"] else "-"
+    lines.append(f"| {r['page_dtype']} | {r['layout']} | {r['page_size']} | {r['S']} | "
+                 f"{r['pool_mib']:.0f} | "
                  f"{r['ms']['paged']:.1f} | {r['ms']['floor']:.1f} | {r['vs_floor']:.2f}x | "
                  f"{rel} | {r['max_abs_diff']:.1e} |")
   return "\n".join(lines)
@@ -296,12 +312,17 @@ def main(argv=None) -> int:
   p.add_argument("--repeats", type=int, help="timed rounds (override the config)")
   p.add_argument("--page-sizes", type=int, nargs="*",
                  help="time jattn.paged_attention with these page sizes (override the config)")
+  p.add_argument("--page-dtypes", nargs="+", choices=PAGE_DTYPES,
+                 help="page pool dtypes (override the config)")
+  p.add_argument("--page-layouts", nargs="+", choices=("NHD", "HND"),
+                 help="pool layouts (override the config)")
   p.add_argument("--paged-only", action="store_true", help="only the paged rows")
   p.add_argument("--json", help="also write the rows to this JSON file")
   a = p.parse_args(argv)
   try:
     cfg = load_config(a.config, dict(S=a.S, dtypes=a.dtypes, repeats=a.repeats,
-                                     page_sizes=a.page_sizes))
+                                     page_sizes=a.page_sizes, page_dtypes=a.page_dtypes,
+                                     page_layouts=a.page_layouts))
   except (OSError, ValueError) as e:
     print(f"jattn-bench decode: {e}", file=sys.stderr)
     return 2
