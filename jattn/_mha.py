@@ -26,6 +26,7 @@ class Options:
   num_heads: int
   num_kv_heads: int
   head_dim: int
+  value_head_dim: int
   is_causal: CausalAlignment | None
   window: tuple[int, int] | None
   logits_soft_cap: float | None
@@ -41,7 +42,7 @@ class Options:
 
 def options(*, num_heads, num_kv_heads, qkv_features, is_causal, local_window_size,
             logits_soft_cap, scale, implementation, block_q, block_kv, rope, rope_base,
-            dropout_rate, broadcast_dropout) -> Options:
+            dropout_rate, broadcast_dropout, value_head_dim=None) -> Options:
   """Check a module's constructor arguments (the `jattn._validation` policy: TypeError for a
   wrong type, ValueError for a wrong value); errors name the argument."""
   num_heads = _validation.positive_int("num_heads", num_heads)
@@ -56,12 +57,14 @@ def options(*, num_heads, num_kv_heads, qkv_features, is_causal, local_window_si
     raise ValueError(f"qkv_features={qkv_features} must be divisible by num_heads={num_heads} "
                      f"(the head dim is qkv_features // num_heads)")
   head_dim = qkv_features // num_heads
+  value_head_dim = _validation.positive_int("value_head_dim", value_head_dim, optional=True)
   rope = _validation.flag("rope", rope)
   if rope and head_dim % 2:
     raise ValueError(f"rope=True rotates pairs of features: the head dim qkv_features // "
                      f"num_heads = {head_dim} must be even")
   return Options(
       num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+      value_head_dim=head_dim if value_head_dim is None else value_head_dim,
       is_causal=_validation.causal(is_causal),
       window=_validation.window(local_window_size),
       logits_soft_cap=_validation.soft_cap(logits_soft_cap),
@@ -165,7 +168,7 @@ def attend(opts: Options, q, k, v, *, self_attention: bool, mask=None, positions
            kv_positions=None, query_seq_lengths=None, key_value_seq_lengths=None,
            q_segment_ids=None, kv_segment_ids=None, deterministic: bool = True,
            dropout_rng=None, collect=None, sow=None):
-  """Attention without a cache. q (B, T, N, H), k and v (B, S, K, H) -> (B, T, N, H).
+  """Attention without a cache. q (B, T, N, H), k (B, S, K, H), v (B, S, K, Hv) -> (B, T, N, Hv).
 
   RoPE positions: ``positions`` for the queries (default arange(T)); ``kv_positions`` for the
   keys (default: the query positions in self-attention, arange(S) otherwise). ``collect``: see
@@ -218,7 +221,7 @@ def attend_cached(opts: Options, q, k, v, cached_key, cached_value, cache_index,
                   dropout_rng=None, collect=None, sow=None):
   """One decoding step: append T new keys/values to the cache, attend over the cache.
 
-  q (B, T, N, H); k, v (B, T, K, H); cached_key, cached_value (B, S_max, K, H); cache_index
+  q (B, T, N, H); k, v (B, T, K, H|Hv); cached_key, cached_value (B, S_max, K, H|Hv); cache_index
   int32 (B,): how many positions of each example's cache are filled. The new tokens take cache
   positions cache_index[b] .. cache_index[b] + T - 1 (also their RoPE positions unless
   ``positions`` is given). Query t sees cache keys k <= cache_index[b] + t (bottom-right aligned
@@ -230,7 +233,7 @@ def attend_cached(opts: Options, q, k, v, cached_key, cached_value, cache_index,
   Writes past S_max are dropped (a fixed-size cache under jit cannot raise on values): keep
   cache_index + T <= S_max.
 
-  Returns (out (B, T, N, H), new cached_key, new cached_value, new cache_index).
+  Returns (out (B, T, N, Hv), new cached_key, new cached_value, new cache_index).
   """
   B, T = q.shape[:2]
   S_max = cached_key.shape[1]
@@ -242,9 +245,10 @@ def attend_cached(opts: Options, q, k, v, cached_key, cached_value, cache_index,
   if k.dtype != cached_key.dtype or v.dtype != cached_value.dtype:
     raise TypeError(f"new keys/values ({k.dtype}) must have the cache's dtype "
                     f"({cached_key.dtype}); init the cache with the computation dtype")
-  if k.shape[0] != B or cached_key.shape[0] != B or cached_key.shape[2:] != k.shape[2:]:
-    raise ValueError(f"cache of shape {cached_key.shape} (B, S_max, K, H) does not match new "
-                     f"keys of shape {k.shape} (B, T, K, H)")
+  for name, new, cached in (("keys", k, cached_key), ("values", v, cached_value)):
+    if new.shape[0] != B or cached.shape[0] != B or cached.shape[2:] != new.shape[2:]:
+      raise ValueError(f"cache of shape {cached.shape} (B, S_max, K, H) does not match new "
+                       f"{name} of shape {new.shape} (B, T, K, H)")
   q, k, index, new, rows, slots = _at_fill_level(opts, q, k, cache_index, positions,
                                                  query_seq_lengths)
   # mode="drop": an out-of-range write is lost rather than clamped onto valid entries.
@@ -268,7 +272,8 @@ def attend_cached(opts: Options, q, k, v, cached_key, cached_value, cache_index,
 
 
 # --------------------------------------------------------------------------------------------
-# Quantised KV caches: int8 / float8 values with a float32 scale per token and head.
+# Quantised and paged KV caches: int8 / float8 values with a float32 scale per token and head;
+# pools of pages with a page table per example.
 # --------------------------------------------------------------------------------------------
 
 QUANTIZED_CACHE = (jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2)
@@ -300,60 +305,110 @@ def _cache_pages(S_max: int) -> int:
   return size
 
 
-def attend_quantized(opts: Options, q, k, v, cache, cache_index, *, positions=None,
-                     query_seq_lengths=None, masked=False, dropout=False, stats=False):
-  """`attend_cached` for a quantised cache: ``cache`` = (cached_key, cached_value, key_scale,
-  value_scale), values int8 / float8 (B, S_max, K, H), scales float32 (B, S_max, K). The new
-  keys and values are quantised per token and head and written at the fill level; the step
-  attends through `jattn.paged_attention`, which reads the quantised cache block by block (its
-  contiguous rows seen as pages: no dequantised copy). Returns (out, new cache, cache_index)."""
+def new_cache(opts: Options, batch_size: int, max_length: int, dtype, page_size=None):
+  """A module's zero KV cache: (arrays, page_table). Contiguous (page_size None): cached key
+  and value (B, S_max, K, H|Hv), table None. Paged: pools (P, page_size, K, H|Hv) and the
+  table (B, n = ceil(S_max / page_size)) giving example b pages b * n .. b * n + n - 1 in
+  order. A quantised ``dtype`` adds key and value scales, (B, S_max, K) or (P, page_size, K)."""
+  if page_size is None:
+    lead, table = (batch_size, max_length), None
+  else:
+    n = -(-max_length // page_size)
+    lead = (batch_size * n, page_size)
+    table = jnp.arange(batch_size * n, dtype=jnp.int32).reshape(batch_size, n)
+  K = opts.num_kv_heads
+  arrays = (jnp.zeros(lead + (K, opts.head_dim), dtype),
+            jnp.zeros(lead + (K, opts.value_head_dim), dtype))
+  if is_quantized(dtype):
+    arrays += (jnp.ones(lead + (K,), jnp.float32),) * 2
+  return arrays, table
+
+
+def attend_paged(opts: Options, q, k, v, pools, page_table, cache_index, *, positions=None,
+                 query_seq_lengths=None, masked=False, dropout=False, stats=False):
+  """A decoding step on a paged cache: ``pools`` = (key pages (P, ps, K, H), value pages
+  (P, ps, K, Hv)) in the keys' dtype, or int8 / float8 with (key scales, value scales)
+  (P, ps, K) float32; ``page_table`` (B, max_pages): example b's cache positions
+  i * ps .. (i + 1) * ps - 1 live in page page_table[b, i]. The T new keys and values
+  (quantised per token and head when the pool is) are written at the fill level through the
+  table, and the step attends through `jattn.paged_attention`. Returns (out (B, T, N, Hv), new
+  pools, new cache_index)."""
   from jattn._paged import paged_attention  # the serving kernel
   for what, given in (("a mask", masked), ("dropout", dropout),
                       ("collect_stats / sow_weights", stats)):
     if given:
       raise NotImplementedError(
-          f"decoding with a quantised cache takes causality, windows and soft caps (it runs "
-          f"jattn.paged_attention), not {what}; use a float cache for that")
-  ck, cv, ks, vs = cache
+          f"decoding with a paged or quantised cache takes causality, windows and soft caps "
+          f"(it runs jattn.paged_attention), not {what}; use a contiguous float cache for that")
+  if opts.is_causal is None:
+    raise ValueError("decode=True needs is_causal=True: step-by-step decoding with a KV cache "
+                     "reproduces causal self-attention only")
   B, T = q.shape[:2]
-  S_max, K, H = ck.shape[1:]
-  q, k, index, new, rows, slots = _at_fill_level(opts, q, k, cache_index, positions,
-                                                 query_seq_lengths)
-  kq, k_scale = quantize(k, ck.dtype)
-  vq, v_scale = quantize(v, cv.dtype)
-  ck, cv = ck.at[rows, slots].set(kq, mode="drop"), cv.at[rows, slots].set(vq, mode="drop")
-  ks = ks.at[rows, slots].set(k_scale, mode="drop")
-  vs = vs.at[rows, slots].set(v_scale, mode="drop")
-  ps = _cache_pages(S_max)
-  n = S_max // ps
-  pages = lambda x: x.reshape((B * n, ps) + x.shape[2:])
-  table = jnp.arange(B * n, dtype=jnp.int32).reshape(B, n)
+  P, ps = pools[0].shape[:2]
+  capacity = page_table.shape[1] * ps
+  quantized = len(pools) == 4
+  for name, x, pool in (("keys", k, pools[0]), ("values", v, pools[1])):
+    if pool.shape[2:] != x.shape[2:]:
+      raise ValueError(f"paged cache of shape {pool.shape} (P, page_size, K, H) does not match "
+                       f"new {name} of shape {x.shape} (B, T, K, H)")
+    if not quantized and x.dtype != pool.dtype:
+      raise TypeError(f"new {name} ({x.dtype}) must have the cache's dtype ({pool.dtype}); "
+                      f"init the cache with the computation dtype")
+  if page_table.shape[0] != B:
+    raise ValueError(f"page_table must have a row per example, (B, max_pages) with B={B}, got "
+                     f"shape {page_table.shape}")
+  q, k, index, new, _, slots = _at_fill_level(opts, q, k, cache_index, positions,
+                                              query_seq_lengths)
+  col = slots // ps
+  page = jnp.take_along_axis(page_table.astype(jnp.int32),
+                             jnp.minimum(col, page_table.shape[1] - 1), axis=1)
+  # Past the table (a full cache) the write goes to page P: dropped, not clamped.
+  page, off = jnp.where(col < page_table.shape[1], page, P), slots % ps
+  if quantized:
+    (kq, k_scale), (vq, v_scale) = quantize(k, pools[0].dtype), quantize(v, pools[1].dtype)
+    written = (kq, vq, k_scale, v_scale)
+  else:
+    written = (k, v)
+  pools = tuple(pool.at[page, off].set(x, mode="drop") for pool, x in zip(pools, written))
   # Query t sits at position index + t: bottom-right against index + T keys (the new ones,
   # padded or not, written), so padded queries see only real keys; their rows are zeroed.
-  out = paged_attention(q, pages(ck), pages(cv), table, jnp.minimum(index + T, S_max),
+  out = paged_attention(q, pools[0], pools[1], page_table, jnp.minimum(index + T, capacity),
                         scale=opts.scale, is_causal=True, local_window_size=opts.window,
-                        logits_soft_cap=opts.logits_soft_cap, k_scale=pages(ks),
-                        v_scale=pages(vs))
+                        logits_soft_cap=opts.logits_soft_cap,
+                        k_scale=pools[2] if quantized else None,
+                        v_scale=pools[3] if quantized else None)
   if query_seq_lengths is not None:
     live = jnp.arange(T, dtype=jnp.int32)[None, :] < new[:, None]
     out = jnp.where(live[..., None, None], out, jnp.zeros((), out.dtype))
-  return out, (ck, cv, ks, vs), index + new
+  return out, pools, index + new
 
 
-def decode_step(opts: Options, q, k, v, cache, cache_index, *, mask=None, positions=None,
-                query_seq_lengths=None, deterministic=True, dropout_rng=None, collect=None,
-                sow=None):
-  """A decoding step on a module's cache, float or quantised: ``cache`` is (cached_key,
-  cached_value) or, quantised, (cached_key, cached_value, key_scale, value_scale). Returns
-  (out, new cache of the same form, new cache_index)."""
-  if len(cache) == 4:
-    return attend_quantized(
-        opts, q, k, v, cache, cache_index, positions=positions,
-        query_seq_lengths=query_seq_lengths, masked=mask is not None,
-        dropout=not deterministic and opts.dropout_rate > 0,
-        stats=collect is not None or sow is not None)
-  out, ck, cv, idx = attend_cached(
-      opts, q, k, v, *cache, cache_index, mask=mask, positions=positions,
-      query_seq_lengths=query_seq_lengths, deterministic=deterministic,
-      dropout_rng=dropout_rng, collect=collect, sow=sow)
-  return out, (ck, cv), idx
+def decode_step(opts: Options, q, k, v, cache, cache_index, *, page_table=None, mask=None,
+                positions=None, query_seq_lengths=None, deterministic=True, dropout_rng=None,
+                collect=None, sow=None):
+  """A decoding step on a module's cache: ``cache`` is (cached_key, cached_value) or, quantised,
+  (cached_key, cached_value, key_scale, value_scale); contiguous (B, S_max, K, H|Hv) or, with
+  ``page_table``, pools of pages (P, page_size, K, H|Hv). Returns (out, new cache of the same
+  form, new cache_index)."""
+  if page_table is None and len(cache) == 2:
+    out, ck, cv, idx = attend_cached(
+        opts, q, k, v, *cache, cache_index, mask=mask, positions=positions,
+        query_seq_lengths=query_seq_lengths, deterministic=deterministic,
+        dropout_rng=dropout_rng, collect=collect, sow=sow)
+    return out, (ck, cv), idx
+  shapes = None
+  if page_table is None:
+    # A contiguous quantised cache is read as pages of a pool: its rows, cut, without a copy.
+    B, S_max = cache[0].shape[:2]
+    ps = _cache_pages(S_max)
+    shapes = [x.shape for x in cache]
+    cache = tuple(x.reshape((B * (S_max // ps), ps) + x.shape[2:]) for x in cache)
+    page_table = jnp.arange(B * (S_max // ps), dtype=jnp.int32).reshape(B, S_max // ps)
+  out, cache, idx = attend_paged(
+      opts, q, k, v, cache, page_table, cache_index, positions=positions,
+      query_seq_lengths=query_seq_lengths, masked=mask is not None,
+      dropout=not deterministic and opts.dropout_rate > 0,
+      stats=collect is not None or sow is not None)
+  if shapes is not None:
+    cache = tuple(x.reshape(shape) for x, shape in zip(cache, shapes))
+  return out, cache, idx

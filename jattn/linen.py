@@ -30,6 +30,8 @@ class MultiHeadAttention(nn.Module):
     qkv_features: N * H (default: the input features D).
     out_features: output features (default: D).
     num_kv_heads: K key/value heads (default N); K < N is GQA, K = 1 MQA.
+    value_head_dim: Hv, the value heads' size (default H = qkv_features // num_heads); the
+      ``value`` kernel is then (D, K, Hv) and ``out``'s (N, Hv, out_features) (MLA-style).
     dtype: computation dtype (default: inferred from inputs and params).
     param_dtype: parameter dtype.
     dropout_rate: attention-weight dropout rate.
@@ -52,6 +54,12 @@ class MultiHeadAttention(nn.Module):
       (``cached_key_scale``, ``cached_value_scale`` (B, S_max, K)); decoding steps then read it
       through `jattn.paged_attention` (causality, windows, soft caps; no masks, dropout or
       statistics).
+    cache_page_size: keep the cache in pages: pools ``cached_key`` (P, page_size, K, H),
+      ``cached_value`` (P, page_size, K, Hv) (scales (P, page_size, K)) and ``page_table``
+      (B, ceil(S_max / page_size)) int32 in the ``'cache'`` collection, example b's positions
+      i * page_size .. in page page_table[b, i] (at first, example b owns pages b * n ..
+      b * n + n - 1; replace the table to share one pool). Read through `jattn.paged_attention`
+      as a quantised cache is.
     collect_stats: sow the softmax statistics of every call (`jattn.diagnostics.AttentionStats`)
       into ``'intermediates'`` under ``attention_stats`` when that collection is mutable
       (``apply(..., mutable=['intermediates'])``). Off by default, and then nothing is computed.
@@ -81,6 +89,23 @@ class MultiHeadAttention(nn.Module):
   decode: bool = False
   collect_stats: bool = False
   cache_dtype: Any = None
+  cache_page_size: int | None = None
+  value_head_dim: int | None = None
+
+  def _cache(self, opts, k):
+    """The 'cache' variables: ([key, value(, key scale, value scale)], page table or None,
+    cache index). As in flax, the first (init) call sizes the cache from its input, (B, S_max,
+    ...)."""
+    dtype = k.dtype if self.cache_dtype is None else self.cache_dtype
+    page_size = _validation.positive_int("cache_page_size", self.cache_page_size, optional=True)
+    new = lambda: _mha.new_cache(opts, *k.shape[:2], dtype, page_size)
+    names = ("cached_key", "cached_value", "cached_key_scale", "cached_value_scale")
+    variables = [self.variable("cache", name, lambda i=i: new()[0][i])
+                 for i, name in enumerate(names[:4 if _mha.is_quantized(dtype) else 2])]
+    page_table = None if page_size is None else self.variable(
+        "cache", "page_table", lambda: new()[1])
+    index = self.variable("cache", "cache_index", jnp.zeros, k.shape[:1], jnp.int32)
+    return variables, page_table, index
 
   @nn.compact
   def __call__(self, inputs_q: ArrayLike, inputs_k: ArrayLike | None = None,
@@ -120,7 +145,8 @@ class MultiHeadAttention(nn.Module):
         local_window_size=self.local_window_size, logits_soft_cap=self.logits_soft_cap,
         scale=self.scale, implementation=self.implementation, block_q=self.block_q,
         block_kv=self.block_kv, rope=self.rope, rope_base=self.rope_base,
-        dropout_rate=self.dropout_rate, broadcast_dropout=self.broadcast_dropout)
+        dropout_rate=self.dropout_rate, broadcast_dropout=self.broadcast_dropout,
+        value_head_dim=self.value_head_dim)
     out_features = _validation.positive_int("out_features", self.out_features, optional=True)
     decode = _validation.flag("decode", self.decode)
     collect_stats = _validation.flag("collect_stats", self.collect_stats)
@@ -139,13 +165,13 @@ class MultiHeadAttention(nn.Module):
     if inputs_v is None:
       inputs_v = inputs_k
 
-    dense = lambda heads, name: nn.DenseGeneral(
-        features=(heads, opts.head_dim), axis=-1, dtype=self.dtype,
+    dense = lambda heads, size, name: nn.DenseGeneral(
+        features=(heads, size), axis=-1, dtype=self.dtype,
         param_dtype=self.param_dtype, kernel_init=self.kernel_init, bias_init=self.bias_init,
         use_bias=use_bias, name=name)
-    q = dense(opts.num_heads, "query")(inputs_q)  # (B, T, N, H)
-    k = dense(opts.num_kv_heads, "key")(inputs_k)  # (B, S, K, H)
-    v = dense(opts.num_kv_heads, "value")(inputs_v)
+    q = dense(opts.num_heads, opts.head_dim, "query")(inputs_q)  # (B, T, N, H)
+    k = dense(opts.num_kv_heads, opts.head_dim, "key")(inputs_k)  # (B, S, K, H)
+    v = dense(opts.num_kv_heads, opts.value_head_dim, "value")(inputs_v)  # (B, S, K, Hv)
 
     m_deterministic = nn.merge_param("deterministic", self.deterministic, deterministic) if (
         opts.dropout_rate > 0) else True
@@ -161,19 +187,14 @@ class MultiHeadAttention(nn.Module):
 
     decoding = decode and self.has_variable("cache", "cached_key")
     if decode:
-      # As in flax: the first (init) call sizes the cache from its input, (B, S_max, ...).
-      dtype = k.dtype if self.cache_dtype is None else self.cache_dtype
-      variables = [self.variable("cache", name, jnp.zeros, k.shape, dtype)
-                   for name in ("cached_key", "cached_value")] + [
-          self.variable("cache", name, jnp.ones, k.shape[:3], jnp.float32)
-          for name in ("cached_key_scale", "cached_value_scale") if _mha.is_quantized(dtype)]
-      cache_index = self.variable("cache", "cache_index", jnp.zeros, k.shape[:1], jnp.int32)
+      variables, page_table, cache_index = self._cache(opts, k)
     if decoding:
       _mha.check_decode_call(self_attention, kv_positions=kv_positions,
                              key_value_seq_lengths=key_value_seq_lengths,
                              q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
       x, cache, cache_index.value = _mha.decode_step(
-          opts, q, k, v, tuple(var.value for var in variables), cache_index.value, mask=mask,
+          opts, q, k, v, tuple(var.value for var in variables), cache_index.value,
+          page_table=None if page_table is None else page_table.value, mask=mask,
           positions=positions, query_seq_lengths=query_seq_lengths,
           deterministic=m_deterministic, dropout_rng=dropout_rng, collect=collect, sow=sow)
       for var, value in zip(variables, cache):

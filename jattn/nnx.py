@@ -32,6 +32,8 @@ class MultiHeadAttention(nnx.Module):
     out_features: output features (default D).
     num_kv_heads: K key/value heads (default N); K < N is GQA, K = 1 MQA.
     in_kv_features: features of the key/value inputs (default D).
+    value_head_dim: Hv, the value heads' size (default H = qkv_features // num_heads); the
+      ``value`` kernel is then (D, K, Hv) and ``out``'s (N, Hv, out_features) (MLA-style).
     dtype: computation dtype (default: inferred from inputs and params).
     param_dtype: parameter dtype.
     dropout_rate: attention-weight dropout rate.
@@ -61,6 +63,7 @@ class MultiHeadAttention(nnx.Module):
       num_kv_heads: int | None = None,
       in_kv_features: int | None = None,
       *,
+      value_head_dim: int | None = None,
       dtype: Any = None,
       param_dtype: Any = jnp.float32,
       dropout_rate: float = 0.0,
@@ -91,7 +94,8 @@ class MultiHeadAttention(nnx.Module):
         is_causal=is_causal, local_window_size=local_window_size,
         logits_soft_cap=logits_soft_cap, scale=scale, implementation=implementation,
         block_q=block_q, block_kv=block_kv, rope=rope, rope_base=rope_base,
-        dropout_rate=dropout_rate, broadcast_dropout=broadcast_dropout)
+        dropout_rate=dropout_rate, broadcast_dropout=broadcast_dropout,
+        value_head_dim=value_head_dim)
     o = self.opts
     self.in_features = in_features
     self.out_features = in_features if out_features is None else out_features
@@ -105,14 +109,14 @@ class MultiHeadAttention(nnx.Module):
     _validation.function("bias_init", bias_init)
     _validation.instance("rngs", rngs, nnx.Rngs, "an nnx.Rngs")
     in_kv = in_features if in_kv_features is None else in_kv_features
-    linear = lambda fin, heads: nnx.LinearGeneral(
-        fin, (heads, o.head_dim), dtype=dtype, param_dtype=param_dtype, use_bias=use_bias,
+    linear = lambda fin, heads, size: nnx.LinearGeneral(
+        fin, (heads, size), dtype=dtype, param_dtype=param_dtype, use_bias=use_bias,
         kernel_init=kernel_init, bias_init=bias_init, rngs=rngs)
-    self.query = linear(in_features, o.num_heads)
-    self.key = linear(in_kv, o.num_kv_heads)
-    self.value = linear(in_kv, o.num_kv_heads)
+    self.query = linear(in_features, o.num_heads, o.head_dim)
+    self.key = linear(in_kv, o.num_kv_heads, o.head_dim)
+    self.value = linear(in_kv, o.num_kv_heads, o.value_head_dim)
     self.out = nnx.LinearGeneral(
-        (o.num_heads, o.head_dim), self.out_features, axis=(-2, -1), dtype=dtype,
+        (o.num_heads, o.value_head_dim), self.out_features, axis=(-2, -1), dtype=dtype,
         param_dtype=param_dtype, use_bias=use_bias, kernel_init=kernel_init,
         bias_init=bias_init, rngs=rngs)
     self.rngs = rngs.dropout.fork() if o.dropout_rate > 0 else nnx.data(None)
@@ -121,28 +125,39 @@ class MultiHeadAttention(nnx.Module):
     self.cache_index = nnx.data(None)
     self.cached_key_scale = nnx.data(None)
     self.cached_value_scale = nnx.data(None)
+    self.page_table = nnx.data(None)
 
-  def init_cache(self, batch_size: int, max_length: int, dtype: Any = None):
-    """Create a zero KV cache: ``cached_key``, ``cached_value`` (B, S_max, K, H) and
+  def init_cache(self, batch_size: int, max_length: int, dtype: Any = None, *,
+                 page_size: int | None = None):
+    """Create a zero KV cache: ``cached_key``, ``cached_value`` (B, S_max, K, H|Hv) and
     ``cache_index`` int32 (B,), as ``nnx.Cache`` variables. ``dtype`` defaults to the
     computation dtype (``dtype``, else ``param_dtype``); it must be the dtype keys come in, or
     int8 / float8_e4m3fn / float8_e5m2 for a quantised cache: keys and values are then stored
     in that dtype with a float32 scale per token and head (``cached_key_scale``,
-    ``cached_value_scale`` (B, S_max, K)), and decoding steps read them through
-    `jattn.paged_attention` (causality, windows, soft caps; no masks, dropout or statistics)."""
+    ``cached_value_scale`` (B, S_max, K)).
+
+    ``page_size``: keep the cache in pages instead -- pools ``cached_key`` (P, page_size, K, H),
+    ``cached_value`` (P, page_size, K, Hv) (scales (P, page_size, K)) and ``page_table``
+    (B, ceil(S_max / page_size)) int32, example b's positions i * page_size .. in page
+    page_table[b, i]. It starts as example b owning pages b * n .. b * n + n - 1; set
+    ``page_table[...]`` (and size the pool) to share one pool as a serving loop does.
+
+    Quantised and paged caches are read through `jattn.paged_attention` (causality, windows,
+    soft caps; no masks, dropout or statistics)."""
     batch_size = _validation.positive_int("batch_size", batch_size)
     max_length = _validation.positive_int("max_length", max_length)
+    page_size = _validation.positive_int("page_size", page_size, optional=True)
     if dtype is None:
       dtype = self.dtype if self.dtype is not None else self.param_dtype
-    shape = (batch_size, max_length, self.opts.num_kv_heads, self.opts.head_dim)
-    self.cached_key = nnx.Cache(jnp.zeros(shape, dtype))
-    self.cached_value = nnx.Cache(jnp.zeros(shape, dtype))
+    pools, table = _mha.new_cache(self.opts, batch_size, max_length, dtype, page_size)
     self.cache_index = nnx.Cache(jnp.zeros((batch_size,), jnp.int32))
-    if _mha.is_quantized(dtype):
-      self.cached_key_scale = nnx.Cache(jnp.ones(shape[:3], jnp.float32))
-      self.cached_value_scale = nnx.Cache(jnp.ones(shape[:3], jnp.float32))
+    self.page_table = nnx.data(None) if table is None else nnx.Cache(table)
+    self.cached_key, self.cached_value = nnx.Cache(pools[0]), nnx.Cache(pools[1])
+    if len(pools) == 4:
+      self.cached_key_scale, self.cached_value_scale = nnx.Cache(pools[2]), nnx.Cache(pools[3])
     else:
-      self.cached_key_scale = self.cached_value_scale = nnx.data(None)
+      self.cached_key_scale = nnx.data(None)
+      self.cached_value_scale = nnx.data(None)
 
   def __call__(self, inputs_q: ArrayLike, inputs_k: ArrayLike | None = None,
                inputs_v: ArrayLike | None = None, *, mask: _masks.Mask | ArrayLike | None = None,
@@ -229,7 +244,8 @@ class MultiHeadAttention(nnx.Module):
       variables = [self.cached_key, self.cached_value, self.cached_key_scale,
                    self.cached_value_scale][:2 if self.cached_key_scale is None else 4]
       x, cache, self.cache_index[...] = _mha.decode_step(
-          o, q, k, v, tuple(var[...] for var in variables), self.cache_index[...], mask=mask,
+          o, q, k, v, tuple(var[...] for var in variables), self.cache_index[...],
+          page_table=None if self.page_table is None else self.page_table[...], mask=mask,
           positions=positions, query_seq_lengths=query_seq_lengths, deterministic=det,
           dropout_rng=dropout_rng, collect=collect, sow=sow)
       for var, value in zip(variables, cache):

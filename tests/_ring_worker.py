@@ -406,12 +406,13 @@ def vs_single(devices):
   import numpy as np
   import jattn
   from jattn import masks as M
-  B, T, N, K, H = 2, 32, 4, 2, 8
+  # A value head size of its own (Hv != H, as MLA's) rides along with every feature.
+  B, T, N, K, H, Hv = 2, 32, 4, 2, 8, 12
   keys = jax.random.split(jax.random.key(3), 6)
   q = jax.random.normal(keys[0], (B, T, N, H), jnp.float32)
   k = jax.random.normal(keys[1], (B, T, K, H), jnp.float32)
-  v = jax.random.normal(keys[2], (B, T, K, H), jnp.float32)
-  do = jax.random.normal(keys[3], (B, T, N, H), jnp.float32)
+  v = jax.random.normal(keys[2], (B, T, K, Hv), jnp.float32)
+  do = jax.random.normal(keys[3], (B, T, N, Hv), jnp.float32)
   table = jax.random.normal(keys[4], (2 * T,), jnp.float32)
   sinks = jnp.linspace(-0.5, 1.0, N, dtype=jnp.float32)
   rng = jax.random.key(11)

@@ -702,3 +702,70 @@ def test_quantized_cache_padded_prompts_and_refusals():
   mod.init_cache(B, 10, dtype=jnp.int8)
   with pytest.raises(NotImplementedError, match="quantised cache.*a mask"):
     mod(prompt, decode=True, mask=jnp.ones((B, 1, 5, 10), bool))
+
+
+# ---- a value head size of its own, paged caches -------------------------------------------
+
+
+def test_value_head_size_of_its_own_in_the_modules():
+  # value_head_dim = 6 with H = 4 (MLA-style): value kernel (D, K, 6), out kernel (N, 6, D);
+  # linen and nnx give the float64 layer's answer, and decoding step by step with a contiguous,
+  # a paged and an int8 cache gives the uncached pass's.
+  kw = dict(value_head_dim=6, is_causal=True, rope=True)
+  lin, params, mod = _linen_pair(11, **kw)
+  assert params["value"]["kernel"].shape == (D, K, 6)
+  assert params["out"]["kernel"].shape == (N, 6, D)
+  x = _x(12)
+  want = rm.mha(rm.params_from_linen(params), x, causal="top_left", rope_base=10000.0)
+  np.testing.assert_allclose(lin.apply({"params": params}, x), want, atol=2e-5)
+  np.testing.assert_allclose(mod(x), want, atol=2e-5)
+  step = nnx.jit(lambda m, xt: m(xt, decode=True))
+  for cache_kw in ({}, dict(page_size=3), dict(dtype=jnp.int8)):
+    mod.init_cache(B, 11, **cache_kw)
+    assert mod.cached_value[...].shape[-1] == 6
+    got = jnp.concatenate([step(mod, x[:, a:b]) for a, b in STEPS], 1)
+    ref = want if "dtype" not in cache_kw else _dequantized_forward(lin, params, x, jnp.int8)
+    np.testing.assert_allclose(got, ref, atol=2e-5, err_msg=str(cache_kw))
+  with pytest.raises(ValueError, match="value_head_dim"):
+    jattn.nnx.MultiHeadAttention(N, D, value_head_dim=0, rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("dtype", [None, jnp.int8])
+def test_paged_cache_decode_equals_the_uncached_pass(dtype):
+  # init_cache(page_size=3): pools (P, 3, K, H) and a page table; with the table shuffled,
+  # decoding step by step (prefill 3, then 1, 1, 2, 1 tokens) writes each position to the
+  # page the table names and gives the uncached pass (keys and values rounded as stored, for
+  # int8); the linen module with cache_page_size gives the same numbers.
+  kw = dict(is_causal=True, rope=True, local_window_size=(3, 0))
+  lin, params, mod = _linen_pair(13, **kw)
+  x = _x(14)
+  want = (lin.apply({"params": params}, x) if dtype is None
+          else _dequantized_forward(lin, params, x, dtype))
+  mod.init_cache(B, 11, dtype=dtype, page_size=3)
+  assert mod.cached_key[...].shape == (B * 4, 3, K, H)
+  np.testing.assert_array_equal(mod.page_table[...], np.arange(B * 4).reshape(B, 4))
+  table = np.random.default_rng(0).permutation(B * 4).reshape(B, 4).astype(np.int32)
+  mod.page_table[...] = jnp.asarray(table)
+  step = nnx.jit(lambda m, xt: m(xt, decode=True))
+  got = jnp.concatenate([step(mod, x[:, a:b]) for a, b in STEPS], 1)
+  np.testing.assert_allclose(got, want, atol=2e-5)
+  # The pool read through the table is the contiguous cache a float module keeps.
+  flat = lin.clone(decode=True, cache_dtype=dtype)
+  cache = flat.init(jax.random.key(0), jnp.zeros((B, 12, D)))["cache"]
+  for a, b in STEPS:
+    _, upd = flat.apply({"params": params, "cache": cache}, x[:, a:b], mutable=["cache"])
+    cache = upd["cache"]
+  through = np.asarray(mod.cached_key[...])[table].reshape(B, 12, K, H)
+  np.testing.assert_array_equal(through[:, :T], np.asarray(cache["cached_key"])[:, :T])
+  dec = lin.clone(decode=True, cache_dtype=dtype, cache_page_size=3)
+  cache = dec.init(jax.random.key(0), jnp.zeros((B, 11, D)))["cache"]
+  assert cache["cached_value"].shape == (B * 4, 3, K, H) and cache["page_table"].shape == (B, 4)
+  cache = dict(cache, page_table=jnp.asarray(table))
+  outs = []
+  for a, b in STEPS:
+    o, upd = dec.apply({"params": params, "cache": cache}, x[:, a:b], mutable=["cache"])
+    cache = upd["cache"]
+    outs.append(o)
+  np.testing.assert_allclose(jnp.concatenate(outs, 1), got, atol=1e-6)
+  with pytest.raises(NotImplementedError, match="paged or quantised cache.*a mask"):
+    mod(x[:, :1], decode=True, mask=jnp.ones((B, 1, 1, 12), bool))

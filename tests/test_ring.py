@@ -299,7 +299,8 @@ SINGLE_CASES = [f"{f}/{layout}" for f in _ring_worker.SINGLE_FEATURES
 @pytest.mark.parametrize("case", SINGLE_CASES)
 def test_ring_equals_single_device(ring4, ring8, devices, case):
   """Mask objects (chunked_local & causal, prefix_lm, a from_function of batch and head),
-  score_mod with an array it closes over, sinks and dropout: ring attention's output and the
+  score_mod with an array it closes over, sinks and dropout, all with a value head size of its
+  own (Hv = 12, H = 8): ring attention's output and the
   gradients of q, k, v, the sinks and score_mod's table equal the single-device call on the
   same global inputs (dropout drops the same entries), in both layouts; on 8 devices the batch
   is sharded too (batch indices are global)."""
