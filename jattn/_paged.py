@@ -71,6 +71,9 @@ class _Static(NamedTuple):
   k_scale: str | None  # "tensor" | "head" | "token" | None (pages not quantised)
   v_scale: str | None
   dtype: Any  # the query's (and output's)
+  # Each pool page read as ``sub`` pages of page_size keys (page_size and max_pages count
+  # these): a page longer than a block is cut so that a step still reads one block.
+  sub: int = 1
   # Pages become float32 before the matmuls (the CPU's program: XLA's CPU matmuls of 16-bit
   # floats are several times slower than float32 ones, and float8 converts run in software).
   upcast: bool = False
@@ -94,7 +97,12 @@ class _Static(NamedTuple):
     return self.pages_per_block if per_page else 1
 
   def with_block(self, keys: int) -> "_Static":
-    return self._replace(pages_per_block=min(max(1, keys // self.page_size), self.max_pages))
+    """Planned for blocks of about ``keys`` keys: whole pages, or a page cut into pieces of
+    ``keys`` when it is longer and they divide it."""
+    size, count = self.page_size * self.sub, self.max_pages // self.sub  # the pool's pages
+    sub = size // keys if size > keys and size % keys == 0 else 1
+    return self._replace(page_size=size // sub, max_pages=count * sub, sub=sub,
+                         pages_per_block=min(max(1, keys * sub // size), count * sub))
 
 
 def paged_attention(query, key_pages, value_pages, page_table, kv_lengths, *, query_start=None,
@@ -169,8 +177,13 @@ def _jitted(st: _Static, query, key_pages, value_pages, page_table, kv_lengths, 
   for platform in ("cpu", "default"):
     sp = st.with_block(BLOCK_KEYS[platform])._replace(upcast=platform == "cpu")
     lanes = 1 if platform == "cpu" else min(SPLIT_KV, sp.blocks)
+    table = page_table
+    if sp.sub > 1:  # pool page p is pages p * sub .. p * sub + sub - 1 of the cut pool
+      pieces = jnp.arange(sp.sub, dtype=jnp.int32)[None, None, :]
+      cut = page_table.astype(jnp.int32)[:, :, None] * sp.sub + pieces
+      table = cut.reshape(st.B, sp.max_pages)
     run[platform] = functools.partial(_walk, sp, lanes, q, tiles, key_pages, value_pages,
-                                      page_table, kv_lengths, k_scale, v_scale)
+                                      table, kv_lengths, k_scale, v_scale)
   m, l, acc = _plan.by_platform(run)
   if sinks is not None:
     sink = jnp.repeat(sinks.astype(jnp.float32).reshape(1, st.K, st.G, 1), st.tq, axis=-1)
@@ -305,7 +318,7 @@ def _block(st: _Static, q, tiles: _Tiles, needed, kv_len, key_pages, value_pages
   only converted; their scales (one per key and head, or coarser) multiply the scores and the
   probabilities, which is the same sum: q . (k * s) = s * (q . k)."""
   m, l, acc = carry
-  ids = _page_ids(st, page_table, tiles.seq, j, key_pages.shape[0])
+  ids = _page_ids(st, page_table, tiles.seq, j, key_pages.shape[0] * st.sub)
   k, ks = _read(st, key_pages, ids, k_scale, st.k_scale, q.dtype)
   vis = _visible(st, tiles, kv_len, j)  # (M, 1, G * tq, bk)
   live = (j >= needed[0]) & (j < needed[1])
@@ -356,6 +369,17 @@ def _page_ids(st: _Static, page_table, seq, j, P):
   return jnp.clip(ids.astype(jnp.int32), 0, P - 1)
 
 
+def _take_pages(st: _Static, pages, ids):
+  """Pages ``ids`` (M, ppb) of the pool (or of its per-token scales), cut into ``st.sub``
+  pieces each: piece i of pool page p is page p * sub + i."""
+  if st.sub == 1:
+    return jnp.take(pages, ids, axis=0)
+  if st.layout == "NHD":  # (P, sub * ps, ...) is (P * sub, ps, ...) as it lies
+    return jnp.take(pages.reshape((-1, st.page_size) + pages.shape[2:]), ids, axis=0)
+  cut = pages.reshape(pages.shape[:2] + (st.sub, st.page_size) + pages.shape[3:])
+  return cut[ids // st.sub, :, ids % st.sub]  # (M, ppb, K, ps, ...)
+
+
 def _read(st: _Static, pages, ids, scale, scale_kind, dtype, keep=None):
   """A block of the pool as (M, c, K, bk / c, X) and its scale as (M, c, K, 1, bk / c) (or one
   that broadcasts so; None for float pages). Quantised pages become float32, float pages stay
@@ -366,9 +390,9 @@ def _read(st: _Static, pages, ids, scale, scale_kind, dtype, keep=None):
     # several times slower (measured, a step at S = 16384: bfloat16 pages 210 -> 105 ms,
     # float8_e4m3fn 310 -> 80 ms).
     raw = jax.lax.bitcast_convert_type(pages, _UINT[pages.dtype.itemsize])
-    x = _float32(jnp.take(raw, ids, axis=0), pages.dtype)
+    x = _float32(_take_pages(st, raw, ids), pages.dtype)
   else:
-    x = jnp.take(pages, ids, axis=0)  # (M, ppb, page_size, K, X) | (M, ppb, K, page_size, X)
+    x = _take_pages(st, pages, ids)  # (M, ppb, page_size, K, X) | (M, ppb, K, page_size, X)
   M, X = x.shape[0], x.shape[-1]
   if st.layout == "NHD":
     x = jnp.moveaxis(x, 3, 1).reshape(M, 1, st.K, st.block, X)
@@ -384,7 +408,7 @@ def _read(st: _Static, pages, ids, scale, scale_kind, dtype, keep=None):
     return x, scale.astype(jnp.float32)
   if scale_kind == "head":
     return x, scale.astype(jnp.float32).reshape(1, 1, st.K, 1, 1)
-  sc = jnp.take(scale, ids, axis=0).astype(jnp.float32)  # (M, ppb, page_size, K) | (.., K, ps)
+  sc = _take_pages(st, scale, ids).astype(jnp.float32)  # (M, ppb, page_size, K) | (.., K, ps)
   if st.layout == "NHD":
     sc = jnp.moveaxis(sc, 3, 1).reshape(M, st.K, st.block)
   else:

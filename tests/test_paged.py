@@ -182,26 +182,35 @@ def test_ragged_batch_with_empty_sequences_mixes_prefill_and_decode():
 
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
-@pytest.mark.parametrize("ps", [64, 300])
+@pytest.mark.parametrize("ps", [64, 256, 300, 512])
 def test_long_pages_in_either_layout(ps, layout):
-  # Pages of 64 keys (two to a CPU block; head-major: multiplied page by page) and of 300 (a
-  # page longer than a block); windows reach back across page boundaries; Hv != H.
+  # Pages of 64 keys (two to a CPU block; head-major: multiplied page by page), of 256 and 512
+  # (cut into blocks of 128 keys on the CPU, 256 in the accelerators' program, run here from
+  # its cuda export) and of 300 (a page longer than a block, read whole); windows reach back
+  # across page boundaries; Hv != H.
   B, N, K, H, Hv, T = 3, 4, 2, 8, 6, 3
   lens = np.array([700, 64, 301])
-  kp, vp, table = pool(jax.random.key(14), 24, ps, K, H, Hv, B, lens)
+  P = sum(-(-int(L) // ps) for L in lens) + 3  # three pages of garbage
+  kp, vp, table = pool(jax.random.key(14), P, ps, K, H, Hv, B, lens)
   q = jax.random.normal(jax.random.key(15), (B, T, N, H))
-  for kw in ({}, dict(local_window_size=(100, 0), logits_soft_cap=3.0)):
+  for kw in (dict(local_window_size=(100, 0), logits_soft_cap=3.0), {}):
     out = call(layout, q, kp, vp, table, lens, **kw)
     want, _ = reference(q, kp, vp, table, lens, window=kw.get("local_window_size"),
                         cap=kw.get("logits_soft_cap"))
     _check(out, want)
+  if ps == 512:  # the last call's (no window, no cap)
+    f = lambda q, kp, vp, t: call(layout, q, kp, vp, t, lens)
+    exp = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[
+        jax.export.DisabledSafetyCheck.platform()])(q, kp, vp, table)
+    _check(exp.call(q, kp, vp, table), want)
 
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("ps", [8, 256])  # 256: cut into CPU blocks, scales too
 @pytest.mark.parametrize("dtype", [jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2])
 @pytest.mark.parametrize("kind", ["tensor", "head", "token"])
-def test_quantized_pages(dtype, kind, layout):
-  B, N, K, H, Hv, T, ps, P = 2, 4, 2, 16, 16, 3, 8, 12
+def test_quantized_pages(dtype, kind, layout, ps):
+  B, N, K, H, Hv, T, P = 2, 4, 2, 16, 16, 3, 12
   lens = np.array([41, 20])
   kp, vp, table = pool(jax.random.key(6), P, ps, K, H, Hv, B, lens, garbage=False)
   shape = {"tensor": (), "head": (K,), "token": (P, ps, K)}[kind]
