@@ -332,12 +332,11 @@ def _block(st: _Static, q, tiles: _Tiles, needed, kv_len, key_pages, value_pages
   s = jnp.einsum("mckxh,mckrh->mckrx", k, qp, preferred_element_type=jnp.float32)
   if ks is not None:
     s = s * ks
-  s = _unpieces(st, s) * st.scale  # (M, K, R, bk)
+  s = s * st.scale  # (M, c, K, R, bk / c): the softmax runs on the pieces as they come
   if st.soft_cap is not None:
     s = st.soft_cap * jnp.tanh(s / st.soft_cap)
-  s = jnp.where(vis, s, jnp.asarray(_softmax.NEG, s.dtype))
-  m_new, p, corr, l = _softmax.update(m, l, s)
-  p = _pieces(st, p)  # (M, c, K, R, bk / c)
+  s = jnp.where(_pieces(st, vis), s, jnp.asarray(_softmax.NEG, s.dtype))
+  m_new, p, corr, l = _softmax.update(m, l, s, key_axes=(1, 4))
   if vs is not None:
     p = p * vs
   # Piece by piece, then summed: one contraction over (c, x) would relay V out per head.
@@ -351,12 +350,6 @@ def _pieces(st: _Static, x):
   c = st.pieces
   x = x.reshape(x.shape[:3] + (c, st.block // c))
   return jnp.moveaxis(x, 3, 1)
-
-
-def _unpieces(st: _Static, x):
-  """(M, c, K, R, bk / c) -> (M, K, R, bk)."""
-  x = jnp.moveaxis(x, 1, 3)
-  return x.reshape(x.shape[:3] + (st.block,))
 
 
 def _page_ids(st: _Static, page_table, seq, j, P):

@@ -42,18 +42,19 @@ def start(like, sink=None):
   return row0 + sink.astype(like.dtype), row0 + jnp.ones((), like.dtype)
 
 
-def update(m, l, s):
+def update(m, l, s, key_axes=(-1,)):
   """One tile ``s`` (rows, keys) of logits into the running (m, l): returns (m', p, corr, l')
   with p = exp(s - m') the tile's unnormalised weights and corr = exp(m - m') the factor that
-  rescales what was accumulated so far (acc' = acc * corr + p v).
+  rescales what was accumulated so far (acc' = acc * corr + p v). ``key_axes``: s's key axes
+  (a tile whose keys come in pieces has two); m and l have s's shape without them.
 
   Masked entries (NEG) give exact zeros once the row has seen a visible key; before that
   (m' = NEG) they add junk that corr = exp(NEG - m) = 0 wipes when a visible key comes, and
   `normalize` discards if none ever does."""
-  m_new = jnp.maximum(m, s.max(axis=-1))
-  p = jnp.exp(s - m_new[..., None])
+  m_new = jnp.maximum(m, s.max(axis=key_axes))
+  p = jnp.exp(s - jnp.expand_dims(m_new, key_axes))
   corr = jnp.exp(m - m_new)
-  return m_new, p, corr, l * corr + p.sum(axis=-1)
+  return m_new, p, corr, l * corr + p.sum(axis=key_axes)
 
 
 def exp_rows(s, sink=None):
