@@ -8,6 +8,8 @@ the last one at position kv_lengths[b] - 1; a query sees the keys its causality 
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -271,14 +273,25 @@ def test_split_kv_program_for_accelerators(layout):
       jax.export.DisabledSafetyCheck.platform()])(*args)
   _check(exp.call(*args), want)
   _check(f(*args), want)
-  S, P = 16384, 16384 // 16 * 4
-  shapes = (jax.ShapeDtypeStruct((4, 1, 32, 128), jnp.bfloat16),
-            jax.ShapeDtypeStruct((P, 16, 8, 128), jnp.bfloat16),
-            jax.ShapeDtypeStruct((P, 16, 8, 128), jnp.bfloat16),
+  S, P = 16384, 16384 // 16 * 4 + 64  # spare pages: a copy of the cache has another size
+  page = (16, 8, 128) if layout == "NHD" else (8, 16, 128)
+  # float32: compiled here, a bfloat16 program is first rewritten by the CPU compiler to
+  # float32 (pools included), which a GPU's or TPU's compiler does not do.
+  shapes = (jax.ShapeDtypeStruct((4, 1, 32, 128), jnp.float32),
+            jax.ShapeDtypeStruct((P,) + page, jnp.float32),
+            jax.ShapeDtypeStruct((P,) + page, jnp.float32),
             jax.ShapeDtypeStruct((4, S // 16), jnp.int32), jax.ShapeDtypeStruct((4,), jnp.int32))
   for platform in ("cuda", "tpu"):
     hlo = structure.lowered_for(f, shapes, platform)
     assert structure.loop_structure(hlo).steps <= -(-S // 256 // 16) + 2
+    # No copy of the cache (every other array is under half a pool: a block of keys per lane)
+    # and no array with an axis of all S keys (as the scores (B, N, T, S) would have).
+    pool_size = P * 16 * 8 * 128
+    seen = {tuple(int(d) for d in dims.split(",") if d)
+            for dims in re.findall(r"\b[a-z]+\d*\[([\d,]*)\]", hlo)}
+    others = [x for x in seen if np.prod(x) != pool_size]
+    assert max(np.prod(x) for x in others) < pool_size // 2, platform
+    assert max(max(x, default=0) for x in seen) < S, platform
 
 
 @pytest.mark.parametrize("call, error, words", [
