@@ -9,11 +9,14 @@ chunks and single decode tokens of different sequences share one call (continuou
 
 The kernel never builds a contiguous cache. Query rows are cut into *tiles* of at most ``tq``
 rows of one sequence (a decoding step: one tile per sequence); each step gathers, for every tile,
-the pages of its sequence's next key block straight from the pool (dequantising int8 / float8
-pages with their scales there, in float32) and folds the block into the tile's running softmax
-(`jattn._softmax`). Causality, windows and the cache's fill level are measured in positions.
-On the CPU one lane walks the blocks; on GPU and TPU (chosen where the program is lowered) the
-blocks are dealt over up to SPLIT_KV lanes side by side and merged by log-sum-exp (split-KV).
+the pages of its sequence's next key block straight from the pool (int8 / float8 pages
+converted to float32 there, their scales applied to scores and probabilities) and folds the
+block into the tile's running softmax (`jattn._softmax`). Causality, windows and the cache's
+fill level are measured in positions. Pages are token-major (NHD: (page_size, K, H)) or
+head-major (HND: (K, page_size, H)); a block reaches the matmuls as *pieces* of keys batched
+with the tile and the head (`_block`). On the CPU one lane walks the blocks; on GPU and TPU
+(chosen where the program is lowered) the blocks are dealt over up to SPLIT_KV lanes side by
+side and merged by log-sum-exp (split-KV).
 
 Shapes: B sequences, T new tokens each (or ``total`` ragged rows), N query heads, K key/value
 heads, G = N // K, H query/key head size, Hv value head size, P pages of ``page_size`` tokens.

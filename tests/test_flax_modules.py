@@ -650,6 +650,16 @@ def _dequantized_forward(lin, params, x, dtype):
     mha_module.dot_product_attention = saved
 
 
+def _linen_steps(dec, params, cache, x):
+  """A linen decoding module applied over STEPS: (outputs joined, the final cache)."""
+  outs = []
+  for a, b in STEPS:
+    o, upd = dec.apply({"params": params, "cache": cache}, x[:, a:b], mutable=["cache"])
+    cache = upd["cache"]
+    outs.append(o)
+  return jnp.concatenate(outs, 1), cache
+
+
 @pytest.mark.parametrize("dtype", [jnp.int8, jnp.float8_e4m3fn])
 @pytest.mark.parametrize("window", [None, (2, 0)])
 def test_quantized_cache_decode_equals_the_rounded_full_forward(dtype, window):
@@ -673,12 +683,7 @@ def test_quantized_cache_decode_equals_the_rounded_full_forward(dtype, window):
   dec = lin.clone(decode=True, cache_dtype=dtype)
   cache = dec.init(jax.random.key(0), jnp.zeros((B, 11, D)))["cache"]
   assert cache["cached_value"].dtype == dtype and cache["cached_value_scale"].shape == (B, 11, K)
-  outs = []
-  for a, b in STEPS:
-    o, upd = dec.apply({"params": params, "cache": cache}, x[:, a:b], mutable=["cache"])
-    cache = upd["cache"]
-    outs.append(o)
-  np.testing.assert_allclose(jnp.concatenate(outs, 1), got, atol=1e-6)
+  np.testing.assert_allclose(_linen_steps(dec, params, cache, x)[0], got, atol=1e-6)
 
 
 def test_quantized_cache_padded_prompts_and_refusals():
@@ -752,20 +757,13 @@ def test_paged_cache_decode_equals_the_uncached_pass(dtype):
   # The pool read through the table is the contiguous cache a float module keeps.
   flat = lin.clone(decode=True, cache_dtype=dtype)
   cache = flat.init(jax.random.key(0), jnp.zeros((B, 12, D)))["cache"]
-  for a, b in STEPS:
-    _, upd = flat.apply({"params": params, "cache": cache}, x[:, a:b], mutable=["cache"])
-    cache = upd["cache"]
+  _, cache = _linen_steps(flat, params, cache, x)
   through = np.asarray(mod.cached_key[...])[table].reshape(B, 12, K, H)
   np.testing.assert_array_equal(through[:, :T], np.asarray(cache["cached_key"])[:, :T])
   dec = lin.clone(decode=True, cache_dtype=dtype, cache_page_size=3)
   cache = dec.init(jax.random.key(0), jnp.zeros((B, 11, D)))["cache"]
   assert cache["cached_value"].shape == (B * 4, 3, K, H) and cache["page_table"].shape == (B, 4)
   cache = dict(cache, page_table=jnp.asarray(table))
-  outs = []
-  for a, b in STEPS:
-    o, upd = dec.apply({"params": params, "cache": cache}, x[:, a:b], mutable=["cache"])
-    cache = upd["cache"]
-    outs.append(o)
-  np.testing.assert_allclose(jnp.concatenate(outs, 1), got, atol=1e-6)
+  np.testing.assert_allclose(_linen_steps(dec, params, cache, x)[0], got, atol=1e-6)
   with pytest.raises(NotImplementedError, match="paged or quantised cache.*a mask"):
     mod(x[:, :1], decode=True, mask=jnp.ones((B, 1, 1, 12), bool))
