@@ -218,7 +218,10 @@ def _tiles(st: _Static, query_start, kv_lengths) -> _Tiles:
   qs = query_start.astype(jnp.int32)
   counts = qs[1:] - qs[:-1]  # (B,) queries per sequence
   per_seq = (counts + st.tq - 1) // st.tq
-  ends = jnp.cumsum(per_seq)  # tiles of sequences 0 .. b
+  # Tiles of sequences 0 .. b, a running sum written as a triangular one: jaxlib 0.12's CPU
+  # compiler aborts on the cumsum lowered for cuda (the accelerators' program run here).
+  b = jnp.arange(st.B, dtype=jnp.int32)
+  ends = jnp.where(b[:, None] >= b[None, :], per_seq[None, :], 0).sum(axis=1)
   m = jnp.arange(st.tiles, dtype=jnp.int32)
   seq = jnp.minimum(jnp.searchsorted(ends, m, side="right", method="sort").astype(jnp.int32),
                     st.B - 1)
@@ -410,7 +413,10 @@ def _read(st: _Static, pages, ids, scale, scale_kind, dtype, keep=None):
   else:
     sc = jnp.moveaxis(sc, 2, 1).reshape(M, st.K, st.block)
   c = st.pieces
-  return x, jnp.moveaxis(sc.reshape(M, st.K, 1, c, st.block // c), 3, 1)
+  sc = jnp.moveaxis(sc.reshape(M, st.K, 1, c, st.block // c), 3, 1)
+  if keep is not None:  # a hidden key's scale may be garbage too: 0 * NaN is NaN
+    sc = jnp.where(jnp.swapaxes(keep, -1, -2), sc, jnp.zeros((), sc.dtype))
+  return x, sc
 
 
 # float8 layouts: (exponent bits, mantissa bits, exponent bias).
