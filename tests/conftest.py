@@ -56,3 +56,15 @@ def _start_ring_runs(request, tmp_path_factory):
   for devices in (4, 8):
     if any(f"ring{devices}" in getattr(item, "fixturenames", ()) for item in items):
       _ring_runs.start(devices, root)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_programs():
+  # Every compiled CPU program keeps its machine code in memory mappings of its own: a worker
+  # that ran half the suite held more than Linux's default 65530 (vm.max_map_count), and XLA
+  # then aborted or segfaulted while compiling whichever test came next. Dropping jax's caches
+  # after each module frees them (test_paged alone: 15380 mappings -> 609).
+  yield
+  import gc
+  jax.clear_caches()
+  gc.collect()
