@@ -180,13 +180,8 @@ def _jitted(st: _Static, query, key_pages, value_pages, page_table, kv_lengths, 
   for platform in ("cpu", "default"):
     sp = st.with_block(BLOCK_KEYS[platform])._replace(upcast=platform == "cpu")
     lanes = 1 if platform == "cpu" else min(SPLIT_KV, sp.blocks)
-    table = page_table
-    if sp.sub > 1:  # pool page p is pages p * sub .. p * sub + sub - 1 of the cut pool
-      pieces = jnp.arange(sp.sub, dtype=jnp.int32)[None, None, :]
-      cut = page_table.astype(jnp.int32)[:, :, None] * sp.sub + pieces
-      table = cut.reshape(st.B, sp.max_pages)
     run[platform] = functools.partial(_walk, sp, lanes, q, tiles, key_pages, value_pages,
-                                      table, kv_lengths, k_scale, v_scale)
+                                      page_table, kv_lengths, k_scale, v_scale)
   m, l, acc = _plan.by_platform(run)
   if sinks is not None:
     sink = jnp.repeat(sinks.astype(jnp.float32).reshape(1, st.K, st.G, 1), st.tq, axis=-1)
@@ -324,7 +319,7 @@ def _block(st: _Static, q, tiles: _Tiles, needed, kv_len, key_pages, value_pages
   only converted; their scales (one per key and head, or coarser) multiply the scores and the
   probabilities, which is the same sum: q . (k * s) = s * (q . k)."""
   m, l, acc = carry
-  ids = _page_ids(st, page_table, tiles.seq, j, key_pages.shape[0] * st.sub)
+  ids = _page_ids(st, page_table, tiles.seq, j, key_pages.shape[0])
   k, ks = _read(st, key_pages, ids, k_scale, st.k_scale, q.dtype)
   vis = _visible(st, tiles, kv_len, j)  # (M, 1, G * tq, bk)
   live = (j >= needed[0]) & (j < needed[1])
@@ -334,7 +329,7 @@ def _block(st: _Static, q, tiles: _Tiles, needed, kv_len, key_pages, value_pages
   M, c = q.shape[0], st.pieces
   keep = vis.any(axis=(1, 2)).reshape(M, c, 1, st.block // c, 1)
   v, vs = _read(st, value_pages, ids, v_scale, st.v_scale, q.dtype, keep)
-  qp = jnp.broadcast_to(q[:, None].astype(k.dtype), (M, st.pieces) + q.shape[1:])
+  qp = jnp.broadcast_to(q[:, None].astype(k.dtype), (M, c) + q.shape[1:])
   s = jnp.einsum("mckxh,mckrh->mckrx", k, qp, preferred_element_type=jnp.float32)
   if ks is not None:
     s = s * ks
@@ -359,13 +354,15 @@ def _pieces(st: _Static, x):
 
 
 def _page_ids(st: _Static, page_table, seq, j, P):
-  """(M, pages per block): the pool pages of key block j of each tile's sequence."""
+  """(M, pages per block): the pages of key block j of each tile's sequence, counted as
+  `_take_pages` reads them (pool page p cut into ``st.sub`` pieces: pages p * sub + i)."""
   cols = j * st.pages_per_block + jnp.arange(st.pages_per_block, dtype=jnp.int32)
-  ids = jnp.take(page_table, seq, axis=0)  # (M, max_pages)
-  ids = jnp.take(ids, jnp.minimum(cols, st.max_pages - 1), axis=1, mode="clip")
+  cols = jnp.minimum(cols, st.max_pages - 1)
+  ids = jnp.take(page_table, seq, axis=0)  # (M, max_pages of the pool)
+  ids = jnp.take(ids, cols // st.sub, axis=1, mode="clip")
   # Entries past a sequence's last page may be anything: read a page that exists; the mask
   # hides what it holds.
-  return jnp.clip(ids.astype(jnp.int32), 0, P - 1)
+  return jnp.clip(ids.astype(jnp.int32), 0, P - 1) * st.sub + (cols % st.sub)[None, :]
 
 
 def _take_pages(st: _Static, pages, ids):
@@ -377,6 +374,17 @@ def _take_pages(st: _Static, pages, ids):
     return jnp.take(pages.reshape((-1, st.page_size) + pages.shape[2:]), ids, axis=0)
   cut = pages.reshape(pages.shape[:2] + (st.sub, st.page_size) + pages.shape[3:])
   return cut[ids // st.sub, :, ids % st.sub]  # (M, ppb, K, ps, ...)
+
+
+def _as_pieces(st: _Static, x):
+  """Gathered pages (M, ppb, page_size, K, X) (NHD) or (M, ppb, K, page_size, X) (HND) as the
+  block's pieces, (M, c, K, bk / c, X)."""
+  M, X = x.shape[0], x.shape[-1]
+  if st.layout == "NHD":
+    return jnp.moveaxis(x, 3, 1).reshape(M, 1, st.K, st.block, X)
+  if st.pieces == 1:
+    return jnp.moveaxis(x, 2, 1).reshape(M, 1, st.K, st.block, X)
+  return x  # HND page by page: the pages are the pieces
 
 
 def _read(st: _Static, pages, ids, scale, scale_kind, dtype, keep=None):
@@ -392,12 +400,7 @@ def _read(st: _Static, pages, ids, scale, scale_kind, dtype, keep=None):
     x = _float32(_take_pages(st, raw, ids), pages.dtype)
   else:
     x = _take_pages(st, pages, ids)  # (M, ppb, page_size, K, X) | (M, ppb, K, page_size, X)
-  M, X = x.shape[0], x.shape[-1]
-  if st.layout == "NHD":
-    x = jnp.moveaxis(x, 3, 1).reshape(M, 1, st.K, st.block, X)
-  elif st.pieces == 1:
-    x = jnp.moveaxis(x, 2, 1).reshape(M, 1, st.K, st.block, X)
-  # else HND page by page: (M, ppb, K, page_size, X) are the pieces already.
+  x = _as_pieces(st, x)
   x = x.astype(jnp.float32) if scale_kind is not None else x
   if keep is not None:
     x = jnp.where(keep, x, jnp.zeros((), x.dtype))
@@ -407,20 +410,16 @@ def _read(st: _Static, pages, ids, scale, scale_kind, dtype, keep=None):
     return x, scale.astype(jnp.float32)
   if scale_kind == "head":
     return x, scale.astype(jnp.float32).reshape(1, 1, st.K, 1, 1)
-  sc = _take_pages(st, scale, ids).astype(jnp.float32)  # (M, ppb, page_size, K) | (.., K, ps)
-  if st.layout == "NHD":
-    sc = jnp.moveaxis(sc, 3, 1).reshape(M, st.K, st.block)
-  else:
-    sc = jnp.moveaxis(sc, 2, 1).reshape(M, st.K, st.block)
-  c = st.pieces
-  sc = jnp.moveaxis(sc.reshape(M, st.K, 1, c, st.block // c), 3, 1)
+  # Per token and head: laid out as the block is, one value per key.
+  sc = jnp.swapaxes(_as_pieces(st, _take_pages(st, scale, ids)[..., None]), -1, -2)
+  sc = sc.astype(jnp.float32)  # (M, c, K, 1, bk / c)
   if keep is not None:  # a hidden key's scale may be garbage too: 0 * NaN is NaN
     sc = jnp.where(jnp.swapaxes(keep, -1, -2), sc, jnp.zeros((), sc.dtype))
   return x, sc
 
 
-# float8 layouts: (exponent bits, mantissa bits, exponent bias).
-_FLOAT8 = {jnp.dtype(jnp.float8_e4m3fn): (4, 3, 7), jnp.dtype(jnp.float8_e5m2): (5, 2, 15)}
+# float8 layouts: (mantissa bits, exponent bias); the exponent takes the other bits but the sign.
+_FLOAT8 = {jnp.dtype(jnp.float8_e4m3fn): (3, 7), jnp.dtype(jnp.float8_e5m2): (2, 15)}
 _UINT = {1: jnp.uint8, 2: jnp.uint16}
 
 
@@ -433,7 +432,7 @@ def _float32(u, dtype):
     return jax.lax.bitcast_convert_type(u.astype(jnp.uint32) << 16, jnp.float32)
   if dtype not in _FLOAT8:
     return jax.lax.bitcast_convert_type(u.astype(jnp.uint16), dtype).astype(jnp.float32)
-  e_bits, m_bits, bias = _FLOAT8[dtype]
+  m_bits, bias = _FLOAT8[dtype]
   u = u.astype(jnp.uint32)
   em = u & 0x7F  # exponent and mantissa
   # A normal number's bits moved into float32's fields, its exponent re-biased; a subnormal
