@@ -237,9 +237,6 @@ def attend_cached(opts: Options, q, k, v, cached_key, cached_value, cache_index,
   """
   B, T = q.shape[:2]
   S_max = cached_key.shape[1]
-  if opts.is_causal is None:
-    raise ValueError("decode=True needs is_causal=True: step-by-step decoding with a KV cache "
-                     "reproduces causal self-attention only")
   if T > S_max:
     raise ValueError(f"decode step of T={T} tokens does not fit the cache of S_max={S_max}")
   if k.dtype != cached_key.dtype or v.dtype != cached_value.dtype:
@@ -340,9 +337,6 @@ def attend_paged(opts: Options, q, k, v, pools, page_table, cache_index, *, posi
       raise NotImplementedError(
           f"decoding with a paged or quantised cache takes causality, windows and soft caps "
           f"(it runs jattn.paged_attention), not {what}; use a contiguous float cache for that")
-  if opts.is_causal is None:
-    raise ValueError("decode=True needs is_causal=True: step-by-step decoding with a KV cache "
-                     "reproduces causal self-attention only")
   B, T = q.shape[:2]
   P, ps = pools[0].shape[:2]
   capacity = page_table.shape[1] * ps
@@ -390,6 +384,9 @@ def decode_step(opts: Options, q, k, v, cache, cache_index, *, page_table=None, 
   (cached_key, cached_value, key_scale, value_scale); contiguous (B, S_max, K, H|Hv) or, with
   ``page_table``, pools of pages (P, page_size, K, H|Hv). Returns (out, new cache of the same
   form, new cache_index)."""
+  if opts.is_causal is None:
+    raise ValueError("decode=True needs is_causal=True: step-by-step decoding with a KV cache "
+                     "reproduces causal self-attention only")
   if page_table is None and len(cache) == 2:
     out, ck, cv, idx = attend_cached(
         opts, q, k, v, *cache, cache_index, mask=mask, positions=positions,

@@ -6,6 +6,7 @@ heads, H head dim, D features.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import jax.numpy as jnp
@@ -98,7 +99,8 @@ class MultiHeadAttention(nn.Module):
     ...)."""
     dtype = k.dtype if self.cache_dtype is None else self.cache_dtype
     page_size = _validation.positive_int("cache_page_size", self.cache_page_size, optional=True)
-    new = lambda: _mha.new_cache(opts, *k.shape[:2], dtype, page_size)
+    # Made once, when init creates the first variable, whichever variables it then creates.
+    new = functools.cache(lambda: _mha.new_cache(opts, *k.shape[:2], dtype, page_size))
     names = ("cached_key", "cached_value", "cached_key_scale", "cached_value_scale")
     variables = [self.variable("cache", name, lambda i=i: new()[0][i])
                  for i, name in enumerate(names[:4 if _mha.is_quantized(dtype) else 2])]
