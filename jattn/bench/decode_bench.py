@@ -263,8 +263,8 @@ def run_paged(cfg: dict, log=print) -> list[dict]:
          if r["status"] == "ok" and r["page_dtype"] == "float32"}
   for r in rows:
     if r["status"] == "ok":
-      r["vs_float32"] = f32.get((r["S"], r["page_size"], r["layout"]), 0) and (
-          r["ms"]["paged"] / f32[r["S"], r["page_size"], r["layout"]])
+      key = (r["S"], r["page_size"], r["layout"])
+      r["vs_float32"] = r["ms"]["paged"] / f32[key] if key in f32 else None
   return rows
 
 
@@ -277,7 +277,7 @@ def paged_table(rows: list[dict]) -> str:
       lines.append(f"| {r['page_dtype']} | {r['layout']} | {r['page_size']} | {r['S']} | "
                    f"{r['reason']} | | | | | |")
       continue
-    rel = f"{r['vs_float32']:.2f}x" if r["vs_float32"] else "-"
+    rel = "-" if r["vs_float32"] is None else f"{r['vs_float32']:.2f}x"
     lines.append(f"| {r['page_dtype']} | {r['layout']} | {r['page_size']} | {r['S']} | "
                  f"{r['pool_mib']:.0f} | "
                  f"{r['ms']['paged']:.1f} | {r['ms']['floor']:.1f} | {r['vs_floor']:.2f}x | "
