@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn import _plan, _softmax, _validation
+from jattn import _page_metadata, _plan, _softmax, _validation
 from jattn._types import concrete
 
 # Keys per step: whole pages adding up to about this many (a page larger than it is one block).
@@ -110,8 +110,9 @@ class _Static(NamedTuple):
 
 def paged_attention(query, key_pages, value_pages, page_table, kv_lengths, *, query_start=None,
                     scale=None, is_causal=True, local_window_size=None, logits_soft_cap=None,
-                    sinks=None, k_scale=None, v_scale=None, kv_layout="NHD",
-                    implementation=None, return_residual=False):
+                    sinks=None, k_scale=None, v_scale=None, kv_layout="NHD", page_size=None,
+                    num_kv_heads=None, on_invalid="nan", implementation=None,
+                    return_residual=False):
   """Attention of new tokens against a paged KV cache (forward only; see the module docstring).
 
   Args:
@@ -120,12 +121,15 @@ def paged_attention(query, key_pages, value_pages, page_table, kv_lengths, *, qu
     key_pages: (P, page_size, K, H) pool of key pages (``kv_layout="HND"``: (P, K, page_size,
       H)): float (the query's dtype), or int8 / float8_e4m3fn / float8_e5m2 with ``k_scale``.
     value_pages: (P, page_size, K, Hv) (HND: (P, K, page_size, Hv)), likewise with ``v_scale``.
-    page_table: int (B, max_pages): sequence b's pages in order; entries past its last page are
-      ignored (any value, including out of range).
-    kv_lengths: int (B,): the valid cached tokens of each sequence, the new ones included.
+    page_table: int (B, max_pages): sequence b's pages in order, each in [0, P); entries past
+      its last page are ignored (any value, including out of range).
+    kv_lengths: int (B,): the valid cached tokens of each sequence, the new ones included, in
+      [0, max_pages * page_size].
     query_start: int (B + 1,) offsets of a ragged query (FlashAttention varlen's
       ``cu_seqlens_q``): sequence b's queries are rows query_start[b] .. query_start[b+1] - 1,
-      the last at position kv_lengths[b] - 1.
+      the last at position kv_lengths[b] - 1. Starts at 0, never decreases, ends at most at
+      ``total``; a sequence has at most kv_lengths[b] rows. Rows past query_start[B] belong to
+      no sequence: their output is 0 and their log-sum-exp that of a row that sees nothing.
     scale: logit scale (default 1 / sqrt(H)).
     is_causal: a query sees keys at its position or before (positions, not array indices).
     local_window_size: ``w`` or ``(left, right)`` in positions, as in dot_product_attention.
@@ -137,6 +141,13 @@ def paged_attention(query, key_pages, value_pages, page_table, kv_lengths, *, qu
     kv_layout: "NHD" (token-major pages, vLLM's and FlashAttention's) or "HND" (head-major
       pages, FlashInfer's other layout: each head's keys of a page contiguous; faster on the
       CPU, see docs/benchmarks.md).
+    page_size, num_kv_heads: optional cross-checks of the pools' shapes under ``kv_layout``
+      (a token-major pool read as head-major has the right rank and may have fitting sizes).
+    on_invalid: what a sequence whose metadata breaks the rules above gets when the metadata
+      is traced (concrete metadata -- eager calls, NumPy arrays under ``jit`` -- raises a
+      ValueError naming it first): "nan" (its rows' output and log-sum-exp are NaN, no page of
+      it is read, every other sequence is exact) or "checkify" (the same, and an error through
+      `jax.experimental.checkify`: wrap the caller in ``checkify.checkify``).
     implementation: None or "chunked" (jattn's own kernel; the only one here).
     return_residual: also return the log-sum-exp per query row and head, (B, T, N) / (total, N).
 
@@ -144,9 +155,16 @@ def paged_attention(query, key_pages, value_pages, page_table, kv_lengths, *, qu
     (B, T, N, Hv) or (total, N, Hv) in the query's dtype; a sequence with no cached tokens, or a
     query that sees none, gives zeros.
   """
+  _check_layout(key_pages, value_pages, kv_layout, page_size, num_kv_heads)
+  if on_invalid not in _page_metadata.ON_INVALID:
+    raise ValueError(f"on_invalid must be one of {_page_metadata.ON_INVALID}, got "
+                     f"on_invalid={on_invalid!r}")
   st, arrays = _check(query, key_pages, value_pages, page_table, kv_lengths, query_start, scale,
                       is_causal, local_window_size, logits_soft_cap, sinks, k_scale, v_scale,
                       kv_layout, implementation)
+  if on_invalid == "checkify":
+    _page_metadata.checkify_faults(_page_metadata.faults(jnp, _geometry(st, arrays[1]),
+                                                         *arrays[3:6]))
   out, lse = _attend(st, *arrays)
   return (out, lse) if return_residual else out
 
@@ -174,7 +192,11 @@ _attend.defvjp(_attend_fwd, _attend_bwd)
 @functools.partial(jax.jit, static_argnums=(0,))
 def _jitted(st: _Static, query, key_pages, value_pages, page_table, kv_lengths, query_start,
             sinks, k_scale, v_scale):
-  tiles = _tiles(st, query_start, kv_lengths)
+  # A sequence whose metadata breaks the rules runs as an empty one and comes back NaN.
+  bad = _page_metadata.faults(jnp, _geometry(st, key_pages), page_table, kv_lengths,
+                              query_start) != _page_metadata.OK
+  kv_lengths = jnp.where(bad, 0, kv_lengths.astype(jnp.int32))
+  tiles = _tiles(st, query_start, kv_lengths, bad)
   q = _gather_queries(st, query, tiles)  # (M, K, G * tq, H)
   run = {}
   for platform in ("cpu", "default"):
@@ -188,7 +210,26 @@ def _jitted(st: _Static, query, key_pages, value_pages, page_table, kv_lengths, 
     m, l, acc = _softmax.join_sink(m, l, acc, sink.reshape(1, st.K, st.G * st.tq))
   out = _softmax.normalize(acc, l, m, 0.0).astype(st.dtype)  # (M, K, G * tq, Hv)
   lse = _softmax.lse(m, l)
-  return _scatter_rows(st, out, tiles), _scatter_rows(st, lse[..., None], tiles)[..., 0]
+  out = _scatter_rows(st, out, tiles, 0.0)
+  lse = _scatter_rows(st, lse[..., None], tiles, _softmax.NEG)[..., 0]
+  nan = _faulty_rows(st, bad, query_start)
+  return (jnp.where(nan[..., None, None], jnp.asarray(jnp.nan, out.dtype), out),
+          jnp.where(nan[..., None], jnp.asarray(jnp.nan, lse.dtype), lse))
+
+
+def _geometry(st: _Static, key_pages) -> _page_metadata.Geometry:
+  return _page_metadata.Geometry(key_pages.shape[0], st.page_size * st.sub, st.rows, st.ragged)
+
+
+def _faulty_rows(st: _Static, bad, query_start):
+  """(B, T) or (total,) bool: the rows of faulty sequences (in the ragged form, those no
+  sound sequence also claims: offsets that overlap are the faulty sequence's error)."""
+  if not st.ragged:
+    return jnp.broadcast_to(bad[:, None], (st.B, st.rows))
+  qs = query_start.astype(jnp.int32)
+  r = jnp.arange(st.rows, dtype=jnp.int32)[:, None]
+  mine = (r >= qs[None, :-1]) & (r < qs[None, 1:])  # (total, B)
+  return (mine & bad[None, :]).any(axis=1) & ~(mine & ~bad[None, :]).any(axis=1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -204,14 +245,15 @@ class _Tiles(NamedTuple):
   hi: Any  # (M,) one past the last
 
 
-def _tiles(st: _Static, query_start, kv_lengths) -> _Tiles:
+def _tiles(st: _Static, query_start, kv_lengths, bad) -> _Tiles:
   """Cut each sequence's query rows into tiles of at most tq rows (at run time: the offsets are
-  data). A padded query has query_start = (0, T, 2T, ...) and one tile per sequence."""
+  data). A padded query has query_start = (0, T, 2T, ...) and one tile per sequence; a faulty
+  sequence (``bad``) has none."""
   kv_lengths = kv_lengths.astype(jnp.int32)
   if query_start is None:
     query_start = jnp.arange(st.B + 1, dtype=jnp.int32) * st.rows
   qs = query_start.astype(jnp.int32)
-  counts = qs[1:] - qs[:-1]  # (B,) queries per sequence
+  counts = jnp.where(bad, 0, qs[1:] - qs[:-1])  # (B,) queries per sequence
   per_seq = (counts + st.tq - 1) // st.tq
   # Tiles of sequences 0 .. b, a running sum written as a triangular one: jaxlib 0.12's CPU
   # compiler aborts on the cumsum lowered for cuda (the accelerators' program run here).
@@ -266,14 +308,15 @@ def _gather_queries(st: _Static, query, tiles: _Tiles):
   return q.reshape(M, st.K, st.G * st.tq, st.H)
 
 
-def _scatter_rows(st: _Static, x, tiles: _Tiles):
-  """Tile results (M, K, G * tq, X) back to the query's rows: (B, T, N, X) or (total, N, X)."""
+def _scatter_rows(st: _Static, x, tiles: _Tiles, fill):
+  """Tile results (M, K, G * tq, X) back to the query's rows: (B, T, N, X) or (total, N, X);
+  ``fill`` where no tile row lands."""
   M, X = x.shape[0], x.shape[-1]
   x = jnp.transpose(x.reshape(M, st.K, st.G, st.tq, X), (0, 3, 1, 2, 4))
   x = x.reshape(M * st.tq, st.N, X)
   n = st.B * st.rows if not st.ragged else st.rows
   rows = tiles.rows.reshape(-1)
-  out = jnp.zeros((n, st.N, X), x.dtype).at[jnp.where(rows >= 0, rows, n)].set(x, mode="drop")
+  out = jnp.full((n, st.N, X), fill, x.dtype).at[jnp.where(rows >= 0, rows, n)].set(x, mode="drop")
   return out.reshape(st.B, st.rows, st.N, X) if not st.ragged else out
 
 
@@ -476,7 +519,9 @@ def _visible(st: _Static, tiles: _Tiles, kv_len, j):
 def _check(query, key_pages, value_pages, page_table, kv_lengths, query_start, scale, is_causal,
            local_window_size, logits_soft_cap, sinks, k_scale, v_scale, kv_layout,
            implementation):
-  """(_Static, arrays) of a call, every argument checked (errors name the argument)."""
+  """(_Static, arrays) of a call, every argument checked (errors name the argument; concrete
+  metadata by its values too)."""
+  metadata = (page_table, kv_lengths, query_start)  # as given: NumPy stays concrete under jit
   if kv_layout not in LAYOUTS:
     raise ValueError(f"kv_layout must be 'NHD' (pages (P, page_size, K, H)) or 'HND' (pages "
                      f"(P, K, page_size, H)), got kv_layout={kv_layout!r}")
@@ -548,9 +593,27 @@ def _check(query, key_pages, value_pages, page_table, kv_lengths, query_start, s
                ragged, rows, static_scale, causal is not None, window,
                _validation.soft_cap(logits_soft_cap), kinds[0], kinds[1], query.dtype)
   st = st.with_block(BLOCK_KEYS["default"])
+  _page_metadata.check_concrete(_geometry(st, key_pages), *metadata)
   return st, (query, key_pages, value_pages, page_table, kv_lengths, query_start, sinks,
               None if k_scale is None else jnp.asarray(k_scale),
               None if v_scale is None else jnp.asarray(v_scale))
+
+
+def _check_layout(key_pages, value_pages, kv_layout, page_size, num_kv_heads):
+  """What shapes cannot tell: one pool passed as both keys and values, and (when the caller
+  says page_size / num_kv_heads) a pool of the other layout whose sizes happen to fit."""
+  if key_pages is value_pages and key_pages is not None:
+    raise ValueError("key_pages and value_pages are the same array: a pool holding keys and "
+                     "values together (vLLM's TPU cache interleaves them per head) must be "
+                     "split into a key pool and a value pool")
+  for name, want, axis in (("page_size", page_size, 1 if kv_layout == "NHD" else 2),
+                           ("num_kv_heads", num_kv_heads, 2 if kv_layout == "NHD" else 1)):
+    shape = getattr(key_pages, "shape", ())
+    if want is not None and len(shape) == 4 and shape[axis] != want:
+      raise ValueError(f"{name}={want} but key_pages.shape={tuple(shape)} has {shape[axis]} on "
+                       f"the axis kv_layout={kv_layout!r} puts it (pages (P, page_size, K, H) "
+                       f"for 'NHD', (P, K, page_size, H) for 'HND'): is the pool in the other "
+                       f"layout?")
 
 
 def _pages(name, x, dims):
