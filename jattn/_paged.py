@@ -260,8 +260,9 @@ def _tiles(st: _Static, query_start, kv_lengths, bad) -> _Tiles:
   b = jnp.arange(st.B, dtype=jnp.int32)
   ends = jnp.where(b[:, None] >= b[None, :], per_seq[None, :], 0).sum(axis=1)
   m = jnp.arange(st.tiles, dtype=jnp.int32)
-  seq = jnp.minimum(jnp.searchsorted(ends, m, side="right", method="sort").astype(jnp.int32),
-                    st.B - 1)
+  # The tile's sequence: how many sequences' tiles end at or before it (a count, not a
+  # searchsorted, so that B may be a symbolic dimension of an exported program).
+  seq = jnp.minimum((ends[None, :] <= m[:, None]).sum(axis=1, dtype=jnp.int32), st.B - 1)
   within = m - (ends[seq] - per_seq[seq])  # the tile's index within its sequence
   offset = within[:, None] * st.tq + jnp.arange(st.tq, dtype=jnp.int32)[None, :]
   valid = (m < ends[-1])[:, None] & (offset < counts[seq][:, None])
@@ -569,8 +570,11 @@ def _check(query, key_pages, value_pages, page_table, kv_lengths, query_start, s
     if query.shape[0] != B:
       raise ValueError(f"query's batch B={query.shape[0]} must be page_table's B={B}")
     rows = query.shape[1]
-  if not concrete(rows, N, H, B, max_pages, P, page_size, K):
-    raise NotImplementedError("paged_attention plans its tiles and blocks from known sizes")
+  if not concrete(rows, N, H, max_pages, P, page_size, K):
+    raise NotImplementedError(
+        "paged_attention plans its tiles and blocks from known sizes: only the number of "
+        "sequences B may be symbolic (jax.export), got query.shape="
+        f"{query.shape}, key_pages.shape={key_pages.shape}, page_table.shape={page_table.shape}")
   kinds = []
   for name, sc, pages in (("k_scale", k_scale, key_pages), ("v_scale", v_scale, value_pages)):
     kinds.append(_scale_kind(name, sc, pages, query.dtype, dims))

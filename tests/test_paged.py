@@ -334,3 +334,40 @@ def test_gradients_are_refused_with_a_clear_error():
   q = jnp.ones((2, 1, 4, 8))
   with pytest.raises(NotImplementedError, match="forward only"):
     jax.grad(lambda q: jattn.paged_attention(q, kp, vp, table, jnp.asarray(lens)).sum())(q)
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+def test_symbolic_number_of_sequences_exports_and_runs(ragged):
+  # One exported decode step (padded) or engine step (ragged, a fixed row budget) for any number
+  # of sequences B, lowered for cpu, cuda and tpu; each program runs here on batches of 1 to 5.
+  from jax import export
+  b = export.symbolic_shape("b")[0]
+  P, ps, N, K, H, rows = 40, 8, 4, 2, 8, 12
+  lens_all = np.array([37, 5, 64, 1, 20])
+  kp, vp, table_all = pool(jax.random.key(30), P, ps, K, H, H, 5, lens_all)
+  sds = jax.ShapeDtypeStruct
+  if ragged:
+    f = lambda q, t, l, s: jattn.paged_attention(q, kp, vp, t, l, query_start=s)
+    shapes = (sds((rows, N, H), jnp.float32), sds((b, table_all.shape[1]), jnp.int32),
+              sds((b,), jnp.int32), sds((b + 1,), jnp.int32))
+  else:
+    f = lambda q, t, l: jattn.paged_attention(q, kp, vp, t, l)
+    shapes = (sds((b, 1, N, H), jnp.float32), sds((b, table_all.shape[1]), jnp.int32),
+              sds((b,), jnp.int32))
+  for platform in ("cpu", "cuda", "tpu"):
+    exp = export.export(jax.jit(f), platforms=[platform], disabled_checks=[
+        export.DisabledSafetyCheck.platform()])(*shapes)
+    for B in (1, 3, 5):
+      lens, table = lens_all[:B], table_all[:B]
+      if ragged:  # one row per sequence, the first sequence a prefill chunk of 2
+        counts = np.ones(B, int)
+        counts[0] = 2
+        qs = np.concatenate([[0], np.cumsum(counts)])
+        q = jax.random.normal(jax.random.key(31), (rows, N, H))
+        got = exp.call(q, table, jnp.asarray(lens, jnp.int32), jnp.asarray(qs, jnp.int32))
+        want, _ = reference(q, kp, vp, table, lens, qs)
+        _check(np.asarray(got)[:qs[-1]], want[:qs[-1]])
+      else:
+        q = jax.random.normal(jax.random.key(31), (B, 1, N, H))
+        got = exp.call(q, table, jnp.asarray(lens, jnp.int32))
+        _check(got, reference(q, kp, vp, table, lens)[0])
