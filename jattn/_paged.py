@@ -44,8 +44,12 @@ SPLIT_KV = 16
 QUANTIZED = (jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2)
 # Pool layouts (FlashInfer's names): NHD pages are (page_size, K, H), token-major as vLLM and
 # FlashAttention keep them; HND pages are (K, page_size, H), head-major, so that a page's keys
-# of one head are contiguous and reach the matmuls without a relayout.
-LAYOUTS = ("NHD", "HND")
+# of one head are contiguous and reach the matmuls without a relayout. "combined" is one pool
+# of token-major pages (page_size, 2K, H) holding key head k at 2k and its values at 2k + 1, as
+# vLLM's TPU backend stores its cache (read where it lies, never split into two pools).
+LAYOUTS = ("NHD", "HND", "combined")
+DIMS = {"NHD": "(P, page_size, K, H)", "HND": "(P, K, page_size, H)",
+        "combined": "(P, page_size, 2K, H)"}
 # HND pages at least this long are multiplied page by page; shorter ones are first laid side by
 # side per head (a matmul of a few keys costs more than the copy).
 PAGE_MATMUL_MIN = 64
@@ -60,7 +64,7 @@ class _Static(NamedTuple):
   H: int
   Hv: int
   page_size: int
-  layout: str  # "NHD" | "HND"
+  layout: str  # "NHD" | "HND" | "combined"
   pages_per_block: int
   max_pages: int
   tq: int  # query rows per tile
@@ -84,6 +88,10 @@ class _Static(NamedTuple):
   @property
   def G(self) -> int:
     return self.N // self.K
+
+  @property
+  def token_major(self) -> bool:
+    return self.layout != "HND"
 
   @property
   def block(self) -> int:
@@ -364,7 +372,7 @@ def _block(st: _Static, q, tiles: _Tiles, needed, kv_len, key_pages, value_pages
   probabilities, which is the same sum: q . (k * s) = s * (q . k)."""
   m, l, acc = carry
   ids = _page_ids(st, page_table, tiles.seq, j, key_pages.shape[0])
-  k, ks = _read(st, key_pages, ids, k_scale, st.k_scale, q.dtype)
+  k, ks = _read(st, key_pages, ids, k_scale, st.k_scale, q.dtype, heads=0)
   vis = _visible(st, tiles, kv_len, j)  # (M, 1, G * tq, bk)
   live = (j >= needed[0]) & (j < needed[1])
   vis = vis & live[:, None, None, None]
@@ -372,7 +380,7 @@ def _block(st: _Static, q, tiles: _Tiles, needed, kv_len, key_pages, value_pages
   # of garbage, past a sequence's last token, must not leak).
   M, c = q.shape[0], st.pieces
   keep = vis.any(axis=(1, 2)).reshape(M, c, 1, st.block // c, 1)
-  v, vs = _read(st, value_pages, ids, v_scale, st.v_scale, q.dtype, keep)
+  v, vs = _read(st, value_pages, ids, v_scale, st.v_scale, q.dtype, keep, heads=1)
   qp = jnp.broadcast_to(q[:, None].astype(k.dtype), (M, c) + q.shape[1:])
   s = jnp.einsum("mckxh,mckrh->mckrx", k, qp, preferred_element_type=jnp.float32)
   if ks is not None:
@@ -414,7 +422,7 @@ def _take_pages(st: _Static, pages, ids):
   pieces each: piece i of pool page p is page p * sub + i."""
   if st.sub == 1:
     return jnp.take(pages, ids, axis=0)
-  if st.layout == "NHD":  # (P, sub * ps, ...) is (P * sub, ps, ...) as it lies
+  if st.token_major:  # (P, sub * ps, ...) is (P * sub, ps, ...) as it lies
     return jnp.take(pages.reshape((-1, st.page_size) + pages.shape[2:]), ids, axis=0)
   cut = pages.reshape(pages.shape[:2] + (st.sub, st.page_size) + pages.shape[3:])
   return cut[ids // st.sub, :, ids % st.sub]  # (M, ppb, K, ps, ...)
@@ -424,26 +432,27 @@ def _as_pieces(st: _Static, x):
   """Gathered pages (M, ppb, page_size, K, X) (NHD) or (M, ppb, K, page_size, X) (HND) as the
   block's pieces, (M, c, K, bk / c, X)."""
   M, X = x.shape[0], x.shape[-1]
-  if st.layout == "NHD":
+  if st.token_major:
     return jnp.moveaxis(x, 3, 1).reshape(M, 1, st.K, st.block, X)
   if st.pieces == 1:
     return jnp.moveaxis(x, 2, 1).reshape(M, 1, st.K, st.block, X)
   return x  # HND page by page: the pages are the pieces
 
 
-def _read(st: _Static, pages, ids, scale, scale_kind, dtype, keep=None):
+def _read(st: _Static, pages, ids, scale, scale_kind, dtype, keep=None, heads=0):
   """A block of the pool as (M, c, K, bk / c, X) and its scale as (M, c, K, 1, bk / c) (or one
   that broadcasts so; None for float pages). Quantised pages become float32, float pages stay
-  in the query's dtype; ``keep`` (M, c, 1, bk / c, 1) zeroes the keys it marks False."""
+  in the query's dtype; ``keep`` (M, c, 1, bk / c, 1) zeroes the keys it marks False; ``heads``
+  (0 keys, 1 values) picks the pages' half of a combined pool."""
   if st.upcast and pages.dtype.itemsize < 4 and jnp.issubdtype(pages.dtype, jnp.floating):
     # Gathered as unsigned integers of their width and converted by arithmetic on their bits
     # (`_float32`): XLA's CPU gather of 16- and 8-bit floats, and its float8 converts, are
     # several times slower (measured, a step at S = 16384: bfloat16 pages 210 -> 105 ms,
     # float8_e4m3fn 310 -> 80 ms).
     raw = jax.lax.bitcast_convert_type(pages, _UINT[pages.dtype.itemsize])
-    x = _float32(_take_pages(st, raw, ids), pages.dtype)
+    x = _float32(_half(st, _take_pages(st, raw, ids), heads), pages.dtype)
   else:
-    x = _take_pages(st, pages, ids)  # (M, ppb, page_size, K, X) | (M, ppb, K, page_size, X)
+    x = _half(st, _take_pages(st, pages, ids), heads)  # (M, ppb, ps, K, X) | (M, ppb, K, ps, X)
   x = _as_pieces(st, x)
   x = x.astype(jnp.float32) if scale_kind is not None else x
   if keep is not None:
@@ -460,6 +469,11 @@ def _read(st: _Static, pages, ids, scale, scale_kind, dtype, keep=None):
   if keep is not None:  # a hidden key's scale may be garbage too: 0 * NaN is NaN
     sc = jnp.where(jnp.swapaxes(keep, -1, -2), sc, jnp.zeros((), sc.dtype))
   return x, sc
+
+
+def _half(st: _Static, x, heads):
+  """Gathered pages' key (heads=0) or value (1) heads: a combined pool's 2K heads alternate."""
+  return x[..., heads::2, :] if st.layout == "combined" else x
 
 
 # float8 layouts: (mantissa bits, exponent bias); the exponent takes the other bits but the sign.
@@ -524,9 +538,9 @@ def _check(query, key_pages, value_pages, page_table, kv_lengths, query_start, s
   metadata by its values too)."""
   metadata = (page_table, kv_lengths, query_start)  # as given: NumPy stays concrete under jit
   if kv_layout not in LAYOUTS:
-    raise ValueError(f"kv_layout must be 'NHD' (pages (P, page_size, K, H)) or 'HND' (pages "
-                     f"(P, K, page_size, H)), got kv_layout={kv_layout!r}")
-  dims = "(P, page_size, K, H)" if kv_layout == "NHD" else "(P, K, page_size, H)"
+    raise ValueError(f"kv_layout must be one of {LAYOUTS} (pages {DIMS}), got "
+                     f"kv_layout={kv_layout!r}")
+  dims = DIMS[kv_layout]
   if implementation not in (None, "chunked"):
     raise NotImplementedError(
         f"paged_attention runs jattn's own kernel (implementation=None or 'chunked'), got "
@@ -539,11 +553,20 @@ def _check(query, key_pages, value_pages, page_table, kv_lengths, query_start, s
         f"query must be {'(total, N, H) with query_start' if ragged else '(B, T, N, H)'}, got "
         f"query.shape={query.shape}")
   key_pages = _pages("key_pages", key_pages, dims)
+  if kv_layout == "combined":
+    if value_pages is not None:
+      raise ValueError("kv_layout='combined' keeps values in key_pages (heads 1, 3, ...): pass "
+                       "value_pages=None")
+    if key_pages.shape[2] % 2:
+      raise ValueError(f"a combined pool has 2K heads (key, value, key, ...): key_pages.shape="
+                       f"{key_pages.shape} has {key_pages.shape[2]}")
+    value_pages = key_pages
   value_pages = _pages("value_pages", value_pages, dims)
-  if kv_layout == "NHD":
-    P, page_size, K, H = key_pages.shape
-  else:
+  if kv_layout == "HND":
     P, K, page_size, H = key_pages.shape
+  else:
+    P, page_size, K, H = key_pages.shape
+    K = K // 2 if kv_layout == "combined" else K
   if value_pages.shape[:3] != key_pages.shape[:3]:
     raise ValueError(f"value_pages must have key_pages' first three sizes {dims[:-4]}): "
                      f"key_pages.shape={key_pages.shape}, value_pages.shape={value_pages.shape}")
@@ -577,7 +600,7 @@ def _check(query, key_pages, value_pages, page_table, kv_lengths, query_start, s
         f"{query.shape}, key_pages.shape={key_pages.shape}, page_table.shape={page_table.shape}")
   kinds = []
   for name, sc, pages in (("k_scale", k_scale, key_pages), ("v_scale", v_scale, value_pages)):
-    kinds.append(_scale_kind(name, sc, pages, query.dtype, dims))
+    kinds.append(_scale_kind(name, sc, pages, query.dtype, dims, K))
   if sinks is not None:
     sinks = _validation.float_array("sinks", sinks)
     if sinks.shape != (N,):
@@ -608,10 +631,12 @@ def _check_layout(key_pages, value_pages, kv_layout, page_size, num_kv_heads):
   says page_size / num_kv_heads) a pool of the other layout whose sizes happen to fit."""
   if key_pages is value_pages and key_pages is not None:
     raise ValueError("key_pages and value_pages are the same array: a pool holding keys and "
-                     "values together (vLLM's TPU cache interleaves them per head) must be "
-                     "split into a key pool and a value pool")
-  for name, want, axis in (("page_size", page_size, 1 if kv_layout == "NHD" else 2),
-                           ("num_kv_heads", num_kv_heads, 2 if kv_layout == "NHD" else 1)):
+                     "values together, heads interleaved (vLLM's TPU cache), is "
+                     "kv_layout='combined' with value_pages=None")
+  heads = 2 if kv_layout == "combined" else 1  # a combined pool holds K key and K value heads
+  for name, want, axis in (("page_size", page_size, 2 if kv_layout == "HND" else 1),
+                           ("num_kv_heads", num_kv_heads and num_kv_heads * heads,
+                            1 if kv_layout == "HND" else 2)):
     shape = getattr(key_pages, "shape", ())
     if want is not None and len(shape) == 4 and shape[axis] != want:
       raise ValueError(f"{name}={want} but key_pages.shape={tuple(shape)} has {shape[axis]} on "
@@ -627,7 +652,7 @@ def _pages(name, x, dims):
   return x
 
 
-def _scale_kind(name, scale, pages, dtype, dims):
+def _scale_kind(name, scale, pages, dtype, dims, K):
   """How ``scale`` broadcasts against quantised ``pages``: "tensor", "head" or "token"; None for
   float pages (which must have the query's dtype and no scale)."""
   pages_name = "key_pages" if name == "k_scale" else "value_pages"
@@ -643,10 +668,10 @@ def _scale_kind(name, scale, pages, dtype, dims):
     raise ValueError(f"{pages_name} of dtype {pages.dtype} need {name} (their dequantisation "
                      f"scale)")
   scale = _validation.float_array(name, scale)
-  K = pages.shape[2] if dims.startswith("(P, page_size") else pages.shape[1]
-  token = pages.shape[:3]
+  token = pages.shape[:3] if "2K" not in dims else pages.shape[:2] + (K,)  # combined: K of 2K
   for kind, shape in (("tensor", ()), ("head", (K,)), ("token", token)):
     if scale.shape == shape:
       return kind
-  raise ValueError(f"{name} must be () per tensor, (K,) = ({K},) per head or {dims[:-4]}) = "
+  per_token = dims[:-4].replace("2K", "K")
+  raise ValueError(f"{name} must be () per tensor, (K,) = ({K},) per head or {per_token}) = "
                    f"{token} per token and head, got shape {scale.shape}")

@@ -371,3 +371,43 @@ def test_symbolic_number_of_sequences_exports_and_runs(ragged):
         q = jax.random.normal(jax.random.key(31), (B, 1, N, H))
         got = exp.call(q, table, jnp.asarray(lens, jnp.int32))
         _check(got, reference(q, kp, vp, table, lens)[0])
+
+
+def combined(kp, vp):
+  """The NHD pools as one (P, page_size, 2K, H) pool, key head k at 2k and its values at 2k + 1
+  (vLLM's TPU cache)."""
+  P, ps, K, H = kp.shape
+  return jnp.stack([kp, vp], axis=3).reshape(P, ps, 2 * K, H)
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_combined_pool_is_read_where_it_lies(quantized):
+  # One pool holding keys and values, heads interleaved: the same attention as the split pools,
+  # ragged prefill and decode rows, GQA, window, soft cap; int8 pages with per-token scales.
+  N, K, H, ps = 4, 2, 8, 8
+  lens = np.array([40, 9, 17])
+  qs = np.array([0, 5, 6, 8])
+  kp, vp, table = pool(jax.random.key(32), 24, ps, K, H, H, 3, lens, garbage=not quantized)
+  q = jax.random.normal(jax.random.key(33), (8, N, H))
+  kw = dict(query_start=jnp.asarray(qs), local_window_size=(12, 0), logits_soft_cap=4.0)
+  ref = dict(window=(12, 0), cap=4.0)
+  if quantized:
+    ks = np.abs(np.asarray(kp)).max(-1) / 127
+    vs = np.abs(np.asarray(vp)).max(-1) / 127
+    kp = jnp.asarray(np.round(np.asarray(kp) / ks[..., None]), jnp.int8)
+    vp = jnp.asarray(np.round(np.asarray(vp) / vs[..., None]), jnp.int8)
+    kw.update(k_scale=jnp.asarray(ks, jnp.float32), v_scale=jnp.asarray(vs, jnp.float32))
+    ref.update(ks=ks, vs=vs)
+    kp32, vp32 = kp.astype(jnp.float32), vp.astype(jnp.float32)
+  else:
+    kp32, vp32 = kp, vp
+  out = jattn.paged_attention(q, combined(kp, vp), None, table, jnp.asarray(lens),
+                              kv_layout="combined", num_kv_heads=K, page_size=ps, **kw)
+  want, _ = reference(q, kp32, vp32, table, lens, qs, **ref)
+  _check(out, want)
+  with pytest.raises(ValueError, match="value_pages=None"):
+    jattn.paged_attention(q, combined(kp, vp), vp, table, jnp.asarray(lens),
+                          kv_layout="combined", **kw)
+  with pytest.raises(ValueError, match="kv_layout='combined'"):
+    c = combined(kp, vp)
+    jattn.paged_attention(q, c, c, table, jnp.asarray(lens), **kw)
