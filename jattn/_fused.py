@@ -171,3 +171,12 @@ def unavailable(message: str, like, *operands):
 
   stand_in.defvjp(fwd, bwd)
   return jax.tree.unflatten(tree, stand_in(*operands))
+
+
+def interpreting() -> bool:
+  """Whether Pallas's TPU interpret mode is on where the call is traced
+  (`jax.experimental.pallas.tpu.force_tpu_interpret_mode`): the Pallas TPU kernels then run on
+  any platform."""
+  from jax._src import config  # noqa: PLC0415 -- the setting has no public reader
+  setting = getattr(config, "pallas_tpu_interpret_mode_context_manager", None)
+  return setting is not None and setting.value is not None

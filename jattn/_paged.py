@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn import _page_metadata, _plan, _softmax, _validation
+from jattn import _fused, _page_metadata, _paged_tpu, _plan, _softmax, _validation
 from jattn._types import concrete
 
 # Keys per step: whole pages adding up to about this many (a page larger than it is one block).
@@ -48,6 +48,9 @@ QUANTIZED = (jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2)
 # of token-major pages (page_size, 2K, H) holding key head k at 2k and its values at 2k + 1, as
 # vLLM's TPU backend stores its cache (read where it lies, never split into two pools).
 LAYOUTS = ("NHD", "HND", "combined")
+# None: the Pallas kernel on a TPU, the XLA walk elsewhere; "chunked": the XLA walk everywhere;
+# "pallas": jattn's Pallas TPU kernel (`jattn._paged_tpu`).
+IMPLEMENTATIONS = (None, "chunked", "pallas")
 DIMS = {"NHD": "(P, page_size, K, H)", "HND": "(P, K, page_size, H)",
         "combined": "(P, page_size, 2K, H)"}
 # HND pages at least this long are multiplied page by page; shorter ones are first laid side by
@@ -84,6 +87,9 @@ class _Static(NamedTuple):
   # Pages become float32 before the matmuls (the CPU's program: XLA's CPU matmuls of 16-bit
   # floats are several times slower than float32 ones, and float8 converts run in software).
   upcast: bool = False
+  # "pallas": jattn's Pallas TPU kernel; "chunked": the XLA walk; None: the kernel on a TPU,
+  # the walk elsewhere (chosen where the program is lowered).
+  implementation: str | None = None
 
   @property
   def G(self) -> int:
@@ -156,7 +162,9 @@ def paged_attention(query, key_pages, value_pages, page_table, kv_lengths, *, qu
       ValueError naming it first): "nan" (its rows' output and log-sum-exp are NaN, no page of
       it is read, every other sequence is exact) or "checkify" (the same, and an error through
       `jax.experimental.checkify`: wrap the caller in ``checkify.checkify``).
-    implementation: None or "chunked" (jattn's own kernel; the only one here).
+    implementation: None (jattn's Pallas TPU kernel on a TPU, the XLA walk elsewhere; chosen
+      where the program is lowered), "chunked" (the XLA walk everywhere) or "pallas" (the
+      Pallas TPU kernel; on a CPU only under Pallas's TPU interpret mode).
     return_residual: also return the log-sum-exp per query row and head, (B, T, N) / (total, N).
 
   Returns:
@@ -206,13 +214,8 @@ def _jitted(st: _Static, query, key_pages, value_pages, page_table, kv_lengths, 
   kv_lengths = jnp.where(bad, 0, kv_lengths.astype(jnp.int32))
   tiles = _tiles(st, query_start, kv_lengths, bad)
   q = _gather_queries(st, query, tiles)  # (M, K, G * tq, H)
-  run = {}
-  for platform in ("cpu", "default"):
-    sp = st.with_block(BLOCK_KEYS[platform])._replace(upcast=platform == "cpu")
-    lanes = 1 if platform == "cpu" else min(SPLIT_KV, sp.blocks)
-    run[platform] = functools.partial(_walk, sp, lanes, q, tiles, key_pages, value_pages,
-                                      page_table, kv_lengths, k_scale, v_scale)
-  m, l, acc = _plan.by_platform(run)
+  m, l, acc = _plan.by_platform(_walks(st, q, tiles, key_pages, value_pages, page_table,
+                                        kv_lengths, k_scale, v_scale))
   if sinks is not None:
     sink = jnp.repeat(sinks.astype(jnp.float32).reshape(1, st.K, st.G, 1), st.tq, axis=-1)
     m, l, acc = _softmax.join_sink(m, l, acc, sink.reshape(1, st.K, st.G * st.tq))
@@ -223,6 +226,35 @@ def _jitted(st: _Static, query, key_pages, value_pages, page_table, kv_lengths, 
   nan = _faulty_rows(st, bad, query_start)
   return (jnp.where(nan[..., None, None], jnp.asarray(jnp.nan, out.dtype), out),
           jnp.where(nan[..., None], jnp.asarray(jnp.nan, lse.dtype), lse))
+
+
+def _walks(st: _Static, q, tiles: _Tiles, key_pages, value_pages, page_table, kv_lengths,
+           k_scale, v_scale):
+  """{platform: the walk that returns every tile's (m, l, acc)}: the XLA walk (one lane on the
+  CPU, split-KV lanes on accelerators) and, where the call asks for it or leaves the choice,
+  jattn's Pallas TPU kernel on a TPU (or anywhere under Pallas's TPU interpret mode)."""
+  arrays = (key_pages, value_pages, page_table, kv_lengths, k_scale, v_scale)
+  run = {}
+  for platform in ("cpu", "default"):
+    sp = st.with_block(BLOCK_KEYS[platform])._replace(upcast=platform == "cpu")
+    lanes = 1 if platform == "cpu" else min(SPLIT_KV, sp.blocks)
+    run[platform] = functools.partial(_walk, sp, lanes, q, tiles, *arrays)
+  if st.implementation == "chunked" or _paged_tpu.supports(st) is not None:
+    return run
+  kernel = functools.partial(_paged_tpu.walk, st, q, tiles, key_pages, value_pages, page_table,
+                             kv_lengths[tiles.seq], k_scale, v_scale)
+  if _fused.interpreting():
+    return {"default": kernel}
+  if st.implementation == "pallas":
+    M, R = q.shape[0], st.G * st.tq
+    like = (jax.ShapeDtypeStruct((M, st.K, R), jnp.float32),) * 2 + (
+        jax.ShapeDtypeStruct((M, st.K, R, st.Hv), jnp.float32),)
+    message = ("paged_attention(implementation='pallas') runs jattn's Pallas TPU kernel: this "
+               "program is lowered for {platform}. Run it on a TPU, or on a CPU inside "
+               "jax.experimental.pallas.tpu.force_tpu_interpret_mode() (slow; for tests), or "
+               "use implementation=None (the kernel on a TPU, the XLA walk elsewhere)")
+    run = {"default": lambda: _fused.unavailable(message, like, q)}
+  return dict(run, tpu=kernel)
 
 
 def _geometry(st: _Static, key_pages) -> _page_metadata.Geometry:
@@ -541,10 +573,9 @@ def _check(query, key_pages, value_pages, page_table, kv_lengths, query_start, s
     raise ValueError(f"kv_layout must be one of {LAYOUTS} (pages {DIMS}), got "
                      f"kv_layout={kv_layout!r}")
   dims = DIMS[kv_layout]
-  if implementation not in (None, "chunked"):
-    raise NotImplementedError(
-        f"paged_attention runs jattn's own kernel (implementation=None or 'chunked'), got "
-        f"implementation={implementation!r}: no fused paged kernel is registered")
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got "
+                     f"implementation={implementation!r}")
   query = _validation.float_array("query", query)
   ragged = query_start is not None
   want = 3 if ragged else 4
@@ -619,7 +650,9 @@ def _check(query, key_pages, value_pages, page_table, kv_lengths, query_start, s
   st = _Static(B, N, K, H, value_pages.shape[-1], page_size, kv_layout, 1, max_pages, tq, tiles,
                ragged, rows, static_scale, causal is not None, window,
                _validation.soft_cap(logits_soft_cap), kinds[0], kinds[1], query.dtype)
-  st = st.with_block(BLOCK_KEYS["default"])
+  st = st.with_block(BLOCK_KEYS["default"])._replace(implementation=implementation)
+  if implementation == "pallas" and _paged_tpu.supports(st) is not None:
+    raise NotImplementedError(f"implementation='pallas' cannot take {_paged_tpu.supports(st)}")
   _page_metadata.check_concrete(_geometry(st, key_pages), *metadata)
   return st, (query, key_pages, value_pages, page_table, kv_lengths, query_start, sinks,
               None if k_scale is None else jnp.asarray(k_scale),

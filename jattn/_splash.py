@@ -286,15 +286,6 @@ def _kernels(groups, bq, bk, soft_cap, save_residuals):
 # --------------------------------------------------------------------------------------------
 
 
-def interpreting() -> bool:
-  """Whether Pallas's TPU interpret mode is on where the call is traced
-  (`jax.experimental.pallas.tpu.force_tpu_interpret_mode`): the kernels then run on any
-  platform."""
-  from jax._src import config  # noqa: PLC0415 -- the setting has no public reader
-  setting = getattr(config, "pallas_tpu_interpret_mode_context_manager", None)
-  return setting is not None and setting.value is not None
-
-
 def supports(call) -> str | None:
   """None, or what of the bound call (`jattn._call.Call`) splash cannot take and why."""
   s = call.static
@@ -348,7 +339,7 @@ def run(call):
                          call.given.sinks, scale=s.scale, soft_cap=s.opts.logits_soft_cap,
                          block_q=s.tuned.splash_blocks[0], block_kv=s.tuned.splash_blocks[1],
                          shard=shards(call))
-  if interpreting():
+  if _fused.interpreting():
     return go()
   like = (jax.ShapeDtypeStruct((s.B, s.T, s.N, s.Hv), s.dtype),
           jax.ShapeDtypeStruct((s.B, s.T, s.N), jnp.float32))

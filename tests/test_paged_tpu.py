@@ -1,0 +1,159 @@
+"""jattn's Pallas TPU paged kernel (`jattn._paged_tpu`) against the float64 reference.
+
+The kernel runs here in Pallas's TPU interpret mode (`force_tpu_interpret_mode`): the very
+kernel a TPU gets, its grid walked on the CPU. Its lowering for a TPU (Pallas to Mosaic) is
+exported from this CPU; what `implementation=None` picks is read from the exported programs.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+
+import jattn
+from test_paged import _check, combined, head_major, pool, reference
+
+N, K, H = 4, 2, 8
+
+
+def _pallas(q, kp, vp, table, lens, layout="NHD", **kw):
+  """paged_attention through the Pallas kernel on the NHD pools given, laid out as asked."""
+  if layout == "HND":
+    kp, vp, ks, vs = head_major(kp, vp, kw.pop("k_scale", None), kw.pop("v_scale", None))
+    kw.update({} if ks is None else dict(k_scale=ks, v_scale=vs))
+  elif layout == "combined":
+    kp, vp = combined(kp, vp), None
+  with pltpu.force_tpu_interpret_mode():
+    return jattn.paged_attention(q, kp, vp, table, jnp.asarray(lens), kv_layout=layout,
+                                 implementation="pallas", **kw)
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND", "combined"])
+@pytest.mark.parametrize("kw", [
+    dict(local_window_size=(6, 0), scale=0.3),
+    dict(logits_soft_cap=2.0, sinks=True, is_causal=False)])
+def test_options_in_every_layout(layout, kw):
+  B, T, ps = 3, 3, 8
+  lens = np.array([30, 6, 19])
+  kp, vp, table = pool(jax.random.key(40), 16, ps, K, H, H, B, lens)
+  q = jax.random.normal(jax.random.key(41), (B, T, N, H))
+  kw = dict(kw)
+  if kw.pop("sinks", None):
+    kw["sinks"] = jnp.linspace(-1.0, 2.0, N)
+  out, lse = _pallas(q, kp, vp, table, lens, layout, return_residual=True, **kw)
+  want, want_lse = reference(
+      q, kp, vp, table, lens, scale=kw.get("scale"), causal=kw.get("is_causal", True),
+      window=kw.get("local_window_size"), cap=kw.get("logits_soft_cap"),
+      sinks=None if "sinks" not in kw else np.asarray(kw["sinks"]))
+  _check(out, want)
+  _check(lse, want_lse)
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_ragged_prefill_and_decode_with_empty_sequences(layout):
+  # A prefill chunk of 21 rows (two tiles), decode tokens, a sequence with no new rows and one
+  # with an empty cache; a value head size of its own; a trailing row of no sequence.
+  Hv, ps = 6, 8
+  lens = np.array([40, 9, 17, 0, 3])
+  counts = np.array([21, 1, 0, 0, 1])
+  qs = np.concatenate([[0], np.cumsum(counts)])
+  kp, vp, table = pool(jax.random.key(42), 24, ps, K, H, Hv, 5, lens)
+  q = jax.random.normal(jax.random.key(43), (int(qs[-1]) + 1, N, H))
+  out, lse = _pallas(q, kp, vp, table, lens, layout, query_start=jnp.asarray(qs),
+                     local_window_size=(7, 0), return_residual=True)
+  want, want_lse = reference(q, kp, vp, table, lens, qs, window=(7, 0))
+  _check(np.asarray(out)[:-1], want[:-1])
+  assert (np.asarray(out)[-1] == 0).all()
+  finite = np.isfinite(want_lse[:-1])
+  _check(np.where(finite, lse[:-1], 0), np.where(finite, want_lse[:-1], 0))
+
+
+@pytest.mark.parametrize("dtype, kind, layout", [
+    (jnp.int8, "token", "NHD"), (jnp.int8, "head", "HND"), (jnp.int8, "token", "combined"),
+    (jnp.float8_e4m3fn, "token", "HND"), (jnp.float8_e5m2, "tensor", "NHD")])
+def test_quantized_pages(dtype, kind, layout):
+  B, T, ps, P = 2, 2, 8, 12
+  lens = np.array([41, 20])
+  kp, vp, table = pool(jax.random.key(44), P, ps, K, H, H, B, lens, garbage=False)
+  top = 127.0 if dtype == jnp.int8 else float(jnp.finfo(dtype).max)
+  reduce = {"tensor": lambda a: a.max(), "head": lambda a: a.max(axis=(0, 1)),
+            "token": lambda a: a}[kind]
+  ks = reduce(np.abs(np.asarray(kp)).max(-1)) / top
+  vs = reduce(np.abs(np.asarray(vp)).max(-1)) / top
+  quant = lambda x, s: jnp.asarray(np.clip(
+      (np.round if dtype == jnp.int8 else np.asarray)(
+          np.asarray(x) / np.broadcast_to(s, x.shape[:3])[..., None]), -top, top)).astype(dtype)
+  kq, vq = quant(kp, ks), quant(vp, vs)
+  q = jax.random.normal(jax.random.key(45), (B, T, N, H))
+  ks, vs = jnp.asarray(ks, jnp.float32), jnp.asarray(vs, jnp.float32)
+  out = _pallas(q, kq, vq, table, lens, layout, k_scale=ks, v_scale=vs,
+                logits_soft_cap=5.0)
+  want, _ = reference(q, kq.astype(jnp.float32), vq.astype(jnp.float32), table, lens,
+                      ks=np.asarray(ks), vs=np.asarray(vs), cap=5.0)
+  _check(out, want)
+
+
+def test_bfloat16_within_rounding_of_the_exact_answer():
+  # 16-bit pools and queries, float32 statistics: the error against float64 stays within a
+  # small factor of rounding the exact answer to bfloat16 (16-bit arithmetic would not).
+  B, T, ps = 2, 4, 16
+  lens = np.array([200, 77])
+  kp, vp, table = pool(jax.random.key(46), 24, ps, K, H, H, B, lens, garbage=False)
+  q = jax.random.normal(jax.random.key(47), (B, T, N, H))
+  q, kp, vp = (x.astype(jnp.bfloat16) for x in (q, kp, vp))
+  out = _pallas(q, kp, vp, table, lens, "HND")
+  assert out.dtype == jnp.bfloat16
+  want, _ = reference(q, kp, vp, table, lens)
+  err = np.abs(np.asarray(out, np.float64) - want).max()
+  rounding = np.abs(np.asarray(jnp.asarray(want, jnp.bfloat16), np.float64) - want).max()
+  assert err <= 2 * rounding, (err, rounding)
+
+
+def test_long_pages_and_faulty_metadata():
+  # Pages of 256 keys (one page a grid step); under jit with traced metadata a sequence whose
+  # page id is out of the pool comes back NaN, the others exact.
+  B, T, ps = 3, 2, 256
+  lens = np.array([700, 64, 301])
+  kp, vp, table = pool(jax.random.key(48), 9, ps, K, H, H, B, lens)
+  q = jax.random.normal(jax.random.key(49), (B, T, N, H))
+  bad = np.array(table)
+  bad[2, 1] = 9  # sequence 2's second page: past the pool
+  with pltpu.force_tpu_interpret_mode():
+    f = jax.jit(lambda t: jattn.paged_attention(q, kp, vp, t, jnp.asarray(lens),
+                                                local_window_size=(300, 0),
+                                                implementation="pallas"))
+    out = np.asarray(f(jnp.asarray(bad)))
+  want, _ = reference(q, kp, vp, table, lens, window=(300, 0))
+  assert np.isnan(out[2]).all()
+  _check(out[:2], want[:2])
+
+
+def _exported(f, *args, platform):
+  return jax.export.export(jax.jit(f), platforms=[platform])(*args).mlir_module()
+
+
+def test_the_choice_is_made_where_the_program_is_lowered():
+  lens = np.array([30, 6])
+  kp, vp, table = pool(jax.random.key(50), 16, 8, K, H, H, 2, lens)
+  q = jnp.ones((2, 1, N, H))
+  args = (q, kp, vp, table, jnp.asarray(lens))
+  call = lambda impl: (lambda *a: jattn.paged_attention(*a, implementation=impl))
+  # None: the Pallas kernel on a TPU, the XLA walk elsewhere; "chunked": never the kernel.
+  assert _exported(call(None), *args, platform="tpu").count("tpu_custom_call") == 1
+  assert _exported(call("pallas"), *args, platform="tpu").count("tpu_custom_call") == 1
+  assert "tpu_custom_call" not in _exported(call("chunked"), *args, platform="tpu")
+  assert "tpu_custom_call" not in _exported(call(None), *args, platform="cuda")
+  # "pallas" lowered for a CPU outside interpret mode: an error naming the way out.
+  with pytest.raises(NotImplementedError, match="implementation='pallas'.*force_tpu_interpret"):
+    _exported(call("pallas"), *args, platform="cpu")
+  # A symbolic number of sequences: None keeps the XLA walk on a TPU; "pallas" says why not.
+  b = jax.export.symbolic_shape("b")[0]
+  sds = jax.ShapeDtypeStruct
+  shapes = (sds((b, 1, N, H), jnp.float32), kp, vp, sds((b, table.shape[1]), jnp.int32),
+            sds((b,), jnp.int32))
+  assert "tpu_custom_call" not in _exported(call(None), *shapes, platform="tpu")
+  with pytest.raises(NotImplementedError, match="symbolic number of sequences"):
+    _exported(call("pallas"), *shapes, platform="tpu")
