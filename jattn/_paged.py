@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn import _fused, _page_metadata, _paged_tpu, _plan, _softmax, _validation
+from jattn import _fused, _page_metadata, _paged_fold, _paged_tpu, _plan, _softmax, _validation
 from jattn._types import concrete
 
 # Keys per step: whole pages adding up to about this many (a page larger than it is one block).
@@ -415,12 +415,8 @@ def _block(st: _Static, q, tiles: _Tiles, needed, kv_len, key_pages, value_pages
   v, vs = _read(st, value_pages, ids, v_scale, st.v_scale, q.dtype, keep, heads=1)
   qp = jnp.broadcast_to(q[:, None].astype(k.dtype), (M, c) + q.shape[1:])
   s = jnp.einsum("mckxh,mckrh->mckrx", k, qp, preferred_element_type=jnp.float32)
-  if ks is not None:
-    s = s * ks
-  s = s * st.scale  # (M, c, K, R, bk / c): the softmax runs on the pieces as they come
-  if st.soft_cap is not None:
-    s = st.soft_cap * jnp.tanh(s / st.soft_cap)
-  s = jnp.where(_pieces(st, vis), s, jnp.asarray(_softmax.NEG, s.dtype))
+  # (M, c, K, R, bk / c): the softmax runs on the pieces as they come
+  s = _paged_fold.scores(st, s, ks, _pieces(st, vis))
   m_new, p, corr, l = _softmax.update(m, l, s, key_axes=(1, 4))
   if vs is not None:
     p = p * vs
@@ -543,16 +539,8 @@ def _float32(u, dtype):
 def _visible(st: _Static, tiles: _Tiles, kv_len, j):
   """(M, 1, G * tq, bk) bool: which keys of block j each tile row sees, in positions."""
   key = j * st.block + jnp.arange(st.block, dtype=jnp.int32)[None, None, :]  # (1, 1, bk)
-  pos = tiles.pos[:, :, None]  # (M, tq, 1)
-  vis = (key < kv_len[:, None, None]) & (tiles.rows >= 0)[:, :, None]
-  if st.causal:
-    vis = vis & (key <= pos)
-  if st.window is not None:
-    left, right = st.window
-    if left is not None:
-      vis = vis & (key >= pos - left)
-    if right is not None:
-      vis = vis & (key <= pos + right)
+  vis = _paged_fold.visible(st, key, tiles.pos[:, :, None], (tiles.rows >= 0)[:, :, None],
+                            kv_len[:, None, None])  # (M, tq, bk)
   M = vis.shape[0]
   vis = jnp.broadcast_to(vis[:, None], (M, st.G, st.tq, st.block))
   return vis.reshape(M, 1, st.G * st.tq, st.block)
@@ -574,8 +562,10 @@ def _check(query, key_pages, value_pages, page_table, kv_lengths, query_start, s
                      f"kv_layout={kv_layout!r}")
   dims = DIMS[kv_layout]
   if implementation not in IMPLEMENTATIONS:
-    raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got "
-                     f"implementation={implementation!r}")
+    error = NotImplementedError if isinstance(implementation, (str, tuple)) else ValueError
+    raise error(f"paged_attention runs jattn's own kernels: None, 'chunked' (the XLA walk) or "
+                f"'pallas' (its Pallas kernel), got implementation={implementation!r}; the "
+                f"other kernels take contiguous keys and values (dot_product_attention)")
   query = _validation.float_array("query", query)
   ragged = query_start is not None
   want = 3 if ragged else 4

@@ -29,7 +29,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jattn import _softmax
+from jattn import _paged_fold, _softmax
 
 # Pages per grid step: about this many keys (whole pages; a longer page is a step of its own).
 STEP_KEYS = 256
@@ -142,17 +142,13 @@ def _kernel(st, ppb, npools, _table, _seq, lo, hi, kv_len, base, count, *refs):
     @pl.when((page >= lo[t]) & (page < hi[t]))
     def _(i=i, page=page):
       key = page * st.page_size + jax.lax.broadcasted_iota(jnp.int32, (1, st.page_size), 1)
-      vis = real & (key < kv_len[t])
-      if st.causal:
-        vis = vis & (key <= pos)
-      if st.window is not None:
-        left, right = st.window
-        if left is not None:
-          vis = vis & (key >= pos - left)
-        if right is not None:
-          vis = vis & (key <= pos + right)
+      vis = _paged_fold.visible(st, key, pos, real, kv_len[t])
       for k in range(K):
-        _fold(st, k, q_ref, key_refs[i], value_refs[i], scales, i, vis, m_ref, l_ref, acc_ref)
+        ks, vs = _scale(st, scales, 0, k, i), _scale(st, scales, 1, k, i)
+        carry = (m_ref[k], l_ref[k], acc_ref[k])
+        m, l, acc = _paged_fold.fold_page(st, carry, q_ref[k], _head(st, key_refs[i], k, 0),
+                                          _head(st, value_refs[i], k, 1), ks, vs, vis)
+        m_ref[k], l_ref[k], acc_ref[k] = m, l, acc
 
 
 def _head(st, ref, k, half):
@@ -175,42 +171,9 @@ def _scale(st, scales, which, k, i):
   return (page[k] if st.layout == "HND" else page[:, k])[None, :]
 
 
-def _fold(st, k, q_ref, k_ref, v_ref, scales, i, vis, m_ref, l_ref, acc_ref):
-  """Fold one page's keys into head k's running softmax (the update of `jattn._softmax`)."""
-  keys = _head(st, k_ref, k, 0)
-  values = _head(st, v_ref, k, 1)
-  q = q_ref[k]
-  ks, vs = _scale(st, scales, 0, k, i), _scale(st, scales, 1, k, i)
-  if ks is not None or st.upcast:
-    keys, q = keys.astype(jnp.float32), q.astype(jnp.float32)
-  s = jax.lax.dot_general(q, keys.astype(q.dtype), (((1,), (1,)), ((), ())),
-                          preferred_element_type=jnp.float32)  # (R, page_size)
-  if ks is not None:
-    s = s * ks
-  s = s * st.scale
-  if st.soft_cap is not None:
-    s = st.soft_cap * jnp.tanh(s / st.soft_cap)
-  s = jnp.where(vis, s, _softmax.NEG)
-  m_new, p, corr, l_new = _softmax.update(m_ref[k], l_ref[k], s)
-  if vs is not None:  # q . (v * s) = s * (q . v): the value scale weighs the probabilities
-    p = p * vs
-  # Hidden keys' values are zeroed: a masked weight is 0, but 0 * NaN (garbage past a
-  # sequence's end) is NaN.
-  seen = vis.any(axis=0)[:, None]
-  if vs is not None or st.upcast:
-    values = values.astype(jnp.float32)
-  values = jnp.where(seen, values, jnp.zeros((), values.dtype))
-  pv = jax.lax.dot_general(p.astype(values.dtype), values, (((1,), (0,)), ((), ())),
-                           preferred_element_type=jnp.float32)
-  m_ref[k] = m_new
-  l_ref[k] = l_new
-  acc_ref[k] = acc_ref[k] * corr[:, None] + pv
-
-
 def supports(st) -> str | None:
   """None, or why the kernel cannot take a planned call (`_paged._Static`)."""
   from jattn._types import concrete
   if not concrete(st.B):
     return f"a symbolic number of sequences B={st.B}: a Pallas grid is planned from known sizes"
   return None
-

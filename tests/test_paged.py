@@ -289,8 +289,11 @@ def test_split_kv_program_for_accelerators(layout):
             jax.ShapeDtypeStruct((P,) + page, jnp.float32),
             jax.ShapeDtypeStruct((P,) + page, jnp.float32),
             jax.ShapeDtypeStruct((4, S // 16), jnp.int32), jax.ShapeDtypeStruct((4,), jnp.int32))
+  # The XLA walk's program (on a TPU, None takes the Pallas kernel: tests/test_paged_tpu.py).
+  walk = lambda q, kp, vp, t, l: jattn.paged_attention(q, kp, vp, t, l, kv_layout=layout,
+                                                       implementation="chunked")
   for platform in ("cuda", "tpu"):
-    hlo = structure.lowered_for(f, shapes, platform)
+    hlo = structure.lowered_for(walk, shapes, platform)
     assert structure.loop_structure(hlo).steps <= -(-S // 256 // 16) + 2
     # No copy of the cache (every other array is under half a pool: a block of keys per lane)
     # and no array with an axis of all S keys (as the scores (B, N, T, S) would have).
