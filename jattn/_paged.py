@@ -31,7 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn import _fused, _page_metadata, _paged_fold, _paged_tpu, _plan, _softmax, _validation
+from jattn import (_fused, _page_metadata, _paged_fold, _paged_gpu, _paged_tpu, _plan, _softmax,
+                   _validation)
 from jattn._types import concrete
 
 # Keys per step: whole pages adding up to about this many (a page larger than it is one block).
@@ -239,22 +240,32 @@ def _walks(st: _Static, q, tiles: _Tiles, key_pages, value_pages, page_table, kv
     sp = st.with_block(BLOCK_KEYS[platform])._replace(upcast=platform == "cpu")
     lanes = 1 if platform == "cpu" else min(SPLIT_KV, sp.blocks)
     run[platform] = functools.partial(_walk, sp, lanes, q, tiles, *arrays)
-  if st.implementation == "chunked" or _paged_tpu.supports(st) is not None:
+  if st.implementation == "chunked":
     return run
-  kernel = functools.partial(_paged_tpu.walk, st, q, tiles, key_pages, value_pages, page_table,
-                             kv_lengths[tiles.seq], k_scale, v_scale)
+  kernels = {}
+  for platform, module in (("tpu", _paged_tpu), ("cuda", _paged_gpu)):
+    why = module.supports(st)
+    kernels[platform] = why if why is not None else functools.partial(
+        module.walk, st, q, tiles, key_pages, value_pages, page_table, kv_lengths[tiles.seq],
+        k_scale, v_scale)
   if _fused.interpreting():
-    return {"default": kernel}
+    return {"default": kernels["tpu"]}
+  if _paged_gpu.interpreting():
+    return {"default": functools.partial(kernels["cuda"], interpret=True)}
   if st.implementation == "pallas":
     M, R = q.shape[0], st.G * st.tq
     like = (jax.ShapeDtypeStruct((M, st.K, R), jnp.float32),) * 2 + (
         jax.ShapeDtypeStruct((M, st.K, R, st.Hv), jnp.float32),)
-    message = ("paged_attention(implementation='pallas') runs jattn's Pallas TPU kernel: this "
-               "program is lowered for {platform}. Run it on a TPU, or on a CPU inside "
-               "jax.experimental.pallas.tpu.force_tpu_interpret_mode() (slow; for tests), or "
-               "use implementation=None (the kernel on a TPU, the XLA walk elsewhere)")
-    run = {"default": lambda: _fused.unavailable(message, like, q)}
-  return dict(run, tpu=kernel)
+    message = ("paged_attention(implementation='pallas') runs jattn's Pallas kernels on a TPU "
+               "or an NVIDIA GPU: this program is lowered for {platform}. On a CPU, run it "
+               "inside jax.experimental.pallas.tpu.force_tpu_interpret_mode() (slow; for "
+               "tests), or use implementation=None (the kernels where they run, the XLA walk "
+               "elsewhere)")
+    fail = lambda why: (lambda: _fused.unavailable(why, like, q))
+    run = {"default": fail(message)}
+    kernels = {p: fail(f"implementation='pallas' on {p} cannot take {k}") if isinstance(k, str)
+               else k for p, k in kernels.items()}
+  return dict(run, **{p: k for p, k in kernels.items() if not isinstance(k, str)})
 
 
 def _geometry(st: _Static, key_pages) -> _page_metadata.Geometry:

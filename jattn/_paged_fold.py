@@ -57,7 +57,9 @@ def fold_page(st, carry, q, keys, values, ks, vs, vis):
     values = values.astype(jnp.float32)
   # A hidden key's weight is an exact 0, but 0 * NaN is NaN: garbage past a sequence's end
   # (an unwritten slot, a page of another use) must not leak, so its value is zeroed.
-  values = jnp.where(vis.any(axis=0)[:, None], values, jnp.zeros((), values.dtype))
+  # (A max over rows, not `any`: Triton's lowering has no boolean reduction.)
+  seen = jnp.max(vis.astype(jnp.int32), axis=0) > 0
+  values = jnp.where(seen[:, None], values, jnp.zeros((), values.dtype))
   pv = jax.lax.dot_general(p.astype(values.dtype), values, (((1,), (0,)), ((), ())),
                            preferred_element_type=jnp.float32)
   return m, l, acc * corr[:, None] + pv

@@ -1,8 +1,10 @@
-"""jattn's Pallas TPU paged kernel (`jattn._paged_tpu`) against the float64 reference.
+"""jattn's Pallas paged kernels -- TPU (`jattn._paged_tpu`, Mosaic) and GPU (`jattn._paged_gpu`,
+Triton) -- against the float64 reference.
 
-The kernel runs here in Pallas's TPU interpret mode (`force_tpu_interpret_mode`): the very
-kernel a TPU gets, its grid walked on the CPU. Its lowering for a TPU (Pallas to Mosaic) is
-exported from this CPU; what `implementation=None` picks is read from the exported programs.
+The kernels run here in Pallas's interpret mode (TPU: `force_tpu_interpret_mode`; GPU:
+`jattn._paged_gpu.interpret_mode`): the very kernel a TPU or GPU gets, its grid walked on the
+CPU. Their lowerings (Pallas to Mosaic, Pallas to Triton) are made from this CPU; what
+`implementation=None` picks is read from the lowered programs.
 """
 
 from __future__ import annotations
@@ -14,19 +16,26 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 import jattn
+from jattn import _paged_gpu
 from test_paged import _check, combined, head_major, pool, reference
 
-N, K, H = 4, 2, 8
+N, K, H = 4, 2, 16  # the GPU kernel (Triton) takes head sizes that are powers of two >= 16
+KERNELS = {"tpu": pltpu.force_tpu_interpret_mode, "gpu": _paged_gpu.interpret_mode}
 
 
-def _pallas(q, kp, vp, table, lens, layout="NHD", **kw):
+@pytest.fixture(params=sorted(KERNELS))
+def kernel(request):
+  return request.param
+
+
+def _pallas(kernel, q, kp, vp, table, lens, layout="NHD", **kw):
   """paged_attention through the Pallas kernel on the NHD pools given, laid out as asked."""
   if layout == "HND":
     kp, vp, ks, vs = head_major(kp, vp, kw.pop("k_scale", None), kw.pop("v_scale", None))
     kw.update({} if ks is None else dict(k_scale=ks, v_scale=vs))
   elif layout == "combined":
     kp, vp = combined(kp, vp), None
-  with pltpu.force_tpu_interpret_mode():
+  with KERNELS[kernel]():
     return jattn.paged_attention(q, kp, vp, table, jnp.asarray(lens), kv_layout=layout,
                                  implementation="pallas", **kw)
 
@@ -35,7 +44,7 @@ def _pallas(q, kp, vp, table, lens, layout="NHD", **kw):
 @pytest.mark.parametrize("kw", [
     dict(local_window_size=(6, 0), scale=0.3),
     dict(logits_soft_cap=2.0, sinks=True, is_causal=False)])
-def test_options_in_every_layout(layout, kw):
+def test_options_in_every_layout(kernel, layout, kw):
   B, T, ps = 3, 3, 8
   lens = np.array([30, 6, 19])
   kp, vp, table = pool(jax.random.key(40), 16, ps, K, H, H, B, lens)
@@ -43,7 +52,7 @@ def test_options_in_every_layout(layout, kw):
   kw = dict(kw)
   if kw.pop("sinks", None):
     kw["sinks"] = jnp.linspace(-1.0, 2.0, N)
-  out, lse = _pallas(q, kp, vp, table, lens, layout, return_residual=True, **kw)
+  out, lse = _pallas(kernel, q, kp, vp, table, lens, layout, return_residual=True, **kw)
   want, want_lse = reference(
       q, kp, vp, table, lens, scale=kw.get("scale"), causal=kw.get("is_causal", True),
       window=kw.get("local_window_size"), cap=kw.get("logits_soft_cap"),
@@ -53,16 +62,16 @@ def test_options_in_every_layout(layout, kw):
 
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
-def test_ragged_prefill_and_decode_with_empty_sequences(layout):
+def test_ragged_prefill_and_decode_with_empty_sequences(kernel, layout):
   # A prefill chunk of 21 rows (two tiles), decode tokens, a sequence with no new rows and one
   # with an empty cache; a value head size of its own; a trailing row of no sequence.
-  Hv, ps = 6, 8
+  Hv, ps = 32, 8
   lens = np.array([40, 9, 17, 0, 3])
   counts = np.array([21, 1, 0, 0, 1])
   qs = np.concatenate([[0], np.cumsum(counts)])
   kp, vp, table = pool(jax.random.key(42), 24, ps, K, H, Hv, 5, lens)
   q = jax.random.normal(jax.random.key(43), (int(qs[-1]) + 1, N, H))
-  out, lse = _pallas(q, kp, vp, table, lens, layout, query_start=jnp.asarray(qs),
+  out, lse = _pallas(kernel, q, kp, vp, table, lens, layout, query_start=jnp.asarray(qs),
                      local_window_size=(7, 0), return_residual=True)
   want, want_lse = reference(q, kp, vp, table, lens, qs, window=(7, 0))
   _check(np.asarray(out)[:-1], want[:-1])
@@ -74,7 +83,7 @@ def test_ragged_prefill_and_decode_with_empty_sequences(layout):
 @pytest.mark.parametrize("dtype, kind, layout", [
     (jnp.int8, "token", "NHD"), (jnp.int8, "head", "HND"), (jnp.int8, "token", "combined"),
     (jnp.float8_e4m3fn, "token", "HND"), (jnp.float8_e5m2, "tensor", "NHD")])
-def test_quantized_pages(dtype, kind, layout):
+def test_quantized_pages(kernel, dtype, kind, layout):
   B, T, ps, P = 2, 2, 8, 12
   lens = np.array([41, 20])
   kp, vp, table = pool(jax.random.key(44), P, ps, K, H, H, B, lens, garbage=False)
@@ -89,14 +98,14 @@ def test_quantized_pages(dtype, kind, layout):
   kq, vq = quant(kp, ks), quant(vp, vs)
   q = jax.random.normal(jax.random.key(45), (B, T, N, H))
   ks, vs = jnp.asarray(ks, jnp.float32), jnp.asarray(vs, jnp.float32)
-  out = _pallas(q, kq, vq, table, lens, layout, k_scale=ks, v_scale=vs,
+  out = _pallas(kernel, q, kq, vq, table, lens, layout, k_scale=ks, v_scale=vs,
                 logits_soft_cap=5.0)
   want, _ = reference(q, kq.astype(jnp.float32), vq.astype(jnp.float32), table, lens,
                       ks=np.asarray(ks), vs=np.asarray(vs), cap=5.0)
   _check(out, want)
 
 
-def test_bfloat16_within_rounding_of_the_exact_answer():
+def test_bfloat16_within_rounding_of_the_exact_answer(kernel):
   # 16-bit pools and queries, float32 statistics: the error against float64 stays within a
   # small factor of rounding the exact answer to bfloat16 (16-bit arithmetic would not).
   B, T, ps = 2, 4, 16
@@ -104,7 +113,7 @@ def test_bfloat16_within_rounding_of_the_exact_answer():
   kp, vp, table = pool(jax.random.key(46), 24, ps, K, H, H, B, lens, garbage=False)
   q = jax.random.normal(jax.random.key(47), (B, T, N, H))
   q, kp, vp = (x.astype(jnp.bfloat16) for x in (q, kp, vp))
-  out = _pallas(q, kp, vp, table, lens, "HND")
+  out = _pallas(kernel, q, kp, vp, table, lens, "HND")
   assert out.dtype == jnp.bfloat16
   want, _ = reference(q, kp, vp, table, lens)
   err = np.abs(np.asarray(out, np.float64) - want).max()
@@ -112,7 +121,7 @@ def test_bfloat16_within_rounding_of_the_exact_answer():
   assert err <= 2 * rounding, (err, rounding)
 
 
-def test_long_pages_and_faulty_metadata():
+def test_long_pages_and_faulty_metadata(kernel):
   # Pages of 256 keys (one page a grid step); under jit with traced metadata a sequence whose
   # page id is out of the pool comes back NaN, the others exact.
   B, T, ps = 3, 2, 256
@@ -121,7 +130,7 @@ def test_long_pages_and_faulty_metadata():
   q = jax.random.normal(jax.random.key(49), (B, T, N, H))
   bad = np.array(table)
   bad[2, 1] = 9  # sequence 2's second page: past the pool
-  with pltpu.force_tpu_interpret_mode():
+  with KERNELS[kernel]():
     f = jax.jit(lambda t: jattn.paged_attention(q, kp, vp, t, jnp.asarray(lens),
                                                 local_window_size=(300, 0),
                                                 implementation="pallas"))
@@ -131,7 +140,14 @@ def test_long_pages_and_faulty_metadata():
   _check(out[:2], want[:2])
 
 
-def _exported(f, *args, platform):
+TRITON = "__gpu$xla.gpu.triton"
+
+
+def _lowered(f, *args, platform):
+  """The program lowered for ``platform``: exported (tpu, cpu), or lowered through jit for
+  cuda (jax.export refuses Triton's custom call without being told: README)."""
+  if platform == "cuda":
+    return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   return jax.export.export(jax.jit(f), platforms=[platform])(*args).mlir_module()
 
 
@@ -141,19 +157,40 @@ def test_the_choice_is_made_where_the_program_is_lowered():
   q = jnp.ones((2, 1, N, H))
   args = (q, kp, vp, table, jnp.asarray(lens))
   call = lambda impl: (lambda *a: jattn.paged_attention(*a, implementation=impl))
-  # None: the Pallas kernel on a TPU, the XLA walk elsewhere; "chunked": never the kernel.
-  assert _exported(call(None), *args, platform="tpu").count("tpu_custom_call") == 1
-  assert _exported(call("pallas"), *args, platform="tpu").count("tpu_custom_call") == 1
-  assert "tpu_custom_call" not in _exported(call("chunked"), *args, platform="tpu")
-  assert "tpu_custom_call" not in _exported(call(None), *args, platform="cuda")
+  kernels = lambda impl, platform: {
+      name: _lowered(call(impl), *args, platform=platform).count(name)
+      for name in ("tpu_custom_call", TRITON)}
+  # None: the Pallas kernel on a TPU or GPU, the XLA walk elsewhere; "chunked": never a kernel.
+  assert kernels(None, "tpu") == {"tpu_custom_call": 1, TRITON: 0}
+  assert kernels(None, "cuda") == {"tpu_custom_call": 0, TRITON: 1}
+  assert kernels("pallas", "tpu") == {"tpu_custom_call": 1, TRITON: 0}
+  assert kernels("pallas", "cuda") == {"tpu_custom_call": 0, TRITON: 1}
+  for platform in ("tpu", "cuda", "cpu"):
+    assert kernels("chunked", platform) == {"tpu_custom_call": 0, TRITON: 0}
+    if platform == "cpu":
+      assert kernels(None, platform) == {"tpu_custom_call": 0, TRITON: 0}
+  # Exported for cuda, the kernel's custom call must be allowed by name.
+  exp = jax.export.export(jax.jit(call(None)), platforms=["cuda"], disabled_checks=[
+      jax.export.DisabledSafetyCheck.custom_call(TRITON)])(*args)
+  assert exp.mlir_module().count(TRITON) == 1
   # "pallas" lowered for a CPU outside interpret mode: an error naming the way out.
   with pytest.raises(NotImplementedError, match="implementation='pallas'.*force_tpu_interpret"):
-    _exported(call("pallas"), *args, platform="cpu")
-  # A symbolic number of sequences: None keeps the XLA walk on a TPU; "pallas" says why not.
+    _lowered(call("pallas"), *args, platform="cpu")
+  # A head size Triton cannot take: None keeps the XLA walk on a GPU; "pallas" says why not.
+  q6 = jnp.ones((2, 1, N, 8))
+  kp6, vp6 = kp[..., :8], vp[..., :8]
+  six = (q6, kp6, vp6, table, jnp.asarray(lens))
+  assert TRITON not in _lowered(call(None), *six, platform="cuda")
+  assert "tpu_custom_call" in _lowered(call(None), *six, platform="tpu")
+  with pytest.raises(NotImplementedError, match="H=8: Triton"):
+    _lowered(call("pallas"), *six, platform="cuda")
+  # A symbolic number of sequences: None keeps the XLA walk; "pallas" says why not.
   b = jax.export.symbolic_shape("b")[0]
   sds = jax.ShapeDtypeStruct
   shapes = (sds((b, 1, N, H), jnp.float32), kp, vp, sds((b, table.shape[1]), jnp.int32),
             sds((b,), jnp.int32))
-  assert "tpu_custom_call" not in _exported(call(None), *shapes, platform="tpu")
+  for platform in ("tpu", "cuda"):
+    exp = jax.export.export(jax.jit(call(None)), platforms=[platform])(*shapes)
+    assert "custom_call" not in exp.mlir_module().replace("stablehlo.custom_call @shape_assertion", "")
   with pytest.raises(NotImplementedError, match="symbolic number of sequences"):
-    _exported(call("pallas"), *shapes, platform="tpu")
+    _lowered(call("pallas"), *shapes, platform="tpu")
