@@ -9,6 +9,8 @@ CPU. Their lowerings (Pallas to Mosaic, Pallas to Triton) are made from this CPU
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -145,10 +147,21 @@ TRITON = "__gpu$xla.gpu.triton"
 
 def _lowered(f, *args, platform):
   """The program lowered for ``platform``: exported (tpu, cpu), or lowered through jit for
-  cuda (jax.export refuses Triton's custom call without being told: README)."""
-  if platform == "cuda":
+  cuda (jax.export refuses Triton's custom call without being told: README). Triton's lowering
+  reads the GPU it compiles for: from a CPU, jax 0.12 wants it named by an abstract device."""
+  if platform != "cuda":
+    return jax.export.export(jax.jit(f), platforms=[platform])(*args).mlir_module()
+  args = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in args]
+  with _abstract_gpu():
     return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-  return jax.export.export(jax.jit(f), platforms=[platform])(*args).mlir_module()
+
+
+def _abstract_gpu():
+  if not hasattr(jax.sharding, "AbstractDevice"):  # jax 0.10: Triton's lowering asks nothing
+    return contextlib.nullcontext()
+  gpu = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="cuda")
+  return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh(
+      (1,), ("x",), abstract_device=gpu, axis_types=(jax.sharding.AxisType.Auto,)))
 
 
 def test_the_choice_is_made_where_the_program_is_lowered():
@@ -170,8 +183,10 @@ def test_the_choice_is_made_where_the_program_is_lowered():
     if platform == "cpu":
       assert kernels(None, platform) == {"tpu_custom_call": 0, TRITON: 0}
   # Exported for cuda, the kernel's custom call must be allowed by name.
-  exp = jax.export.export(jax.jit(call(None)), platforms=["cuda"], disabled_checks=[
-      jax.export.DisabledSafetyCheck.custom_call(TRITON)])(*args)
+  with _abstract_gpu():
+    exp = jax.export.export(jax.jit(call(None)), platforms=["cuda"], disabled_checks=[
+        jax.export.DisabledSafetyCheck.custom_call(TRITON)])(
+            *[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in args])
   assert exp.mlir_module().count(TRITON) == 1
   # "pallas" lowered for a CPU outside interpret mode: an error naming the way out.
   with pytest.raises(NotImplementedError, match="implementation='pallas'.*force_tpu_interpret"):
