@@ -584,24 +584,7 @@ def _check(query, key_pages, value_pages, page_table, kv_lengths, query_start, s
     raise ValueError(
         f"query must be {'(total, N, H) with query_start' if ragged else '(B, T, N, H)'}, got "
         f"query.shape={query.shape}")
-  key_pages = _pages("key_pages", key_pages, dims)
-  if kv_layout == "combined":
-    if value_pages is not None:
-      raise ValueError("kv_layout='combined' keeps values in key_pages (heads 1, 3, ...): pass "
-                       "value_pages=None")
-    if key_pages.shape[2] % 2:
-      raise ValueError(f"a combined pool has 2K heads (key, value, key, ...): key_pages.shape="
-                       f"{key_pages.shape} has {key_pages.shape[2]}")
-    value_pages = key_pages
-  value_pages = _pages("value_pages", value_pages, dims)
-  if kv_layout == "HND":
-    P, K, page_size, H = key_pages.shape
-  else:
-    P, page_size, K, H = key_pages.shape
-    K = K // 2 if kv_layout == "combined" else K
-  if value_pages.shape[:3] != key_pages.shape[:3]:
-    raise ValueError(f"value_pages must have key_pages' first three sizes {dims[:-4]}): "
-                     f"key_pages.shape={key_pages.shape}, value_pages.shape={value_pages.shape}")
+  key_pages, value_pages, (P, page_size, K, H) = _pools(key_pages, value_pages, kv_layout)
   N = query.shape[-2]
   if query.shape[-1] != H:
     raise ValueError(f"query's head size must be key_pages' H={H}: query.shape={query.shape}")
@@ -658,6 +641,30 @@ def _check(query, key_pages, value_pages, page_table, kv_lengths, query_start, s
   return st, (query, key_pages, value_pages, page_table, kv_lengths, query_start, sinks,
               None if k_scale is None else jnp.asarray(k_scale),
               None if v_scale is None else jnp.asarray(v_scale))
+
+
+def _pools(key_pages, value_pages, kv_layout):
+  """The pools checked, and their (P, page_size, K, H) (a combined pool is both pools)."""
+  dims = DIMS[kv_layout]
+  key_pages = _pages("key_pages", key_pages, dims)
+  if kv_layout == "combined":
+    if value_pages is not None:
+      raise ValueError("kv_layout='combined' keeps values in key_pages (heads 1, 3, ...): pass "
+                       "value_pages=None")
+    if key_pages.shape[2] % 2:
+      raise ValueError(f"a combined pool has 2K heads (key, value, key, ...): key_pages.shape="
+                       f"{key_pages.shape} has {key_pages.shape[2]}")
+    value_pages = key_pages
+  value_pages = _pages("value_pages", value_pages, dims)
+  if kv_layout == "HND":
+    P, K, page_size, H = key_pages.shape
+  else:
+    P, page_size, K, H = key_pages.shape
+    K = K // 2 if kv_layout == "combined" else K
+  if value_pages.shape[:3] != key_pages.shape[:3]:
+    raise ValueError(f"value_pages must have key_pages' first three sizes {dims[:-4]}): "
+                     f"key_pages.shape={key_pages.shape}, value_pages.shape={value_pages.shape}")
+  return key_pages, value_pages, (P, page_size, K, H)
 
 
 def _check_layout(key_pages, value_pages, kv_layout, page_size, num_kv_heads):

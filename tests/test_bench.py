@@ -802,7 +802,9 @@ max_memory_gib = 1.0
     assert r["vs_floor"] == pytest.approx(r["ms"]["paged"] / r["ms"]["floor"])
     f32 = rows["float32", layout]["ms"]["paged"]
     assert r["vs_float32"] == pytest.approx(r["ms"]["paged"] / f32)
-  assert sum(ln.startswith("| int8 | HND | 16 | 300") for ln in printed.splitlines()) == 1
+  assert sum(ln.startswith("| int8 | HND | chunked (XLA walk) | 16 | 300")
+             for ln in printed.splitlines()) == 1
+  assert {r["implementation"] for r in rows.values()} == {"chunked (XLA walk)"}  # on a CPU
   bad = _write_config(tmp_path, 'page_dtypes = ["int4"]\n')
   assert decode_bench.main([bad]) == 2 and "page_dtypes" in capsys.readouterr().err
   bad = _write_config(tmp_path, 'page_layouts = ["NDH"]\n')

@@ -205,8 +205,11 @@ def run_paged(cfg: dict, log=print) -> list[dict]:
   from jattn.bench.runner import settle
 
   B, N, K, H, T = cfg["batch"], cfg["heads"], cfg["kv_heads"], cfg["head_dim"], cfg["T"]
-  paged = {layout: jax.jit(lambda q, kp, vp, t, n, ks, vs, layout=layout: jattn.paged_attention(
-      q, kp, vp, t, n, k_scale=ks, v_scale=vs, kv_layout=layout)) for layout in ("NHD", "HND")}
+  # implementation=None, and on an accelerator also the XLA walk beside the kernel it picks (on
+  # a CPU None is the walk; the Pallas kernels' interpret mode is a test, not a figure).
+  impls = [None] + (["chunked"] if jax.default_backend() in ("gpu", "tpu") else [])
+  paged = {(layout, impl): jax.jit(functools.partial(_paged_call, layout=layout, impl=impl))
+           for layout in ("NHD", "HND") for impl in impls}
   # The same pool head-major: pages (P, K, page_size, H), token scales (P, K, page_size).
   hnd = jax.jit(lambda *xs: [None if x is None else jnp.swapaxes(x, 1, 2) for x in xs])
   contiguous = jax.jit(lambda q, k, v, n: jattn.dot_product_attention(
@@ -233,10 +236,13 @@ def run_paged(cfg: dict, log=print) -> list[dict]:
         pools = {"NHD": (kp, vp, ks, vs)}
         if "HND" in cfg["page_layouts"]:
           pools["HND"] = tuple(hnd(kp, vp, ks, vs))
-        calls = {layout: functools.partial(paged[layout], q, p[0], p[1], table, lens, p[2], p[3])
-                 for layout, p in pools.items() if layout in cfg["page_layouts"]}
+        calls = {key: functools.partial(paged[key], q, p[0], p[1], table, lens, p[2], p[3])
+                 for key in paged for layout, p in pools.items()
+                 if key[0] == layout and layout in cfg["page_layouts"]}
+        ran = {key: _ran(paged[key], q, pools[key[0]][0], pools[key[0]][1], table, lens,
+                         *pools[key[0]][2:]) for key in calls}
         calls.update({"floor-sum": lambda: floor_sum(kp, vp), "floor-max": lambda: floor_max(kp, vp)})
-        outs = {layout: jax.block_until_ready(calls[layout]()) for layout in cfg["page_layouts"]}
+        outs = {key: jax.block_until_ready(calls[key]()) for key in ran}
         for _ in range(cfg["warmup"] + 1):
           for f in calls.values():
             jax.block_until_ready(f())
@@ -250,35 +256,54 @@ def run_paged(cfg: dict, log=print) -> list[dict]:
         ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
         floor = min(ms["floor-sum"], ms["floor-max"])
         want = np.asarray(contiguous(q.astype(jnp.float32), kc, vc, lens))
-        for layout, out in outs.items():
-          rows.append(dict(base, layout=layout, status="ok",
-                           ms=dict(paged=ms[layout], floor=floor, **{
+        for (layout, impl), out in outs.items():
+          t = ms[layout, impl]
+          rows.append(dict(base, layout=layout, status="ok", implementation=ran[layout, impl],
+                           requested=impl,
+                           ms=dict(paged=t, floor=floor, **{
                                k: ms[k] for k in ("floor-sum", "floor-max")}),
-                           vs_floor=ms[layout] / floor,
+                           vs_floor=t / floor,
                            pool_mib=2 * kp.size * jnp.dtype(kp.dtype).itemsize / 2 ** 20,
                            max_abs_diff=float(np.abs(np.asarray(out, np.float32) - want).max())))
-          log(f"paged {layout} {dtype} page {page_size} S={S}: {ms[layout]:.1f} ms, floor "
-              f"{floor:.1f} ms")
-  f32 = {(r["S"], r["page_size"], r["layout"]): r["ms"]["paged"] for r in rows
+          log(f"paged {layout} {dtype} page {page_size} S={S} ({ran[layout, impl]}): "
+              f"{t:.1f} ms, floor {floor:.1f} ms")
+  f32 = {(r["S"], r["page_size"], r["layout"], r["requested"]): r["ms"]["paged"] for r in rows
          if r["status"] == "ok" and r["page_dtype"] == "float32"}
   for r in rows:
     if r["status"] == "ok":
-      key = (r["S"], r["page_size"], r["layout"])
+      key = (r["S"], r["page_size"], r["layout"], r["requested"])
       r["vs_float32"] = r["ms"]["paged"] / f32[key] if key in f32 else None
   return rows
 
 
+def _paged_call(q, kp, vp, table, lens, ks, vs, *, layout, impl):
+  import jattn
+  return jattn.paged_attention(q, kp, vp, table, lens, k_scale=ks, v_scale=vs,
+                               kv_layout=layout, implementation=impl)
+
+
+def _ran(jitted, *args) -> str:
+  """Which paged kernel a jitted call's program holds, read from the program lowered here."""
+  text = jitted.lower(*args).as_text()
+  if "tpu_custom_call" in text:
+    return "pallas (Mosaic TPU)"
+  if "triton" in text:
+    return "pallas (Triton GPU)"
+  return "chunked (XLA walk)"
+
+
 def paged_table(rows: list[dict]) -> str:
-  head = ("| paged pool | layout | page size | S | pool MiB | paged ms | floor ms | paged / floor | "
-          "/ float32 pool | max abs diff |")
+  head = ("| paged pool | layout | kernel | page size | S | pool MiB | paged ms | floor ms | "
+          "paged / floor | / float32 pool | max abs diff |")
   lines = [head, "|---" * (head.count("|") - 1) + "|"]
   for r in rows:
     if r["status"] != "ok":
-      lines.append(f"| {r['page_dtype']} | {r['layout']} | {r['page_size']} | {r['S']} | "
+      lines.append(f"| {r['page_dtype']} | {r['layout']} | | {r['page_size']} | {r['S']} | "
                    f"{r['reason']} | | | | | |")
       continue
     rel = "-" if r["vs_float32"] is None else f"{r['vs_float32']:.2f}x"
-    lines.append(f"| {r['page_dtype']} | {r['layout']} | {r['page_size']} | {r['S']} | "
+    lines.append(f"| {r['page_dtype']} | {r['layout']} | {r['implementation']} | "
+                 f"{r['page_size']} | {r['S']} | "
                  f"{r['pool_mib']:.0f} | "
                  f"{r['ms']['paged']:.1f} | {r['ms']['floor']:.1f} | {r['vs_floor']:.2f}x | "
                  f"{rel} | {r['max_abs_diff']:.1e} |")
