@@ -12,22 +12,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jattn import _softmax
+from jattn import _softmax, masks
 
 
 def visible(st, key, pos, real, kv_len):
   """Which keys each row sees (broadcasting bool): ``key`` key positions, ``pos`` the rows'
   positions, ``real`` whether a row holds a query, ``kv_len`` the sequence's cached tokens."""
-  vis = real & (key < kv_len)
-  if st.causal:
-    vis = vis & (key <= pos)
-  if st.window is not None:
-    left, right = st.window
-    if left is not None:
-      vis = vis & (key >= pos - left)
-    if right is not None:
-      vis = vis & (key <= pos + right)
-  return vis
+  return real & (key < kv_len) & masks.visible_by_position(pos, key, st.causal, st.window)
 
 
 def scores(st, s, ks, vis):

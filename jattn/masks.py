@@ -597,6 +597,22 @@ _register(_Segments, data_fields=("q_ids", "kv_ids"))
 _FAR = 1 << 29
 
 
+def visible_by_position(q, k, causal: bool, window):
+  """Whether queries at positions ``q`` see keys at positions ``k`` (broadcast): causality and a
+  (left, right) window measured in positions. The one statement of the rule: the positions
+  mask and the paged walks and kernels (`jattn._paged_fold`) use it."""
+  ok = jnp.ones(jnp.broadcast_shapes(jnp.shape(q), jnp.shape(k)), bool)
+  if causal:
+    ok = ok & (k <= q)
+  if window is not None:
+    left, right = window
+    if left is not None:
+      ok = ok & (k >= q - left)
+    if right is not None:
+      ok = ok & (k <= q + right)
+  return ok
+
+
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
 class _Positions(Mask):
   """Causality and a window measured in positions, not array indices: query t of example b sits
@@ -628,16 +644,7 @@ class _Positions(Mask):
 
   def _visible(self, q, k):
     """Visibility of keys at positions k from queries at positions q (broadcast)."""
-    ok = jnp.ones(jnp.broadcast_shapes(q.shape, k.shape), bool)
-    if self.causal:
-      ok = ok & (k <= q)
-    if self.window is not None:
-      left, right = self.window
-      if left is not None:
-        ok = ok & (k >= q - left)
-      if right is not None:
-        ok = ok & (k <= q + right)
-    return ok
+    return visible_by_position(q, k, self.causal, self.window)
 
   def evaluate(self, q_pos, kv_pos, shape):
     q = jnp.take(self.q_positions.astype(jnp.int32), q_pos, axis=1, mode="fill",
