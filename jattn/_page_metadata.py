@@ -47,7 +47,7 @@ def faults(xp, g: Geometry, page_table, kv_lengths, query_start):
   a run inside [0, rows) after every earlier sequence's rows, or query_start[0] != 0. ROWS
   (ragged): more query rows than cached tokens (the new tokens are cached before the call, so a
   sequence's length counts them)."""
-  table = page_table.astype(np.int32) if xp is np else page_table.astype(xp.int32)
+  table = page_table.astype(np.int32)  # NumPy's and jax's arrays alike
   lens = kv_lengths.astype(table.dtype)
   B, max_pages = table.shape
   capacity = max_pages * g.page_size
@@ -76,18 +76,18 @@ def _concrete(x) -> bool:
   return x is None or not isinstance(x, jax.core.Tracer)
 
 
-def check_concrete(g: Geometry, page_table, kv_lengths, query_start) -> bool:
+def check_concrete(g: Geometry, page_table, kv_lengths, query_start) -> None:
   """Raise a ValueError naming the argument, the first faulty sequence and its value, when the
-  metadata is known now; return whether it was (so the call may skip the run-time rule)."""
+  metadata is known now (traced metadata is left to the run-time rule, `faults`)."""
   if not all(_concrete(x) for x in (page_table, kv_lengths, query_start)):
-    return False
+    return
   table = np.asarray(page_table)
   lens = np.asarray(kv_lengths)
   qs = None if query_start is None else np.asarray(query_start)
   code = faults(np, g, table, lens, qs)
   bad = np.flatnonzero(code != OK)
   if not bad.size:
-    return True
+    return
   b = int(bad[0])
   raise ValueError(describe(g, int(code[b]), b, table, lens, qs))
 

@@ -49,8 +49,9 @@ QUANTIZED = (jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2)
 # of token-major pages (page_size, 2K, H) holding key head k at 2k and its values at 2k + 1, as
 # vLLM's TPU backend stores its cache (read where it lies, never split into two pools).
 LAYOUTS = ("NHD", "HND", "combined")
-# None: the Pallas kernel on a TPU, the XLA walk elsewhere; "chunked": the XLA walk everywhere;
-# "pallas": jattn's Pallas TPU kernel (`jattn._paged_tpu`).
+# None: jattn's Pallas kernel on a TPU or NVIDIA GPU where it takes the call, the XLA walk
+# elsewhere; "chunked": the XLA walk everywhere; "pallas": the kernel (`jattn._paged_tpu`,
+# `jattn._paged_gpu`) or an error naming why not.
 IMPLEMENTATIONS = (None, "chunked", "pallas")
 DIMS = {"NHD": "(P, page_size, K, H)", "HND": "(P, K, page_size, H)",
         "combined": "(P, page_size, 2K, H)"}
@@ -88,8 +89,7 @@ class _Static(NamedTuple):
   # Pages become float32 before the matmuls (the CPU's program: XLA's CPU matmuls of 16-bit
   # floats are several times slower than float32 ones, and float8 converts run in software).
   upcast: bool = False
-  # "pallas": jattn's Pallas TPU kernel; "chunked": the XLA walk; None: the kernel on a TPU,
-  # the walk elsewhere (chosen where the program is lowered).
+  # One of IMPLEMENTATIONS (the kernel or the walk is chosen where the program is lowered).
   implementation: str | None = None
 
   @property
@@ -153,9 +153,10 @@ def paged_attention(query, key_pages, value_pages, page_table, kv_lengths, *, qu
     k_scale, v_scale: dequantisation scales of quantised pages, broadcasting against the pages
       without their last axis: ``()`` per tensor, ``(K,)`` per head, ``(P, page_size, K)`` per
       token and head (HND: ``(P, K, page_size)``); applied per tile in float32.
-    kv_layout: "NHD" (token-major pages, vLLM's and FlashAttention's) or "HND" (head-major
+    kv_layout: "NHD" (token-major pages, vLLM's and FlashAttention's), "HND" (head-major
       pages, FlashInfer's other layout: each head's keys of a page contiguous; faster on the
-      CPU, see docs/benchmarks.md).
+      CPU, see docs/benchmarks.md) or "combined" (one pool (P, page_size, 2K, H), key head k
+      at 2k and its values at 2k + 1, as vLLM's TPU cache; ``value_pages=None``).
     page_size, num_kv_heads: optional cross-checks of the pools' shapes under ``kv_layout``
       (a token-major pool read as head-major has the right rank and may have fitting sizes).
     on_invalid: what a sequence whose metadata breaks the rules above gets when the metadata
@@ -163,9 +164,10 @@ def paged_attention(query, key_pages, value_pages, page_table, kv_lengths, *, qu
       ValueError naming it first): "nan" (its rows' output and log-sum-exp are NaN, no page of
       it is read, every other sequence is exact) or "checkify" (the same, and an error through
       `jax.experimental.checkify`: wrap the caller in ``checkify.checkify``).
-    implementation: None (jattn's Pallas TPU kernel on a TPU, the XLA walk elsewhere; chosen
-      where the program is lowered), "chunked" (the XLA walk everywhere) or "pallas" (the
-      Pallas TPU kernel; on a CPU only under Pallas's TPU interpret mode).
+    implementation: None (jattn's Pallas kernel on a TPU, and on an NVIDIA GPU where Triton
+      takes the sizes; the XLA walk elsewhere; chosen where the program is lowered), "chunked"
+      (the XLA walk everywhere) or "pallas" (the kernel; on a CPU only under Pallas's TPU
+      interpret mode).
     return_residual: also return the log-sum-exp per query row and head, (B, T, N) / (total, N).
 
   Returns:
@@ -233,7 +235,7 @@ def _walks(st: _Static, q, tiles: _Tiles, key_pages, value_pages, page_table, kv
            k_scale, v_scale):
   """{platform: the walk that returns every tile's (m, l, acc)}: the XLA walk (one lane on the
   CPU, split-KV lanes on accelerators) and, where the call asks for it or leaves the choice,
-  jattn's Pallas TPU kernel on a TPU (or anywhere under Pallas's TPU interpret mode)."""
+  jattn's Pallas kernels on a TPU and an NVIDIA GPU (or anywhere in their interpret modes)."""
   arrays = (key_pages, value_pages, page_table, kv_lengths, k_scale, v_scale)
   run = {}
   for platform in ("cpu", "default"):
@@ -243,8 +245,9 @@ def _walks(st: _Static, q, tiles: _Tiles, key_pages, value_pages, page_table, kv
   if st.implementation == "chunked":
     return run
   kernels = {}
-  for platform, module in (("tpu", _paged_tpu), ("cuda", _paged_gpu)):
-    why = module.supports(st)
+  for platform, module, why in (("tpu", _paged_tpu, None),
+                                ("cuda", _paged_gpu, _paged_gpu.supports(st))):
+    why = _no_grid(st) or why
     kernels[platform] = why if why is not None else functools.partial(
         module.walk, st, q, tiles, key_pages, value_pages, page_table, kv_lengths[tiles.seq],
         k_scale, v_scale)
@@ -266,6 +269,13 @@ def _walks(st: _Static, q, tiles: _Tiles, key_pages, value_pages, page_table, kv
     kernels = {p: fail(f"implementation='pallas' on {p} cannot take {k}") if isinstance(k, str)
                else k for p, k in kernels.items()}
   return dict(run, **{p: k for p, k in kernels.items() if not isinstance(k, str)})
+
+
+def _no_grid(st: _Static) -> str | None:
+  """Why no Pallas kernel can take the call (a grid is planned from known sizes), or None."""
+  if concrete(st.B):
+    return None
+  return f"a symbolic number of sequences B={st.B}: a Pallas grid is planned from known sizes"
 
 
 def _geometry(st: _Static, key_pages) -> _page_metadata.Geometry:
@@ -635,8 +645,8 @@ def _check(query, key_pages, value_pages, page_table, kv_lengths, query_start, s
                ragged, rows, static_scale, causal is not None, window,
                _validation.soft_cap(logits_soft_cap), kinds[0], kinds[1], query.dtype)
   st = st.with_block(BLOCK_KEYS["default"])._replace(implementation=implementation)
-  if implementation == "pallas" and _paged_tpu.supports(st) is not None:
-    raise NotImplementedError(f"implementation='pallas' cannot take {_paged_tpu.supports(st)}")
+  if implementation == "pallas" and _no_grid(st):
+    raise NotImplementedError(f"implementation='pallas' cannot take {_no_grid(st)}")
   _page_metadata.check_concrete(_geometry(st, key_pages), *metadata)
   return st, (query, key_pages, value_pages, page_table, kv_lengths, query_start, sinks,
               None if k_scale is None else jnp.asarray(k_scale),

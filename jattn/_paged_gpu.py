@@ -28,7 +28,6 @@ import jax
 import jax.numpy as jnp
 
 from jattn import _paged_fold, _softmax
-from jattn._types import concrete
 
 # Keys per step: Triton's matmul tiles want 16 or more rows and powers of two; 64 keys keep a
 # step's keys and values of head size 128 within a streaming multiprocessor's shared memory.
@@ -59,9 +58,8 @@ def _pow2(n: int) -> bool:
 
 
 def supports(st) -> str | None:
-  """None, or why the kernel cannot take a planned call (`_paged._Static`)."""
-  if not concrete(st.B):
-    return f"a symbolic number of sequences B={st.B}: a Pallas grid is planned from known sizes"
+  """None, or why Triton cannot take a planned call's sizes (`_paged._Static`; a symbolic B
+  is refused for both kernels by `_paged`)."""
   ps = st.page_size * st.sub
   for name, size in (("page_size", ps), ("H", st.H), ("Hv", st.Hv)):
     if not _pow2(size) or (name != "page_size" and size < 16):

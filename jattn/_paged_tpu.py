@@ -169,11 +169,3 @@ def _scale(st, scales, which, k, i):
     return ref[k]
   page = ref[i]
   return (page[k] if st.layout == "HND" else page[:, k])[None, :]
-
-
-def supports(st) -> str | None:
-  """None, or why the kernel cannot take a planned call (`_paged._Static`)."""
-  from jattn._types import concrete
-  if not concrete(st.B):
-    return f"a symbolic number of sequences B={st.B}: a Pallas grid is planned from known sizes"
-  return None

@@ -120,6 +120,17 @@ def call(layout, q, kp, vp, table, lens, **kw):
   return jattn.paged_attention(q, kp, vp, table, jnp.asarray(lens), **kw)
 
 
+def options(kw, N):
+  """A test's options as paged_attention's keywords (``sinks=True``: N sinks) and as the
+  reference's."""
+  kw = dict(kw)
+  if kw.pop("sinks", None):
+    kw["sinks"] = jnp.linspace(-1.0, 2.0, N)
+  return kw, dict(scale=kw.get("scale"), causal=kw.get("is_causal", True),
+                  window=kw.get("local_window_size"), cap=kw.get("logits_soft_cap"),
+                  sinks=None if "sinks" not in kw else np.asarray(kw["sinks"]))
+
+
 def _check(got, want, atol=2e-5):
   got, want = np.asarray(got, np.float64), np.asarray(want)
   assert got.shape == want.shape
@@ -151,13 +162,8 @@ def test_options_against_reference(kw):
   lens = np.array([30, 6, 19])
   kp, vp, table = pool(jax.random.key(2), 16, ps, K, H, Hv, B, lens)
   q = jax.random.normal(jax.random.key(3), (B, T, N, H))
-  kw = dict(kw)
-  if kw.pop("sinks", None):
-    kw["sinks"] = jnp.linspace(-1.0, 2.0, N)
+  kw, ref_kw = options(kw, N)
   out = jattn.paged_attention(q, kp, vp, table, jnp.asarray(lens), **kw)
-  ref_kw = dict(scale=kw.get("scale"), causal=kw.get("is_causal", True),
-                window=kw.get("local_window_size"), cap=kw.get("logits_soft_cap"),
-                sinks=None if "sinks" not in kw else np.asarray(kw["sinks"]))
   want, _ = reference(q, kp, vp, table, lens, **ref_kw)
   _check(out, want)
 

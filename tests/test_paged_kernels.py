@@ -19,7 +19,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 import jattn
 from jattn import _paged_gpu
-from test_paged import _check, combined, head_major, pool, reference
+from test_paged import _check, combined, head_major, options, pool, reference
 
 N, K, H = 4, 2, 16  # the GPU kernel (Triton) takes head sizes that are powers of two >= 16
 KERNELS = {"tpu": pltpu.force_tpu_interpret_mode, "gpu": _paged_gpu.interpret_mode}
@@ -51,14 +51,9 @@ def test_options_in_every_layout(kernel, layout, kw):
   lens = np.array([30, 6, 19])
   kp, vp, table = pool(jax.random.key(40), 16, ps, K, H, H, B, lens)
   q = jax.random.normal(jax.random.key(41), (B, T, N, H))
-  kw = dict(kw)
-  if kw.pop("sinks", None):
-    kw["sinks"] = jnp.linspace(-1.0, 2.0, N)
+  kw, ref_kw = options(kw, N)
   out, lse = _pallas(kernel, q, kp, vp, table, lens, layout, return_residual=True, **kw)
-  want, want_lse = reference(
-      q, kp, vp, table, lens, scale=kw.get("scale"), causal=kw.get("is_causal", True),
-      window=kw.get("local_window_size"), cap=kw.get("logits_soft_cap"),
-      sinks=None if "sinks" not in kw else np.asarray(kw["sinks"]))
+  want, want_lse = reference(q, kp, vp, table, lens, **ref_kw)
   _check(out, want)
   _check(lse, want_lse)
 
