@@ -300,20 +300,21 @@ def forward(plan: Plan, ops: Operands):
 
 
 def _lanes(plan: Plan, packed, states, per_row: int = 1):
-  """The lane tables (a `jattn._plan.Lanes` of jax arrays, ``segmented`` kept from the static
-  tables), the number of steps, and whether any tile needs mask arithmetic: static lanes from
-  the plan, or run-time ones from the block map (``per_row`` lanes per row)."""
+  """The lane tables (a `_LaneTables`), the number of steps, and whether any tile needs mask
+  arithmetic: static lanes from the plan (``packed``), or run-time ones from the block map
+  ``states`` (``per_row`` lanes per row)."""
   if packed is not None:
     ln = _plan.lanes_of(packed)
     masked = PARTIAL in plan.kinds or bool((ln.kinds == EMPTY).any())
-    return _LaneTables(ln, ln.segmented), ln.columns.shape[1], masked
+    return _LaneTables(ln, ln.segmented, _plan.merge_order(ln)), ln.columns.shape[1], masked
   ln, steps = _plan.run_time_lanes(states, per_row)
-  return _LaneTables(ln, False), steps, True
+  return _LaneTables(ln, False, _plan.merge_order(ln, per_row)), steps, True
 
 
 class _LaneTables(NamedTuple):
   lanes: _plan.Lanes  # as jax arrays, or NumPy ones (static)
   segmented: bool  # some lane runs several parts: reset and write out its carry mid-loop
+  order: _plan.MergeOrder  # which parts wait for their group's end, and the merges' rounds
 
 
 def _in_groups(tables: _LaneTables, width, per_lane, shared, run):
@@ -321,20 +322,20 @@ def _in_groups(tables: _LaneTables, width, per_lane, shared, run):
 
   ``per_lane`` is a pytree of (V, ...) arrays (constants, initial carries); ``run(group_tables,
   group_per_lane, shared) -> shared`` runs one group with its (W, L) step tables (rows,
-  columns, kinds, starts, emit) and (W,) final rows; everything a group leaves (its parts merged
-  into their rows, sums) is in ``shared``, so nothing grows with the number of lanes. Lanes
-  added to fill the last group repeat the last lane with every step EMPTY and merge no part.
-  Callers mask every step when `_pads` says padding lanes exist."""
+  columns, kinds, starts, emit, hold) and (W,) final rows; everything a group leaves (its parts
+  merged into their rows, sums) is in ``shared``, so nothing grows with the number of lanes.
+  Lanes added to fill the last group repeat the last lane with every step EMPTY and merge no
+  part. Callers mask every step when `_pads` says padding lanes exist."""
   ln = tables.lanes
   step_tables = [jnp.asarray(x) for x in (ln.rows, ln.columns, ln.kinds, ln.starts, ln.emit,
-                                           ln.final)]
+                                           tables.order.hold, ln.final)]
   V = step_tables[0].shape[0]
   W = V if width is None else max(1, min(int(width), V))
   groups = -(-V // W)
   pad = groups * W - V
   if pad:
     none = jnp.iinfo(jnp.int32).max  # a row past every accumulator: dropped
-    fills = (None, None, EMPTY, None, none, none)  # None: repeat the last lane's entry
+    fills = (None, None, EMPTY, None, none, False, none)  # None: repeat the last lane's entry
     grow = lambda x, fill=None: jnp.concatenate(
         [x, jnp.repeat(x[-1:], pad, axis=0) if fill is None
          else jnp.full((pad,) + x.shape[1:], fill, x.dtype)])
@@ -362,20 +363,28 @@ def _lane_steps(tables: _LaneTables, steps, masked, carry0, visit, const, rows0,
   outs)``, i the step's row, j its block, ``const`` per-lane data that does not change (None
   when lanes are segmented: a lane's row changes between parts, so visit loads what it needs).
 
-  A lane's carry restarts from its ``carry0`` where a part starts; after a part's last step,
-  ``fold(rows, at, carries) -> rows`` merges the finished carries into their rows ``at`` (R or
-  more: none) of the accumulator that starts as ``rows0``. ``gather(shared, outs, rows_t,
-  columns_t) -> shared`` folds each step's other results into ``shared``. Returns (rows,
-  shared). ``transposed``: rows are key blocks (the dK/dV pass), for the block hook."""
-  ln, segmented = tables
+  A lane's carry restarts from its ``carry0`` where a part starts; finished parts are merged
+  into their rows of the accumulator that starts as ``rows0`` by ``fold(rows, at, parts) ->
+  rows``, ``at`` (W,) their rows without repeats (R or more: none), in the order of
+  `jattn._plan.MergeOrder`: a row's parts in lane order. ``gather(shared, outs, rows_t,
+  columns_t, kinds_t) -> shared`` folds each step's other results into ``shared``. Returns
+  (rows, shared). ``transposed``: rows are key blocks (the dK/dV pass), for the block hook."""
+  ln, segmented, order = tables
   masked = masked or _pads(ln.rows.shape[0], width)
+  R = jax.tree.leaves(rows0)[0].shape[0]
+
+  def merge(acc, at, parts, rounds):
+    for distinct in _softmax.distinct_rounds(at, R, rounds):
+      acc = fold(acc, distinct, parts)
+    return acc
 
   def run(step_tables, per_lane, state):
-    rows, columns, kinds, starts, emit, final = step_tables
+    rows, columns, kinds, starts, emit, hold, final = step_tables
     const_g, init_g = per_lane
+    W = rows.shape[0]
 
     def step(t, c):
-      carry, acc, shared = c
+      carry, acc, held, shared = c
       at = lambda x: jnp.take(x, t, axis=1)
       rows_t, columns_t, kinds_t = at(rows), at(columns), at(kinds)
       if segmented:
@@ -391,14 +400,27 @@ def _lane_steps(tables: _LaneTables, steps, masked, carry0, visit, const, rows0,
         _hook(name, rows_t, columns_t, kinds_t)
       carry, outs = jax.vmap(fn)(rows_t, columns_t, live, const_g, carry)
       if gather is not None:
-        shared = gather(shared, outs, rows_t, columns_t)
-      if segmented:
-        acc = fold(acc, at(emit), carry)
-      return carry, acc, shared
+        shared = gather(shared, outs, rows_t, columns_t, kinds_t)
+      if segmented:  # a row's only part goes in now; a continued row's waits (see MergeOrder)
+        emit_t, hold_t = at(emit), at(hold)
+        acc = merge(acc, jnp.where(hold_t, R, emit_t), carry, 1)
+        held_rows, held_parts = held
+        held = (jnp.where(hold_t, emit_t, held_rows),
+                jax.tree.map(lambda x, p: jnp.where(
+                    hold_t.reshape((W,) + (1,) * (x.ndim - 1)), x, p), carry, held_parts))
+      return carry, acc, held, shared
 
     acc, shared = state
-    carry, acc, shared = jax.lax.fori_loop(0, steps, step, (init_g, acc, shared))
-    return fold(acc, final, carry), shared
+    held0 = (jnp.full((W,), R, jnp.int32), init_g)
+    carry, acc, (held_rows, held_parts), shared = jax.lax.fori_loop(
+        0, steps, step, (init_g, acc, held0, shared))
+    if not segmented:
+      return merge(acc, final, carry, order.rounds), shared
+    # Each lane's held part, then its last part: lane order, interleaved.
+    at = jnp.stack([held_rows, final.astype(jnp.int32)], axis=1).reshape(2 * W)
+    parts = jax.tree.map(lambda h, c: jnp.stack([h, c], axis=1).reshape((2 * W,) + c.shape[1:]),
+                         held_parts, carry)
+    return merge(acc, at, parts, order.rounds), shared
 
   return _in_groups(tables, width, (const, carry0), (rows0, shared), run)
 
@@ -416,10 +438,10 @@ def _forward_parallel(plan: Plan, ops: Operands, start, tile):
       qb = start(i)[0]
     return tile(qb, tile_view(plan, ops, i, j, masked, live), carry), None
 
-  # The rows' statistics, in rows layout (R, B, K, G * bq[, H]); each part is merged into its
-  # row as it finishes.
-  R = plan.grid.num_q_blocks
+  # The rows' statistics, in rows layout (R, B, K, G * bq[, H]): a row's parts merged in lane
+  # order once every lane has run.
   m0, l0, acc0 = carry0
+  R = plan.grid.num_q_blocks
   rows0 = (_softmax.no_rows(m0, R, _tile.NEG), _softmax.no_rows(l0, R), _softmax.no_rows(acc0, R))
   rows, _ = _lane_steps(tables, steps, masked, carry0, visit,
                         None if tables.segmented else qbs, rows0, _softmax.merge_into,
@@ -643,72 +665,92 @@ def _backward_parallel(plan: Plan, ops: Operands, tile_grads, scale, dk_scale):
   sd = _tile.stat_dtype(q.dtype)
 
   # dK, dV: lanes over key blocks (the transposed map).
-  tables, steps, masked = _lanes(plan, plan.column_lanes,
-                                 None if plan.column_lanes is not None else ops.states.T)
+  tables, steps, masked = _lanes(plan, plan.column_lanes, ops.states.T)
   kv_rows = jnp.asarray(tables.lanes.rows)[:, 0]
   kbs = jax.vmap(lambda j: kv_tile(k, j, bk))(kv_rows)
   vbs = jax.vmap(lambda j: kv_tile(v, j, bk))(kv_rows)
+  # dBias in blocks, (nq|1, nk|1, B|1, K|1, G|1, bq|1, bk|1), summed where each tile's block has
+  # one writer per step: a bias with both sequence axes is scattered tile by tile (the live lanes
+  # of a step hold distinct tiles); one broadcast along the queries sums like dK, per key block,
+  # and one broadcast along the keys like dQ, per query block (a scatter would repeat indices).
+  tq, tk = (bias.shape[3] != 1, bias.shape[4] != 1) if bias is not None else (False, False)
+  per_key = bias is not None and not tq
+  per_query = bias is not None and tq and not tk
   if bias is not None:
-    # dBias in blocks, (nq|1, nk|1, B|1, K|1, G|1, bq|1, bk|1): lanes add their tile's block with
-    # one scatter per step (lanes of a step hold distinct tiles unless the bias broadcasts).
-    tq, tk = bias.shape[3] != 1, bias.shape[4] != 1
-    blocked0 = jnp.zeros((nq if tq else 1, nk if tk else 1) + bias.shape[:3]
-                         + (bq if tq else 1, bk if tk else 1), sd)
     # Under an Explicit mesh: sharded as the bias is along (B, K, G); each step's lane blocks,
     # computed sharded like the query, are given that sharding before they are added.
     bias_bkg = (tuple(_sharding.spec_of(bias) or ()) + (None,) * 3)[:3]
-    lane_spec = jax.sharding.PartitionSpec(None, *bias_bkg, None, None)
-    blocked0 = _sharding.reshard_to(
-        blocked0, jax.sharding.PartitionSpec(None, None, *bias_bkg, None, None))
-  else:
-    blocked0 = None
+    block_spec = jax.sharding.PartitionSpec(*bias_bkg, None, None)
+    lane_spec = jax.sharding.PartitionSpec(None, *block_spec)
+    block = _bias_contribution_shape(bias.shape, B, K, G, bq, bk)
+    lane_zeros = lambda V: _sharding.reshard_to(jnp.zeros((V,) + block, sd), lane_spec)
+  blocked0 = None
+  if bias is not None and tq and tk:
+    blocked0 = _sharding.reshard_to(jnp.zeros((nq, nk) + block, sd),
+                                    jax.sharding.PartitionSpec(None, *lane_spec))
 
   def kv_visit(j, i, live, masked, kvb, carry):
     kb, vb = (kv_tile(k, j, bk), kv_tile(v, j, bk)) if kvb is None else kvb
     c = tile_grads(tile_view(plan, ops, i, j, masked, live), kb, vb)
-    dk_l, dv_l = carry
-    return (dk_l + c.dk, dv_l + c.dv), (c.dbias, c.dargs)
+    sums = (carry[0] + c.dk, carry[1] + c.dv)
+    if per_key:
+      sums += (carry[2] + _sharding.reshard_to(c.dbias.astype(sd), block_spec),)
+    return sums, (c.dbias, c.dargs)
 
-  def gather(shared, outs, j_vec, i_vec):
+  def gather(shared, outs, j_vec, i_vec, kinds):
     blocked, dargs = shared
     dbias_c, dargs_c = outs
     if blocked is not None:
-      # Padding steps and padding lanes add exact zeros (their tiles are fully masked).
-      zero = jnp.zeros_like(i_vec)
+      # Steps that compute nothing (padding) write past the blocks, each at its own place.
+      lane = jnp.arange(i_vec.shape[0], dtype=jnp.int32)
+      i_vec = jnp.where(kinds != EMPTY, i_vec, nq + lane)
       dbias_c = _sharding.reshard_to(dbias_c.astype(sd), lane_spec)
-      blocked = blocked.at[i_vec if tq else zero, j_vec if tk else zero].add(dbias_c)
+      blocked = blocked.at[i_vec, j_vec].add(dbias_c, mode="drop", unique_indices=True)
     return blocked, jax.tree.map(lambda a, b: a + b.sum(axis=0), dargs, dargs_c)
 
   carry0 = (jnp.zeros_like(kbs, dtype=sd), jnp.zeros_like(vbs, dtype=sd))
-  (dk_r, dv_r), (blocked, dargs) = _lane_steps(
+  if per_key:
+    carry0 += (lane_zeros(kbs.shape[0]),)
+  kv_sums, (blocked, dargs) = _lane_steps(
       tables, steps, masked, carry0, kv_visit, None if tables.segmented else (kbs, vbs),
       tuple(_softmax.no_rows(x, nk) for x in carry0), _softmax.add_into, plan.width,
       name="bwd", shared=(blocked0, jax.tree.map(jnp.zeros_like, ops.score_args)),
       gather=gather, transposed=True)
+  dk_r, dv_r = kv_sums[:2]
+  if per_key:  # (nk, ...) -> (1, nk|1, ...)
+    blocked = (kv_sums[2] if tk else kv_sums[2].sum(axis=0, keepdims=True))[None]
   # (nk, B, K, bk, H) -> (B, Sp, K, H)
   to_seq = lambda x: _sharding.reshape(jnp.transpose(x, (1, 0, 3, 2, 4)),
                                        (B, nk * bk, K, x.shape[-1]))
   dk = to_seq(dk_r * dk_scale).astype(k.dtype)
   dv = to_seq(dv_r).astype(v.dtype)
-  dbias = None
-  if blocked is not None:
-    dbias = _sharding.reshape(jnp.transpose(blocked, (2, 3, 4, 0, 5, 1, 6)), bias.shape)
 
   # dQ: lanes over query blocks, as in the forward pass.
   tables, steps, masked = _lanes(plan, plan.row_lanes, ops.states, plan.row_split)
   q_rows = jnp.asarray(tables.lanes.rows)[:, 0]
 
-  def visit(i, j, live, masked, const, dq_l):
+  def visit(i, j, live, masked, const, carry):
     c = tile_grads(tile_view(plan, ops, i, j, masked, live), kv_tile(k, j, bk),
                    kv_tile(v, j, bk))
-    return dq_l + c.dq_t, None
+    if per_query:
+      return (carry[0] + c.dq_t,
+              carry[1] + _sharding.reshard_to(c.dbias.astype(sd), block_spec)), None
+    return (carry[0] + c.dq_t,), None
 
   # (V, B, K, H, G * bq) zeros typed like the query tiles they sum (see forward).
   qbs = jax.vmap(lambda i: q_tile(q, i, bq, K, G))(q_rows)  # (V, B, K, G, bq, H)
   dq0 = _sharding.reshape(jnp.zeros_like(jnp.transpose(qbs, (0, 1, 2, 5, 3, 4)), dtype=sd),
                           qbs.shape[:3] + (H, G * bq))
-  dq, _ = _lane_steps(tables, steps, masked, dq0, visit, None, _softmax.no_rows(dq0, nq),
-                      _softmax.add_into, plan.width, name="bwd_dq")
+  carry0 = (dq0, lane_zeros(dq0.shape[0])) if per_query else (dq0,)
+  q_sums, _ = _lane_steps(tables, steps, masked, carry0, visit, None,
+                          tuple(_softmax.no_rows(x, nq) for x in carry0), _softmax.add_into,
+                          plan.width, name="bwd_dq")
+  dq = q_sums[0]
+  if per_query:  # (nq, ...) -> (nq, 1, ...)
+    blocked = q_sums[1][:, None]
+  dbias = None
+  if blocked is not None:
+    dbias = _sharding.reshape(jnp.transpose(blocked, (2, 3, 4, 0, 5, 1, 6)), bias.shape)
   # Cast before the transpose: the sequence-major copy is then in q's dtype, not float32.
   dq = (dq * scale).astype(q.dtype)
   dq = _sharding.reshape(dq, (nq, B, K, H, G, bq))  # (nq, B, K, H, G * bq) split

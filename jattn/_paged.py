@@ -378,7 +378,10 @@ def _scatter_rows(st: _Static, x, tiles: _Tiles, fill):
   x = x.reshape(M * st.tq, st.N, X)
   n = st.B * st.rows if not st.ragged else st.rows
   rows = tiles.rows.reshape(-1)
-  out = jnp.full((n, st.N, X), fill, x.dtype).at[jnp.where(rows >= 0, rows, n)].set(x, mode="drop")
+  # Each row sits in one tile; tile rows holding none write past the end, each at its own place:
+  # indices without repeats, a scatter without atomics on a GPU.
+  rows = jnp.where(rows >= 0, rows, n + jnp.arange(rows.shape[0], dtype=rows.dtype))
+  out = jnp.full((n, st.N, X), fill, x.dtype).at[rows].set(x, mode="drop", unique_indices=True)
   return out.reshape(st.B, st.rows, st.N, X) if not st.ragged else out
 
 
@@ -443,7 +446,8 @@ def _block(st: _Static, q, tiles: _Tiles, needed, kv_len, key_pages, value_pages
     p = p * vs
   # Piece by piece, then summed: one contraction over (c, x) would relay V out per head.
   pv = jnp.einsum("mckrx,mckxh->mckrh", p.astype(v.dtype), v,
-                  preferred_element_type=jnp.float32).sum(axis=1)
+                  preferred_element_type=jnp.float32)
+  pv = _softmax.ordered_sum(pv, 1)
   return m_new, l, acc * corr[..., None] + pv
 
 

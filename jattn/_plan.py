@@ -338,25 +338,60 @@ def run_time_lanes(states, per_row: int = 1):
   """`Lanes` of a run-time (jax) block map: ``per_row`` lanes per row over every column, one part
   each, and the number of steps that matter, as a jax scalar (the loop runs that many).
 
-  A row's lanes take its compact block list in turn (lane p: entries p, p + per_row, ...), so
-  however many blocks a row turns out to have at run time, they are spread evenly: the steps
-  are ceil(max(counts) / per_row)."""
-  columns, kinds, counts = block_lists(states)
-  R, C = columns.shape
+  Lane p of a row takes the row's non-empty blocks among columns p, p + per_row, ... in order.
+  Which lane sees which keys thus depends only on the columns: a block that is non-empty for
+  other sequences of the batch (the map is the batch's) only adds a tile whose rows of this
+  sequence are masked -- an exact no-op -- and never moves this sequence's blocks to another
+  lane (batch invariance). The steps are the most non-empty blocks of one lane: for a row's
+  blocks in one run, ceil(count / per_row)."""
+  R, C = states.shape
   P = max(1, min(int(per_row), C))
-  rows = jnp.arange(R, dtype=jnp.int32)
   L = -(-C // P)
-  if P > 1:
+  if P > 1:  # (R, C) -> (R * P, L): row r's lane p holds columns p, p + P, ...
     pad = L * P - C
-    if pad:  # padding re-reads the row's last listed block, as EMPTY
-      columns = jnp.concatenate([columns, jnp.repeat(columns[:, -1:], pad, axis=1)], axis=1)
-      kinds = jnp.concatenate([kinds, jnp.full((R, pad), EMPTY, kinds.dtype)], axis=1)
-    deal = lambda x: jnp.transpose(x.reshape(R, L, P), (0, 2, 1)).reshape(R * P, L)
-    columns, kinds, rows = deal(columns), deal(kinds), jnp.repeat(rows, P)
-  steps = (counts.max() + (P - 1)) // P
-  V = rows.shape[0]
+    if pad:
+      states = jnp.concatenate([states, jnp.full((R, pad), EMPTY, states.dtype)], axis=1)
+    states = jnp.transpose(states.reshape(R, L, P), (0, 2, 1)).reshape(R * P, L)
+  columns, kinds, counts = block_lists(states)
+  if P > 1:  # a lane's list positions back to columns (its padding re-reads a column < C)
+    columns = columns * P + (jnp.arange(R * P, dtype=jnp.int32) % P)[:, None]
+  rows = jnp.repeat(jnp.arange(R, dtype=jnp.int32), P)
+  V = R * P
   return Lanes(jnp.broadcast_to(rows[:, None], (V, L)), columns, kinds,
-               np.zeros((V, L), bool), jnp.full((V, L), R, jnp.int32), rows), steps
+               np.zeros((V, L), bool), jnp.full((V, L), R, jnp.int32), rows), counts.max()
+
+
+class MergeOrder(NamedTuple):
+  """How the parallel schedule merges the parts of a row so that they always meet in lane order,
+  however the lanes are grouped into steps (the group width follows the batch size): the same
+  sums for a row whatever the batch holds besides it, and no scatter over repeated rows (atomics
+  on a GPU).
+
+  A part that is its row's only part is merged when it finishes. A row cut over lanes v .. v + k
+  has its parts merged at the end of their lanes' groups, in lane order; the part that lane v + k
+  finishes mid-lane (the start of its lane: ``hold`` (V, L), the step that finishes it) is held
+  until then. rounds: the most parts of one row merged at once (see
+  `jattn._softmax.distinct_rounds`)."""
+
+  hold: Any
+  rounds: int
+
+
+def merge_order(ln: Lanes, per_row: int = 1) -> MergeOrder:
+  """The `MergeOrder` of static lanes (NumPy tables), or of run-time ones (``per_row`` lanes per
+  row, one part each, all finishing at the last step)."""
+  if not isinstance(ln.final, np.ndarray):
+    return MergeOrder(np.zeros(ln.rows.shape, bool), max(1, int(per_row)))
+  V, L = ln.rows.shape
+  R = int(ln.emit.max())  # emit's "none" is one past the rows
+  hold = np.zeros((V, L), bool)
+  for v in range(1, V):
+    ends = np.nonzero(ln.emit[v] < R)[0]
+    if ln.rows[v, 0] == ln.rows[v - 1, -1] and ends.size and ln.emit[v, ends[0]] == ln.rows[v, 0]:
+      hold[v, ends[0]] = True
+  lanes_per_row = np.bincount(np.unique(np.stack([ln.rows.ravel(),
+                                                  np.repeat(np.arange(V), L)]), axis=1)[0])
+  return MergeOrder(hold, max(1, int(lanes_per_row.max())))
 
 
 def _loop_bounds(ranges, states):

@@ -54,7 +54,30 @@ def update(m, l, s, key_axes=(-1,)):
   m_new = jnp.maximum(m, s.max(axis=key_axes))
   p = jnp.exp(s - jnp.expand_dims(m_new, key_axes))
   corr = jnp.exp(m - m_new)
-  return m_new, p, corr, l * corr + p.sum(axis=key_axes)
+  return m_new, p, corr, l * corr + ordered_sum(p, key_axes)
+
+
+def ordered_sum(x, axes=(-1,)):
+  """``x`` summed over ``axes`` in one fixed order: halves added pairwise, level by level.
+
+  A reduction's order is otherwise the compiler's choice, and XLA picks it by shape: the same
+  row summed in a batch of 4 and alone can round differently (measured on the CPU). A sum over a
+  row's keys written as elementwise adds depends on nothing but the number of keys, so a row's
+  softmax is the same bits whatever else the batch holds (batch invariance)."""
+  axes = sorted(a % x.ndim for a in (axes if isinstance(axes, tuple) else (axes,)))
+  for a in reversed(axes):
+    x = _pairwise(x, a)
+  return x
+
+
+def _pairwise(x, axis):
+  n = x.shape[axis]
+  if n == 1:
+    return jnp.squeeze(x, axis)
+  h = n // 2
+  part = lambda lo, hi: jax.lax.slice_in_dim(x, lo, hi, axis=axis)
+  total = _pairwise(part(0, h) + part(h, 2 * h), axis)
+  return total + jnp.squeeze(part(2 * h, n), axis) if n % 2 else total
 
 
 def exp_rows(s, sink=None):
@@ -67,7 +90,7 @@ def exp_rows(s, sink=None):
   if sink is not None:
     m = jnp.maximum(m, jax.lax.stop_gradient(sink))
   p = jnp.exp(s - m[..., None])
-  l = p.sum(axis=-1)
+  l = ordered_sum(p)
   if sink is not None:
     l = l + jnp.exp(sink - m)
   return p, l, m
@@ -89,28 +112,54 @@ def join_sink(m, l, acc, sink):
 
 
 def merge_into(rows, at, part):
-  """Merge finished parts into their rows' running statistics as they finish (the parallel
-  schedule: a part is the share of a row's keys one lane saw; parts of a row saw disjoint keys).
+  """Merge finished parts into their rows' running statistics (the parallel schedule: a part is
+  the share of a row's keys one lane saw; parts of a row saw disjoint keys).
 
   ``rows`` = (m, l, acc) of R rows (leading axis R); ``part`` = (m, l, acc) of W parts (leading
-  axis W) and ``at`` (W,) their rows (R or more: no part, dropped). Several parts of one row may
-  come at once: the new max is a scatter-max; what the row held is rescaled to it by a
-  scatter-set whose duplicates all write the same value; the parts, rescaled, are scatter-added.
+  axis W) and ``at`` (W,) their rows, no two alike (see `distinct_rounds`; R or more: no part,
+  dropped). Each row that gets a part is rescaled to the larger max and the part added; the
+  writes are scatters with unique indices, so no two updates race (no atomics on a GPU). A row
+  that held nothing (m NEG, l 0) takes the part bit for bit: exp(NEG - m) is 0, x * 1 + 0 is x.
   Returns the rows' (m, l, acc)."""
   m_r, l_r, acc_r = rows
   m, l, acc = part
-  take = lambda x: jnp.take(x, at, axis=0, mode="clip")
+  take = lambda x: jnp.take(x, at, axis=0, mode="clip")  # a dropped part reads any row
   old = take(m_r)
-  m_r = m_r.at[at].max(m, mode="drop")
-  new = take(m_r)
+  new = jnp.maximum(old, m)
   keep, w = jnp.exp(old - new), jnp.exp(m - new)
 
   def fold(x_r, x):
     by_row = lambda s: s.reshape(s.shape + (1,) * (x.ndim - s.ndim))
-    return (x_r.at[at].set(take(x_r) * by_row(keep), mode="drop")
-            .at[at].add(x * by_row(w), mode="drop"))
+    return _put(x_r, at, take(x_r) * by_row(keep) + x * by_row(w))
 
-  return m_r, fold(l_r, l), fold(acc_r, acc)
+  return _put(m_r, at, new), fold(l_r, l), fold(acc_r, acc)
+
+
+def _put(x_r, at, x):
+  return x_r.at[at].set(x, mode="drop", unique_indices=True)
+
+
+def add_into(rows, at, part):
+  """Add parts (leading axis W, rows ``at``, no two alike, see `distinct_rounds`; R or more:
+  dropped) into R rows (a pytree of sums: dK and dV per key block, dQ per query block)."""
+  return jax.tree.map(lambda r, x: r.at[at].add(x, mode="drop", unique_indices=True), rows, part)
+
+
+def distinct_rounds(at, R: int, rounds: int):
+  """``at`` (W,): the rows of W parts, a row possibly repeated (up to ``rounds`` times among the
+  rows below R), as ``rounds`` index vectors without repeats, for scatters with unique indices.
+
+  Round r holds each part that has r earlier parts of its row (so a row's parts are merged in
+  the order they stand in ``at``); every other entry points past the rows at R + its place
+  (distinct, dropped). A floating-point scatter-add over repeated indices runs as atomics on a
+  GPU, whose order, and so whose rounding, changes from run to run; the rounds make the order
+  part of the program."""
+  W = at.shape[0]
+  place = jnp.arange(W, dtype=jnp.int32)
+  at = at.astype(jnp.int32)
+  rank = ((at[None, :] == at[:, None]) & (place[None, :] < place[:, None])).sum(axis=1)
+  keep = (at >= 0) & (at < R)
+  return [jnp.where(keep & (rank == r), at, R + place) for r in range(rounds)]
 
 
 def merge_lanes(m, l, acc):
@@ -118,13 +167,7 @@ def merge_lanes(m, l, acc):
   rows (split-KV): one max, the sums and accumulators rescaled to it."""
   m_r = m.max(axis=0)
   w = jnp.exp(m - m_r[None])
-  return m_r, (w * l).sum(axis=0), (w[..., None] * acc).sum(axis=0)
-
-
-def add_into(rows, at, part):
-  """Scatter-add parts (leading axis W, rows ``at``; R or more: dropped) into R rows (a pytree
-  of sums: dK and dV per key block, dQ per query block)."""
-  return jax.tree.map(lambda r, x: r.at[at].add(x, mode="drop"), rows, part)
+  return m_r, ordered_sum(w * l, 0), ordered_sum(w[..., None] * acc, 0)
 
 
 def no_rows(like, R: int, fill=0.0):

@@ -148,7 +148,8 @@ class TestAgainstReference:
     kv_seg = rng.integers(0, 3, (2, 45))
     _check(impl, segs=(q_seg, kv_seg))
 
-  @pytest.mark.parametrize("shape", [(2, 4, 37, 45), (1, 4, 37, 45), (2, 1, 1, 45), (37, 45)])
+  @pytest.mark.parametrize("shape", [(2, 4, 37, 45), (1, 4, 37, 45), (2, 1, 1, 45), (37, 45),
+                                     (2, 4, 37, 1), (1, 1, 1, 1)])
   def test_bias_broadcast_with_grad(self, impl, shape):
     bias = np.random.default_rng(1).normal(size=shape)
     _check(impl, bias=bias)

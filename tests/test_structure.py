@@ -211,3 +211,37 @@ def test_transient_memory_is_bounded_by_the_step_budget():
   query_f32 = B * 8192 * N * H * 4
   assert sizes[8192] <= _plan.STEP_BYTES + 6 * query_f32, sizes  # 1.5 GiB; it was 7.3
   assert sizes[8192] <= 2.1 * sizes[4096], sizes  # linear in T: nothing of T x S
+
+
+def test_no_scatter_over_repeated_indices_in_programs_for_cuda():
+  # On a GPU a floating-point scatter over repeated indices runs as atomics: its order, so its
+  # rounding, changes from run to run. The parallel schedule merges a row's lane parts in rounds
+  # of distinct rows and sums dBias where each block has one writer, so every scatter of the
+  # programs lowered for cuda declares unique indices (forward and forward+backward; causal and
+  # full; a bias of every broadcast shape with its gradient; a decoding step; the paged walk).
+  T = 2048
+  mods = []
+  for causal in (False, True):
+    for shape in ((1, 4, T, T), (1, 4, 1, T), (1, 4, T, 1), (1, 1, 1, 1)):
+      args = (jax.ShapeDtypeStruct((1, T, 4, 64), jnp.bfloat16),) * 3 + (
+          jax.ShapeDtypeStruct(shape, jnp.float32),)
+      f = lambda q, k, v, b, causal=causal: jattn.dot_product_attention(
+          q, k, v, b, implementation="chunked", is_causal=causal)
+      g = jax.grad(lambda *a: f(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2, 3))
+      mods += [jax.export.export(jax.jit(fn), platforms=["cuda"])(*args).mlir_module()
+               for fn in (f, g)]
+  dec = (jax.ShapeDtypeStruct((4, 1, 8, 64), jnp.bfloat16),) + (
+      jax.ShapeDtypeStruct((4, 4096, 2, 64), jnp.bfloat16),) * 2
+  f = lambda q, k, v: jattn.dot_product_attention(
+      q, k, v, is_causal="bottom_right", implementation="chunked",
+      key_value_seq_lengths=jnp.array([5, 4096, 100, 3000]))
+  mods.append(jax.export.export(jax.jit(f), platforms=["cuda"])(*dec).mlir_module())
+  pool = jax.ShapeDtypeStruct((64, 16, 2, 64), jnp.float32)
+  paged = lambda q, kp, vp, t, n: jattn.paged_attention(q, kp, vp, t, n, implementation="chunked")
+  mods.append(jax.export.export(jax.jit(paged), platforms=["cuda"])(
+      jax.ShapeDtypeStruct((4, 3, 8, 64), jnp.float32), pool, pool,
+      jax.ShapeDtypeStruct((4, 8), jnp.int32), jax.ShapeDtypeStruct((4,), jnp.int32)).mlir_module())
+  scatters = [op for mod in mods for op in re.findall(r'"?stablehlo\.scatter"?.*', mod)]
+  assert len(scatters) >= 20  # the merges are there, written as scatters
+  repeated = [op for op in scatters if "unique_indices = true" not in op]
+  assert not repeated, repeated[:3]
