@@ -652,6 +652,32 @@ class _TileGrads(NamedTuple):
   dargs: Any  # score_mod arrays' gradient (a tuple)
 
 
+def _bias_sums(plan: Plan, bias, sd):
+  """Where the parallel backward sums dBias, in blocks (nq|1, nk|1, B|1, K|1, G|1, bq|1, bk|1),
+  so that each block has one writer per step: a bias with both sequence axes is scattered tile by
+  tile (the live lanes of a step hold distinct tiles); one broadcast along the queries sums like
+  dK, per key block, in the dK/dV lanes' carry; one broadcast along the keys like dQ, per query
+  block (a scatter would repeat indices: atomics on a GPU). Returns (per_key, per_query, the
+  block's sharding, zeros for V lanes' sums, the scattered blocks' zeros or None)."""
+  if bias is None:
+    return False, False, None, None, None
+  cfg, grid = plan.cfg, plan.grid
+  tq, tk = bias.shape[3] != 1, bias.shape[4] != 1
+  # Under an Explicit mesh: sharded as the bias is along (B, K, G); each step's lane blocks,
+  # computed sharded like the query, are given that sharding before they are added.
+  bias_bkg = (tuple(_sharding.spec_of(bias) or ()) + (None,) * 3)[:3]
+  block_spec = jax.sharding.PartitionSpec(*bias_bkg, None, None)
+  lane_spec = jax.sharding.PartitionSpec(None, *block_spec)
+  block = _bias_contribution_shape(bias.shape, cfg.B, cfg.K, cfg.G, grid.block_q, grid.block_kv)
+  lane_zeros = lambda V: _sharding.reshard_to(jnp.zeros((V,) + block, sd), lane_spec)
+  blocked0 = None
+  if tq and tk:
+    blocked0 = _sharding.reshard_to(
+        jnp.zeros((grid.num_q_blocks, grid.num_kv_blocks) + block, sd),
+        jax.sharding.PartitionSpec(None, *lane_spec))
+  return not tq, tq and not tk, block_spec, lane_zeros, blocked0
+
+
 def _backward_parallel(plan: Plan, ops: Operands, tile_grads, scale, dk_scale):
   """The parallel schedule's backward in two passes that each recompute P (as FlashAttention-2
   and Pallas TPU flash attention do): dK, dV (and dBias, score_mod's arrays) with key blocks side
@@ -669,25 +695,8 @@ def _backward_parallel(plan: Plan, ops: Operands, tile_grads, scale, dk_scale):
   kv_rows = jnp.asarray(tables.lanes.rows)[:, 0]
   kbs = jax.vmap(lambda j: kv_tile(k, j, bk))(kv_rows)
   vbs = jax.vmap(lambda j: kv_tile(v, j, bk))(kv_rows)
-  # dBias in blocks, (nq|1, nk|1, B|1, K|1, G|1, bq|1, bk|1), summed where each tile's block has
-  # one writer per step: a bias with both sequence axes is scattered tile by tile (the live lanes
-  # of a step hold distinct tiles); one broadcast along the queries sums like dK, per key block,
-  # and one broadcast along the keys like dQ, per query block (a scatter would repeat indices).
-  tq, tk = (bias.shape[3] != 1, bias.shape[4] != 1) if bias is not None else (False, False)
-  per_key = bias is not None and not tq
-  per_query = bias is not None and tq and not tk
-  if bias is not None:
-    # Under an Explicit mesh: sharded as the bias is along (B, K, G); each step's lane blocks,
-    # computed sharded like the query, are given that sharding before they are added.
-    bias_bkg = (tuple(_sharding.spec_of(bias) or ()) + (None,) * 3)[:3]
-    block_spec = jax.sharding.PartitionSpec(*bias_bkg, None, None)
-    lane_spec = jax.sharding.PartitionSpec(None, *block_spec)
-    block = _bias_contribution_shape(bias.shape, B, K, G, bq, bk)
-    lane_zeros = lambda V: _sharding.reshard_to(jnp.zeros((V,) + block, sd), lane_spec)
-  blocked0 = None
-  if bias is not None and tq and tk:
-    blocked0 = _sharding.reshard_to(jnp.zeros((nq, nk) + block, sd),
-                                    jax.sharding.PartitionSpec(None, *lane_spec))
+  per_key, per_query, block_spec, lane_zeros, blocked0 = _bias_sums(plan, bias, sd)
+  tk = bias is not None and bias.shape[4] != 1
 
   def kv_visit(j, i, live, masked, kvb, carry):
     kb, vb = (kv_tile(k, j, bk), kv_tile(v, j, bk)) if kvb is None else kvb
@@ -704,7 +713,8 @@ def _backward_parallel(plan: Plan, ops: Operands, tile_grads, scale, dk_scale):
       # Steps that compute nothing (padding) write past the blocks, each at its own place.
       lane = jnp.arange(i_vec.shape[0], dtype=jnp.int32)
       i_vec = jnp.where(kinds != EMPTY, i_vec, nq + lane)
-      dbias_c = _sharding.reshard_to(dbias_c.astype(sd), lane_spec)
+      dbias_c = _sharding.reshard_to(dbias_c.astype(sd),
+                                     jax.sharding.PartitionSpec(None, *block_spec))
       blocked = blocked.at[i_vec, j_vec].add(dbias_c, mode="drop", unique_indices=True)
     return blocked, jax.tree.map(lambda a, b: a + b.sum(axis=0), dargs, dargs_c)
 
