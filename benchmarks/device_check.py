@@ -10,6 +10,8 @@ Sections, each a list of rows in ``<out>.json`` and a markdown table in ``<out>.
   gradients, against a float64 NumPy reference on the host (small shapes); error relative to
   the reference's largest magnitude, and to the error of rounding the reference to the dtype.
 - ``determinism``: each call run twice: whether the bits are equal (forward and gradients).
+- ``batch_invariance``: each implementation's output and log-sum-exp for a sequence alone and in
+  a batch of four of other lengths (prefill and decode rows): whether the bits are equal.
 - ``speed``: forward+backward of full, causal, window, segments, soft cap and sinks at
   T = 1k .. 16k, bfloat16, against `jax.nn.dot_product_attention` (xla and cudnn): medians of
   interleaved runs, TFLOP/s of the useful work (causal: half) and % of the device's peak.
@@ -199,6 +201,38 @@ def correctness(smoke: bool):
   return rows, bits
 
 
+def batch_invariance(smoke: bool):
+  """Each implementation's output and log-sum-exp for a sequence alone and in a batch of four
+  with other lengths (bottom-right causal, bfloat16): whether the bits are equal. jattn's own
+  paths are batch-invariant by construction on the CPU (tests/test_batch_invariance.py); on a
+  device this shows whether XLA's matmuls and the fused kernels keep it."""
+  rows = []
+  B, T, S, N, K, H = (4, 8, 64, 4, 2, 32) if smoke else (4, 256, 4096, 8, 2, 128)
+  keys = jax.random.split(jax.random.key(1), 3)
+  q, k, v = (jax.random.normal(kk, (B, t, n, H), jnp.bfloat16)
+             for kk, t, n in zip(keys, (T, S, S), (N, K, K)))
+  lengths = jnp.asarray([S // 3, S, 5 * S // 8, 7], jnp.int32)
+  for rows_q, name in ((T, "prefill"), (1, "decode")):
+    for impl in implementations():
+      row = dict(case=name, implementation=str(impl))
+      try:
+        f = jax.jit(lambda q, k, v, n, impl=impl: jattn.dot_product_attention(
+            q, k, v, implementation=impl, is_causal="bottom_right", key_value_seq_lengths=n,
+            return_residual=True))
+        batched = f(q[:, :rows_q], k, v, lengths)
+        same = True
+        for b in range(B):
+          alone = f(q[b:b + 1, :rows_q], k[b:b + 1], v[b:b + 1], lengths[b:b + 1])
+          same &= all(np.array_equal(np.asarray(x[b:b + 1]).view(np.uint8),
+                                     np.asarray(y).view(np.uint8))
+                      for x, y in zip(batched, alone))
+        row.update(status="ok", batch_invariant=bool(same))
+      except Exception as e:  # noqa: BLE001 -- a backend that refuses the case is a row
+        row.update(status=type(e).__name__, error=str(e).splitlines()[0][:200])
+      rows.append(row)
+  return rows
+
+
 def _median_ms(fns: dict, repeats: int):
   """Interleaved medians (ms) of several zero-argument callables."""
   for f in fns.values():
@@ -317,7 +351,7 @@ def main(argv=None) -> int:
   parser.add_argument("--smoke", action="store_true", help="tiny shapes, one repeat (any device)")
   parser.add_argument("--out", default="device_check", help="writes OUT.json and OUT.md")
   parser.add_argument("--sections", nargs="*",
-                      default=["correctness", "speed", "decode"])
+                      default=["correctness", "batch_invariance", "speed", "decode"])
   a = parser.parse_args(argv)
   start = time.time()
   report = dict(device=peaks()[0], backend=jax.default_backend(), jax=jax.__version__,
@@ -329,7 +363,8 @@ def main(argv=None) -> int:
         report["sections"]["correctness"] = rows
         report["sections"]["determinism"] = bits
       else:
-        report["sections"][section] = {"speed": speed, "decode": decode}[section](a.smoke)
+        report["sections"][section] = {"batch_invariance": batch_invariance, "speed": speed,
+                                       "decode": decode}[section](a.smoke)
     except Exception as e:  # noqa: BLE001 -- keep what the other sections measured
       report["sections"][section] = {"error": f"{type(e).__name__}: {e}",
                                      "traceback": traceback.format_exc()}

@@ -41,7 +41,8 @@ def fold_page(st, carry, q, keys, values, ks, vs, vis):
     keys, q = keys.astype(jnp.float32), q.astype(jnp.float32)
   s = jax.lax.dot_general(q, keys.astype(q.dtype), (((1,), (1,)), ((), ())),
                           preferred_element_type=jnp.float32)
-  m, p, corr, l = _softmax.update(m, l, scores(st, s, ks, vis))
+  m, p, corr, l = _softmax.update(m, l, scores(st, s, ks, vis),
+                                  total=lambda p, axes: p.sum(axis=axes))
   if vs is not None:  # sum_j p_j (s_j v_j) = sum_j (p_j s_j) v_j
     p = p * vs
   if vs is not None or st.upcast:

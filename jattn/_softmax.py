@@ -42,7 +42,7 @@ def start(like, sink=None):
   return row0 + sink.astype(like.dtype), row0 + jnp.ones((), like.dtype)
 
 
-def update(m, l, s, key_axes=(-1,)):
+def update(m, l, s, key_axes=(-1,), total=None):
   """One tile ``s`` (rows, keys) of logits into the running (m, l): returns (m', p, corr, l')
   with p = exp(s - m') the tile's unnormalised weights and corr = exp(m - m') the factor that
   rescales what was accumulated so far (acc' = acc * corr + p v). ``key_axes``: s's key axes
@@ -50,11 +50,14 @@ def update(m, l, s, key_axes=(-1,)):
 
   Masked entries (NEG) give exact zeros once the row has seen a visible key; before that
   (m' = NEG) they add junk that corr = exp(NEG - m) = 0 wipes when a visible key comes, and
-  `normalize` discards if none ever does."""
+  `normalize` discards if none ever does. ``total(p, axes)``: the row sum, `ordered_sum` unless
+  given (a Pallas kernel's program sums one tile, the same shape whatever the batch holds, with
+  its compiler's own reduction: Triton lowers no slices)."""
   m_new = jnp.maximum(m, s.max(axis=key_axes))
   p = jnp.exp(s - jnp.expand_dims(m_new, key_axes))
   corr = jnp.exp(m - m_new)
-  return m_new, p, corr, l * corr + ordered_sum(p, key_axes)
+  row_sum = ordered_sum(p, key_axes) if total is None else total(p, key_axes)
+  return m_new, p, corr, l * corr + row_sum
 
 
 def ordered_sum(x, axes=(-1,)):
@@ -90,7 +93,10 @@ def exp_rows(s, sink=None):
   if sink is not None:
     m = jnp.maximum(m, jax.lax.stop_gradient(sink))
   p = jnp.exp(s - m[..., None])
-  l = ordered_sum(p)
+  # XLA's own reduction, not `ordered_sum`: the dense scores' key axis may be sharded
+  # (sequence-sharded keys), and pairwise halves of a sharded axis move data between devices.
+  # (Batch invariance of dense holds by test: the reduction over the minor axis.)
+  l = p.sum(axis=-1)
   if sink is not None:
     l = l + jnp.exp(sink - m)
   return p, l, m

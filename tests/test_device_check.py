@@ -26,7 +26,7 @@ def test_smoke_mode_runs_every_section(tmp_path):
   report = json.loads((tmp_path / "dc.json").read_text())
   assert report["backend"] == "cpu" and report["jax"]
   sections = report["sections"]
-  assert set(sections) == {"correctness", "determinism", "speed", "decode"}
+  assert set(sections) == {"correctness", "determinism", "batch_invariance", "speed", "decode"}
   for name, rows in sections.items():
     assert isinstance(rows, list) and rows, (name, rows)
   # Correctness: every implementation here, both dtypes, every case; float32 close to the
@@ -41,6 +41,10 @@ def test_smoke_mode_runs_every_section(tmp_path):
       assert r["err_over_rounding"] < 3 and r["grad_err"] < 3e-2, r
   # Determinism: the CPU programs give the same bits twice.
   assert all(r["forward_bitwise"] and r["grads_bitwise"] for r in sections["determinism"])
+  # Batch invariance: a sequence alone and in a batch of four, the same bits here.
+  inv = sections["batch_invariance"]
+  assert {r["implementation"] for r in inv} == {"dense", "chunked", "None"}
+  assert all(r["status"] == "ok" and r["batch_invariant"] for r in inv), inv
   # Speed: jattn and jax.nn (where jax.nn has the case) timed per case.
   speed = {(r["case"], r["implementation"]): r for r in sections["speed"]}
   assert speed["causal", "jattn"]["status"] == "ok" and speed["causal", "jattn"]["tflops"] > 0
@@ -50,7 +54,8 @@ def test_smoke_mode_runs_every_section(tmp_path):
   assert all(r["status"] == "ok" and r["bitwise_rerun"] for r in decode)
   assert decode[-1]["max_abs_diff_vs_chunked"] == 0.0
   md = (tmp_path / "dc.md").read_text()
-  for heading in ("## correctness", "## determinism", "## speed", "## decode"):
+  for heading in ("## correctness", "## determinism", "## batch_invariance", "## speed",
+                  "## decode"):
     assert heading in md
 
 
