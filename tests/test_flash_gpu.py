@@ -78,7 +78,8 @@ CASES = {
                                            key_value_seq_lengths=np.array([50, 0], np.int32))),
     "segment-ids": (72, 72, 2, dict(
         q_segment_ids=np.repeat(np.array([[0, 1, 2], [0, 0, 5]]), 24, axis=1).astype(np.int32),
-        kv_segment_ids=np.repeat(np.array([[0, 1, 3], [0, 0, 5]]), 24, axis=1).astype(np.int32))),
+        kv_segment_ids=np.repeat(np.array([[0, 1, 3], [0, 0, 5]]), 24, axis=1).astype(np.int32),
+        sinks=True)),  # document 2 has no keys: rows with only the sink (output 0, lse = sink)
     "soft-cap-sinks": (72, 72, 2, dict(is_causal=True, logits_soft_cap=2.0, sinks=True)),
 }
 
@@ -102,6 +103,24 @@ def test_forward_and_gradients_match_the_reference(case):
     _close(dsinks, g["dsinks"], 1e-4, "dsinks")
   if case == "lengths-empty-rows":
     assert not seen[1].any() and (np.asarray(dq)[1] == 0).all()
+
+
+def test_garbage_past_the_lengths_stays_out():
+  # inf and NaN in keys, values and queries that the lengths hide: the output and gradients
+  # are those of clean inputs (hidden positions are zeroed before the matmuls), with zero
+  # gradients there.
+  T = S = 40
+  kw = dict(query_seq_lengths=np.array([33, 40], np.int32),
+            key_value_seq_lengths=np.array([21, 40], np.int32), is_causal=True)
+  args, _ = _inputs(T, S, 2, 16, seed=5)
+  clean = _kernel(args, None, kw)
+  q, k, v = (np.array(x) for x in args[:3])
+  q[0, 33:], k[0, 21:], v[0, 21:] = np.nan, np.inf, np.nan
+  dirty = _kernel([jnp.asarray(x) for x in (q, k, v)] + args[3:], None, kw)
+  for a, b in zip(jax.tree.leaves(clean), jax.tree.leaves(dirty)):
+    np.testing.assert_array_equal(a, b)
+  dq, dk = dirty[2][:2]
+  assert (np.asarray(dq)[0, 33:] == 0).all() and (np.asarray(dk)[0, 21:] == 0).all()
 
 
 def test_value_head_size_of_its_own():
@@ -152,8 +171,9 @@ def test_what_it_cannot_take_is_refused_by_name(kw, words):
 
 
 def test_lowered_for_cuda_it_is_three_triton_kernels():
-  # Forward, dK/dV and dQ, lowered from this CPU (Pallas to Triton), with every option at once
-  # and a group of 3 query heads per key/value head.
+  # Forward, dK/dV and dQ, lowered from this CPU (Pallas to Triton), with every option at once,
+  # a group of 3 query heads per key/value head and padded lengths (48, 80) that are not powers
+  # of two (the kernels' whole-sequence blocks).
   T, S, N3, K = 40, 72, 6, 2
   sds = jax.ShapeDtypeStruct
 
@@ -162,7 +182,7 @@ def test_lowered_for_cuda_it_is_three_triton_kernels():
         q, k, v, is_causal="bottom_right", local_window_size=(20, 0), logits_soft_cap=3.0,
         sinks=sinks, q_segment_ids=jnp.zeros((B, T), jnp.int32),
         kv_segment_ids=jnp.zeros((B, S), jnp.int32), key_value_seq_lengths=jnp.array([3, 50]),
-        implementation="pallas_gpu", return_residual=True)
+        implementation="pallas_gpu", return_residual=True, block_q=16, block_kv=16)
     return out.astype(jnp.float32).sum() + lse.astype(jnp.float32).sum()
 
   for dtype in (jnp.bfloat16, jnp.float32):
