@@ -135,21 +135,22 @@ def test_value_head_size_of_its_own():
     _close(got, g[name], 1e-4, name)
 
 
-def test_bfloat16_within_rounding_of_the_exact_answer():
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_16_bit_within_rounding_of_the_exact_answer(dtype):
   # 16-bit inputs, float32 statistics and accumulation: the error against float64 (on the
-  # bf16 inputs' exact values) stays within a small factor of rounding the exact answer to
-  # bfloat16; gradients likewise, against rounding the exact gradient.
+  # 16-bit inputs' exact values) stays within a small factor of rounding the exact answer to
+  # the input dtype; gradients likewise, against rounding the exact gradient.
   T = S = 72
   kw = dict(is_causal=True, logits_soft_cap=5.0)
   sinks = jnp.linspace(-1.0, 1.0, N, dtype=jnp.float32)
-  args, exact = _inputs(T, S, 2, 32, seed=7, dtype=jnp.bfloat16)
+  args, exact = _inputs(T, S, 2, 32, seed=7, dtype=dtype)
   out, _, (dq, dk, dv, _) = _kernel(args, sinks, kw)
-  assert out.dtype == dq.dtype == dk.dtype == jnp.bfloat16
+  assert out.dtype == dq.dtype == dk.dtype == dtype
   want, _, g = _reference(exact, T, S, 2, sinks, kw)
   for name, got, exact_value, factor in (("out", out, want, 2), ("dq", dq, g["dq"], 4),
                                          ("dk", dk, g["dk"], 4), ("dv", dv, g["dv"], 4)):
     err = np.abs(np.asarray(got.astype(jnp.float32), np.float64) - exact_value).max()
-    rounding = np.abs(np.asarray(jnp.asarray(exact_value, jnp.bfloat16).astype(jnp.float32),
+    rounding = np.abs(np.asarray(jnp.asarray(exact_value, dtype).astype(jnp.float32),
                                  np.float64) - exact_value).max()
     assert err <= factor * rounding, (name, err, rounding)
 
@@ -185,7 +186,7 @@ def test_lowered_for_cuda_it_is_three_triton_kernels():
         implementation="pallas_gpu", return_residual=True, block_q=16, block_kv=16)
     return out.astype(jnp.float32).sum() + lse.astype(jnp.float32).sum()
 
-  for dtype in (jnp.bfloat16, jnp.float32):
+  for dtype in (jnp.bfloat16, jnp.float16, jnp.float32):
     args = (sds((B, T, N3, 32), dtype), sds((B, S, K, 32), dtype), sds((B, S, K, 16), dtype),
             sds((N3,), jnp.float32))
     grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
