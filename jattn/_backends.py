@@ -24,5 +24,5 @@ register(Backend(
     ring="while cuDNN's kernel takes only its own causal/window/length options"))
 register(Backend(
     "pallas_gpu", _flash_gpu.run, platforms=("cuda",), supports=_flash_gpu.supports, fused=True,
-    ring="while jattn's Pallas GPU kernel takes only its own causal/window/length/segment "
-         "options"))
+    ring="while the Pallas GPU kernel's causal and window band is fixed when the call is "
+         "traced"))
