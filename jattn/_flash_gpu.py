@@ -7,10 +7,12 @@ no GQA, windows, lengths, sinks or soft cap, and returns no differentiable log-s
 takes every option of jattn's call that is a function of positions and per-example arrays:
 
 - causal (either alignment) and windows, as one band ``q + lo <= k <= q + hi``: the loops visit
-  only the key (or query) blocks that meet the band;
-- lengths, padding to whole blocks and segment ids, folded into one pair of int32 id vectors
-  (`jattn._splash.segment_ids`): query t sees key s iff their ids are equal (and the band
-  allows it); the key loop also stops at the example's key length;
+  only the key (or query) blocks that meet the band, and only the blocks its edges cross are
+  masked by position (`_walk`);
+- lengths, padding of the keys to whole blocks and segment ids, folded into one pair of int32
+  id vectors (`jattn._splash.segment_ids`): query t sees key s iff their ids are equal (and the
+  band allows it), compared in every tile when any of them is in play; the key loop also stops
+  at the example's key length;
 - a logit soft cap ``cap * tanh(s / cap)`` after the scale; sinks (one logit per query head with
   no value) start each row's running max and sum; GQA/MQA (query head n reads key/value head
   n // G); a value head size Hv of its own;
@@ -136,7 +138,9 @@ def supports(call) -> str | None:
 class Plan:
   """The static (hashable) description of one kernel call: the true and padded lengths, the
   blocks, the band (None sides open), the logit scale and soft cap, whether sinks are given,
-  the group size G and interpret mode."""
+  the group size G, whether the tiles compare ids (``ids``: lengths, segment ids or padded keys
+  hide something; padded query rows alone need not be hidden: their output is dropped and their
+  zero cotangents add nothing to the gradients) and interpret mode."""
 
   T: int
   S: int
@@ -150,6 +154,7 @@ class Plan:
   cap: float | None
   sinks: bool
   G: int
+  ids: bool
   interpret: bool
 
   def warps(self) -> int:
@@ -210,7 +215,7 @@ def flash_attention(query, key, value, mask, sinks, *, scale, soft_cap, block_q,
   q, k, v = pad(query, Tp, q_ok), pad(key, Sp, kv_ok), pad(value, Sp, kv_ok)
   plan = Plan(T, S, Tp, Sp, block_q, block_kv, lo, hi, float(scale),
               None if soft_cap is None else float(soft_cap), sinks is not None, N // K,
-              interpret)
+              bool(lengths) or segments is not None or Sp != S, interpret)
   out, lse = _flash(plan, q, k, v, sinks, q_ids, kv_ids, info)
   return out[:, :T], jnp.transpose(lse, (0, 2, 1))[:, :T]
 
@@ -274,30 +279,62 @@ def _logits(plan, q, k):
   return plan.cap * t, t
 
 
-def _visible(plan, rows, cols, q_id, kv_id):
-  """(rows, keys) bool: the ids agree and the band allows it (rows, cols: positions)."""
-  vis = q_id[:, None] == kv_id[None, :]
-  if plan.lo is not None:
-    vis = vis & (cols[None, :] >= rows[:, None] + plan.lo)
-  if plan.hi is not None:
-    vis = vis & (cols[None, :] <= rows[:, None] + plan.hi)
-  return vis
+def _masked(plan, s, rows, cols, q_id, kv_id, band: bool):
+  """The (rows, keys) logits ``s`` with NEG where the ids differ (if the plan compares ids) or,
+  for a tile the band crosses (``band``), where the band hides the key; rows, cols: positions.
+  A tile inside the band with nothing to compare is returned as it is."""
+  vis = None
+  if plan.ids:
+    vis = q_id[:, None] == kv_id[None, :]
+  for edge, inside in ((plan.lo, lambda e: cols[None, :] >= rows[:, None] + e),
+                       (plan.hi, lambda e: cols[None, :] <= rows[:, None] + e)):
+    if band and edge is not None:
+      vis = inside(edge) if vis is None else vis & inside(edge)
+  return s if vis is None else jnp.where(vis, s, NEG)
+
+
+def _walk(plan, blocks, step, carry):
+  """fori_loop of ``step(j, carry, band)`` over the blocks [lo, hi), ``band`` False on the blocks
+  [inside_lo, inside_hi) that lie inside the band (clipped to [lo, hi)), ``blocks`` = (lo, hi,
+  inside_lo, inside_hi): only the blocks the band's edges cross pay for its mask."""
+  lo, hi, inside_lo, inside_hi = blocks
+  if plan.lo is None and plan.hi is None:
+    return jax.lax.fori_loop(lo, hi, functools.partial(step, band=False), carry)
+  a = jnp.clip(inside_lo, lo, hi)
+  b = jnp.clip(inside_hi, a, hi)
+  carry = jax.lax.fori_loop(lo, a, functools.partial(step, band=True), carry)
+  carry = jax.lax.fori_loop(a, b, functools.partial(step, band=False), carry)
+  return jax.lax.fori_loop(b, hi, functools.partial(step, band=True), carry)
 
 
 def _key_blocks(plan, first_row, last_row, kv_len):
-  """[j0, j1): the key blocks rows first_row..last_row may see (band and key length)."""
+  """(j0, j1, ja, jb): the key blocks [j0, j1) rows first_row..last_row may see (band and key
+  length), and [ja, jb) those whose every key every row's band holds."""
+  bk = plan.bk
   start = 0 if plan.lo is None else jnp.maximum(first_row + plan.lo, 0)
   stop = kv_len if plan.hi is None else jnp.minimum(kv_len, last_row + plan.hi + 1)
-  j0 = start // plan.bk
-  return j0, jnp.maximum((stop + plan.bk - 1) // plan.bk, j0)
+  j0 = start // bk
+  j1 = jnp.maximum((stop + bk - 1) // bk, j0)
+  # Inside: the block's first key at or after the last row's left edge, its last key at or
+  # before the first row's right edge (clipped at 0 first: the divisions round down).
+  ja = j0 if plan.lo is None else (jnp.maximum(last_row + plan.lo, 0) + bk - 1) // bk
+  jb = j1 if plan.hi is None else jnp.maximum(first_row + plan.hi + 1, 0) // bk
+  return j0, j1, ja, jb
 
 
 def _query_blocks(plan, first_col, last_col):
-  """[i0, i1): the query blocks whose rows may see keys first_col..last_col (the band)."""
+  """(i0, i1, ia, ib): the query blocks [i0, i1) whose rows may see keys first_col..last_col
+  (the band), and [ia, ib) those whose every row's band holds every one of these keys."""
+  bq = plan.bq
   start = 0 if plan.hi is None else jnp.maximum(first_col - plan.hi, 0)
   stop = plan.Tp if plan.lo is None else jnp.clip(last_col - plan.lo + 1, 0, plan.Tp)
-  i0 = start // plan.bq
-  return i0, jnp.maximum((stop + plan.bq - 1) // plan.bq, i0)
+  i0 = start // bq
+  i1 = jnp.maximum((stop + bq - 1) // bq, i0)
+  # Inside: the block's first row at or after last_col - hi, its last row at or before
+  # first_col - lo.
+  ia = i0 if plan.hi is None else (jnp.maximum(last_col - plan.hi, 0) + bq - 1) // bq
+  ib = i1 if plan.lo is None else jnp.maximum(first_col - plan.lo + 1, 0) // bq
+  return i0, i1, ia, ib
 
 
 def _pallas_call(plan, kernel, *, grid, in_specs, out_specs, out_shape, name, operands):
@@ -347,13 +384,13 @@ def _forward_kernel(plan, info_ref, q_ref, k_ref, v_ref, qid_ref, kvid_ref, *ref
   rows = i * bq + jax.lax.broadcasted_iota(jnp.int32, (bq,), 0)
   q, q_id = q_ref[...], qid_ref[...]
 
-  def step(j, carry):
+  def step(j, carry, band):
     m, l, acc = carry
     keys = pl.ds(pl.multiple_of(j * bk, bk), bk)
     v = v_ref[keys, :]
     s, _ = _logits(plan, q, k_ref[keys, :])
     cols = j * bk + jax.lax.broadcasted_iota(jnp.int32, (bk,), 0)
-    s = jnp.where(_visible(plan, rows, cols, q_id, kvid_ref[keys]), s, NEG)
+    s = _masked(plan, s, rows, cols, q_id, kvid_ref[keys], band)
     m_new = jnp.maximum(m, s.max(axis=1))
     p = jnp.exp(s - m_new[:, None])
     corr = jnp.exp(m - m_new)
@@ -365,9 +402,8 @@ def _forward_kernel(plan, info_ref, q_ref, k_ref, v_ref, qid_ref, kvid_ref, *ref
     m0, l0 = sink_ref[0][...], jnp.ones((bq,), jnp.float32)
   else:
     m0, l0 = jnp.full((bq,), NEG, jnp.float32), jnp.zeros((bq,), jnp.float32)
-  j0, j1 = _key_blocks(plan, i * bq, i * bq + bq - 1, info_ref[0])
-  m, l, acc = jax.lax.fori_loop(j0, j1, step,
-                                (m0, l0, jnp.zeros((bq, o_ref.shape[-1]), jnp.float32)))
+  m, l, acc = _walk(plan, _key_blocks(plan, i * bq, i * bq + bq - 1, info_ref[0]), step,
+                    (m0, l0, jnp.zeros((bq, o_ref.shape[-1]), jnp.float32)))
   # A row that saw no key keeps m = NEG (with a sink m >= sink, and its masked entries added
   # exact zeros): output 0, lse NEG. Its l counted junk exp(NEG - NEG) = 1s, discarded here.
   ok = ~_softmax.empty_rows(m, l)
@@ -408,15 +444,15 @@ def _backward_kv_kernel(plan, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q
   j = pl.program_id(0)
   cols = j * bk + jax.lax.broadcasted_iota(jnp.int32, (bk,), 0)
   k, v, kv_id = k_ref[...], v_ref[...], kvid_ref[...]
-  i0, i1 = _query_blocks(plan, j * bk, j * bk + bk - 1)
+  blocks = _query_blocks(plan, j * bk, j * bk + bk - 1)
 
-  def step(i, carry, g):
+  def step(i, carry, g, band):
     dk, dv = carry
     at = pl.ds(pl.multiple_of(i * bq, bq), bq)
     q, do = q_ref[at, g, :], do_ref[at, g, :]
     rows = i * bq + jax.lax.broadcasted_iota(jnp.int32, (bq,), 0)
     s, t = _logits(plan, q, k)
-    s = jnp.where(_visible(plan, rows, cols, qid_ref[at], kv_id), s, NEG)
+    s = _masked(plan, s, rows, cols, qid_ref[at], kv_id, band)
     p = jnp.exp(s - lse_ref[g, at][:, None])
     dv = dv + _dot(p.astype(do.dtype), do, (0, 0))
     ds = p * (_dot(do, v, (1, 1)) - delta_ref[g, at][:, None])
@@ -425,7 +461,7 @@ def _backward_kv_kernel(plan, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q
     return dk + _dot(ds.astype(q.dtype), q, (0, 0)), dv
 
   def head(g, carry):
-    return jax.lax.fori_loop(i0, i1, functools.partial(step, g=g), carry)
+    return _walk(plan, blocks, functools.partial(step, g=g), carry)
 
   dk, dv = jax.lax.fori_loop(0, plan.G, head,
                              (jnp.zeros((bk, k.shape[-1]), jnp.float32),
@@ -465,18 +501,18 @@ def _backward_q_kernel(plan, info_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, del
   q, do, q_id = q_ref[...], do_ref[...], qid_ref[...]
   lse, delta = lse_ref[...], delta_ref[...]
 
-  def step(j, dq):
+  def step(j, dq, band):
     keys = pl.ds(pl.multiple_of(j * bk, bk), bk)
     k = k_ref[keys, :]
     s, t = _logits(plan, q, k)
     cols = j * bk + jax.lax.broadcasted_iota(jnp.int32, (bk,), 0)
-    s = jnp.where(_visible(plan, rows, cols, q_id, kvid_ref[keys]), s, NEG)
+    s = _masked(plan, s, rows, cols, q_id, kvid_ref[keys], band)
     p = jnp.exp(s - lse[:, None])
     ds = p * (_dot(do, v_ref[keys, :], (1, 1)) - delta[:, None])
     if t is not None:
       ds = ds * (1.0 - t * t)
     return dq + _dot(ds.astype(k.dtype), k, (1, 0))
 
-  j0, j1 = _key_blocks(plan, i * bq, i * bq + bq - 1, info_ref[0])
-  dq = jax.lax.fori_loop(j0, j1, step, jnp.zeros((bq, q_ref.shape[-1]), jnp.float32))
+  dq = _walk(plan, _key_blocks(plan, i * bq, i * bq + bq - 1, info_ref[0]), step,
+             jnp.zeros((bq, q_ref.shape[-1]), jnp.float32))
   dq_ref[...] = (dq * plan.scale).astype(dq_ref.dtype)

@@ -67,12 +67,13 @@ def _close(got, want, tol, what):
   assert err <= tol * max(1.0, np.abs(want).max()), (what, err)
 
 
-# Band edges that fall on block edges (S - T = 17, a left window of 17 with blocks 16 and 32):
-# a loop bound one block short would drop keys there.
+# Band edges that fall on block edges (S - T = 17, a left window of 33 with blocks 16 and 32):
+# a loop bound one block short would drop keys there. The window is wide enough for blocks
+# inside it (unmasked) between the blocks its edges cross.
 CASES = {
     "causal-top-left": (72, 72, 2, dict(is_causal=True)),
     "causal-bottom-right": (40, 57, 2, dict(is_causal="bottom_right")),
-    "window-both-sides": (72, 72, 2, dict(local_window_size=(17, 4))),
+    "window-both-sides": (72, 72, 2, dict(local_window_size=(33, 20))),
     "causal-window-mqa": (72, 72, 1, dict(is_causal=True, local_window_size=(20, 0))),
     "lengths-empty-rows": (72, 72, 2, dict(query_seq_lengths=np.array([72, 30], np.int32),
                                            key_value_seq_lengths=np.array([50, 0], np.int32))),
@@ -81,6 +82,10 @@ CASES = {
         kv_segment_ids=np.repeat(np.array([[0, 1, 3], [0, 0, 5]]), 24, axis=1).astype(np.int32),
         sinks=True)),  # document 2 has no keys: rows with only the sink (output 0, lse = sink)
     "soft-cap-sinks": (72, 72, 2, dict(is_causal=True, logits_soft_cap=2.0, sinks=True)),
+    # S a multiple of the key block and no lengths or segment ids: the tiles compare no ids, and
+    # those inside the band are not masked at all; the first five rows see nothing.
+    "unpadded-keys-band": (72, 64, 2, dict(is_causal="bottom_right", local_window_size=(17, 3))),
+    "unpadded-keys-mqa": (40, 64, 1, dict()),
 }
 
 
