@@ -234,8 +234,28 @@ def _flash_fwd(plan, q, k, v, sinks, q_ids, kv_ids, info):
 
 
 def _flash_bwd(plan, res, cts):
-  q, k, v, sinks, q_ids, kv_ids, info, out, lse = res
-  d_out, d_lse = cts
+  return (*_backward(plan, *res, *cts), None, None, None)
+
+
+def _refuse_derivative(plan, primals, tangents):
+  del plan, primals, tangents
+  raise NotImplementedError(
+      "higher-order AD (a derivative of the gradient) of implementation='pallas_gpu': its "
+      "kernels have no derivative of their own beyond the gradient; use "
+      "implementation='chunked' or 'dense'")
+
+
+def _without_derivative(fn):
+  """``fn(plan, *arrays)`` whose derivative raises NotImplementedError: the kernels' own
+  (pallas_call's) would fail with an unhelpful message in a gradient of the gradient."""
+  fn = jax.custom_jvp(fn, nondiff_argnums=(0,))
+  fn.defjvp(_refuse_derivative)
+  return fn
+
+
+@_without_derivative
+def _backward(plan, q, k, v, sinks, q_ids, kv_ids, info, out, lse, d_out, d_lse):
+  """(dq, dk, dv, d_sinks or None) of the padded problem for the cotangents of out and lse."""
   sd = jnp.float32
   # dS = P * (dP - delta): delta = rowsum(dO * O) for the output, minus the lse's cotangent
   # (d lse / d s = P adds dlse * P).
@@ -252,7 +272,7 @@ def _flash_bwd(plan, res, cts):
     d_sinks = _softmax.sink_gradient(sinks.reshape(1, K, plan.G, 1),
                                      jnp.transpose(lse, (0, 2, 1)),
                                      jnp.transpose(delta, (0, 2, 1))).reshape(N)
-  return dq, dk, dv, d_sinks, None, None, None
+  return dq, dk, dv, d_sinks
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -347,6 +367,7 @@ def _pallas_call(plan, kernel, *, grid, in_specs, out_specs, out_shape, name, op
       compiler_params=plgpu.CompilerParams(num_warps=plan.warps(), num_stages=2))(*operands)
 
 
+@_without_derivative
 def _forward(plan, q, k, v, sinks, q_ids, kv_ids, info):
   from jax.experimental import pallas as pl
 

@@ -193,6 +193,14 @@ def test_what_it_cannot_take_is_refused_by_name(kw, words):
     jattn.dot_product_attention(q, k, v, implementation="pallas_gpu", **kw)
 
 
+def test_a_gradient_of_the_gradient_is_refused_by_name():
+  q = jnp.ones((1, 16, 2, 16))
+  f = lambda q: jattn.dot_product_attention(q, q, q, implementation="pallas_gpu").sum()
+  with _paged_gpu.interpret_mode(), pytest.raises(NotImplementedError,
+                                                  match="higher-order AD.*pallas_gpu"):
+    jax.grad(lambda q: (jax.grad(f)(q) ** 2).sum())(q)
+
+
 def test_lowered_for_cuda_it_is_three_triton_kernels():
   # Forward, dK/dV and dQ, lowered from this CPU (Pallas to Triton), with every option at once,
   # a group of 3 query heads per key/value head and padded lengths (48, 80) that are not powers
