@@ -5,7 +5,7 @@ one `register` call here; the dispatcher, tuning tables, ring attention and the 
 matrix read the table.
 """
 
-from jattn import _cudnn, _dense, _splash
+from jattn import _cudnn, _dense, _flash_gpu, _splash
 from jattn._parallel import split as _split
 from jattn._registry import Backend, register
 
@@ -22,3 +22,7 @@ register(Backend(
     "cudnn", _cudnn.run, platforms=("cuda",), supports=_cudnn.supports, fused=True,
     first=_cudnn.first,
     ring="while cuDNN's kernel takes only its own causal/window/length options"))
+register(Backend(
+    "pallas_gpu", _flash_gpu.run, platforms=("cuda",), supports=_flash_gpu.supports, fused=True,
+    ring="while the Pallas GPU kernel's causal and window band is fixed when the call is "
+         "traced"))

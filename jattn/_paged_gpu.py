@@ -40,8 +40,10 @@ _INTERPRET = contextvars.ContextVar("jattn_paged_gpu_interpret", default=False)
 
 @contextlib.contextmanager
 def interpret_mode():
-  """Run ``implementation="pallas"`` through this kernel in Pallas's interpret mode, on any
-  platform (tests: the kernel a GPU gets, walked on the CPU)."""
+  """Run jattn's Pallas GPU kernels -- this one (``paged_attention(implementation="pallas")``)
+  and the flash attention of `jattn._flash_gpu` (``implementation="pallas_gpu"``) -- in
+  Pallas's interpret mode, on any platform (tests: the kernels a GPU gets, walked on the
+  CPU)."""
   token = _INTERPRET.set(True)
   try:
     yield

@@ -280,12 +280,12 @@ def test_unsupported_arguments(kw, words):
     jattn.ring_attention(q, k, v, axis_name="seq", **kw)
 
 
-@pytest.mark.parametrize("impl", ["splash", "cudnn", ("cudnn", "splash")])
+@pytest.mark.parametrize("impl", ["splash", "cudnn", "pallas_gpu", ("cudnn", "splash")])
 def test_fused_kernels_cannot_serve_a_ring(impl):
   # Named alone (or only fused names in a sequence) they are refused with the reason; in a
   # sequence with jattn's kernels they are skipped (the p4_dense_* case of _ring_worker).
   q, k, v = _qkv()
-  with pytest.raises(NotImplementedError, match="cannot run '(splash|cudnn)' per shard pair"):
+  with pytest.raises(NotImplementedError, match="cannot run '(splash|cudnn|pallas_gpu)' per shard pair"):
     jattn.ring_attention_sharded(q, k, v, mesh=_mesh1(), seq_axis="seq", implementation=impl)
   with pytest.raises(ValueError, match="implementation must be"):
     jattn.ring_attention_sharded(q, k, v, mesh=_mesh1(), seq_axis="seq", implementation="flash")
