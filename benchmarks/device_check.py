@@ -62,7 +62,7 @@ def peaks():
 def implementations():
   """The implementations to check here: the XLA ones and this platform's fused kernels."""
   backend = jax.default_backend()
-  fused = {"gpu": ["cudnn"], "tpu": ["splash"]}.get(backend, [])
+  fused = {"gpu": ["cudnn", "pallas_gpu"], "tpu": ["splash"]}.get(backend, [])
   return ["dense", "chunked", None] + fused
 
 
