@@ -153,9 +153,6 @@ def test_lengths_blocks_skipped():
   lens = np.array([20, 33])
   blocks = _run_recorded(48, 64, 16, 16, key_value_seq_lengths=jnp.asarray(lens, jnp.int32))
   want = _expected_blocks(_dense_vis(48, 64, kv_lengths=lens), 16, 16)
-  # A run-time map (lengths as arrays) runs every block it keeps through the masked tile
-  # program: which blocks are unmasked depends on the batch (see test_batch_invariance.py).
-  want = {ij: min(kind, M.PARTIAL) for ij, kind in want.items()}
   assert blocks["fwd"] == want and blocks["bwd"] == want
   assert all(j <= 2 for (_, j) in blocks["fwd"])
 
@@ -164,7 +161,7 @@ def test_packed_segments_blocks_skipped():
   q_seg = np.repeat(np.arange(4), 16)[None].repeat(2, 0)  # four 16-token documents
   blocks = _run_recorded(64, 64, 16, 16, q_segment_ids=jnp.asarray(q_seg, jnp.int32),
                          kv_segment_ids=jnp.asarray(q_seg, jnp.int32))
-  assert blocks["fwd"] == {(i, i): M.PARTIAL for i in range(4)}  # a run-time map: masked
+  assert blocks["fwd"] == {(i, i): M.FULL for i in range(4)}
   assert blocks["bwd"] == blocks["fwd"]
 
 
