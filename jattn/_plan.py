@@ -212,14 +212,7 @@ def block_map_and_kinds(mask, grid, shape):
   if xp is np:
     kinds = tuple(int(x) for x in np.unique(states))
   else:
-    # A run-time map comes from the examples' data (lengths, segment ids, a mask array) and is
-    # the batch's: a block one sequence alone would find FULL is PARTIAL when another sequence
-    # of the batch hides part of it. The unmasked and masked tile programs may round the same
-    # logits differently (XLA fuses a soft cap's tanh differently around the mask: 1 ulp,
-    # measured on the CPU), so every non-empty block takes the masked one: a sequence's bits do
-    # not depend on what else is in the batch (batch invariance), as in the parallel schedule.
-    states = jnp.minimum(states, PARTIAL).astype(jnp.int8)
-    kinds = (EMPTY, PARTIAL)
+    kinds = (EMPTY, PARTIAL, FULL)
   return states, kinds
 
 
