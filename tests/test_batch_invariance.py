@@ -92,6 +92,20 @@ def test_dot_product_attention_alone_equals_in_batch(impl, option, dtype):
   assert not np.array_equal(np.asarray(batched[0][0]), np.asarray(batched[0][2]))
 
 
+@pytest.mark.parametrize("impl", ["serial", "parallel"])
+def test_a_static_mask_of_each_example_alone_equals_in_batch(impl):
+  # A NumPy mask (known when traced: a static block map, reduced over the batch). Block (0, 0)
+  # is partly hidden for example 2 only, the keys past 100 for example 1 only: alone, the other
+  # examples find those blocks unmasked. With a soft cap.
+  mask = np.ones((B, 1, T, S), bool)
+  mask[1, :, :, 100:] = False
+  mask[2, :, 5:9, :] = False
+  call = lambda q, k, v, mask: jattn.dot_product_attention(
+      q, k, v, mask=np.asarray(mask), logits_soft_cap=5.0, return_residual=True, **_IMPLS[impl])
+  batched, alone = _alone_and_batched(call, _arrays(jnp.float32), dict(mask=mask))
+  _assert_same_bits(batched, alone)
+
+
 def test_decoding_split_over_lanes_alone_equals_in_batch():
   # One query row per sequence against the cache: the parallel schedule deals the keys over 16
   # lanes (split-KV) and merges the lanes' parts; run-time lengths make the block map the
