@@ -73,7 +73,7 @@ def _assert_same_bits(batched, alone):
 # programs round cap * tanh(s / cap) 1 ulp apart in XLA's CPU code (not the merges; an
 # optimization barrier after the cap does not change it). The parallel schedule masks every tile
 # of a run-time map and holds.
-_GAP = pytest.mark.xfail(strict=True, reason="serial schedule, soft cap, run-time mask")
+_GAP = pytest.mark.xfail(strict=True, reason="serial schedule, soft cap, per-example mask")
 _CASES = [pytest.param(impl, option, marks=_GAP if impl == "serial" and "cap" in option else ())
           for impl in _IMPLS for option in _OPTIONS]
 
