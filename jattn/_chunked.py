@@ -411,11 +411,12 @@ def _lane_steps(tables: _LaneTables, steps, masked, carry0, visit, const, rows0,
       return carry, acc, held, shared
 
     acc, shared = state
-    held0 = (jnp.full((W,), R, jnp.int32), init_g)
-    carry, acc, (held_rows, held_parts), shared = jax.lax.fori_loop(
-        0, steps, step, (init_g, acc, held0, shared))
+    # Only segmented lanes hold parts: elsewhere nothing rides along the loop.
+    held0 = (jnp.full((W,), R, jnp.int32), init_g) if segmented else None
+    carry, acc, held, shared = jax.lax.fori_loop(0, steps, step, (init_g, acc, held0, shared))
     if not segmented:
       return merge(acc, final, carry, order.rounds), shared
+    held_rows, held_parts = held
     # Each lane's held part, then its last part: lane order, interleaved.
     at = jnp.stack([held_rows, final.astype(jnp.int32)], axis=1).reshape(2 * W)
     parts = jax.tree.map(lambda h, c: jnp.stack([h, c], axis=1).reshape((2 * W,) + c.shape[1:]),

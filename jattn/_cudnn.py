@@ -34,13 +34,12 @@ def supports(call) -> str | None:
   """None, or what of the bound call (`jattn._call.Call`) jax.nn's cuDNN call cannot take and
   why."""
   g, opts = call.given, call.opts
-  for name, given in (("mask objects", isinstance(g.mask, _masks.Mask)),
-                      ("q_segment_ids", g.q_seg is not None), ("sinks", g.sinks is not None),
-                      ("score_mod", opts.score_mod is not None),
-                      ("dropout", opts.dropout_rate > 0),
-                      ("logits_soft_cap", opts.logits_soft_cap is not None)):
-    if given:
-      return f"{name}: jax.nn's cuDNN call has no such input"
+  missing = _fused.missing_input("jax.nn's cuDNN call", (
+      ("mask objects", isinstance(g.mask, _masks.Mask)), ("q_segment_ids", g.q_seg is not None),
+      ("sinks", g.sinks is not None), ("score_mod", opts.score_mod is not None),
+      ("dropout", opts.dropout_rate > 0), ("logits_soft_cap", opts.logits_soft_cap is not None)))
+  if missing:
+    return missing
   if call.static.Hv != call.static.H:
     return (f"a value head size Hv={call.static.Hv} other than the key's H={call.static.H}: "
             f"jax.nn's call takes value with key's shape")

@@ -100,11 +100,11 @@ def block_sizes(call) -> tuple[int, int]:
 def supports(call) -> str | None:
   """None, or what of the bound call (`jattn._call.Call`) the kernel cannot take and why."""
   s = call.static
-  for name, given in (("bias", call.given.bias is not None),
-                      ("dropout", s.opts.dropout_rate > 0),
-                      ("score_mod", s.opts.score_mod is not None)):
-    if given:
-      return f"{name}: the Pallas GPU flash kernel has no such input"
+  missing = _fused.missing_input("the Pallas GPU flash kernel", (
+      ("bias", call.given.bias is not None), ("dropout", s.opts.dropout_rate > 0),
+      ("score_mod", s.opts.score_mod is not None)))
+  if missing:
+    return missing
   parts = mask_parts(call.mask)
   if isinstance(parts, str):
     return parts

@@ -30,6 +30,15 @@ def refuse(implementation: str, name: str, reason: str):
       f"implementation={implementation!r} does not support {name}: {reason}")
 
 
+def missing_input(kernel: str, inputs) -> str | None:
+  """A kernel's `supports` reason for the first of ``inputs`` ((name, given) pairs) that the call
+  gives and the kernel has no input for, or None."""
+  for name, given in inputs:
+    if given:
+      return f"{name}: {kernel} has no such input"
+  return None
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
 def zero_empty_rows(forward, plain, pure, empty_rows, lse_of, diff, aux):
   """(out, lse) of ``forward(*diff, *aux)``, with the rows where ``empty_rows(lse)`` holds set

@@ -289,11 +289,11 @@ def _kernels(groups, bq, bk, soft_cap, save_residuals):
 def supports(call) -> str | None:
   """None, or what of the bound call (`jattn._call.Call`) splash cannot take and why."""
   s = call.static
-  for name, given in (("bias", call.given.bias is not None),
-                      ("dropout", s.opts.dropout_rate > 0),
-                      ("score_mod", s.opts.score_mod is not None)):
-    if given:
-      return f"{name}: the fused kernel has no such input"
+  missing = _fused.missing_input("the fused kernel", (
+      ("bias", call.given.bias is not None), ("dropout", s.opts.dropout_rate > 0),
+      ("score_mod", s.opts.score_mod is not None)))
+  if missing:
+    return missing
   if s.Hv != s.H:
     return (f"a value head size Hv={s.Hv} other than the key's H={s.H}: splash's kernels take "
             f"value with key's shape")
