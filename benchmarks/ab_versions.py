@@ -30,8 +30,9 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 def load_before(commit: str):
   tmp = pathlib.Path(tempfile.mkdtemp())
-  archive = subprocess.run(["git", "archive", commit, "jattn"], cwd=ROOT, check=True,
-                           capture_output=True).stdout
+  archive = subprocess.run(
+    ["git", "archive", commit, "jattn"], cwd=ROOT, check=True, capture_output=True
+  ).stdout
   subprocess.run(["tar", "-x", "-C", str(tmp)], input=archive, check=True)
   (tmp / "jattn").rename(tmp / "jattn_before")
   for f in (tmp / "jattn_before").rglob("*.py"):
@@ -47,8 +48,7 @@ def calls(lib, T: int):
   for causal in (False, True):
     kw = dict(implementation="chunked", block_q=512, block_kv=256, is_causal=causal)
     fwd = jax.jit(lambda q, k, v, kw=kw: lib.dot_product_attention(q, k, v, **kw))
-    loss = lambda q, k, v, kw=kw: lib.dot_product_attention(q, k, v, **kw).astype(
-        jnp.float32).sum()
+    loss = lambda q, k, v, kw=kw: lib.dot_product_attention(q, k, v, **kw).astype(jnp.float32).sum()
     bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
     tag = "causal" if causal else "full"
     out[f"forward/{tag}"] = fwd
@@ -63,14 +63,17 @@ def main():
   parser.add_argument("--T", type=int, default=4096)
   args = parser.parse_args()
   import jattn
+
   before = load_before(args.before)
   keys = jax.random.split(jax.random.key(0), 3)
   q, k, v = (jax.random.normal(key, (1, args.T, 8, 64), jnp.float32) for key in keys)
   libs = {"new": calls(jattn, args.T), "old": calls(before, args.T)}
   libs["jax.nn"] = {
-      "forward/full": jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v)),
-      "forward+backward/full": jax.jit(jax.grad(
-          lambda q, k, v: jax.nn.dot_product_attention(q, k, v).sum(), argnums=(0, 1, 2)))}
+    "forward/full": jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v)),
+    "forward+backward/full": jax.jit(
+      jax.grad(lambda q, k, v: jax.nn.dot_product_attention(q, k, v).sum(), argnums=(0, 1, 2))
+    ),
+  }
   times = {lib: {name: [] for name in fns} for lib, fns in libs.items()}
   for fns in libs.values():
     for fn in fns.values():
@@ -89,16 +92,24 @@ def main():
         times[lib][name].append(time.perf_counter() - t0)
   med = {lib: {n: statistics.median(ts) for n, ts in d.items()} for lib, d in times.items()}
   report = {
-      "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-      "before": args.before, "T": args.T, "repeats": args.repeats, "median_s": med,
-      "new_over_old": {n: med["new"][n] / med["old"][n] for n in med["new"]},
-      "targets": {
-          side: {"forward_vs_jax_nn": med[side]["forward/full"] / med["jax.nn"]["forward/full"],
-                 "fwd_bwd_vs_jax_nn": (med[side]["forward+backward/full"]
-                                       / med["jax.nn"]["forward+backward/full"]),
-                 "causal_vs_full_fwd_bwd": (med[side]["forward+backward/causal"]
-                                            / med[side]["forward+backward/full"])}
-          for side in ("new", "old")},
+    "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    "before": args.before,
+    "T": args.T,
+    "repeats": args.repeats,
+    "median_s": med,
+    "new_over_old": {n: med["new"][n] / med["old"][n] for n in med["new"]},
+    "targets": {
+      side: {
+        "forward_vs_jax_nn": med[side]["forward/full"] / med["jax.nn"]["forward/full"],
+        "fwd_bwd_vs_jax_nn": (
+          med[side]["forward+backward/full"] / med["jax.nn"]["forward+backward/full"]
+        ),
+        "causal_vs_full_fwd_bwd": (
+          med[side]["forward+backward/causal"] / med[side]["forward+backward/full"]
+        ),
+      }
+      for side in ("new", "old")
+    },
   }
   print(json.dumps(report, indent=1))
 

@@ -20,11 +20,11 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-from jattn.bench.runner import settle  # noqa: E402
+from jattn.bench.runner import settle
 
 B, S, K, G, H = 4, 16384, 8, 4, 128
 
@@ -33,8 +33,12 @@ def block_diagonal(q, k):
   eye = jnp.eye(K, dtype=q.dtype)
   # (B, K, K', G, H), nonzero where k == k'; rows (k, h), columns (k', g).
   qbd = jnp.transpose(q[:, :, None] * eye[None, :, :, None, None], (0, 1, 4, 2, 3))
-  s = jnp.einsum("bsc,bcd->bsd", k.reshape(B, S, K * H), qbd.reshape(B, K * H, K * G),
-                 preferred_element_type=jnp.float32)
+  s = jnp.einsum(
+    "bsc,bcd->bsd",
+    k.reshape(B, S, K * H),
+    qbd.reshape(B, K * H, K * G),
+    preferred_element_type=jnp.float32,
+  )
   return s.reshape(B, S, K, G)
 
 
@@ -44,19 +48,27 @@ def main():
     q = jax.random.normal(jax.random.key(1), (B, K, G, H)).astype(dtype)
     k_head_major = jnp.transpose(k, (0, 2, 1, 3))
     fns = {
-        "stream": (jax.jit(lambda k: k.astype(jnp.float32).sum()), (k,)),
-        "einsum": (jax.jit(lambda q, k: jnp.einsum("bskh,bkgh->bskg", k, q,
-                                                   preferred_element_type=jnp.float32)), (q, k)),
-        "head-major": (jax.jit(lambda q, k: jnp.einsum("bksh,bkgh->bksg", k, q,
-                                                       preferred_element_type=jnp.float32)),
-                       (q, k_head_major)),
-        "block-diagonal": (jax.jit(block_diagonal), (q, k)),
+      "stream": (jax.jit(lambda k: k.astype(jnp.float32).sum()), (k,)),
+      "einsum": (
+        jax.jit(
+          lambda q, k: jnp.einsum("bskh,bkgh->bskg", k, q, preferred_element_type=jnp.float32)
+        ),
+        (q, k),
+      ),
+      "head-major": (
+        jax.jit(
+          lambda q, k: jnp.einsum("bksh,bkgh->bksg", k, q, preferred_element_type=jnp.float32)
+        ),
+        (q, k_head_major),
+      ),
+      "block-diagonal": (jax.jit(block_diagonal), (q, k)),
     }
     want = np.asarray(fns["einsum"][0](q, k))
-    np.testing.assert_allclose(np.asarray(fns["block-diagonal"][0](q, k)), want, rtol=1e-4,
-                               atol=1e-3)
+    np.testing.assert_allclose(
+      np.asarray(fns["block-diagonal"][0](q, k)), want, rtol=1e-4, atol=1e-3
+    )
     times = {name: [] for name in fns}
-    for name, (f, args) in fns.items():
+    for f, args in fns.values():
       jax.block_until_ready(f(*args))
     for r in range(7):
       order = list(fns) if r % 2 == 0 else list(fns)[::-1]

@@ -22,19 +22,21 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
+import jax
+import jax.numpy as jnp
 
-from jattn.bench.runner import settle  # noqa: E402
+from jattn.bench.runner import settle
 
 B, S, K, G, H = 4, 16384, 8, 4, 128
 
 
 def walk(product, shape, block):
   """A jitted loop over the blocks of a (B, K, S, H) cache, summing ``product(j, cache, x)``."""
+
   def run(cache, x):
     step = lambda j, acc: acc + product(j, cache, x)
     return jax.lax.fori_loop(0, S // block, step, jnp.zeros(shape, jnp.float32))
+
   return jax.jit(run)
 
 
@@ -54,10 +56,12 @@ def main(argv=None):
   logits_t = lambda j, c, x: jnp.einsum("bkgh,bksh->bkgs", x, blk(c, j))
   values = lambda j, c, x: jnp.einsum("bkgs,bksh->bkgh", x, blk(c, j))
   floor = jax.jit(lambda k, v: (k.sum(), v.sum()))
-  fns = {"floor (read K and V)": (floor, (k, v)),
-         "logits": (walk(logits, (B, K, G, bk), bk), (k, q)),
-         "logits (queries as rows)": (walk(logits_t, (B, K, G, bk), bk), (k, q)),
-         "values": (walk(values, (B, K, G, H), bk), (v, p_))}
+  fns = {
+    "floor (read K and V)": (floor, (k, v)),
+    "logits": (walk(logits, (B, K, G, bk), bk), (k, q)),
+    "logits (queries as rows)": (walk(logits_t, (B, K, G, bk), bk), (k, q)),
+    "values": (walk(values, (B, K, G, H), bk), (v, p_)),
+  }
   for f, args in fns.values():
     jax.block_until_ready(f(*args))
   times = {name: [] for name in fns}

@@ -41,14 +41,24 @@ import numpy as np
 import jattn
 
 # Dense bfloat16 matmul peak and memory bandwidth per device kind (vendors' figures).
-PEAKS = {"H200": (989e12, 4.8e12), "H100": (989e12, 3.35e12), "A100": (312e12, 2.0e12),
-         "TPU v5 lite": (197e12, 0.82e12), "TPU v5": (459e12, 2.77e12),
-         "TPU v4": (275e12, 1.2e12), "TPU v6 lite": (918e12, 1.64e12)}
+PEAKS = {
+  "H200": (989e12, 4.8e12),
+  "H100": (989e12, 3.35e12),
+  "A100": (312e12, 2.0e12),
+  "TPU v5 lite": (197e12, 0.82e12),
+  "TPU v5": (459e12, 2.77e12),
+  "TPU v4": (275e12, 1.2e12),
+  "TPU v6 lite": (918e12, 1.64e12),
+}
 
 SPEED_CASES = {
-    "full": {}, "causal": dict(is_causal=True), "window": dict(local_window_size=(1024, 0)),
-    "segments": dict(segments=4), "soft cap": dict(logits_soft_cap=30.0),
-    "sinks": dict(sinks=True, is_causal=True)}
+  "full": {},
+  "causal": dict(is_causal=True),
+  "window": dict(local_window_size=(1024, 0)),
+  "segments": dict(segments=4),
+  "soft cap": dict(logits_soft_cap=30.0),
+  "sinks": dict(sinks=True, is_causal=True),
+}
 
 
 def peaks():
@@ -136,8 +146,11 @@ def reference_f32(q, k, v, *, is_causal=False, window=None, cap=None, sinks=None
 
 def _case_kwargs(case, T, N, key):
   kw = {k: v for k, v in case.items() if k not in ("segments", "sinks")}
-  ref = dict(is_causal=bool(case.get("is_causal")), window=case.get("local_window_size"),
-             cap=case.get("logits_soft_cap"))
+  ref = dict(
+    is_causal=bool(case.get("is_causal")),
+    window=case.get("local_window_size"),
+    cap=case.get("logits_soft_cap"),
+  )
   if case.get("segments"):
     seg = np.repeat(np.arange(case["segments"]), -(-T // case["segments"]))[:T]
     seg = np.broadcast_to(seg, (1, T)).astype(np.int32)
@@ -163,39 +176,56 @@ def correctness(smoke: bool):
   B, T, N, K, H = (1, 64, 4, 2, 32) if smoke else (2, 512, 8, 2, 64)
   keys = jax.random.split(jax.random.key(0), 5)
   for dtype in (jnp.float32, jnp.bfloat16):
-    q, k, v = (jax.random.normal(kk, (B, T, n, H), jnp.float32).astype(dtype)
-               for kk, n in zip(keys[:3], (N, K, K)))
+    q, k, v = (
+      jax.random.normal(kk, (B, T, n, H), jnp.float32).astype(dtype)
+      for kk, n in zip(keys[:3], (N, K, K))
+    )
     ct = jax.random.normal(keys[3], (B, T, N, H), jnp.float32)
     for n, (name, case) in enumerate(SPEED_CASES.items()):
       if smoke and n % 2 != (dtype == jnp.bfloat16):  # smoke: each case in one dtype
         continue
       kw, ref_kw = _case_kwargs(case, T, N, keys[4])
       want = reference(q, k, v, **ref_kw)
-      want_g = jax.jit(jax.grad(lambda q, k, v: (reference_f32(q, k, v, **ref_kw) * ct).sum(),
-                                argnums=(0, 1, 2)))(*(x.astype(jnp.float32) for x in (q, k, v)))
+      want_g = jax.jit(
+        jax.grad(lambda q, k, v: (reference_f32(q, k, v, **ref_kw) * ct).sum(), argnums=(0, 1, 2))
+      )(*(x.astype(jnp.float32) for x in (q, k, v)))
       for impl in implementations():
         row = dict(dtype=jnp.dtype(dtype).name, case=name, implementation=str(impl))
         try:
-          f = jax.jit(lambda q, k, v, impl=impl, kw=kw: jattn.dot_product_attention(
-              q, k, v, implementation=impl, **kw))
-          g = jax.jit(jax.grad(lambda q, k, v, f=f: (f(q, k, v).astype(jnp.float32)
-                                                     * ct).sum(), argnums=(0, 1, 2)))
+          f = jax.jit(
+            lambda q, k, v, impl=impl, kw=kw: jattn.dot_product_attention(
+              q, k, v, implementation=impl, **kw
+            )
+          )
+          g = jax.jit(
+            jax.grad(
+              lambda q, k, v, f=f: (f(q, k, v).astype(jnp.float32) * ct).sum(), argnums=(0, 1, 2)
+            )
+          )
           raw = f(q, k, v)
           out = np.asarray(raw, np.float64)
           scale = max(np.abs(want).max(), 1e-30)
           rounding = np.abs(np.asarray(jnp.asarray(want, dtype), np.float64) - want).max()
-          row.update(status="ok", err=float(np.abs(out - want).max() / scale),
-                     err_over_rounding=float(np.abs(out - want).max() / max(rounding, 1e-30)))
+          row.update(
+            status="ok",
+            err=float(np.abs(out - want).max() / scale),
+            err_over_rounding=float(np.abs(out - want).max() / max(rounding, 1e-30)),
+          )
           grads = g(q, k, v)
-          row["grad_err"] = float(max(
+          row["grad_err"] = float(
+            max(
               np.abs(np.asarray(a, np.float32) - np.asarray(b)).max()
-              / max(np.abs(np.asarray(b)).max(), 1e-30) for a, b in zip(grads, want_g)))
-          bitwise = lambda a, b: bool(np.array_equal(np.asarray(a).view(np.uint8),
-                                                     np.asarray(b).view(np.uint8)))
+              / max(np.abs(np.asarray(b)).max(), 1e-30)
+              for a, b in zip(grads, want_g)
+            )
+          )
+          bitwise = lambda a, b: bool(
+            np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+          )
           same = bitwise(raw, f(q, k, v))
           same_g = all(bitwise(a, b) for a, b in zip(grads, g(q, k, v)))
           bits.append(dict(row, forward_bitwise=same, grads_bitwise=same_g))
-        except Exception as e:  # noqa: BLE001 -- a backend that refuses the case is a row
+        except Exception as e:
           row.update(status=type(e).__name__, error=str(e).splitlines()[0][:200])
         rows.append(row)
   return rows, bits
@@ -209,25 +239,36 @@ def batch_invariance(smoke: bool):
   rows = []
   B, T, S, N, K, H = (4, 8, 64, 4, 2, 32) if smoke else (4, 256, 4096, 8, 2, 128)
   keys = jax.random.split(jax.random.key(1), 3)
-  q, k, v = (jax.random.normal(kk, (B, t, n, H), jnp.bfloat16)
-             for kk, t, n in zip(keys, (T, S, S), (N, K, K)))
+  q, k, v = (
+    jax.random.normal(kk, (B, t, n, H), jnp.bfloat16)
+    for kk, t, n in zip(keys, (T, S, S), (N, K, K))
+  )
   lengths = jnp.asarray([S // 3, S, 5 * S // 8, 7], jnp.int32)
   for rows_q, name in ((T, "prefill"), (1, "decode")):
     for impl in implementations():
       row = dict(case=name, implementation=str(impl))
       try:
-        f = jax.jit(lambda q, k, v, n, impl=impl: jattn.dot_product_attention(
-            q, k, v, implementation=impl, is_causal="bottom_right", key_value_seq_lengths=n,
-            return_residual=True))
+        f = jax.jit(
+          lambda q, k, v, n, impl=impl: jattn.dot_product_attention(
+            q,
+            k,
+            v,
+            implementation=impl,
+            is_causal="bottom_right",
+            key_value_seq_lengths=n,
+            return_residual=True,
+          )
+        )
         batched = f(q[:, :rows_q], k, v, lengths)
         same = True
         for b in range(B):
-          alone = f(q[b:b + 1, :rows_q], k[b:b + 1], v[b:b + 1], lengths[b:b + 1])
-          same &= all(np.array_equal(np.asarray(x[b:b + 1]).view(np.uint8),
-                                     np.asarray(y).view(np.uint8))
-                      for x, y in zip(batched, alone))
+          alone = f(q[b : b + 1, :rows_q], k[b : b + 1], v[b : b + 1], lengths[b : b + 1])
+          same &= all(
+            np.array_equal(np.asarray(x[b : b + 1]).view(np.uint8), np.asarray(y).view(np.uint8))
+            for x, y in zip(batched, alone)
+          )
         row.update(status="ok", batch_invariant=bool(same))
-      except Exception as e:  # noqa: BLE001 -- a backend that refuses the case is a row
+      except Exception as e:
         row.update(status=type(e).__name__, error=str(e).splitlines()[0][:200])
       rows.append(row)
   return rows
@@ -255,21 +296,25 @@ def speed(smoke: bool):
   rows = []
   for T in Ts:
     keys = jax.random.split(jax.random.key(T), 4)
-    q, k, v = (jax.random.normal(kk, (B, T, n, H), jnp.bfloat16)
-               for kk, n in zip(keys[:3], (N, K, K)))
+    q, k, v = (
+      jax.random.normal(kk, (B, T, n, H), jnp.bfloat16) for kk, n in zip(keys[:3], (N, K, K))
+    )
     for name, case in SPEED_CASES.items():
       kw, _ = _case_kwargs(case, T, N, keys[3])
-      loss = lambda f: jax.jit(jax.grad(lambda q, k, v: f(q, k, v).astype(jnp.float32).sum(),
-                                        argnums=(0, 1, 2)))
+      loss = lambda f: jax.jit(
+        jax.grad(lambda q, k, v: f(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+      )
       fns = {"jattn": loss(lambda q, k, v: jattn.dot_product_attention(q, k, v, **kw))}
-      nn_kw = {key: val for key, val in kw.items()
-               if key in ("is_causal", "local_window_size")}
+      nn_kw = {key: val for key, val in kw.items() if key in ("is_causal", "local_window_size")}
       if nn_kw.get("is_causal"):
         nn_kw["is_causal"] = True
       if set(kw) <= {"is_causal", "local_window_size"}:  # jax.nn has the case
-        for impl in (["xla", "cudnn"] if jax.default_backend() == "gpu" else ["xla"]):
-          fns[f"jax.nn {impl}"] = loss(lambda q, k, v, impl=impl: jax.nn.dot_product_attention(
-              q, k, v, implementation=impl, **nn_kw))
+        for impl in ["xla", "cudnn"] if jax.default_backend() == "gpu" else ["xla"]:
+          fns[f"jax.nn {impl}"] = loss(
+            lambda q, k, v, impl=impl: jax.nn.dot_product_attention(
+              q, k, v, implementation=impl, **nn_kw
+            )
+          )
       # Useful work: 4 matmuls forward+backward x 2 ... (fwd 2, bwd 5 matmul-sized products).
       frac = 0.5 if kw.get("is_causal") else 1.0
       if "local_window_size" in kw:
@@ -282,7 +327,7 @@ def speed(smoke: bool):
           row.update(status="ok", ms=ms, tflops=flops / ms / 1e9)
           if peak:
             row["pct_peak"] = 100 * flops / (ms / 1e3) / peak
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
           row.update(status=type(e).__name__, error=str(e).splitlines()[0][:200])
         rows.append(row)
   return rows
@@ -293,7 +338,7 @@ def decode(smoke: bool):
   _, (_, bandwidth) = peaks()
   B, N, K, H, ps = (2, 4, 2, 16, 16) if smoke else (8, 32, 8, 128, 16)
   rows = []
-  for S in ([256] if smoke else [8192, 32768]):
+  for S in [256] if smoke else [8192, 32768]:
     P = B * S // ps
     keys = jax.random.split(jax.random.key(S), 3)
     kp = jax.random.normal(keys[0], (P, ps, K, H), jnp.bfloat16)
@@ -303,8 +348,11 @@ def decode(smoke: bool):
     lens = jnp.full((B,), S, jnp.int32)
     outs = {}
     for impl in ("chunked", None):
-      f = jax.jit(lambda q, kp, vp, t, n, impl=impl: jattn.paged_attention(
-          q, kp, vp, t, n, implementation=impl))
+      f = jax.jit(
+        lambda q, kp, vp, t, n, impl=impl: jattn.paged_attention(
+          q, kp, vp, t, n, implementation=impl
+        )
+      )
       row = dict(S=S, B=B, implementation=str(impl))
       try:
         ms = _median_ms({"f": lambda f=f: f(q, kp, vp, table, lens)}, 1 if smoke else 20)["f"]
@@ -315,7 +363,7 @@ def decode(smoke: bool):
           row["pct_bandwidth"] = 100 * read / (ms / 1e3) / bandwidth
         twice = np.asarray(f(q, kp, vp, table, lens), np.float32)
         row["bitwise_rerun"] = bool(np.array_equal(twice, outs[impl]))
-      except Exception as e:  # noqa: BLE001
+      except Exception as e:
         row.update(status=type(e).__name__, error=str(e).splitlines()[0][:200])
       rows.append(row)
     if len(outs) == 2:
@@ -329,8 +377,11 @@ def decode(smoke: bool):
 
 
 def markdown(report: dict) -> str:
-  lines = [f"# device check: {report['device']} ({report['backend']}), jax {report['jax']}",
-           f"{report['started']}, {report['seconds']:.0f} s", ""]
+  lines = [
+    f"# device check: {report['device']} ({report['backend']}), jax {report['jax']}",
+    f"{report['started']}, {report['seconds']:.0f} s",
+    "",
+  ]
   for section, rows in report["sections"].items():
     lines.append(f"## {section}")
     if isinstance(rows, dict):  # a section that failed as a whole
@@ -350,12 +401,18 @@ def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--smoke", action="store_true", help="tiny shapes, one repeat (any device)")
   parser.add_argument("--out", default="device_check", help="writes OUT.json and OUT.md")
-  parser.add_argument("--sections", nargs="*",
-                      default=["correctness", "batch_invariance", "speed", "decode"])
+  parser.add_argument(
+    "--sections", nargs="*", default=["correctness", "batch_invariance", "speed", "decode"]
+  )
   a = parser.parse_args(argv)
   start = time.time()
-  report = dict(device=peaks()[0], backend=jax.default_backend(), jax=jax.__version__,
-                started=time.strftime("%Y-%m-%d %H:%M:%S"), sections={})
+  report = dict(
+    device=peaks()[0],
+    backend=jax.default_backend(),
+    jax=jax.__version__,
+    started=time.strftime("%Y-%m-%d %H:%M:%S"),
+    sections={},
+  )
   for section in a.sections:
     try:
       if section == "correctness":
@@ -363,11 +420,16 @@ def main(argv=None) -> int:
         report["sections"]["correctness"] = rows
         report["sections"]["determinism"] = bits
       else:
-        report["sections"][section] = {"batch_invariance": batch_invariance, "speed": speed,
-                                       "decode": decode}[section](a.smoke)
-    except Exception as e:  # noqa: BLE001 -- keep what the other sections measured
-      report["sections"][section] = {"error": f"{type(e).__name__}: {e}",
-                                     "traceback": traceback.format_exc()}
+        report["sections"][section] = {
+          "batch_invariance": batch_invariance,
+          "speed": speed,
+          "decode": decode,
+        }[section](a.smoke)
+    except Exception as e:
+      report["sections"][section] = {
+        "error": f"{type(e).__name__}: {e}",
+        "traceback": traceback.format_exc(),
+      }
     print(f"{section}: done at {time.time() - start:.0f} s", file=sys.stderr)
   report["seconds"] = time.time() - start
   with open(a.out + ".json", "w") as f:

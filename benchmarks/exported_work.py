@@ -23,8 +23,9 @@ from jattn.bench import structure
 
 
 def compiled(fn, args, platform):
-  exp = jax.export.export(jax.jit(fn), platforms=[platform], disabled_checks=[
-      jax.export.DisabledSafetyCheck.platform()])(*args)
+  exp = jax.export.export(
+    jax.jit(fn), platforms=[platform], disabled_checks=[jax.export.DisabledSafetyCheck.platform()]
+  )(*args)
   return jax.jit(exp.call).lower(*args).compile()
 
 
@@ -41,24 +42,28 @@ def main(argv=None):
   q, k, v, do = (jax.random.normal(key, shape, jnp.float32) for key in keys)
   progs = {}
   for mask, kw in (("full", {}), ("causal", dict(is_causal=True))):
-    f = lambda q, k, v, kw=kw: jattn.dot_product_attention(q, k, v, implementation="chunked",
-                                                           **kw)
+    f = lambda q, k, v, kw=kw: jattn.dot_product_attention(q, k, v, implementation="chunked", **kw)
     train = lambda q, k, v, do, f=f: jax.vjp(f, q, k, v)[1](do)
-    for pass_, fn, args in (("forward", f, (q, k, v)), ("forward+backward", train,
-                                                         (q, k, v, do))):
+    for pass_, fn, args in (("forward", f, (q, k, v)), ("forward+backward", train, (q, k, v, do))):
       c = compiled(fn, args, a.platform)
-      progs[mask, pass_] = (c, args, structure.matmul_flops(c.as_text()),
-                            structure.loop_structure(c.as_text()).steps)
+      progs[mask, pass_] = (
+        c,
+        args,
+        structure.matmul_flops(c.as_text()),
+        structure.loop_structure(c.as_text()).steps,
+      )
   times = {key: [] for key in progs}
-  for key, (c, args, _, _) in progs.items():
+  for c, args, _, _ in progs.values():
     jax.block_until_ready(c(*args))  # warm-up
   for _ in range(a.repeats):  # interleaved rounds
     for key, (c, args, _, _) in progs.items():
       t0 = time.perf_counter()
       jax.block_until_ready(c(*args))
       times[key].append(time.perf_counter() - t0)
-  print(f"exported for {a.platform}, run on this CPU: B=1 N={a.heads} H={a.head_dim} "
-        f"T=S={a.T} float32, medians of {a.repeats}")
+  print(
+    f"exported for {a.platform}, run on this CPU: B=1 N={a.heads} H={a.head_dim} "
+    f"T=S={a.T} float32, medians of {a.repeats}"
+  )
   print("pass              mask    steps  GFLOP   time_s  causal/full")
   for pass_ in ("forward", "forward+backward"):
     med = {m: statistics.median(times[m, pass_]) for m in ("full", "causal")}

@@ -16,18 +16,18 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
+import jax
+import jax.numpy as jnp
 
-import jattn  # noqa: E402
-from jattn.bench.runner import settle  # noqa: E402
+import jattn
+from jattn.bench.runner import settle
 
 B, T, N, H = 1, 4096, 8, 64
 BQ, BK = 512, 256
 
 
 def plain_loops(q, k, v, mode):
-  qh = jnp.transpose(q, (0, 2, 1, 3)) * H ** -0.5
+  qh = jnp.transpose(q, (0, 2, 1, 3)) * H**-0.5
   kh, vh = jnp.transpose(k, (0, 2, 1, 3)), jnp.transpose(v, (0, 2, 1, 3))
 
   def row(i, out):
@@ -45,11 +45,14 @@ def plain_loops(q, k, v, mode):
       if mode == "+ exp":
         return m_new, l, acc + jnp.einsum("bnqs,bnsh->bnqh", p, vb)
       corr = jnp.exp(m - m_new)
-      return (m_new, l * corr + p.sum(-1),
-              acc * corr[..., None] + jnp.einsum("bnqs,bnsh->bnqh", p, vb))
+      return (
+        m_new,
+        l * corr + p.sum(-1),
+        acc * corr[..., None] + jnp.einsum("bnqs,bnsh->bnqh", p, vb),
+      )
 
     zeros = jnp.zeros((B, N, BQ))
-    m, l, acc = jax.lax.fori_loop(0, T // BK, col, (zeros - 1e30, zeros, jnp.zeros((B, N, BQ, H))))
+    _m, l, acc = jax.lax.fori_loop(0, T // BK, col, (zeros - 1e30, zeros, jnp.zeros((B, N, BQ, H))))
     result = acc / l[..., None] if mode == "online softmax" else acc
     return jax.lax.dynamic_update_slice_in_dim(out, result, i * BQ, 2)
 
@@ -58,15 +61,20 @@ def plain_loops(q, k, v, mode):
 
 def main():
   q, k, v = (jax.random.normal(key, (B, T, N, H)) for key in jax.random.split(jax.random.key(0), 3))
-  fns = {mode: jax.jit(lambda q, k, v, mode=mode: plain_loops(q, k, v, mode))
-         for mode in ("matmuls", "+ exp", "online softmax")}
-  fns["jattn"] = jax.jit(lambda q, k, v: jattn.dot_product_attention(
-      q, k, v, implementation="chunked", schedule="serial", block_q=BQ, block_kv=BK))
+  fns = {
+    mode: jax.jit(lambda q, k, v, mode=mode: plain_loops(q, k, v, mode))
+    for mode in ("matmuls", "+ exp", "online softmax")
+  }
+  fns["jattn"] = jax.jit(
+    lambda q, k, v: jattn.dot_product_attention(
+      q, k, v, implementation="chunked", schedule="serial", block_q=BQ, block_kv=BK
+    )
+  )
   for f in fns.values():
     jax.block_until_ready(f(q, k, v))
   times = {name: [] for name in fns}
   for r in range(9):
-    for name in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
+    for name in list(fns) if r % 2 == 0 else list(fns)[::-1]:
       settle()
       t = time.perf_counter()
       jax.block_until_ready(fns[name](q, k, v))

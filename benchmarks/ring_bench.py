@@ -10,7 +10,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from jattn.bench.ring_bench import main  # noqa: E402
+from jattn.bench.ring_bench import main
 
 if __name__ == "__main__":
   raise SystemExit(main())

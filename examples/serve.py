@@ -57,8 +57,9 @@ class Config:
     return self.width // self.heads
 
 
-TINY = Config(vocab=32, width=32, heads=4, kv_heads=2, layers=2, mlp=64, page_size=4, pages=96,
-              max_len=48)
+TINY = Config(
+  vocab=32, width=32, heads=4, kv_heads=2, layers=2, mlp=64, page_size=4, pages=96, max_len=48
+)
 
 
 def init(cfg: Config, key):
@@ -67,13 +68,23 @@ def init(cfg: Config, key):
   keys = iter(jax.random.split(key, 4 + 6 * cfg.layers))
   dense = lambda shape: jax.random.normal(next(keys), shape) / np.sqrt(shape[0])
   H = cfg.head_dim
-  layers = [dict(wq=dense((cfg.width, cfg.heads * H)), wk=dense((cfg.width, cfg.kv_heads * H)),
-                 wv=dense((cfg.width, cfg.kv_heads * H)), wo=dense((cfg.heads * H, cfg.width)),
-                 w1=dense((cfg.width, cfg.mlp)), w2=dense((cfg.mlp, cfg.width)))
-            for _ in range(cfg.layers)]
-  return dict(embed=jax.random.normal(next(keys), (cfg.vocab, cfg.width)),
-              pos=0.1 * jax.random.normal(next(keys), (cfg.max_len, cfg.width)),
-              head=dense((cfg.width, cfg.vocab)), layers=layers)
+  layers = [
+    dict(
+      wq=dense((cfg.width, cfg.heads * H)),
+      wk=dense((cfg.width, cfg.kv_heads * H)),
+      wv=dense((cfg.width, cfg.kv_heads * H)),
+      wo=dense((cfg.heads * H, cfg.width)),
+      w1=dense((cfg.width, cfg.mlp)),
+      w2=dense((cfg.mlp, cfg.width)),
+    )
+    for _ in range(cfg.layers)
+  ]
+  return dict(
+    embed=jax.random.normal(next(keys), (cfg.vocab, cfg.width)),
+    pos=0.1 * jax.random.normal(next(keys), (cfg.max_len, cfg.width)),
+    head=dense((cfg.width, cfg.vocab)),
+    layers=layers,
+  )
 
 
 def _norm(x):
@@ -83,9 +94,11 @@ def _norm(x):
 def _qkv(cfg: Config, layer, x):
   H = cfg.head_dim
   h = _norm(x)
-  return ((h @ layer["wq"]).reshape(x.shape[:-1] + (cfg.heads, H)),
-          (h @ layer["wk"]).reshape(x.shape[:-1] + (cfg.kv_heads, H)),
-          (h @ layer["wv"]).reshape(x.shape[:-1] + (cfg.kv_heads, H)))
+  return (
+    (h @ layer["wq"]).reshape(x.shape[:-1] + (cfg.heads, H)),
+    (h @ layer["wk"]).reshape(x.shape[:-1] + (cfg.kv_heads, H)),
+    (h @ layer["wv"]).reshape(x.shape[:-1] + (cfg.kv_heads, H)),
+  )
 
 
 def _after_attention(layer, x, attended):
@@ -105,16 +118,18 @@ def uncached_logits(cfg: Config, params, tokens):
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def engine_step(cfg: Config, params, pools, tokens, positions, row_seq, query_start, kv_lengths,
-                page_table):
+def engine_step(
+  cfg: Config, params, pools, tokens, positions, row_seq, query_start, kv_lengths, page_table
+):
   """One engine step: R ragged rows (tokens (R,), positions (R,), row_seq (R,): the slot of each
   row, or B for an unused row) of B slots; writes their keys and values into the pools and
   returns (pools, (R, V) logits)."""
   P, ps = cfg.pages, cfg.page_size
   B = page_table.shape[0]
   used = row_seq < B
-  page = jnp.take_along_axis(page_table[jnp.minimum(row_seq, B - 1)],
-                             (positions // ps)[:, None], axis=1)[:, 0]
+  page = jnp.take_along_axis(
+    page_table[jnp.minimum(row_seq, B - 1)], (positions // ps)[:, None], axis=1
+  )[:, 0]
   page = jnp.where(used, page, P)  # unused rows write nowhere (dropped)
   slot = positions % ps
   x = params["embed"][tokens] + params["pos"][jnp.clip(positions, 0, cfg.max_len - 1)]
@@ -143,8 +158,13 @@ class Request:
 def serve(cfg: Config, params, requests, *, slots: int, budget: int, chunk: int):
   """Run the engine until every request has its tokens; returns (engine steps, tokens made)."""
   H = cfg.head_dim
-  pools = [(jnp.zeros((cfg.pages, cfg.page_size, cfg.kv_heads, H)),
-            jnp.zeros((cfg.pages, cfg.page_size, cfg.kv_heads, H))) for _ in range(cfg.layers)]
+  pools = [
+    (
+      jnp.zeros((cfg.pages, cfg.page_size, cfg.kv_heads, H)),
+      jnp.zeros((cfg.pages, cfg.page_size, cfg.kv_heads, H)),
+    )
+    for _ in range(cfg.layers)
+  ]
   free = list(range(cfg.pages))
   max_pages = cfg.max_len // cfg.page_size
   table = np.zeros((slots, max_pages), np.int32)
@@ -163,7 +183,7 @@ def serve(cfg: Config, params, requests, *, slots: int, budget: int, chunk: int)
       if r is None:
         continue
       if r.done_prefill < len(r.prompt):
-        piece = r.prompt[r.done_prefill:r.done_prefill + min(chunk, budget - len(tokens))]
+        piece = r.prompt[r.done_prefill : r.done_prefill + min(chunk, budget - len(tokens))]
       else:
         piece = [r.out[-1]] if len(tokens) < budget else []
       for i, t in enumerate(piece):
@@ -180,10 +200,16 @@ def serve(cfg: Config, params, requests, *, slots: int, budget: int, chunk: int)
     pad = budget - R
     query_start = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
     pools, logits = engine_step(
-        cfg, params, pools, jnp.asarray(tokens + [0] * pad, jnp.int32),
-        jnp.asarray(positions + [0] * pad, jnp.int32),
-        jnp.asarray(row_seq + [slots] * pad, jnp.int32), jnp.asarray(query_start),
-        jnp.asarray(lengths), jnp.asarray(table))
+      cfg,
+      params,
+      pools,
+      jnp.asarray(tokens + [0] * pad, jnp.int32),
+      jnp.asarray(positions + [0] * pad, jnp.int32),
+      jnp.asarray(row_seq + [slots] * pad, jnp.int32),
+      jnp.asarray(query_start),
+      jnp.asarray(lengths),
+      jnp.asarray(table),
+    )
     logits = np.asarray(logits)
     for s, r in enumerate(running):
       if r is None or counts[s] == 0:
@@ -210,7 +236,7 @@ def greedy_uncached(cfg: Config, params, prompt, new_tokens):
   for _ in range(new_tokens):
     padded = jnp.asarray(seq + [0] * (cfg.max_len - len(seq)), jnp.int32)
     seq.append(int(np.asarray(uncached_logits(cfg, params, padded))[len(seq) - 1].argmax()))
-  return seq[len(prompt):]
+  return seq[len(prompt) :]
 
 
 def main(argv=None) -> int:
@@ -227,16 +253,26 @@ def main(argv=None) -> int:
   rng = np.random.default_rng(a.seed)
   params = init(cfg, jax.random.key(a.seed))
   top = cfg.max_len // 2
-  requests = [Request(prompt=rng.integers(0, cfg.vocab, int(rng.integers(1, top))).tolist(),
-                      new_tokens=int(rng.integers(1, cfg.max_len - top)),
-                      arrives=int(rng.integers(0, 2 * n))) for _ in range(n)]
+  requests = [
+    Request(
+      prompt=rng.integers(0, cfg.vocab, int(rng.integers(1, top))).tolist(),
+      new_tokens=int(rng.integers(1, cfg.max_len - top)),
+      arrives=int(rng.integers(0, 2 * n)),
+    )
+    for _ in range(n)
+  ]
   start = time.perf_counter()
   steps, made = serve(cfg, params, requests, slots=a.slots, budget=a.budget, chunk=a.chunk)
   elapsed = time.perf_counter() - start
-  print(f"{n} requests, {made} tokens in {steps} engine steps, {elapsed:.2f} s "
-        f"({made / elapsed:.1f} tokens/s, compile included)")
-  bad = [i for i, r in enumerate(requests)
-         if r.out != greedy_uncached(cfg, params, r.prompt, r.new_tokens)]
+  print(
+    f"{n} requests, {made} tokens in {steps} engine steps, {elapsed:.2f} s "
+    f"({made / elapsed:.1f} tokens/s, compile included)"
+  )
+  bad = [
+    i
+    for i, r in enumerate(requests)
+    if r.out != greedy_uncached(cfg, params, r.prompt, r.new_tokens)
+  ]
   if bad:
     print(f"requests {bad} differ from their uncached greedy runs", file=sys.stderr)
     return 1

@@ -22,16 +22,16 @@ import json
 import os
 import sys
 import time
-import tomllib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import tomllib
 from flax import nnx
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import jattn  # noqa: E402
+import jattn
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train_recall.toml")
 
@@ -51,8 +51,10 @@ class Task:
 
   def __post_init__(self):
     if self.num_pairs > self.num_keys:
-      raise ValueError(f"num_pairs={self.num_pairs} distinct keys need num_keys >= num_pairs, "
-                       f"got num_keys={self.num_keys}")
+      raise ValueError(
+        f"num_pairs={self.num_pairs} distinct keys need num_keys >= num_pairs, "
+        f"got num_keys={self.num_keys}"
+      )
 
   @property
   def vocab(self) -> int:
@@ -68,9 +70,11 @@ class Task:
     P, Q = self.num_pairs, self.num_queries
     kk, kv, kq = jax.random.split(key, 3)
     keys = jax.vmap(lambda k: jax.random.permutation(k, self.num_keys)[:P])(
-        jax.random.split(kk, batch_size)).astype(jnp.int32)  # (B, P), distinct per row
-    values = jax.random.randint(kv, (batch_size, P), 0, self.num_values,
-                                jnp.int32) + jnp.int32(self.num_keys)
+      jax.random.split(kk, batch_size)
+    ).astype(jnp.int32)  # (B, P), distinct per row
+    values = jax.random.randint(kv, (batch_size, P), 0, self.num_values, jnp.int32) + jnp.int32(
+      self.num_keys
+    )
     which = jax.random.randint(kq, (batch_size, Q), 0, P, jnp.int32)
     qkeys = jnp.take_along_axis(keys, which, axis=1)
     answers = jnp.take_along_axis(values, which, axis=1)
@@ -91,10 +95,18 @@ class Block(nnx.Module):
     d = m["d_model"]
     self.ln1 = nnx.LayerNorm(d, dtype=dtype, rngs=rngs)
     self.attn = jattn.nnx.MultiHeadAttention(
-        m["num_heads"], d, num_kv_heads=m["num_kv_heads"], dtype=dtype, is_causal=True,
-        rope=True, dropout_rate=m["attention_dropout"], implementation=implementation,
-        block_q=m["block_q"] if implementation == "chunked" else None,
-        block_kv=m["block_kv"] if implementation == "chunked" else None, rngs=rngs)
+      m["num_heads"],
+      d,
+      num_kv_heads=m["num_kv_heads"],
+      dtype=dtype,
+      is_causal=True,
+      rope=True,
+      dropout_rate=m["attention_dropout"],
+      implementation=implementation,
+      block_q=m["block_q"] if implementation == "chunked" else None,
+      block_kv=m["block_kv"] if implementation == "chunked" else None,
+      rngs=rngs,
+    )
     self.ln2 = nnx.LayerNorm(d, dtype=dtype, rngs=rngs)
     self.fc1 = nnx.Linear(d, m["mlp_dim"], dtype=dtype, rngs=rngs)
     self.fc2 = nnx.Linear(m["mlp_dim"], d, dtype=dtype, rngs=rngs)
@@ -109,8 +121,9 @@ class Transformer(nnx.Module):
 
   def __init__(self, task: Task, m: dict, implementation: str, dtype, *, rngs: nnx.Rngs):
     self.embed = nnx.Embed(task.vocab, m["d_model"], dtype=dtype, rngs=rngs)
-    self.blocks = nnx.List([Block(m, implementation, dtype, rngs=rngs)
-                            for _ in range(m["num_layers"])])
+    self.blocks = nnx.List(
+      [Block(m, implementation, dtype, rngs=rngs) for _ in range(m["num_layers"])]
+    )
     self.ln = nnx.LayerNorm(m["d_model"], dtype=dtype, rngs=rngs)
     self.head = nnx.Linear(m["d_model"], task.vocab, dtype=dtype, rngs=rngs)
 
@@ -132,8 +145,9 @@ def _loss_and_accuracy(model, batch, *, deterministic, rngs=None):
 # ---- training ------------------------------------------------------------------------------
 
 
-def train(cfg: dict, implementation: str | None, dtype: str, *, steps: int | None = None,
-          log=print) -> dict:
+def train(
+  cfg: dict, implementation: str | None, dtype: str, *, steps: int | None = None, log=print
+) -> dict:
   """Train one model; returns its per-step training losses, the eval history, the trained
   model and the task (examples/generate.py generates from them).
 
@@ -147,12 +161,15 @@ def train(cfg: dict, implementation: str | None, dtype: str, *, steps: int | Non
   seed = jax.random.key(t["seed"])
   k_init, k_data, k_drop, k_eval = jax.random.split(seed, 4)
 
-  model = Transformer(task, m, implementation, compute_dtype,
-                      rngs=nnx.Rngs(params=k_init, dropout=k_drop))
+  model = Transformer(
+    task, m, implementation, compute_dtype, rngs=nnx.Rngs(params=k_init, dropout=k_drop)
+  )
   schedule = optax.warmup_cosine_decay_schedule(
-      0.0, t["learning_rate"], min(t["warmup_steps"], max(steps - 1, 1)), max(steps, 2))
-  tx = optax.chain(optax.clip_by_global_norm(1.0),
-                   optax.adamw(schedule, weight_decay=t["weight_decay"]))
+    0.0, t["learning_rate"], min(t["warmup_steps"], max(steps - 1, 1)), max(steps, 2)
+  )
+  tx = optax.chain(
+    optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=t["weight_decay"])
+  )
   optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
 
   @nnx.jit
@@ -187,11 +204,18 @@ def train(cfg: dict, implementation: str | None, dtype: str, *, steps: int | Non
     if (step + 1) % t["eval_every"] == 0 or step + 1 == steps:
       el, ea = (float(v) for v in evaluate(model))
       evals.append((step + 1, el, ea))
-      log(f"  step {step + 1:5d}  train loss {float(loss):.4f}  eval loss {el:.4f}  "
-          f"eval acc {ea:.3f}")
+      log(
+        f"  step {step + 1:5d}  train loss {float(loss):.4f}  eval loss {el:.4f}  eval acc {ea:.3f}"
+      )
   losses = np.asarray(jax.device_get(losses), np.float64)
-  return dict(losses=losses, evals=evals, seconds=time.perf_counter() - start,
-              chance=1.0 / task.num_values, model=model, task=task)
+  return dict(
+    losses=losses,
+    evals=evals,
+    seconds=time.perf_counter() - start,
+    chance=1.0 / task.num_values,
+    model=model,
+    task=task,
+  )
 
 
 def load_config(path: str) -> dict:
@@ -201,6 +225,7 @@ def load_config(path: str) -> dict:
 
 def _plot(results: dict, path: str):
   import matplotlib
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
@@ -212,8 +237,12 @@ def _plot(results: dict, path: str):
     ax2.plot(ev[:, 0], ev[:, 2], styles[i % 4] + "o", label=name, ms=3)
   chance = next(iter(results.values()))["chance"]
   ax2.axhline(chance, color="gray", lw=0.8, label="chance")
-  ax1.set(xlabel="step", ylabel="training loss (cross-entropy)", yscale="log",
-          title="associative recall: training loss")
+  ax1.set(
+    xlabel="step",
+    ylabel="training loss (cross-entropy)",
+    yscale="log",
+    title="associative recall: training loss",
+  )
   ax2.set(xlabel="step", ylabel="eval accuracy", ylim=(0, 1.02), title="held-out accuracy")
   ax1.legend()
   ax2.legend()
@@ -224,8 +253,11 @@ def _plot(results: dict, path: str):
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  p.add_argument("--config", default=DEFAULT_CONFIG,
-                 help="TOML config (default: examples/train_recall.toml, beside this script)")
+  p.add_argument(
+    "--config",
+    default=DEFAULT_CONFIG,
+    help="TOML config (default: examples/train_recall.toml, beside this script)",
+  )
   p.add_argument("--steps", type=int, default=None, help="override [train] steps")
   p.add_argument("--out", default="results/train_recall", help="folder for the PNG and JSON")
   args = p.parse_args(argv)
@@ -234,19 +266,24 @@ def main(argv=None):
 
   results = {}
   for run in cfg["run"]:
-    print(f"{run['name']}: implementation={run['implementation']}, compute dtype={run['dtype']}, "
-          f"params float32")
+    print(
+      f"{run['name']}: implementation={run['implementation']}, compute dtype={run['dtype']}, "
+      f"params float32"
+    )
     results[run["name"]] = train(cfg, run["implementation"], run["dtype"], steps=args.steps)
 
-  print(f"\n{'run':16s} {'final train loss':>16s} {'eval loss':>10s} {'eval acc':>9s} "
-        f"{'seconds':>8s}")
+  print(
+    f"\n{'run':16s} {'final train loss':>16s} {'eval loss':>10s} {'eval acc':>9s} {'seconds':>8s}"
+  )
   for name, r in results.items():
     _, el, ea = r["evals"][-1]
     print(f"{name:16s} {r['losses'][-1]:16.4f} {el:10.4f} {ea:9.3f} {r['seconds']:8.1f}")
   print(f"chance accuracy: {next(iter(results.values()))['chance']:.3f}")
 
-  summary = {name: dict(final_train_loss=float(r["losses"][-1]), evals=r["evals"],
-                        seconds=r["seconds"]) for name, r in results.items()}
+  summary = {
+    name: dict(final_train_loss=float(r["losses"][-1]), evals=r["evals"], seconds=r["seconds"])
+    for name, r in results.items()
+  }
   by_impl = {}
   for run in cfg["run"]:
     by_impl.setdefault(run["dtype"], {})[run["implementation"]] = run["name"]
@@ -255,10 +292,13 @@ def main(argv=None):
       a, b = results[impls["dense"]]["losses"], results[impls["chunked"]]["losses"]
       diff = np.abs(a - b)
       rel = diff / np.abs(a)
-      print(f"dense vs chunked ({dtype}): max |loss difference| over {len(a)} steps "
-            f"{diff.max():.2e} (relative {rel.max():.2e}); first 100 steps {diff[:100].max():.2e}")
-      summary[f"dense_vs_chunked_{dtype}"] = dict(max_abs=float(diff.max()),
-                                                  max_rel=float(rel.max()))
+      print(
+        f"dense vs chunked ({dtype}): max |loss difference| over {len(a)} steps "
+        f"{diff.max():.2e} (relative {rel.max():.2e}); first 100 steps {diff[:100].max():.2e}"
+      )
+      summary[f"dense_vs_chunked_{dtype}"] = dict(
+        max_abs=float(diff.max()), max_rel=float(rel.max())
+      )
   png = os.path.join(args.out, "train_recall.png")
   _plot(results, png)
   with open(os.path.join(args.out, "train_recall.json"), "w") as f:

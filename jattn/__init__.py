@@ -23,6 +23,23 @@ from jattn._tuning import tuning as tuning
 
 __version__ = "0.1.0"
 
+__all__ = [
+  "TuningTable",
+  "auto_partitioning",
+  "diagnostics",
+  "dot_product_attention",
+  "load_tuning",
+  "make_attention_fn",
+  "masks",
+  "merge_attention",
+  "paged_attention",
+  "ring_attention",
+  "ring_attention_sharded",
+  "tuning",
+  "zigzag_permute",
+  "zigzag_unpermute",
+]
+
 _LAZY_SUBMODULES = ("linen", "nnx")
 
 

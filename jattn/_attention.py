@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -20,33 +20,33 @@ from jattn._types import ArrayLike, Implementation, IsCausal, LocalWindowSize, S
 
 
 def dot_product_attention(
-    query: ArrayLike,
-    key: ArrayLike,
-    value: ArrayLike,
-    bias: ArrayLike | None = None,
-    mask: ArrayLike | _masks.Mask | None = None,
-    *,
-    scale: float | ArrayLike | None = None,
-    is_causal: IsCausal = False,
-    query_seq_lengths: ArrayLike | None = None,
-    key_value_seq_lengths: ArrayLike | None = None,
-    local_window_size: LocalWindowSize | None = None,
-    q_segment_ids: ArrayLike | None = None,
-    kv_segment_ids: ArrayLike | None = None,
-    logits_soft_cap: float | None = None,
-    dropout_rate: float = 0.0,
-    dropout_rng: ArrayLike | None = None,
-    dropout_broadcast: bool = False,
-    implementation: Implementation | Sequence[Implementation] | None = None,
-    block_q: int | None = None,
-    block_kv: int | None = None,
-    schedule: Schedule | None = None,
-    step_width: int | None = None,
-    return_residual: bool = False,
-    score_mod: Callable | None = None,
-    sinks: ArrayLike | None = None,
-    q_positions: ArrayLike | None = None,
-    kv_positions: ArrayLike | None = None,
+  query: ArrayLike,
+  key: ArrayLike,
+  value: ArrayLike,
+  bias: ArrayLike | None = None,
+  mask: ArrayLike | _masks.Mask | None = None,
+  *,
+  scale: float | ArrayLike | None = None,
+  is_causal: IsCausal = False,
+  query_seq_lengths: ArrayLike | None = None,
+  key_value_seq_lengths: ArrayLike | None = None,
+  local_window_size: LocalWindowSize | None = None,
+  q_segment_ids: ArrayLike | None = None,
+  kv_segment_ids: ArrayLike | None = None,
+  logits_soft_cap: float | None = None,
+  dropout_rate: float = 0.0,
+  dropout_rng: ArrayLike | None = None,
+  dropout_broadcast: bool = False,
+  implementation: Implementation | Sequence[Implementation] | None = None,
+  block_q: int | None = None,
+  block_kv: int | None = None,
+  schedule: Schedule | None = None,
+  step_width: int | None = None,
+  return_residual: bool = False,
+  score_mod: Callable | None = None,
+  sinks: ArrayLike | None = None,
+  q_positions: ArrayLike | None = None,
+  kv_positions: ArrayLike | None = None,
 ):
   r"""Scaled dot-product attention, numerically stable, dense or chunked.
 
@@ -125,30 +125,55 @@ def dot_product_attention(
   mean of V); its gradients are 0; masked positions never contribute inf or NaN.
   """
   opts, scale_operand = _call.options(
-      scale=scale, is_causal=is_causal, local_window_size=local_window_size,
-      logits_soft_cap=logits_soft_cap, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
-      dropout_broadcast=dropout_broadcast, implementation=implementation, block_q=block_q,
-      block_kv=block_kv, schedule=schedule, step_width=step_width,
-      return_residual=return_residual, score_mod=score_mod)
+    scale=scale,
+    is_causal=is_causal,
+    local_window_size=local_window_size,
+    logits_soft_cap=logits_soft_cap,
+    dropout_rate=dropout_rate,
+    dropout_rng=dropout_rng,
+    dropout_broadcast=dropout_broadcast,
+    implementation=implementation,
+    block_q=block_q,
+    block_kv=block_kv,
+    schedule=schedule,
+    step_width=step_width,
+    return_residual=return_residual,
+    score_mod=score_mod,
+  )
   if opts.dropout_rate == 0.0:
     dropout_rng = None
   if q_positions is not None or kv_positions is not None:
     mask, opts = _positions_mask(query, mask, q_positions, kv_positions, opts)
-  return _attention(query, key, value, bias, _call.static_mask(mask, opts), query_seq_lengths,
-                    key_value_seq_lengths, q_segment_ids, kv_segment_ids, dropout_rng, sinks,
-                    scale_operand, opts=opts)
+  return _attention(
+    query,
+    key,
+    value,
+    bias,
+    _call.static_mask(mask, opts),
+    query_seq_lengths,
+    key_value_seq_lengths,
+    q_segment_ids,
+    kv_segment_ids,
+    dropout_rng,
+    sinks,
+    scale_operand,
+    opts=opts,
+  )
 
 
 def _positions_mask(query, mask, q_positions, kv_positions, opts):
   """(mask, opts) with causality and the window moved from the keywords into a
   `jattn.masks.positions` mask ANDed with ``mask``."""
   if q_positions is None or kv_positions is None:
-    raise ValueError("q_positions and kv_positions must be given together, got only "
-                     + ("q_positions" if kv_positions is None else "kv_positions"))
+    raise ValueError(
+      "q_positions and kv_positions must be given together, got only "
+      + ("q_positions" if kv_positions is None else "kv_positions")
+    )
   if getattr(query, "ndim", None) == 3:  # unbatched: positions (T,), (S,)
     q_positions, kv_positions = (jnp.asarray(x)[None] for x in (q_positions, kv_positions))
-  by_position = _masks.positions(q_positions, kv_positions, causal=opts.causal is not None,
-                                 window=opts.window)
+  by_position = _masks.positions(
+    q_positions, kv_positions, causal=opts.causal is not None, window=opts.window
+  )
   if mask is not None:
     other = mask if isinstance(mask, _masks.Mask) else _masks.from_array(mask)
     by_position = other & by_position
@@ -156,10 +181,37 @@ def _positions_mask(query, mask, q_positions, kv_positions, opts):
 
 
 @functools.partial(jax.jit, static_argnames=("opts",))
-def _attention(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_seg, dropout_rng,
-               sinks, scale_operand, *, opts: _call.Options):
-  call = _call.bind(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_seg,
-                    dropout_rng, sinks, scale_operand, opts)
+def _attention(
+  query,
+  key,
+  value,
+  bias,
+  mask,
+  q_lengths,
+  kv_lengths,
+  q_seg,
+  kv_seg,
+  dropout_rng,
+  sinks,
+  scale_operand,
+  *,
+  opts: _call.Options,
+):
+  call = _call.bind(
+    query,
+    key,
+    value,
+    bias,
+    mask,
+    q_lengths,
+    kv_lengths,
+    q_seg,
+    kv_seg,
+    dropout_rng,
+    sinks,
+    scale_operand,
+    opts,
+  )
   out, lse = _dispatch.run(call)  # (B, T, N, Hv), (B, T, N)
   if call.static.unbatched:
     out, lse = out[0], lse[0]
@@ -168,14 +220,38 @@ def _attention(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_s
   return out, _softmax.returned_lse(lse, call.static.dtype)
 
 
-_NOT_FOR_WEIGHTS = ("dropout_rate", "dropout_rng", "dropout_broadcast", "return_residual",
-                    "implementation", "block_q", "block_kv", "schedule", "step_width")
+_NOT_FOR_WEIGHTS = (
+  "dropout_rate",
+  "dropout_rng",
+  "dropout_broadcast",
+  "return_residual",
+  "implementation",
+  "block_q",
+  "block_kv",
+  "schedule",
+  "step_width",
+)
 
 
-def attention_weights(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
-                      query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
-                      q_segment_ids=None, kv_segment_ids=None, logits_soft_cap=None,
-                      score_mod=None, sinks=None, **ignored):
+def attention_weights(
+  query,
+  key,
+  value,
+  bias=None,
+  mask=None,
+  *,
+  scale=None,
+  is_causal=False,
+  query_seq_lengths=None,
+  key_value_seq_lengths=None,
+  local_window_size=None,
+  q_segment_ids=None,
+  kv_segment_ids=None,
+  logits_soft_cap=None,
+  score_mod=None,
+  sinks=None,
+  **ignored,
+):
   """The (B, N, T, S) softmax weights (float32 for 16-bit inputs) that
   :func:`dot_product_attention` with the same arguments applies to ``value``, before dropout.
 
@@ -188,18 +264,67 @@ def attention_weights(query, key, value, bias=None, mask=None, *, scale=None, is
     if name not in _NOT_FOR_WEIGHTS:
       raise TypeError(f"attention_weights() got an unexpected keyword argument {name!r}")
   opts, scale_operand = _call.options(
-      scale=scale, is_causal=is_causal, local_window_size=local_window_size,
-      logits_soft_cap=logits_soft_cap, dropout_rate=0.0, dropout_rng=None,
-      dropout_broadcast=False, implementation="dense", block_q=None, block_kv=None,
-      schedule=None, step_width=None, return_residual=False, score_mod=score_mod)
-  return _weights(query, key, value, bias, mask, query_seq_lengths, key_value_seq_lengths,
-                  q_segment_ids, kv_segment_ids, sinks, scale_operand, opts=opts)
+    scale=scale,
+    is_causal=is_causal,
+    local_window_size=local_window_size,
+    logits_soft_cap=logits_soft_cap,
+    dropout_rate=0.0,
+    dropout_rng=None,
+    dropout_broadcast=False,
+    implementation="dense",
+    block_q=None,
+    block_kv=None,
+    schedule=None,
+    step_width=None,
+    return_residual=False,
+    score_mod=score_mod,
+  )
+  return _weights(
+    query,
+    key,
+    value,
+    bias,
+    mask,
+    query_seq_lengths,
+    key_value_seq_lengths,
+    q_segment_ids,
+    kv_segment_ids,
+    sinks,
+    scale_operand,
+    opts=opts,
+  )
 
 
 @functools.partial(jax.jit, static_argnames=("opts",))
-def _weights(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_seg, sinks,
-             scale_operand, *, opts: _call.Options):
-  call = _call.bind(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_seg, None,
-                    sinks, scale_operand, opts)
+def _weights(
+  query,
+  key,
+  value,
+  bias,
+  mask,
+  q_lengths,
+  kv_lengths,
+  q_seg,
+  kv_seg,
+  sinks,
+  scale_operand,
+  *,
+  opts: _call.Options,
+):
+  call = _call.bind(
+    query,
+    key,
+    value,
+    bias,
+    mask,
+    q_lengths,
+    kv_lengths,
+    q_seg,
+    kv_seg,
+    None,
+    sinks,
+    scale_operand,
+    opts,
+  )
   w = _dense.weights(call)
   return w[0] if call.static.unbatched else w

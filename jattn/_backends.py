@@ -13,16 +13,37 @@ register(Backend("dense", _dense.run, aliases=("xla",)))
 # The chunked kernels, through the parallel layer (Explicit-mesh splits, the Auto partitioning
 # rule) where the call is sharded.
 register(Backend("chunked", _split.chunked))
-register(Backend(
-    "splash", _splash.run, platforms=("tpu",), supports=_splash.supports, fused=True,
+register(
+  Backend(
+    "splash",
+    _splash.run,
+    platforms=("tpu",),
+    supports=_splash.supports,
+    fused=True,
     first=_splash.first,
     traced_cheaply=lambda call: _splash.builds_lazily(call.mask),
-    ring="while splash attention compiles its mask in", traced_mask=True))
-register(Backend(
-    "cudnn", _cudnn.run, platforms=("cuda",), supports=_cudnn.supports, fused=True,
+    ring="while splash attention compiles its mask in",
+    traced_mask=True,
+  )
+)
+register(
+  Backend(
+    "cudnn",
+    _cudnn.run,
+    platforms=("cuda",),
+    supports=_cudnn.supports,
+    fused=True,
     first=_cudnn.first,
-    ring="while cuDNN's kernel takes only its own causal/window/length options"))
-register(Backend(
-    "pallas_gpu", _flash_gpu.run, platforms=("cuda",), supports=_flash_gpu.supports, fused=True,
-    ring="while the Pallas GPU kernel's causal and window band is fixed when the call is "
-         "traced"))
+    ring="while cuDNN's kernel takes only its own causal/window/length options",
+  )
+)
+register(
+  Backend(
+    "pallas_gpu",
+    _flash_gpu.run,
+    platforms=("cuda",),
+    supports=_flash_gpu.supports,
+    fused=True,
+    ring="while the Pallas GPU kernel's causal and window band is fixed when the call is traced",
+  )
+)

@@ -12,7 +12,8 @@ H head dimension, G = N // K query heads per key/value head.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +23,6 @@ from jattn import _dropout, _plan, _registry, _sharding, _tile, _tuning, _valida
 from jattn import masks as _masks
 from jattn._tile import Config
 from jattn._types import concrete
-
 
 # ---- the arrays ----------------------------------------------------------------------------
 
@@ -45,8 +45,22 @@ class Arrays:
 
 
 jax.tree_util.register_dataclass(
-    Arrays, data_fields=["query", "key", "value", "bias", "mask", "q_lengths", "kv_lengths",
-                         "q_seg", "kv_seg", "sinks"], meta_fields=["unbatched"])
+  Arrays,
+  data_fields=[
+    "query",
+    "key",
+    "value",
+    "bias",
+    "mask",
+    "q_lengths",
+    "kv_lengths",
+    "q_seg",
+    "kv_seg",
+    "sinks",
+  ],
+  meta_fields=["unbatched"],
+)
+
 
 def _qkv(query, key, value):
   """query, key and value checked in the order that names the wrong one: query alone, key
@@ -59,26 +73,33 @@ def _qkv(query, key, value):
   if key.ndim != query.ndim:
     raise ValueError(f"key must have the rank of query ({query.ndim}): {shapes}")
   if key.dtype != query.dtype:
-    raise TypeError(f"key must have the dtype of query: query.dtype={query.dtype}, "
-                    f"key.dtype={key.dtype}")
+    raise TypeError(
+      f"key must have the dtype of query: query.dtype={query.dtype}, key.dtype={key.dtype}"
+    )
   batched = query.ndim == 4
   if batched and key.shape[0] != query.shape[0]:
-    raise ValueError(f"key must have the batch size B of query (B={query.shape[0]}), got "
-                     f"B={key.shape[0]}: {shapes}")
+    raise ValueError(
+      f"key must have the batch size B of query (B={query.shape[0]}), got "
+      f"B={key.shape[0]}: {shapes}"
+    )
   H, Hk = query.shape[-1], key.shape[-1]
   if Hk != H:
     raise ValueError(f"key must have the head dim H of query (H={H}), got H={Hk}: {shapes}")
   N, K = query.shape[-2], key.shape[-2]
   if K == 0 or N % K:
-    raise ValueError(f"the number of query heads N={N} must be a multiple of the number of "
-                     f"key/value heads K={K} ({shapes})")
+    raise ValueError(
+      f"the number of query heads N={N} must be a multiple of the number of "
+      f"key/value heads K={K} ({shapes})"
+    )
   value = _validation.float_array("value", value)
   kv = f"key.shape={key.shape}, value.shape={value.shape}"
   if value.ndim != key.ndim:
     raise ValueError(f"value must have the rank of key ({key.ndim}): {kv}")
   if value.dtype != key.dtype:
-    raise TypeError(f"value must have the dtype of key (and query): key.dtype={key.dtype}, "
-                    f"value.dtype={value.dtype}")
+    raise TypeError(
+      f"value must have the dtype of key (and query): key.dtype={key.dtype}, "
+      f"value.dtype={value.dtype}"
+    )
   if value.shape[:-1] != key.shape[:-1]:
     # The value's head size Hv is its own (MLA: query/key 192, value 128); the rest is key's.
     raise ValueError(f"value must have key's (B, S, K) before its head size Hv: {kv}")
@@ -99,10 +120,11 @@ def arrays(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_seg, 
       # jax.export's symbolic dimensions: the batch and the head count may be symbolic; the
       # block sizes, loop bounds and masks are planned from the lengths while tracing.
       raise NotImplementedError(
-          f"{name}'s {'length' if letter != 'H' else 'head dimension'} {letter} is the symbolic "
-          f"dimension {str(size)!r}: jattn plans blocks and masks from known lengths and head "
-          f"sizes; export one program per length (pad to it and pass key_value_seq_lengths), "
-          f"the batch B and heads N may stay symbolic")
+        f"{name}'s {'length' if letter != 'H' else 'head dimension'} {letter} is the symbolic "
+        f"dimension {str(size)!r}: jattn plans blocks and masks from known lengths and head "
+        f"sizes; export one program per length (pad to it and pass key_value_seq_lengths), "
+        f"the batch B and heads N may stay symbolic"
+      )
   if min(T, S, H) == 0:
     raise ValueError(f"empty attention: T={T}, S={S}, H={H} must all be positive")
   full = (B, N, T, S)
@@ -119,8 +141,10 @@ def arrays(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_seg, 
   if kv_lengths is not None:
     kv_lengths = _validation.int_vector("key_value_seq_lengths", kv_lengths, B)
   if (q_seg is None) != (kv_seg is None):
-    raise ValueError("q_segment_ids and kv_segment_ids must be given together, got only "
-                     + ("q_segment_ids" if kv_seg is None else "kv_segment_ids"))
+    raise ValueError(
+      "q_segment_ids and kv_segment_ids must be given together, got only "
+      + ("q_segment_ids" if kv_seg is None else "kv_segment_ids")
+    )
   if q_seg is not None:
     q_seg = _validation.segment_ids("q_segment_ids", q_seg, B, T, "T")
     kv_seg = _validation.segment_ids("kv_segment_ids", kv_seg, B, S, "S")
@@ -128,8 +152,9 @@ def arrays(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_seg, 
     sinks = _validation.float_array("sinks", sinks)
     if sinks.shape != (N,):
       raise ValueError(f"sinks must have shape (N,)=({N},), got {sinks.shape}")
-  return Arrays(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_seg, sinks,
-                unbatched)
+  return Arrays(
+    query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_seg, sinks, unbatched
+  )
 
 
 # ---- the options ---------------------------------------------------------------------------
@@ -162,27 +187,42 @@ class Options:
     return (self.implementation is None or None in given) and self.implementation != "dense"
 
 
-def options(*, scale, is_causal, local_window_size, logits_soft_cap, dropout_rate, dropout_rng,
-            dropout_broadcast, implementation, block_q, block_kv, schedule, step_width,
-            return_residual, score_mod, tuned=True):
+def options(
+  *,
+  scale,
+  is_causal,
+  local_window_size,
+  logits_soft_cap,
+  dropout_rate,
+  dropout_rng,
+  dropout_broadcast,
+  implementation,
+  block_q,
+  block_kv,
+  schedule,
+  step_width,
+  return_residual,
+  score_mod,
+  tuned=True,
+):
   """(Options, scale operand or None) of dot_product_attention's keywords, every one checked.
   What they leave open a tuning table may fill (``tuned``), when the call is bound
   (`jattn._tuning.resolve`)."""
   static_scale, scale_operand = _validation.scale_operand(scale)
   opts = Options(
-      scale=static_scale,
-      causal=_validation.causal(is_causal),
-      window=_validation.window(local_window_size),
-      logits_soft_cap=_validation.soft_cap(logits_soft_cap),
-      dropout_rate=_validation.dropout(dropout_rate, dropout_rng),
-      dropout_broadcast=_validation.flag("dropout_broadcast", dropout_broadcast),
-      implementation=_validation.implementation(implementation),
-      block_q=_validation.block("block_q", block_q),
-      block_kv=_validation.block("block_kv", block_kv),
-      schedule=_validation.one_of("schedule", schedule, _validation.SCHEDULES + (None,)),
-      step_width=_validation.positive_int("step_width", step_width, optional=True),
-      return_residual=_validation.flag("return_residual", return_residual),
-      score_mod=_validation.callable_or_none("score_mod", score_mod),
+    scale=static_scale,
+    causal=_validation.causal(is_causal),
+    window=_validation.window(local_window_size),
+    logits_soft_cap=_validation.soft_cap(logits_soft_cap),
+    dropout_rate=_validation.dropout(dropout_rate, dropout_rng),
+    dropout_broadcast=_validation.flag("dropout_broadcast", dropout_broadcast),
+    implementation=_validation.implementation(implementation),
+    block_q=_validation.block("block_q", block_q),
+    block_kv=_validation.block("block_kv", block_kv),
+    schedule=_validation.one_of("schedule", schedule, _validation.SCHEDULES + (None,)),
+    step_width=_validation.positive_int("step_width", step_width, optional=True),
+    return_residual=_validation.flag("return_residual", return_residual),
+    score_mod=_validation.callable_or_none("score_mod", score_mod),
   )
   if tuned and opts.tunable():
     opts = dataclasses.replace(opts, tuning=_tuning.fingerprint())
@@ -193,9 +233,14 @@ def static_mask(mask, opts: Options):
   """A NumPy boolean ``mask`` for a call that names a backend building its kernels from the mask
   when the call is traced (splash: its block lists) becomes a mask object known at trace time:
   part of the program instead of a run-time argument."""
-  if (isinstance(mask, np.ndarray) and mask.dtype == np.bool_ and mask.ndim <= 4
-      and any(_registry.get(n).traced_mask
-              for n in _validation.implementation_names(opts.implementation))):
+  if (
+    isinstance(mask, np.ndarray)
+    and mask.dtype == np.bool_
+    and mask.ndim <= 4
+    and any(
+      _registry.get(n).traced_mask for n in _validation.implementation_names(opts.implementation)
+    )
+  ):
     return _masks.static_array(mask)
   return mask
 
@@ -210,8 +255,8 @@ class Layout:
   `jattn._sharding.unpartitioned`), so a kernel XLA cannot partition may stand in it."""
 
   spec: Any = None
-  q_shards: tuple | None = None
-  kv_shards: tuple | None = None
+  q_shards: tuple[Any, int] | None = None
+  kv_shards: tuple[Any, int] | None = None
   unpartitioned: bool = True
 
 
@@ -244,8 +289,12 @@ class Static:
 
   def block_sizes(self, T: int | None = None, S: int | None = None) -> tuple[int, int]:
     """The chunked block sizes for T query rows and S keys (the whole call's by default)."""
-    return _plan.block_sizes(self.T if T is None else T, self.S if S is None else S,
-                             self.tuned.block_q, self.tuned.block_kv)
+    return _plan.block_sizes(
+      self.T if T is None else T,
+      self.S if S is None else S,
+      self.tuned.block_q,
+      self.tuned.block_kv,
+    )
 
   def config(self, tile_shape, *, replay=False):
     """(Config, score_mod's hoisted arrays) for tiles of ``tile_shape`` over this call (a
@@ -254,12 +303,23 @@ class Static:
     score_mod, score_args = None, ()
     if self.opts.score_mod is not None:
       score_mod, score_args = _plan.closure_convert_score_mod(
-          self.opts.score_mod, tile_shape, self.stat_dtype, replay=replay)
+        self.opts.score_mod, tile_shape, self.stat_dtype, replay=replay
+      )
       score_args = _sharding.replicated(score_args)
     opts = self.opts
-    cfg = Config(B=self.B, T=self.T, S=self.S, K=self.K, G=self.G, H=self.H, scale=self.scale,
-                 logits_soft_cap=opts.logits_soft_cap, dropout_rate=opts.dropout_rate,
-                 score_mod=score_mod, dropout_broadcast=opts.dropout_broadcast)
+    cfg = Config(
+      B=self.B,
+      T=self.T,
+      S=self.S,
+      K=self.K,
+      G=self.G,
+      H=self.H,
+      scale=self.scale,
+      logits_soft_cap=opts.logits_soft_cap,
+      dropout_rate=opts.dropout_rate,
+      score_mod=score_mod,
+      dropout_broadcast=opts.dropout_broadcast,
+    )
     return cfg, score_args
 
 
@@ -308,32 +368,60 @@ class Call:
 
 
 jax.tree_util.register_dataclass(
-    Call, data_fields=["query", "key", "value", "bias", "mask", "seed", "sink", "given", "place"],
-    meta_fields=["static"])
+  Call,
+  data_fields=["query", "key", "value", "bias", "mask", "seed", "sink", "given", "place"],
+  meta_fields=["static"],
+)
 
 
-def bind(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_seg, dropout_rng,
-         sinks, scale_operand, opts: Options) -> Call:
+def bind(
+  query,
+  key,
+  value,
+  bias,
+  mask,
+  q_lengths,
+  kv_lengths,
+  q_seg,
+  kv_seg,
+  dropout_rng,
+  sinks,
+  scale_operand,
+  opts: Options,
+) -> Call:
   """The arrays checked against each other and laid out for the kernels (inside jit)."""
   args = arrays(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_seg, sinks)
   B, T, N, H = args.query.shape
   S = args.key.shape[1]
   masked = any(x is not None for x in (args.mask, args.q_lengths, args.kv_lengths, args.q_seg))
-  tuned = _tuning.resolve(opts.tuning, (opts.block_q, opts.block_kv, opts.schedule,
-                                        opts.step_width), opts.implementation,
-                          _tuning.mask_kind(opts.causal, opts.window, masked), args.query.dtype,
-                          H, T, S)
+  tuned = _tuning.resolve(
+    opts.tuning,
+    (opts.block_q, opts.block_kv, opts.schedule, opts.step_width),
+    opts.implementation,
+    _tuning.mask_kind(opts.causal, opts.window, masked),
+    args.query.dtype,
+    H,
+    T,
+    S,
+  )
   args = _sharding.aligned_to_query(args)
   query, key, value = args.query, args.key, args.value
   layout = Layout(unpartitioned=_sharding.unpartitioned())
   if _sharding.explicit_mesh():
-    layout = Layout(*_sharding.sequence_layout(query, key, value),
-                    unpartitioned=layout.unpartitioned)
+    spec, q_shards, kv_shards = _sharding.sequence_layout(query, key, value)
+    layout = Layout(spec, q_shards, kv_shards, unpartitioned=layout.unpartitioned)
     # Every query needs every key: K and V are gathered along S (as jax.nn's XLA path does).
     key, value = _sharding.unshard_axis(key, 1), _sharding.unshard_axis(value, 1)
-  combined = _masks.from_arguments((B, N, T, S), args.mask, opts.causal, opts.window,
-                                   q_lengths=args.q_lengths, kv_lengths=args.kv_lengths,
-                                   q_segment_ids=args.q_seg, kv_segment_ids=args.kv_seg)
+  combined = _masks.from_arguments(
+    (B, N, T, S),
+    args.mask,
+    opts.causal,
+    opts.window,
+    q_lengths=args.q_lengths,
+    kv_lengths=args.kv_lengths,
+    q_segment_ids=args.q_seg,
+    kv_segment_ids=args.kv_seg,
+  )
   if scale_operand is not None:
     # A scale given as an array (traced under jit) is an operand, not a compile-time constant:
     # it scales the query (in its dtype, as splash attention folds its scale), q.k * s = (s q).k,
@@ -345,8 +433,8 @@ def bind(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_seg, dr
   K, Hv = value.shape[2], value.shape[3]
   static = Static(opts, scale, B, T, S, N, K, H, Hv, query.dtype, layout, args.unbatched, tuned)
   bias5 = None if args.bias is None else _tile.group_heads(args.bias, K, static.G)
-  sink = (None if args.sinks is None
-          else args.sinks.astype(static.stat_dtype).reshape(1, K, static.G, 1))
-  seed = (_dropout.seed_words(dropout_rng) if opts.dropout_rate > 0
-          else jnp.zeros((2,), jnp.uint32))
+  sink = (
+    None if args.sinks is None else args.sinks.astype(static.stat_dtype).reshape(1, K, static.G, 1)
+  )
+  seed = _dropout.seed_words(dropout_rng) if opts.dropout_rate > 0 else jnp.zeros((2,), jnp.uint32)
   return Call(query, key, value, bias5, combined, seed, sink, args, static)

@@ -28,7 +28,8 @@ The backward keeps its score tiles key-major, (B, K, bk, G, bq): see `_rows_matm
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -97,10 +98,12 @@ def tile_view(plan: Plan, ops: Operands, i, j, masked: bool, live=None) -> TileV
     idx = _tile.Index(q_pos, kv_pos)
   else:
     pos = ops.positions
-    idx = _tile.Index(_slice(pos.q, i * bq, bq, 0), _slice(pos.kv, j * bk, bk, 0), pos.batch0,
-                      pos.head0)
-  vis = (_tile.visible(plan.cfg, ops.mask, q_pos, kv_pos, ragged_kv=plan.ragged_kv)
-         if masked else None)
+    idx = _tile.Index(
+      _slice(pos.q, i * bq, bq, 0), _slice(pos.kv, j * bk, bk, 0), pos.batch0, pos.head0
+    )
+  vis = (
+    _tile.visible(plan.cfg, ops.mask, q_pos, kv_pos, ragged_kv=plan.ragged_kv) if masked else None
+  )
   if live is not None:
     live = jnp.reshape(live, (1, 1, 1, 1, 1))
     vis = live if vis is None else vis & live
@@ -125,8 +128,9 @@ def dispatch(kinds, state, branches, *args):
   return jax.lax.switch(index, fns, *args)
 
 
-def walk_rows(plan: Plan, ops: Operands, *, start: Callable, tile: Callable, finish: Callable,
-              outs, name: str):
+def walk_rows(
+  plan: Plan, ops: Operands, *, start: Callable, tile: Callable, finish: Callable, outs, name: str
+):
   """The query-major walk over the block map, shared by the forward pass and the diagnostics.
 
   For each query block i: ``ctx, carry = start(i)``; for each non-EMPTY key block j of row i,
@@ -145,9 +149,17 @@ def walk_rows(plan: Plan, ops: Operands, *, start: Callable, tile: Callable, fin
       return carry
 
     def body(j, carry):
-      return dispatch(plan.kinds, ops.states[i, j],
-                      {EMPTY: lambda j, c: c, PARTIAL: functools.partial(visit, masked=True),
-                       FULL: functools.partial(visit, masked=False)}, j, carry)
+      return dispatch(
+        plan.kinds,
+        ops.states[i, j],
+        {
+          EMPTY: lambda j, c: c,
+          PARTIAL: functools.partial(visit, masked=True),
+          FULL: functools.partial(visit, masked=False),
+        },
+        j,
+        carry,
+      )
 
     carry = jax.lax.fori_loop(lo(i), hi(i), body, carry0)
     return finish(i, carry, outs)
@@ -189,7 +201,7 @@ def _rows(x):
 def _unrows(x, G, lead=0):
   """The inverse of `_rows`; ``lead`` leading axes (lanes) come first."""
   at = lead + 2
-  return x.reshape(x.shape[:at] + (G, -1) + x.shape[at + 1:])
+  return x.reshape(x.shape[:at] + (G, -1) + x.shape[at + 1 :])
 
 
 def q_tile(x, i, bq, K, G):
@@ -221,8 +233,9 @@ def put_q_tile(x, tile, i, bq):
 
 def _put_kv_tile(x, tile, j, bk):
   """Write a (B, K, bk, X) tile back as block j of a (B, Sp, K, X) array."""
-  return jax.lax.dynamic_update_slice_in_dim(x, jnp.transpose(tile, (0, 2, 1, 3)).astype(x.dtype),
-                                             j * bk, axis=1)
+  return jax.lax.dynamic_update_slice_in_dim(
+    x, jnp.transpose(tile, (0, 2, 1, 3)).astype(x.dtype), j * bk, axis=1
+  )
 
 
 # --------------------------------------------------------------------------------------------
@@ -327,8 +340,10 @@ def _in_groups(tables: _LaneTables, width, per_lane, shared, run):
   Lanes added to fill the last group repeat the last lane with every step EMPTY and merge no
   part. Callers mask every step when `_pads` says padding lanes exist."""
   ln = tables.lanes
-  step_tables = [jnp.asarray(x) for x in (ln.rows, ln.columns, ln.kinds, ln.starts, ln.emit,
-                                           tables.order.hold, ln.final)]
+  step_tables = [
+    jnp.asarray(x)
+    for x in (ln.rows, ln.columns, ln.kinds, ln.starts, ln.emit, tables.order.hold, ln.final)
+  ]
   V = step_tables[0].shape[0]
   W = V if width is None else max(1, min(int(width), V))
   groups = -(-V // W)
@@ -337,8 +352,13 @@ def _in_groups(tables: _LaneTables, width, per_lane, shared, run):
     none = jnp.iinfo(jnp.int32).max  # a row past every accumulator: dropped
     fills = (None, None, EMPTY, None, none, False, none)  # None: repeat the last lane's entry
     grow = lambda x, fill=None: jnp.concatenate(
-        [x, jnp.repeat(x[-1:], pad, axis=0) if fill is None
-         else jnp.full((pad,) + x.shape[1:], fill, x.dtype)])
+      [
+        x,
+        jnp.repeat(x[-1:], pad, axis=0)
+        if fill is None
+        else jnp.full((pad,) + x.shape[1:], fill, x.dtype),
+      ]
+    )
     step_tables = [grow(x, f) for x, f in zip(step_tables, fills)]
     per_lane = jax.tree.map(grow, per_lane)
   if groups == 1:
@@ -356,8 +376,21 @@ def _pads(n_lanes: int, width) -> bool:
   return width is not None and int(width) < n_lanes and n_lanes % int(width) != 0
 
 
-def _lane_steps(tables: _LaneTables, steps, masked, carry0, visit, const, rows0, fold,
-                width=None, name=None, shared=None, gather=None, transposed=False):
+def _lane_steps(
+  tables: _LaneTables,
+  steps,
+  masked,
+  carry0,
+  visit,
+  const,
+  rows0,
+  fold,
+  width=None,
+  name=None,
+  shared=None,
+  gather=None,
+  transposed=False,
+):
   """Run ``steps`` steps; in each, every lane of a group (see `_in_groups`) visits its next
   block (vmapped over lanes): ``visit(i, j, live, masked, lane_const, lane_carry) -> (lane_carry,
   outs)``, i the step's row, j its block, ``const`` per-lane data that does not change (None
@@ -390,8 +423,10 @@ def _lane_steps(tables: _LaneTables, steps, masked, carry0, visit, const, rows0,
       if segmented:
         restart = at(starts)
         carry = jax.tree.map(
-            lambda x, x0: jnp.where(restart.reshape((-1,) + (1,) * (x.ndim - 1)), x0, x),
-            carry, init_g)
+          lambda x, x0: jnp.where(restart.reshape((-1,) + (1,) * (x.ndim - 1)), x0, x),
+          carry,
+          init_g,
+        )
       live = kinds_t != EMPTY
       fn = lambda i, j, lv, k, c: visit(i, j, lv if masked else None, masked, k, c)
       if transposed:
@@ -405,9 +440,14 @@ def _lane_steps(tables: _LaneTables, steps, masked, carry0, visit, const, rows0,
         emit_t, hold_t = at(emit), at(hold)
         acc = merge(acc, jnp.where(hold_t, R, emit_t), carry, 1)
         held_rows, held_parts = held
-        held = (jnp.where(hold_t, emit_t, held_rows),
-                jax.tree.map(lambda x, p: jnp.where(
-                    hold_t.reshape((W,) + (1,) * (x.ndim - 1)), x, p), carry, held_parts))
+        held = (
+          jnp.where(hold_t, emit_t, held_rows),
+          jax.tree.map(
+            lambda x, p: jnp.where(hold_t.reshape((W,) + (1,) * (x.ndim - 1)), x, p),
+            carry,
+            held_parts,
+          ),
+        )
       return carry, acc, held, shared
 
     acc, shared = state
@@ -419,8 +459,9 @@ def _lane_steps(tables: _LaneTables, steps, masked, carry0, visit, const, rows0,
     held_rows, held_parts = held
     # Each lane's held part, then its last part: lane order, interleaved.
     at = jnp.stack([held_rows, final.astype(jnp.int32)], axis=1).reshape(2 * W)
-    parts = jax.tree.map(lambda h, c: jnp.stack([h, c], axis=1).reshape((2 * W,) + c.shape[1:]),
-                         held_parts, carry)
+    parts = jax.tree.map(
+      lambda h, c: jnp.stack([h, c], axis=1).reshape((2 * W,) + c.shape[1:]), held_parts, carry
+    )
     return merge(acc, at, parts, order.rounds), shared
 
   return _in_groups(tables, width, (const, carry0), (rows0, shared), run)
@@ -444,9 +485,18 @@ def _forward_parallel(plan: Plan, ops: Operands, start, tile):
   m0, l0, acc0 = carry0
   R = plan.grid.num_q_blocks
   rows0 = (_softmax.no_rows(m0, R, _tile.NEG), _softmax.no_rows(l0, R), _softmax.no_rows(acc0, R))
-  rows, _ = _lane_steps(tables, steps, masked, carry0, visit,
-                        None if tables.segmented else qbs, rows0, _softmax.merge_into,
-                        plan.width, name="fwd")
+  rows, _ = _lane_steps(
+    tables,
+    steps,
+    masked,
+    carry0,
+    visit,
+    None if tables.segmented else qbs,
+    rows0,
+    _softmax.merge_into,
+    plan.width,
+    name="fwd",
+  )
   # (R, B, K, G * bq[, H]) -> (R, B, K, G, bq[, H]).
   m_r, l_r, acc_r = (_unrows(x, cfg.G, lead=1) for x in rows)
   if ops.sink is not None:
@@ -455,10 +505,10 @@ def _forward_parallel(plan: Plan, ops: Operands, start, tile):
   lse = _softmax.lse(m_r, l_r)
   # (nq, B, K, G, bq[, H]) -> (B, Tp, N[, H]): query block i holds rows i * bq ..
   R, B = out.shape[:2]
-  out = _sharding.reshape(jnp.transpose(out, (1, 0, 4, 2, 3, 5)),
-                          (B, R * plan.grid.block_q, cfg.N, -1))
-  lse = _sharding.reshape(jnp.transpose(lse, (1, 0, 4, 2, 3)),
-                          (B, R * plan.grid.block_q, cfg.N))
+  out = _sharding.reshape(
+    jnp.transpose(out, (1, 0, 4, 2, 3, 5)), (B, R * plan.grid.block_q, cfg.N, -1)
+  )
+  lse = _sharding.reshape(jnp.transpose(lse, (1, 0, 4, 2, 3)), (B, R * plan.grid.block_q, cfg.N))
   return out, lse
 
 
@@ -511,10 +561,17 @@ def backward(plan: Plan, res: Residuals, dout, dlse=None) -> Operands:
   # The (B, Tp, N, H) dQ and a full-size dBias stay outside the switch: a conditional that
   # threads a large array through its branches can copy it on every tile. The branches return
   # a tile's block contributions instead, added in place after the switch.
-  bw = _Backward(q_in, scaled, dout, _softmax.lse_for_recompute(res.lse), delta,
-                 1.0 / (1.0 - cfg.dropout_rate) if cfg.dropout_rate > 0 else None,
-                 None if bias is None else _bias_contribution_shape(
-                     bias.shape, cfg.B, cfg.K, cfg.G, grid.block_q, grid.block_kv))
+  bw = _Backward(
+    q_in,
+    scaled,
+    dout,
+    _softmax.lse_for_recompute(res.lse),
+    delta,
+    1.0 / (1.0 - cfg.dropout_rate) if cfg.dropout_rate > 0 else None,
+    None
+    if bias is None
+    else _bias_contribution_shape(bias.shape, cfg.B, cfg.K, cfg.G, grid.block_q, grid.block_kv),
+  )
   tile_grads = functools.partial(_tile_grads, plan, ops, bw)
   if plan.schedule == "parallel":
     dq, dk, dv, dbias, dargs = _backward_parallel(plan, ops, tile_grads, scale, dk_scale)
@@ -524,10 +581,18 @@ def backward(plan: Plan, res: Residuals, dout, dlse=None) -> Operands:
   if ops.sink is not None:
     dsink = _softmax.sink_gradient(ops.sink, res.lse, delta)
   zeros = lambda tree: jax.tree.map(_plan.zero_cotangent, tree)
-  return Operands(q=dq.astype(q.dtype), k=dk, v=dv,
-                  bias=None if dbias is None else dbias.astype(bias.dtype),
-                  mask=zeros(ops.mask), states=zeros(ops.states), seed=zeros(ops.seed),
-                  score_args=dargs, sink=dsink, positions=zeros(ops.positions))
+  return Operands(
+    q=dq.astype(q.dtype),
+    k=dk,
+    v=dv,
+    bias=None if dbias is None else dbias.astype(bias.dtype),
+    mask=zeros(ops.mask),
+    states=zeros(ops.states),
+    seed=zeros(ops.seed),
+    score_args=dargs,
+    sink=dsink,
+    positions=zeros(ops.positions),
+  )
 
 
 def _tile_grads(plan: Plan, ops: Operands, bw: _Backward, view: TileView, kb, vb):
@@ -551,13 +616,16 @@ def _tile_grads(plan: Plan, ops: Operands, bw: _Backward, view: TileView, kb, vb
   q2 = qb.reshape(B, K, G * bq, H)  # the G heads of a group stacked as rows
   do2 = dob.reshape(B, K, G * bq, Hv)
   s = _kv_rows_matmul(kb, q2, sd).reshape(B, K, bk, G, bq)
-  s, t = _tile.scale_cap_bias(cfg, s, None if view.bias is None else _key_major(view.bias),
-                              bw.scaled)
+  s, t = _tile.scale_cap_bias(
+    cfg, s, None if view.bias is None else _key_major(view.bias), bw.scaled
+  )
   if cfg.score_mod is not None:
     # score_mod sees the tile in its documented (B, N, tq, tk) layout.
     s, mod_vjp = jax.vjp(
-        lambda s_, a_: _key_major(_tile.apply_score_mod(cfg, _query_major(s_), view.idx, a_)),
-        s, ops.score_args)
+      lambda s_, a_: _key_major(_tile.apply_score_mod(cfg, _query_major(s_), view.idx, a_)),
+      s,
+      ops.score_args,
+    )
   if vis is not None:
     s = jnp.where(vis, s, jnp.asarray(_tile.NEG, sd))
   p = _softmax.probabilities(s, lse_b)
@@ -573,8 +641,7 @@ def _tile_grads(plan: Plan, ops: Operands, bw: _Backward, view: TileView, kb, vb
   dargs_b = jax.tree.map(jnp.zeros_like, ops.score_args)
   if cfg.score_mod is not None:
     ds, dargs_b = mod_vjp(ds)
-  dbias_b = (None if ops.bias is None
-             else _bias_contribution(_query_major(ds), bw.dbias_block_shape))
+  dbias_b = None if ops.bias is None else _bias_contribution(_query_major(ds), bw.dbias_block_shape)
   if t is not None:
     ds = ds * (1.0 - t * t)
   dsc = ds.astype(ops.q.dtype).reshape(B, K, bk, G * bq)
@@ -604,24 +671,33 @@ def _backward_serial(plan: Plan, ops: Operands, bw: _Backward, tile_grads, scale
       dkb, dvb, dargs = inner
       c = tile_grads(tile_view(plan, ops, i, j, masked), kb0, vb0)
       _hook("bwd", i, j, jnp.int8(PARTIAL if masked else FULL))
-      return ((dkb + c.dk, dvb + c.dv, jax.tree.map(jnp.add, dargs, c.dargs)),
-              (c.dq_t, c.dbias))
+      return ((dkb + c.dk, dvb + c.dv, jax.tree.map(jnp.add, dargs, c.dargs)), (c.dq_t, c.dbias))
 
     def skip(i, inner):
-      zeros = (jnp.zeros((B, K, H, G * bq), sd),
-               None if bias is None else jnp.zeros(bw.dbias_block_shape, sd))
+      zeros = (
+        jnp.zeros((B, K, H, G * bq), sd),
+        None if bias is None else jnp.zeros(bw.dbias_block_shape, sd),
+      )
       return inner, _sharding.varying_tree(zeros, *inputs)
 
     def body(i, carry):
       dkb, dvb, dq, dbias, dargs = carry
       (dkb, dvb, dargs), (dq_t, dbias_b) = dispatch(
-          plan.kinds, ops.states[i, j],
-          {EMPTY: skip, PARTIAL: functools.partial(tile, masked=True),
-           FULL: functools.partial(tile, masked=False)}, i, (dkb, dvb, dargs))
+        plan.kinds,
+        ops.states[i, j],
+        {
+          EMPTY: skip,
+          PARTIAL: functools.partial(tile, masked=True),
+          FULL: functools.partial(tile, masked=False),
+        },
+        i,
+        (dkb, dvb, dargs),
+      )
       # (B, K, H, G * bq) -> (B, bq, N, H), the rows of block i.
       rows = jnp.transpose(dq_t.reshape(B, K, H, G, bq), (0, 4, 1, 3, 2)).reshape(B, bq, K * G, H)
-      dq = jax.lax.dynamic_update_slice_in_dim(dq, _slice(dq, i * bq, bq, 1) + rows * scale,
-                                               i * bq, axis=1)
+      dq = jax.lax.dynamic_update_slice_in_dim(
+        dq, _slice(dq, i * bq, bq, 1) + rows * scale, i * bq, axis=1
+      )
       if dbias is not None:
         dbias = _accumulate_bias(dbias, dbias_b, i, j, plan)
       return dkb, dvb, dq, dbias, dargs
@@ -629,8 +705,9 @@ def _backward_serial(plan: Plan, ops: Operands, bw: _Backward, tile_grads, scale
     dkb0 = jnp.zeros_like(kb0, dtype=sd)  # (B, K, bk, H), typed like the inputs (see forward)
     dvb0 = jnp.zeros_like(vb0, dtype=sd)
     dkb0, dvb0 = _sharding.varying_tree((dkb0, dvb0), *inputs)
-    dkb, dvb, dq, dbias, dargs = jax.lax.fori_loop(lo(j), hi(j), body,
-                                                   (dkb0, dvb0, dq, dbias, dargs))
+    dkb, dvb, dq, dbias, dargs = jax.lax.fori_loop(
+      lo(j), hi(j), body, (dkb0, dvb0, dq, dbias, dargs)
+    )
     # Every key block is finished here, so dK and dV are written once, in their own dtype.
     dk = _put_kv_tile(dk, dkb * dk_scale, j, bk)
     dv = _put_kv_tile(dv, dvb, j, bk)
@@ -674,8 +751,9 @@ def _bias_sums(plan: Plan, bias, sd):
   blocked0 = None
   if tq and tk:
     blocked0 = _sharding.reshard_to(
-        jnp.zeros((grid.num_q_blocks, grid.num_kv_blocks) + block, sd),
-        jax.sharding.PartitionSpec(None, *lane_spec))
+      jnp.zeros((grid.num_q_blocks, grid.num_kv_blocks) + block, sd),
+      jax.sharding.PartitionSpec(None, *lane_spec),
+    )
   return not tq, tq and not tk, block_spec, lane_zeros, blocked0
 
 
@@ -689,20 +767,45 @@ def _backward_parallel(plan: Plan, ops: Operands, tile_grads, scale, dk_scale):
   B, K, G, H = cfg.B, cfg.K, cfg.G, q.shape[-1]
   bq, bk = grid.block_q, grid.block_kv
   nq, nk = grid.num_q_blocks, grid.num_kv_blocks
-  sd = _tile.stat_dtype(q.dtype)
+  sums = _bias_sums(plan, bias, _tile.stat_dtype(q.dtype))
+  dk_r, dv_r, blocked, dargs = _backward_kv_pass(plan, ops, tile_grads, sums)
+  # (nk, B, K, bk, H) -> (B, Sp, K, H)
+  to_seq = lambda x: _sharding.reshape(
+    jnp.transpose(x, (1, 0, 3, 2, 4)), (B, nk * bk, K, x.shape[-1])
+  )
+  dk = to_seq(dk_r * dk_scale).astype(k.dtype)
+  dv = to_seq(dv_r).astype(v.dtype)
+  dq, dbias_q = _backward_q_pass(plan, ops, tile_grads, sums)
+  if dbias_q is not None:
+    blocked = dbias_q
+  dbias = None
+  if blocked is not None:
+    dbias = _sharding.reshape(jnp.transpose(blocked, (2, 3, 4, 0, 5, 1, 6)), bias.shape)
+  # Cast before the transpose: the sequence-major copy is then in q's dtype, not float32.
+  dq = (dq * scale).astype(q.dtype)
+  dq = _sharding.reshape(dq, (nq, B, K, H, G, bq))  # (nq, B, K, H, G * bq) split
+  dq = _sharding.reshape(jnp.transpose(dq, (1, 0, 5, 2, 4, 3)), (B, nq * bq, K * G, H))
+  return dq, dk, dv, dbias, dargs
 
-  # dK, dV: lanes over key blocks (the transposed map).
+
+def _backward_kv_pass(plan: Plan, ops: Operands, tile_grads, sums):
+  """dK, dV (nk, B, K, bk, H) in float32, with key blocks side by side as lanes (the transposed
+  map), each walking its query blocks; also dBias in blocks where each (i, j) tile or each key
+  block has one writer (see `_bias_sums`), and score_mod's arrays' gradients."""
+  grid, k, v, bias = plan.grid, ops.k, ops.v, ops.bias
+  bk, nq, nk = grid.block_kv, grid.num_q_blocks, grid.num_kv_blocks
+  sd = _tile.stat_dtype(ops.q.dtype)
+  per_key, _, block_spec, lane_zeros, blocked0 = sums
   tables, steps, masked = _lanes(plan, plan.column_lanes, ops.states.T)
   kv_rows = jnp.asarray(tables.lanes.rows)[:, 0]
   kbs = jax.vmap(lambda j: kv_tile(k, j, bk))(kv_rows)
   vbs = jax.vmap(lambda j: kv_tile(v, j, bk))(kv_rows)
-  per_key, per_query, block_spec, lane_zeros, blocked0 = _bias_sums(plan, bias, sd)
   tk = bias is not None and bias.shape[4] != 1
 
   def kv_visit(j, i, live, masked, kvb, carry):
     kb, vb = (kv_tile(k, j, bk), kv_tile(v, j, bk)) if kvb is None else kvb
     c = tile_grads(tile_view(plan, ops, i, j, masked, live), kb, vb)
-    sums = (carry[0] + c.dk, carry[1] + c.dv)
+    sums: tuple[jax.Array, ...] = (carry[0] + c.dk, carry[1] + c.dv)
     if per_key:
       sums += (carry[2] + _sharding.reshard_to(c.dbias.astype(sd), block_spec),)
     return sums, (c.dbias, c.dargs)
@@ -714,59 +817,76 @@ def _backward_parallel(plan: Plan, ops: Operands, tile_grads, scale, dk_scale):
       # Steps that compute nothing (padding) write past the blocks, each at its own place.
       lane = jnp.arange(i_vec.shape[0], dtype=jnp.int32)
       i_vec = jnp.where(kinds != EMPTY, i_vec, nq + lane)
-      dbias_c = _sharding.reshard_to(dbias_c.astype(sd),
-                                     jax.sharding.PartitionSpec(None, *block_spec))
+      dbias_c = _sharding.reshard_to(
+        dbias_c.astype(sd), jax.sharding.PartitionSpec(None, *block_spec)
+      )
       blocked = blocked.at[i_vec, j_vec].add(dbias_c, mode="drop", unique_indices=True)
     return blocked, jax.tree.map(lambda a, b: a + b.sum(axis=0), dargs, dargs_c)
 
-  carry0 = (jnp.zeros_like(kbs, dtype=sd), jnp.zeros_like(vbs, dtype=sd))
+  carry0: tuple[jax.Array, ...] = (jnp.zeros_like(kbs, dtype=sd), jnp.zeros_like(vbs, dtype=sd))
   if per_key:
     carry0 += (lane_zeros(kbs.shape[0]),)
   kv_sums, (blocked, dargs) = _lane_steps(
-      tables, steps, masked, carry0, kv_visit, None if tables.segmented else (kbs, vbs),
-      tuple(_softmax.no_rows(x, nk) for x in carry0), _softmax.add_into, plan.width,
-      name="bwd", shared=(blocked0, jax.tree.map(jnp.zeros_like, ops.score_args)),
-      gather=gather, transposed=True)
-  dk_r, dv_r = kv_sums[:2]
+    tables,
+    steps,
+    masked,
+    carry0,
+    kv_visit,
+    None if tables.segmented else (kbs, vbs),
+    tuple(_softmax.no_rows(x, nk) for x in carry0),
+    _softmax.add_into,
+    plan.width,
+    name="bwd",
+    shared=(blocked0, jax.tree.map(jnp.zeros_like, ops.score_args)),
+    gather=gather,
+    transposed=True,
+  )
   if per_key:  # (nk, ...) -> (1, nk|1, ...)
     blocked = (kv_sums[2] if tk else kv_sums[2].sum(axis=0, keepdims=True))[None]
-  # (nk, B, K, bk, H) -> (B, Sp, K, H)
-  to_seq = lambda x: _sharding.reshape(jnp.transpose(x, (1, 0, 3, 2, 4)),
-                                       (B, nk * bk, K, x.shape[-1]))
-  dk = to_seq(dk_r * dk_scale).astype(k.dtype)
-  dv = to_seq(dv_r).astype(v.dtype)
+  return kv_sums[0], kv_sums[1], blocked, dargs
 
-  # dQ: lanes over query blocks, as in the forward pass.
+
+def _backward_q_pass(plan: Plan, ops: Operands, tile_grads, sums):
+  """dQ (nq, B, K, H, G * bq) in float32 with query blocks side by side as lanes, as in the
+  forward pass; and dBias in blocks (nq, 1, ...) when the bias is broadcast over keys (one
+  writer per query block), else None."""
+  cfg, grid, q, k, v = plan.cfg, plan.grid, ops.q, ops.k, ops.v
+  K, G, H = cfg.K, cfg.G, q.shape[-1]
+  bq, bk, nq = grid.block_q, grid.block_kv, grid.num_q_blocks
+  sd = _tile.stat_dtype(q.dtype)
+  _, per_query, block_spec, lane_zeros, _ = sums
   tables, steps, masked = _lanes(plan, plan.row_lanes, ops.states, plan.row_split)
   q_rows = jnp.asarray(tables.lanes.rows)[:, 0]
 
   def visit(i, j, live, masked, const, carry):
-    c = tile_grads(tile_view(plan, ops, i, j, masked, live), kv_tile(k, j, bk),
-                   kv_tile(v, j, bk))
+    c = tile_grads(tile_view(plan, ops, i, j, masked, live), kv_tile(k, j, bk), kv_tile(v, j, bk))
     if per_query:
-      return (carry[0] + c.dq_t,
-              carry[1] + _sharding.reshard_to(c.dbias.astype(sd), block_spec)), None
+      return (
+        carry[0] + c.dq_t,
+        carry[1] + _sharding.reshard_to(c.dbias.astype(sd), block_spec),
+      ), None
     return (carry[0] + c.dq_t,), None
 
   # (V, B, K, H, G * bq) zeros typed like the query tiles they sum (see forward).
   qbs = jax.vmap(lambda i: q_tile(q, i, bq, K, G))(q_rows)  # (V, B, K, G, bq, H)
-  dq0 = _sharding.reshape(jnp.zeros_like(jnp.transpose(qbs, (0, 1, 2, 5, 3, 4)), dtype=sd),
-                          qbs.shape[:3] + (H, G * bq))
+  dq0 = _sharding.reshape(
+    jnp.zeros_like(jnp.transpose(qbs, (0, 1, 2, 5, 3, 4)), dtype=sd), qbs.shape[:3] + (H, G * bq)
+  )
   carry0 = (dq0, lane_zeros(dq0.shape[0])) if per_query else (dq0,)
-  q_sums, _ = _lane_steps(tables, steps, masked, carry0, visit, None,
-                          tuple(_softmax.no_rows(x, nq) for x in carry0), _softmax.add_into,
-                          plan.width, name="bwd_dq")
-  dq = q_sums[0]
-  if per_query:  # (nq, ...) -> (nq, 1, ...)
-    blocked = q_sums[1][:, None]
-  dbias = None
-  if blocked is not None:
-    dbias = _sharding.reshape(jnp.transpose(blocked, (2, 3, 4, 0, 5, 1, 6)), bias.shape)
-  # Cast before the transpose: the sequence-major copy is then in q's dtype, not float32.
-  dq = (dq * scale).astype(q.dtype)
-  dq = _sharding.reshape(dq, (nq, B, K, H, G, bq))  # (nq, B, K, H, G * bq) split
-  dq = _sharding.reshape(jnp.transpose(dq, (1, 0, 5, 2, 4, 3)), (B, nq * bq, K * G, H))
-  return dq, dk, dv, dbias, dargs
+  q_sums, _ = _lane_steps(
+    tables,
+    steps,
+    masked,
+    carry0,
+    visit,
+    None,
+    tuple(_softmax.no_rows(x, nq) for x in carry0),
+    _softmax.add_into,
+    plan.width,
+    name="bwd_dq",
+  )
+  # (nq, ...) -> (nq, 1, ...)
+  return q_sums[0], (q_sums[1][:, None] if per_query else None)
 
 
 def _bias_contribution_shape(bias_shape, B, K, G, bq, bk):
@@ -783,15 +903,20 @@ def _bias_contribution(ds, shape):
 
 def _accumulate_bias(dbias, contrib, i, j, plan: Plan):
   """Add a tile's dBias block at its place in the (B|1,K|1,G|1,Tp|1,Sp|1) gradient."""
-  start = (0, 0, 0, i * plan.grid.block_q if dbias.shape[3] != 1 else 0,
-           j * plan.grid.block_kv if dbias.shape[4] != 1 else 0)
+  start = (
+    0,
+    0,
+    0,
+    i * plan.grid.block_q if dbias.shape[3] != 1 else 0,
+    j * plan.grid.block_kv if dbias.shape[4] != 1 else 0,
+  )
   # Integer starts of one type (x64 makes Python ints int64 next to the int32 loop indices).
-  start = tuple(jnp.asarray(x, jnp.int32) for x in start)
-  cur = jax.lax.dynamic_slice(dbias, start, contrib.shape)
+  starts = tuple(jnp.asarray(x, jnp.int32) for x in start)
+  cur = jax.lax.dynamic_slice(dbias, starts, contrib.shape)
   # Under an Explicit mesh the tile's contribution is sharded like the query (batch, heads),
   # where a broadcast or replicated bias's gradient is not: give it dBias's sharding.
   contrib = _sharding.reshard_to(contrib.astype(dbias.dtype), _sharding.spec_of(dbias))
-  return jax.lax.dynamic_update_slice(dbias, cur + contrib, start)
+  return jax.lax.dynamic_update_slice(dbias, cur + contrib, starts)
 
 
 # --------------------------------------------------------------------------------------------
@@ -845,8 +970,9 @@ def chunked_attention_grads(plan: Plan, ops: Operands, out, lse, dout, dlse) -> 
   """The cotangents of `chunked_attention`'s operands from its saved output and log-sum-exp
   (out (B, T, N, H), lse (B, T, N)) and their cotangents: its backward pass, run by a caller
   that keeps the residuals itself (the partitioned operation of `jattn._parallel.partition`)."""
-  padded, unpad = jax.vjp(lambda q, k, v, bias: _plan.pad_to_blocks(plan, q, k, v, bias),
-                          ops.q, ops.k, ops.v, ops.bias)
+  padded, unpad = jax.vjp(
+    lambda q, k, v, bias: _plan.pad_to_blocks(plan, q, k, v, bias), ops.q, ops.k, ops.v, ops.bias
+  )
   pt = plan.Tp - plan.cfg.T
 
   def rows(x, fill=0):
@@ -856,8 +982,11 @@ def chunked_attention_grads(plan: Plan, ops: Operands, out, lse, dout, dlse) -> 
   # Padded query rows get a huge positive lse: their recomputed probabilities, and their share
   # of the sinks' gradient (exp(sink - lse), times a zero delta), are exact zeros. (The empty-
   # row value NEG would give the sinks exp(sink - NEG) = inf times 0.)
-  res = Residuals(ops._replace(q=padded[0], k=padded[1], v=padded[2], bias=padded[3]),
-                  rows(out), rows(lse, -_tile.NEG))
+  res = Residuals(
+    ops._replace(q=padded[0], k=padded[1], v=padded[2], bias=padded[3]),
+    rows(out),
+    rows(lse, -_tile.NEG),
+  )
   (grads,) = _kernel_bwd(plan, res, (rows(dout), rows(dlse)))
   dq, dk, dv, dbias = unpad((grads.q, grads.k, grads.v, grads.bias))
   return grads._replace(q=dq, k=dk, v=dv, bias=dbias)
@@ -883,16 +1012,32 @@ def attend(call, cfg, score_args, saved=None):
     if mask is not None and (place.q_offset is not None or place.kv_offset is not None):
       mask = _masks.remap(mask, q_table, kv_table)
     if cfg.score_mod is not None or cfg.dropout_rate > 0:
-      positions = _plan.Positions(q_table, kv_table, 0 if place.batch0 is None else place.batch0,
-                                  0 if place.head0 is None else place.head0)
+      positions = _plan.Positions(
+        q_table,
+        kv_table,
+        0 if place.batch0 is None else place.batch0,
+        0 if place.head0 is None else place.head0,
+      )
   run = {}
   for schedule in (tuned.schedule,) if tuned.schedule else _plan.SCHEDULES:
     plan, states = _plan.make_plan(cfg, mask, bq, bk, schedule, tuned.step_width)
-    ops = Operands(q=call.query, k=call.key, v=call.value, bias=call.bias, mask=mask,
-                   states=states, seed=call.seed, score_args=score_args, sink=call.sink,
-                   positions=positions)
-    run[schedule] = (functools.partial(chunked_attention, plan, ops) if saved is None
-                     else functools.partial(chunked_attention_grads, plan, ops, *saved))
+    ops = Operands(
+      q=call.query,
+      k=call.key,
+      v=call.value,
+      bias=call.bias,
+      mask=mask,
+      states=states,
+      seed=call.seed,
+      score_args=score_args,
+      sink=call.sink,
+      positions=positions,
+    )
+    run[schedule] = (
+      functools.partial(chunked_attention, plan, ops)
+      if saved is None
+      else functools.partial(chunked_attention_grads, plan, ops, *saved)
+    )
   if tuned.schedule:
     return run[tuned.schedule]()
   return _plan.by_platform({p: run[s] for p, s in _plan.SCHEDULE_DEFAULTS.items()})

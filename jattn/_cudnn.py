@@ -10,15 +10,12 @@ next. Shape vocabulary: B T S N K H.
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 
-from jattn._tile import NEG
 from jattn import _fused, _softmax
 from jattn import masks as _masks
-
-
+from jattn._tile import NEG
 
 
 def _check_gpu():
@@ -26,23 +23,33 @@ def _check_gpu():
     jax.devices("cuda")
   except RuntimeError:
     raise NotImplementedError(
-        "implementation='cudnn' needs an NVIDIA GPU with cuDNN (jax.nn checks the cuDNN "
-        f"version when it traces the call); this process has none: {jax.devices()}") from None
+      "implementation='cudnn' needs an NVIDIA GPU with cuDNN (jax.nn checks the cuDNN "
+      f"version when it traces the call); this process has none: {jax.devices()}"
+    ) from None
 
 
 def supports(call) -> str | None:
   """None, or what of the bound call (`jattn._call.Call`) jax.nn's cuDNN call cannot take and
   why."""
   g, opts = call.given, call.opts
-  missing = _fused.missing_input("jax.nn's cuDNN call", (
-      ("mask objects", isinstance(g.mask, _masks.Mask)), ("q_segment_ids", g.q_seg is not None),
-      ("sinks", g.sinks is not None), ("score_mod", opts.score_mod is not None),
-      ("dropout", opts.dropout_rate > 0), ("logits_soft_cap", opts.logits_soft_cap is not None)))
+  missing = _fused.missing_input(
+    "jax.nn's cuDNN call",
+    (
+      ("mask objects", isinstance(g.mask, _masks.Mask)),
+      ("q_segment_ids", g.q_seg is not None),
+      ("sinks", g.sinks is not None),
+      ("score_mod", opts.score_mod is not None),
+      ("dropout", opts.dropout_rate > 0),
+      ("logits_soft_cap", opts.logits_soft_cap is not None),
+    ),
+  )
   if missing:
     return missing
   if call.static.Hv != call.static.H:
-    return (f"a value head size Hv={call.static.Hv} other than the key's H={call.static.H}: "
-            f"jax.nn's call takes value with key's shape")
+    return (
+      f"a value head size Hv={call.static.Hv} other than the key's H={call.static.H}: "
+      f"jax.nn's call takes value with key's shape"
+    )
   if call.query.dtype not in (jnp.bfloat16, jnp.float16):
     return f"query dtype {call.query.dtype}: cuDNN's flash attention takes float16 or bfloat16"
   if opts.causal == "bottom_right":
@@ -65,26 +72,43 @@ def run(call):
   """jax.nn's cuDNN kernel on a bound call: (out (B, T, N, H), lse (B, T, N)). It takes the
   arguments as given (jax.nn's layout), the query scaled if the scale is an array."""
   g, opts = call.given, call.opts
-  return cudnn_attention(call.query, call.key, call.value, g.bias, g.mask,
-                         scale=call.static.scale, causal=opts.causal, window=opts.window,
-                         q_lengths=g.q_lengths, kv_lengths=g.kv_lengths)
+  return cudnn_attention(
+    call.query,
+    call.key,
+    call.value,
+    g.bias,
+    g.mask,
+    scale=call.static.scale,
+    causal=opts.causal,
+    window=opts.window,
+    q_lengths=g.q_lengths,
+    kv_lengths=g.kv_lengths,
+  )
 
 
-def cudnn_attention(query, key, value, bias, mask, *, scale, causal, window, q_lengths,
-                    kv_lengths):
+def cudnn_attention(query, key, value, bias, mask, *, scale, causal, window, q_lengths, kv_lengths):
   """(out (B, T, N, H), lse (B, T, N) float32) through jax.nn's cuDNN kernel. ``mask`` is a
   boolean array or None (`supports` has refused what jax.nn's call cannot express)."""
   _check_gpu()
-  kw = dict(scale=scale, is_causal=causal == "top_left", local_window_size=window,
-            implementation="cudnn")
+  kw = dict(
+    scale=scale, is_causal=causal == "top_left", local_window_size=window, implementation="cudnn"
+  )
   T = query.shape[1]
 
   # The arrays jax.nn takes besides q, k, v, bias travel as operands (aux), not in closures: the
   # custom VJP runs these functions again when it is differentiated, after this trace.
   def forward(q, k, v, b, mask, q_len, kv_len):
-    out, lse = jax.nn.dot_product_attention(q, k, v, b, mask, query_seq_lengths=q_len,
-                                            key_value_seq_lengths=kv_len, return_residual=True,
-                                            **kw)
+    out, lse = jax.nn.dot_product_attention(
+      q,
+      k,
+      v,
+      b,
+      mask,
+      query_seq_lengths=q_len,
+      key_value_seq_lengths=kv_len,
+      return_residual=True,
+      **kw,
+    )
     lse = lse.astype(jnp.float32)
     # Rows emptied by the lengths, besides those the log-sum-exp shows.
     hidden = jnp.zeros(lse.shape, bool)
@@ -95,8 +119,9 @@ def cudnn_attention(query, key, value, bias, mask, *, scale, causal, window, q_l
     return out, jnp.where(hidden, -jnp.inf, lse)
 
   def plain(q, k, v, b, mask, q_len, kv_len):
-    return jax.nn.dot_product_attention(q, k, v, b, mask, query_seq_lengths=q_len,
-                                        key_value_seq_lengths=kv_len, **kw)
+    return jax.nn.dot_product_attention(
+      q, k, v, b, mask, query_seq_lengths=q_len, key_value_seq_lengths=kv_len, **kw
+    )
 
   def lse_of(q, k, v, b, mask, q_len, kv_len):
     del v
@@ -104,8 +129,15 @@ def cudnn_attention(query, key, value, bias, mask, *, scale, causal, window, q_l
 
   try:
     # No second derivative on this path (pure=None): jax.nn's cuDNN backward has none either.
-    return _fused.zero_empty_rows(forward, plain, None, _empty_rows, lse_of,
-                                  (query, key, value, bias), (mask, q_lengths, kv_lengths))
+    return _fused.zero_empty_rows(
+      forward,
+      plain,
+      None,
+      _empty_rows,
+      lse_of,
+      (query, key, value, bias),
+      (mask, q_lengths, kv_lengths),
+    )
   except ValueError as e:  # jax.nn's own limits (head dim, layout, mask shape, ...)
     raise NotImplementedError(f"implementation='cudnn': {e}") from e
 
@@ -124,8 +156,12 @@ def _lse(q, k, bias, mask, q_len, kv_len, *, scale, causal, window):
   where the caller uses the lse: jax.nn's cuDNN call returns it without one."""
   B, T, N, _ = q.shape
   S, K = k.shape[1], k.shape[2]
-  s = jnp.einsum("btkgh,bskh->bkgts", q.reshape(B, T, K, N // K, -1).astype(jnp.float32),
-                 k.astype(jnp.float32)).reshape(B, N, T, S) * scale
+  s = (
+    jnp.einsum(
+      "btkgh,bskh->bkgts", q.reshape(B, T, K, N // K, -1).astype(jnp.float32), k.astype(jnp.float32)
+    ).reshape(B, N, T, S)
+    * scale
+  )
   if bias is not None:
     s = s + bias.astype(jnp.float32).reshape((1,) * (4 - bias.ndim) + bias.shape)
   t, j = jnp.arange(T).reshape(1, 1, T, 1), jnp.arange(S).reshape(1, 1, 1, S)

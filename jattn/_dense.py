@@ -19,19 +19,36 @@ def run(call):
   Head-major and GQA-grouped: one (T, S) matmul per head."""
   s = call.static
   cfg, score_args = s.config((s.B, s.N, s.T, s.S))
-  out, lse = dense_attention(cfg, call.head_major(call.query, True),
-                             call.head_major(call.key, False), call.head_major(call.value, False),
-                             call.bias, call.mask, call.seed, score_args, call.sink)
-  return (jnp.transpose(out.reshape(s.B, s.N, s.T, s.Hv), (0, 2, 1, 3)),
-          jnp.transpose(lse.reshape(s.B, s.N, s.T), (0, 2, 1)))
+  out, lse = dense_attention(
+    cfg,
+    call.head_major(call.query, True),
+    call.head_major(call.key, False),
+    call.head_major(call.value, False),
+    call.bias,
+    call.mask,
+    call.seed,
+    score_args,
+    call.sink,
+  )
+  return (
+    jnp.transpose(out.reshape(s.B, s.N, s.T, s.Hv), (0, 2, 1, 3)),
+    jnp.transpose(lse.reshape(s.B, s.N, s.T), (0, 2, 1)),
+  )
 
 
 def weights(call):
   """The bound call's (B, N, T, S) softmax weights (see `attention_weights`)."""
   s = call.static
   cfg, score_args = s.config((s.B, s.N, s.T, s.S))
-  w = attention_weights(cfg, call.head_major(call.query, True), call.head_major(call.key, False),
-                        call.bias, call.mask, score_args, call.sink)
+  w = attention_weights(
+    cfg,
+    call.head_major(call.query, True),
+    call.head_major(call.key, False),
+    call.bias,
+    call.mask,
+    score_args,
+    call.sink,
+  )
   return w.reshape(s.B, s.N, s.T, s.S)
 
 

@@ -59,20 +59,33 @@ def order(call) -> dict:
   decoding = _plan.decoding(s.T, s.S, s.G)
   first = {}  # platform -> the backend that asks to go first there
   for name, backend in _registry.REGISTRY.items():
-    if (backend.first is not None and backend.first(call)
-        and backend.traced_cheaply(call)):
+    if backend.first is not None and backend.first(call) and backend.traced_cheaply(call):
       first.update(dict.fromkeys(backend.platforms or (), name))
-  choice = _plan.implementation_by_platform(s.B, s.N, s.T, s.S, s.G, s.dtype, call.mask,
-                                            fused=first,
-                                            keys_split=s.layout.kv_shards is not None)
+  choice = _plan.implementation_by_platform(
+    s.B,
+    s.N,
+    s.T,
+    s.S,
+    s.G,
+    s.dtype,
+    call.mask,
+    fused=first,
+    keys_split=s.layout.kv_shards is not None,
+  )
   tuned = s.tuned.implementation
   if tuned in ("chunked", "dense") and not decoding:
     # Measured: jattn's kernels beat the device's fused kernel for calls like this one.
     for platform in first:
-      choice[platform] = (tuned,) + tuple(n for n in choice[platform]
-                                          if n != tuned and not _registry.get(n).fused)
-  elif (tuned in _registry.REGISTRY and s.layout.unpartitioned and s.layout.kv_shards is None
-        and not decoding and _registry.get(tuned).traced_cheaply(call)):
+      choice[platform] = (tuned,) + tuple(
+        n for n in choice[platform] if n != tuned and not _registry.get(n).fused
+      )
+  elif (
+    tuned in _registry.REGISTRY
+    and s.layout.unpartitioned
+    and s.layout.kv_shards is None
+    and not decoding
+    and _registry.get(tuned).traced_cheaply(call)
+  ):
     # The device's tuning table measured its fused kernel faster for calls like this one
     # (square ones: decoding-shaped calls share a length bucket but were not measured). Only
     # where the program cannot be partitioned, as for splash above: jax.nn's cuDNN call

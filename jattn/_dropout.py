@@ -40,5 +40,5 @@ def keep_mask(seed, rate: float, b, h, q, k) -> jax.Array:
   x = _mix(x ^ u(q) * jnp.uint32(0x85EBCA6B))
   x = _mix(x ^ u(k) * jnp.uint32(0xC2B2AE35))
   # Compare in 32-bit integers: P(keep) = 1 - rate to within 2**-32.
-  threshold = jnp.uint32(min(int(round(rate * 2.0**32)), 2**32 - 1))
+  threshold = jnp.uint32(min(int(round(rate * 2.0**32)), 2**32 - 1))  # noqa: RUF046 -- rate may be a NumPy float
   return x >= threshold

@@ -71,16 +71,23 @@ def mask_parts(mask):
     ids = part.ids()
     if part.band() is not None:
       lo, hi = part.band()
-      band = (lo, hi) if band is None else (
+      band = (
+        (lo, hi)
+        if band is None
+        else (
           lo if band[0] is None else band[0] if lo is None else max(lo, band[0]),
-          hi if band[1] is None else band[1] if hi is None else min(hi, band[1]))
+          hi if band[1] is None else band[1] if hi is None else min(hi, band[1]),
+        )
+      )
     elif ids is not None and ids[0] == "lengths":
       lengths.append(ids[1:])
     elif ids is not None and ids[0] == "segments":
       segments.append(ids[1:])
     else:
-      return (f"mask: a {type(part).__name__} mask: the kernel takes causal masks, windows, "
-              f"lengths and segment ids only (no mask arrays, functions or positions)")
+      return (
+        f"mask: a {type(part).__name__} mask: the kernel takes causal masks, windows, "
+        f"lengths and segment ids only (no mask arrays, functions or positions)"
+      )
   if len(segments) > 1:
     return "mask: two segment-id masks at once: the kernel takes one pair of id vectors"
   return band, lengths, segments[0] if segments else None
@@ -100,32 +107,46 @@ def block_sizes(call) -> tuple[int, int]:
 def supports(call) -> str | None:
   """None, or what of the bound call (`jattn._call.Call`) the kernel cannot take and why."""
   s = call.static
-  missing = _fused.missing_input("the Pallas GPU flash kernel", (
-      ("bias", call.given.bias is not None), ("dropout", s.opts.dropout_rate > 0),
-      ("score_mod", s.opts.score_mod is not None)))
+  missing = _fused.missing_input(
+    "the Pallas GPU flash kernel",
+    (
+      ("bias", call.given.bias is not None),
+      ("dropout", s.opts.dropout_rate > 0),
+      ("score_mod", s.opts.score_mod is not None),
+    ),
+  )
   if missing:
     return missing
   parts = mask_parts(call.mask)
   if isinstance(parts, str):
     return parts
-  if jnp.dtype(s.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16),
-                                jnp.dtype(jnp.float32)):
+  if jnp.dtype(s.dtype) not in (
+    jnp.dtype(jnp.bfloat16),
+    jnp.dtype(jnp.float16),
+    jnp.dtype(jnp.float32),
+  ):
     return f"query dtype {jnp.dtype(s.dtype)}: the Triton kernel takes bfloat16, float16, float32"
   for name, size in (("H", s.H), ("Hv", s.Hv)):
     if not _pow2(size) or size < MIN_BLOCK:
-      return (f"a head size {name}={size}: Triton's loads and matmuls take powers of two, "
-              f"{MIN_BLOCK} or more")
+      return (
+        f"a head size {name}={size}: Triton's loads and matmuls take powers of two, "
+        f"{MIN_BLOCK} or more"
+      )
   for name, size in (("block_q", s.opts.block_q), ("block_kv", s.opts.block_kv)):
     if size is not None and (not _pow2(size) or size < MIN_BLOCK):
       return f"{name}={size}: Triton's blocks are powers of two, {MIN_BLOCK} or more"
   if not concrete(s.B, s.N):
     return f"a symbolic batch or head count (B={s.B}, N={s.N}): the kernel's grid counts them"
   if s.layout.spec is not None:
-    return ("inputs under an Explicit mesh: XLA cannot partition a Pallas kernel (use "
-            "'chunked', or the kernel inside a shard_map)")
+    return (
+      "inputs under an Explicit mesh: XLA cannot partition a Pallas kernel (use "
+      "'chunked', or the kernel inside a shard_map)"
+    )
   if _sharding.checks_vma(call.query):
-    return ("jax.shard_map(check_vma=True): its Pallas kernels do not type their outputs as "
-            "device-varying (JAX's pallas_call raises); use check_vma=False")
+    return (
+      "jax.shard_map(check_vma=True): its Pallas kernels do not type their outputs as "
+      "device-varying (JAX's pallas_call raises); use check_vma=False"
+    )
   return None
 
 
@@ -169,22 +190,41 @@ def run(call):
   bq, bk = block_sizes(call)
   sinks = None if call.sink is None else call.sink.reshape(s.N)
   interpret = _paged_gpu.interpreting()
-  go = functools.partial(flash_attention, call.query, call.key, call.value, call.mask, sinks,
-                         scale=s.scale, soft_cap=s.opts.logits_soft_cap, block_q=bq,
-                         block_kv=bk, interpret=interpret)
+  go = functools.partial(
+    flash_attention,
+    call.query,
+    call.key,
+    call.value,
+    call.mask,
+    sinks,
+    scale=s.scale,
+    soft_cap=s.opts.logits_soft_cap,
+    block_q=bq,
+    block_kv=bk,
+    interpret=interpret,
+  )
   if interpret:
     return go()
-  like = (jax.ShapeDtypeStruct((s.B, s.T, s.N, s.Hv), s.dtype),
-          jax.ShapeDtypeStruct((s.B, s.T, s.N), jnp.float32))
-  message = ("implementation='pallas_gpu' needs an NVIDIA GPU: this program is lowered for "
-             "{platform}. Run it on a GPU, or on a CPU inside jattn._paged_gpu.interpret_mode() "
-             "(slow; for tests), or name a fallback: implementation=('pallas_gpu', 'chunked')")
-  return _plan.by_platform({"cuda": go, "default": lambda: _fused.unavailable(
-      message, like, call.query, call.key, call.value)})
+  like = (
+    jax.ShapeDtypeStruct((s.B, s.T, s.N, s.Hv), s.dtype),
+    jax.ShapeDtypeStruct((s.B, s.T, s.N), jnp.float32),
+  )
+  message = (
+    "implementation='pallas_gpu' needs an NVIDIA GPU: this program is lowered for "
+    "{platform}. Run it on a GPU, or on a CPU inside jattn._paged_gpu.interpret_mode() "
+    "(slow; for tests), or name a fallback: implementation=('pallas_gpu', 'chunked')"
+  )
+  return _plan.by_platform(
+    {
+      "cuda": go,
+      "default": lambda: _fused.unavailable(message, like, call.query, call.key, call.value),
+    }
+  )
 
 
-def flash_attention(query, key, value, mask, sinks, *, scale, soft_cap, block_q, block_kv,
-                    interpret=False):
+def flash_attention(
+  query, key, value, mask, sinks, *, scale, soft_cap, block_q, block_kv, interpret=False
+):
   """(out (B, T, N, Hv) in the query dtype, lse (B, T, N) float32) of jattn's attention through
   the Triton kernels. ``query`` (B, T, N, H), ``key`` (B, S, K, H), ``value`` (B, S, K, Hv);
   ``mask`` the call's one jattn mask object (or None; `supports` has refused what the kernel
@@ -198,8 +238,10 @@ def flash_attention(query, key, value, mask, sinks, *, scale, soft_cap, block_q,
   band, lengths, segments = parts
   lo, hi = band if band is not None else (None, None)
   Tp, Sp = -(-T // block_q) * block_q, -(-S // block_kv) * block_kv
-  q_ids, kv_ids, q_ok, kv_ok = (jnp.broadcast_to(x, (B,) + x.shape[1:]) for x in
-                                _splash.segment_ids(B, T, S, Tp, Sp, lengths, segments))
+  q_ids, kv_ids, q_ok, kv_ok = (
+    jnp.broadcast_to(x, (B,) + x.shape[1:])
+    for x in _splash.segment_ids(B, T, S, Tp, Sp, lengths, segments)
+  )
   # Loop bounds: each example's key length (a block past it is never visited).
   kv_len = jnp.full((B,), S, jnp.int32)
   for _, kv_lengths in lengths:
@@ -209,13 +251,28 @@ def flash_attention(query, key, value, mask, sinks, *, scale, soft_cap, block_q,
 
   # A query row or key hidden from everything is zeroed (inf or NaN there would reach the
   # matmuls as 0 * NaN); padding is zero already.
-  pad = lambda x, L, ok: jnp.where(ok[:, :, None, None],
-                                   jnp.pad(x, ((0, 0), (0, L - x.shape[1]), (0, 0), (0, 0))),
-                                   jnp.zeros((), x.dtype))
+  pad = lambda x, L, ok: jnp.where(
+    ok[:, :, None, None],
+    jnp.pad(x, ((0, 0), (0, L - x.shape[1]), (0, 0), (0, 0))),
+    jnp.zeros((), x.dtype),
+  )
   q, k, v = pad(query, Tp, q_ok), pad(key, Sp, kv_ok), pad(value, Sp, kv_ok)
-  plan = Plan(T, S, Tp, Sp, block_q, block_kv, lo, hi, float(scale),
-              None if soft_cap is None else float(soft_cap), sinks is not None, N // K,
-              bool(lengths) or segments is not None or Sp != S, interpret)
+  plan = Plan(
+    T,
+    S,
+    Tp,
+    Sp,
+    block_q,
+    block_kv,
+    lo,
+    hi,
+    float(scale),
+    None if soft_cap is None else float(soft_cap),
+    sinks is not None,
+    N // K,
+    bool(lengths) or segments is not None or Sp != S,
+    interpret,
+  )
   out, lse = _flash(plan, q, k, v, sinks, q_ids, kv_ids, info)
   return out[:, :T], jnp.transpose(lse, (0, 2, 1))[:, :T]
 
@@ -240,9 +297,10 @@ def _flash_bwd(plan, res, cts):
 def _refuse_derivative(plan, primals, tangents):
   del plan, primals, tangents
   raise NotImplementedError(
-      "higher-order AD (a derivative of the gradient) of implementation='pallas_gpu': its "
-      "kernels have no derivative of their own beyond the gradient; use "
-      "implementation='chunked' or 'dense'")
+    "higher-order AD (a derivative of the gradient) of implementation='pallas_gpu': its "
+    "kernels have no derivative of their own beyond the gradient; use "
+    "implementation='chunked' or 'dense'"
+  )
 
 
 def _without_derivative(fn):
@@ -269,9 +327,9 @@ def _backward(plan, q, k, v, sinks, q_ids, kv_ids, info, out, lse, d_out, d_lse)
   if sinks is not None:
     N = sinks.shape[0]
     K = N // plan.G
-    d_sinks = _softmax.sink_gradient(sinks.reshape(1, K, plan.G, 1),
-                                     jnp.transpose(lse, (0, 2, 1)),
-                                     jnp.transpose(delta, (0, 2, 1))).reshape(N)
+    d_sinks = _softmax.sink_gradient(
+      sinks.reshape(1, K, plan.G, 1), jnp.transpose(lse, (0, 2, 1)), jnp.transpose(delta, (0, 2, 1))
+    ).reshape(N)
   return dq, dk, dv, d_sinks
 
 
@@ -285,8 +343,9 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 
 def _dot(a, b, contract):
   """a @ b in float32 with a's axis contract[0] against b's contract[1] (2-D operands)."""
-  return jax.lax.dot_general(a, b, ((contract[:1], contract[1:]), ((), ())),
-                             preferred_element_type=jnp.float32)
+  return jax.lax.dot_general(
+    a, b, ((contract[:1], contract[1:]), ((), ())), preferred_element_type=jnp.float32
+  )
 
 
 def _logits(plan, q, k):
@@ -306,8 +365,10 @@ def _masked(plan, s, rows, cols, q_id, kv_id, band: bool):
   vis = None
   if plan.ids:
     vis = q_id[:, None] == kv_id[None, :]
-  for edge, inside in ((plan.lo, lambda e: cols[None, :] >= rows[:, None] + e),
-                       (plan.hi, lambda e: cols[None, :] <= rows[:, None] + e)):
+  for edge, inside in (
+    (plan.lo, lambda e: cols[None, :] >= rows[:, None] + e),
+    (plan.hi, lambda e: cols[None, :] <= rows[:, None] + e),
+  ):
     if band and edge is not None:
       vis = inside(edge) if vis is None else vis & inside(edge)
   return s if vis is None else jnp.where(vis, s, NEG)
@@ -362,9 +423,15 @@ def _pallas_call(plan, kernel, *, grid, in_specs, out_specs, out_shape, name, op
   from jax.experimental.pallas import triton as plgpu
 
   return pl.pallas_call(
-      kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-      interpret=plan.interpret, name=name,
-      compiler_params=plgpu.CompilerParams(num_warps=plan.warps(), num_stages=2))(*operands)
+    kernel,
+    grid=grid,
+    in_specs=in_specs,
+    out_specs=out_specs,
+    out_shape=out_shape,
+    interpret=plan.interpret,
+    name=name,
+    compiler_params=plgpu.CompilerParams(num_warps=plan.warps(), num_stages=2),
+  )(*operands)
 
 
 @_without_derivative
@@ -375,24 +442,35 @@ def _forward(plan, q, k, v, sinks, q_ids, kv_ids, info):
   Sp, Hv = k.shape[1], v.shape[3]
   bq, G = plan.bq, plan.G
   rows = lambda i, b, n: (b, i)
-  specs = [pl.BlockSpec((None, 8), lambda i, b, n: (b, 0)),
-           pl.BlockSpec((None, bq, None, H), lambda i, b, n: (b, i, n, 0)),
-           pl.BlockSpec((None, Sp, None, H), lambda i, b, n: (b, 0, n // G, 0)),
-           pl.BlockSpec((None, Sp, None, Hv), lambda i, b, n: (b, 0, n // G, 0)),
-           pl.BlockSpec((None, bq), rows),
-           pl.BlockSpec((None, Sp), lambda i, b, n: (b, 0))]
+  specs = [
+    pl.BlockSpec((None, 8), lambda i, b, n: (b, 0)),
+    pl.BlockSpec((None, bq, None, H), lambda i, b, n: (b, i, n, 0)),
+    pl.BlockSpec((None, Sp, None, H), lambda i, b, n: (b, 0, n // G, 0)),
+    pl.BlockSpec((None, Sp, None, Hv), lambda i, b, n: (b, 0, n // G, 0)),
+    pl.BlockSpec((None, bq), rows),
+    pl.BlockSpec((None, Sp), lambda i, b, n: (b, 0)),
+  ]
   operands = [info, q, k, v, q_ids, kv_ids]
   if sinks is not None:
     # One row of bq copies per head: the kernel starts its running max from a vector.
     operands.append(jnp.broadcast_to(sinks.astype(jnp.float32)[:, None], (N, bq)))
     specs.append(pl.BlockSpec((None, bq), lambda i, b, n: (n, 0)))
   return _pallas_call(
-      plan, functools.partial(_forward_kernel, plan), grid=(Tp // bq, B, N), in_specs=specs,
-      out_specs=[pl.BlockSpec((None, bq, None, Hv), lambda i, b, n: (b, i, n, 0)),
-                 pl.BlockSpec((None, None, bq), lambda i, b, n: (b, n, i))],
-      out_shape=[jax.ShapeDtypeStruct((B, Tp, N, Hv), q.dtype),
-                 jax.ShapeDtypeStruct((B, N, Tp), jnp.float32)],
-      name="jattn_flash_forward", operands=operands)
+    plan,
+    functools.partial(_forward_kernel, plan),
+    grid=(Tp // bq, B, N),
+    in_specs=specs,
+    out_specs=[
+      pl.BlockSpec((None, bq, None, Hv), lambda i, b, n: (b, i, n, 0)),
+      pl.BlockSpec((None, None, bq), lambda i, b, n: (b, n, i)),
+    ],
+    out_shape=[
+      jax.ShapeDtypeStruct((B, Tp, N, Hv), q.dtype),
+      jax.ShapeDtypeStruct((B, N, Tp), jnp.float32),
+    ],
+    name="jattn_flash_forward",
+    operands=operands,
+  )
 
 
 def _forward_kernel(plan, info_ref, q_ref, k_ref, v_ref, qid_ref, kvid_ref, *refs):
@@ -415,16 +493,23 @@ def _forward_kernel(plan, info_ref, q_ref, k_ref, v_ref, qid_ref, kvid_ref, *ref
     m_new = jnp.maximum(m, s.max(axis=1))
     p = jnp.exp(s - m_new[:, None])
     corr = jnp.exp(m - m_new)
-    return (m_new, l * corr + p.sum(axis=1),
-            acc * corr[:, None] + _dot(p.astype(v.dtype), v, (1, 0)))
+    return (
+      m_new,
+      l * corr + p.sum(axis=1),
+      acc * corr[:, None] + _dot(p.astype(v.dtype), v, (1, 0)),
+    )
 
   # A sink starts each row as its first logit (m = sink, l = 1); else nothing seen (m = NEG).
   if sink_ref:
     m0, l0 = sink_ref[0][...], jnp.ones((bq,), jnp.float32)
   else:
     m0, l0 = jnp.full((bq,), NEG, jnp.float32), jnp.zeros((bq,), jnp.float32)
-  m, l, acc = _walk(plan, _key_blocks(plan, i * bq, i * bq + bq - 1, info_ref[0]), step,
-                    (m0, l0, jnp.zeros((bq, o_ref.shape[-1]), jnp.float32)))
+  m, l, acc = _walk(
+    plan,
+    _key_blocks(plan, i * bq, i * bq + bq - 1, info_ref[0]),
+    step,
+    (m0, l0, jnp.zeros((bq, o_ref.shape[-1]), jnp.float32)),
+  )
   # A row that saw no key keeps m = NEG (with a sink m >= sink, and its masked entries added
   # exact zeros): output 0, lse NEG. Its l counted junk exp(NEG - NEG) = 1s, discarded here.
   ok = ~_softmax.empty_rows(m, l)
@@ -438,25 +523,36 @@ def _backward_kv(plan, q, k, v, d_out, lse, delta, q_ids, kv_ids):
   each key/value head, looping over the G query heads of its group."""
   from jax.experimental import pallas as pl
 
-  B, Tp, N, H = q.shape
+  B, Tp, _N, H = q.shape
   Sp, K, Hv = k.shape[1], k.shape[2], v.shape[3]
   bk, G = plan.bk, plan.G
   group = lambda *rest: pl.BlockSpec((None, Tp, G) + rest, lambda j, b, h: (b, 0, h, 0))
   stat = pl.BlockSpec((None, G, Tp), lambda j, b, h: (b, h, 0))
   block = lambda X: pl.BlockSpec((None, bk, None, X), lambda j, b, h: (b, j, h, 0))
   return _pallas_call(
-      plan, functools.partial(_backward_kv_kernel, plan), grid=(Sp // bk, B, K),
-      in_specs=[group(H), block(H), block(Hv), group(Hv), stat, stat,
-                pl.BlockSpec((None, Tp), lambda j, b, h: (b, 0)),
-                pl.BlockSpec((None, bk), lambda j, b, h: (b, j))],
-      out_specs=[block(H), block(Hv)],
-      out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-      name="jattn_flash_backward_kv",
-      operands=[q, k, v, d_out, lse, delta, q_ids, kv_ids])
+    plan,
+    functools.partial(_backward_kv_kernel, plan),
+    grid=(Sp // bk, B, K),
+    in_specs=[
+      group(H),
+      block(H),
+      block(Hv),
+      group(Hv),
+      stat,
+      stat,
+      pl.BlockSpec((None, Tp), lambda j, b, h: (b, 0)),
+      pl.BlockSpec((None, bk), lambda j, b, h: (b, j)),
+    ],
+    out_specs=[block(H), block(Hv)],
+    out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+    name="jattn_flash_backward_kv",
+    operands=[q, k, v, d_out, lse, delta, q_ids, kv_ids],
+  )
 
 
-def _backward_kv_kernel(plan, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qid_ref,
-                        kvid_ref, dk_ref, dv_ref):
+def _backward_kv_kernel(
+  plan, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qid_ref, kvid_ref, dk_ref, dv_ref
+):
   """One (key block, example, key/value head) program: dK and dV summed over the G query
   heads of the group and the query blocks that see the keys."""
   from jax.experimental import pallas as pl
@@ -484,9 +580,12 @@ def _backward_kv_kernel(plan, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q
   def head(g, carry):
     return _walk(plan, blocks, functools.partial(step, g=g), carry)
 
-  dk, dv = jax.lax.fori_loop(0, plan.G, head,
-                             (jnp.zeros((bk, k.shape[-1]), jnp.float32),
-                              jnp.zeros((bk, v.shape[-1]), jnp.float32)))
+  dk, dv = jax.lax.fori_loop(
+    0,
+    plan.G,
+    head,
+    (jnp.zeros((bk, k.shape[-1]), jnp.float32), jnp.zeros((bk, v.shape[-1]), jnp.float32)),
+  )
   dk_ref[...] = (dk * plan.scale).astype(dk_ref.dtype)
   dv_ref[...] = dv.astype(dv_ref.dtype)
 
@@ -502,17 +601,30 @@ def _backward_q(plan, q, k, v, d_out, lse, delta, q_ids, kv_ids, info):
   whole = lambda X: pl.BlockSpec((None, Sp, None, X), lambda i, b, n: (b, 0, n // G, 0))
   stat = pl.BlockSpec((None, None, bq), lambda i, b, n: (b, n, i))
   return _pallas_call(
-      plan, functools.partial(_backward_q_kernel, plan), grid=(Tp // bq, B, N),
-      in_specs=[pl.BlockSpec((None, 8), lambda i, b, n: (b, 0)), rows(H), whole(H), whole(Hv),
-                rows(Hv), stat, stat, pl.BlockSpec((None, bq), lambda i, b, n: (b, i)),
-                pl.BlockSpec((None, Sp), lambda i, b, n: (b, 0))],
-      out_specs=rows(H), out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-      name="jattn_flash_backward_q",
-      operands=[info, q, k, v, d_out, lse, delta, q_ids, kv_ids])
+    plan,
+    functools.partial(_backward_q_kernel, plan),
+    grid=(Tp // bq, B, N),
+    in_specs=[
+      pl.BlockSpec((None, 8), lambda i, b, n: (b, 0)),
+      rows(H),
+      whole(H),
+      whole(Hv),
+      rows(Hv),
+      stat,
+      stat,
+      pl.BlockSpec((None, bq), lambda i, b, n: (b, i)),
+      pl.BlockSpec((None, Sp), lambda i, b, n: (b, 0)),
+    ],
+    out_specs=rows(H),
+    out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+    name="jattn_flash_backward_q",
+    operands=[info, q, k, v, d_out, lse, delta, q_ids, kv_ids],
+  )
 
 
-def _backward_q_kernel(plan, info_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
-                       qid_ref, kvid_ref, dq_ref):
+def _backward_q_kernel(
+  plan, info_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qid_ref, kvid_ref, dq_ref
+):
   """One (query block, example, head) program: dQ over the key blocks its rows see."""
   from jax.experimental import pallas as pl
 
@@ -534,6 +646,10 @@ def _backward_q_kernel(plan, info_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, del
       ds = ds * (1.0 - t * t)
     return dq + _dot(ds.astype(k.dtype), k, (1, 0))
 
-  dq = _walk(plan, _key_blocks(plan, i * bq, i * bq + bq - 1, info_ref[0]), step,
-             jnp.zeros((bq, q_ref.shape[-1]), jnp.float32))
+  dq = _walk(
+    plan,
+    _key_blocks(plan, i * bq, i * bq + bq - 1, info_ref[0]),
+    step,
+    jnp.zeros((bq, q_ref.shape[-1]), jnp.float32),
+  )
   dq_ref[...] = (dq * plan.scale).astype(dq_ref.dtype)

@@ -26,8 +26,7 @@ from jattn._tile import NEG
 
 def refuse(implementation: str, name: str, reason: str):
   """The NotImplementedError of a kernel that cannot take the call (a sequence falls through)."""
-  raise NotImplementedError(
-      f"implementation={implementation!r} does not support {name}: {reason}")
+  raise NotImplementedError(f"implementation={implementation!r} does not support {name}: {reason}")
 
 
 def missing_input(kernel: str, inputs) -> str | None:
@@ -56,8 +55,10 @@ def zero_empty_rows(forward, plain, pure, empty_rows, lse_of, diff, aux):
   empty = empty_rows(lse)
   # jattn's log-sum-exp of an empty row is NEG on every path (the kernel's may be -inf or its
   # own sentinel).
-  return (jnp.where(empty[..., None], jnp.zeros((), out.dtype), out),
-          jnp.where(empty, jnp.asarray(NEG, lse.dtype), lse))
+  return (
+    jnp.where(empty[..., None], jnp.zeros((), out.dtype), out),
+    jnp.where(empty, jnp.asarray(NEG, lse.dtype), lse),
+  )
 
 
 def _fwd(forward, plain, pure, empty_rows, lse_of, diff, aux):
@@ -69,6 +70,7 @@ def _fwd(forward, plain, pure, empty_rows, lse_of, diff, aux):
 
 def _pullback(fn, diff, given, xs, aux, d_out):
   """The gradients of ``fn(*diff, *aux)`` for the entries ``given`` of ``diff`` (now ``xs``)."""
+
   def f(*xs):
     full = list(diff)
     for i, x in zip(given, xs):
@@ -97,8 +99,11 @@ def _bwd(forward, plain, pure, empty_rows, lse_of, res, cts):
   else:
     grads_of = jax.custom_jvp(pullback(plain))
     # aux (integer ids) has no tangent: the rule differentiates in xs and d_out only.
-    grads_of.defjvp(lambda primals, tangents: jax.jvp(
-        lambda xs, d: pullback(pure)(xs, d, primals[2]), primals[:2], tangents[:2]))
+    grads_of.defjvp(
+      lambda primals, tangents: jax.jvp(
+        lambda xs, d: pullback(pure)(xs, d, primals[2]), primals[:2], tangents[:2]
+      )
+    )
     grads = grads_of(xs, zero(d_out), aux)
   if not isinstance(d_lse, _SymbolicZero):
     # d lse / d logits = P: the lse's own gradient, from the plain computation of it (empty
@@ -186,6 +191,7 @@ def interpreting() -> bool:
   """Whether Pallas's TPU interpret mode is on where the call is traced
   (`jax.experimental.pallas.tpu.force_tpu_interpret_mode`): the Pallas TPU kernels then run on
   any platform."""
-  from jax._src import config  # noqa: PLC0415 -- the setting has no public reader
+  from jax._src import config
+
   setting = getattr(config, "pallas_tpu_interpret_mode_context_manager", None)
   return setting is not None and setting.value is not None

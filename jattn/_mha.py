@@ -10,13 +10,15 @@ heads (K divides N: GQA / MQA), H head dim, D model features.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 from jattn import _validation
 from jattn import masks as _masks
 from jattn._attention import attention_weights, dot_product_attention
-from jattn._types import CausalAlignment
+from jattn._types import CausalAlignment, Implementation
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -31,7 +33,7 @@ class Options:
   window: tuple[int, int] | None
   logits_soft_cap: float | None
   scale: float | None
-  implementation: str | None
+  implementation: Implementation | None
   block_q: int | None
   block_kv: int | None
   rope: bool
@@ -40,9 +42,24 @@ class Options:
   broadcast_dropout: bool
 
 
-def options(*, num_heads, num_kv_heads, qkv_features, is_causal, local_window_size,
-            logits_soft_cap, scale, implementation, block_q, block_kv, rope, rope_base,
-            dropout_rate, broadcast_dropout, value_head_dim=None) -> Options:
+def options(
+  *,
+  num_heads,
+  num_kv_heads,
+  qkv_features,
+  is_causal,
+  local_window_size,
+  logits_soft_cap,
+  scale,
+  implementation,
+  block_q,
+  block_kv,
+  rope,
+  rope_base,
+  dropout_rate,
+  broadcast_dropout,
+  value_head_dim=None,
+) -> Options:
   """Check a module's constructor arguments (the `jattn._validation` policy: TypeError for a
   wrong type, ValueError for a wrong value); errors name the argument."""
   num_heads = _validation.positive_int("num_heads", num_heads)
@@ -51,30 +68,40 @@ def options(*, num_heads, num_kv_heads, qkv_features, is_causal, local_window_si
   if num_kv_heads is None:
     num_kv_heads = num_heads
   if num_heads % num_kv_heads:
-    raise ValueError(f"num_kv_heads={num_kv_heads} must divide num_heads={num_heads} (each "
-                     f"key/value head serves num_heads // num_kv_heads query heads)")
+    raise ValueError(
+      f"num_kv_heads={num_kv_heads} must divide num_heads={num_heads} (each "
+      f"key/value head serves num_heads // num_kv_heads query heads)"
+    )
   if qkv_features % num_heads:
-    raise ValueError(f"qkv_features={qkv_features} must be divisible by num_heads={num_heads} "
-                     f"(the head dim is qkv_features // num_heads)")
+    raise ValueError(
+      f"qkv_features={qkv_features} must be divisible by num_heads={num_heads} "
+      f"(the head dim is qkv_features // num_heads)"
+    )
   head_dim = qkv_features // num_heads
   value_head_dim = _validation.positive_int("value_head_dim", value_head_dim, optional=True)
   rope = _validation.flag("rope", rope)
   if rope and head_dim % 2:
-    raise ValueError(f"rope=True rotates pairs of features: the head dim qkv_features // "
-                     f"num_heads = {head_dim} must be even")
+    raise ValueError(
+      f"rope=True rotates pairs of features: the head dim qkv_features // "
+      f"num_heads = {head_dim} must be even"
+    )
   return Options(
-      num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-      value_head_dim=head_dim if value_head_dim is None else value_head_dim,
-      is_causal=_validation.causal(is_causal),
-      window=_validation.window(local_window_size),
-      logits_soft_cap=_validation.soft_cap(logits_soft_cap),
-      scale=_validation.scale(scale),
-      implementation=_validation.implementation(implementation),
-      block_q=_validation.block("block_q", block_q),
-      block_kv=_validation.block("block_kv", block_kv),
-      rope=rope, rope_base=_validation.real("rope_base", rope_base, above=1),
-      dropout_rate=_validation.real("dropout_rate", dropout_rate, at_least=0, below=1),
-      broadcast_dropout=_validation.flag("broadcast_dropout", broadcast_dropout))
+    num_heads=num_heads,
+    num_kv_heads=num_kv_heads,
+    head_dim=head_dim,
+    value_head_dim=head_dim if value_head_dim is None else value_head_dim,
+    is_causal=_validation.causal(is_causal),
+    window=_validation.window(local_window_size),
+    logits_soft_cap=_validation.soft_cap(logits_soft_cap),
+    scale=_validation.scale(scale),
+    implementation=_validation.implementation(implementation),
+    block_q=_validation.block("block_q", block_q),
+    block_kv=_validation.block("block_kv", block_kv),
+    rope=rope,
+    rope_base=_validation.real("rope_base", rope_base, above=1),
+    dropout_rate=_validation.real("dropout_rate", dropout_rate, at_least=0, below=1),
+    broadcast_dropout=_validation.flag("broadcast_dropout", broadcast_dropout),
+  )
 
 
 def rope(x, positions, base: float):
@@ -87,7 +114,8 @@ def rope(x, positions, base: float):
   H = x.shape[-1]
   half = H // 2
   inv_freq = jnp.asarray(base, jnp.float32) ** (
-      -jnp.arange(half, dtype=jnp.float32) * jnp.asarray(2.0 / H, jnp.float32))
+    -jnp.arange(half, dtype=jnp.float32) * jnp.asarray(2.0 / H, jnp.float32)
+  )
   angle = positions.astype(jnp.float32)[:, :, None] * inv_freq[None, None, :]  # (B, L, H/2)
   cos = jnp.cos(angle)[:, :, None, :]  # (B, L, 1, H/2)
   sin = jnp.sin(angle)[:, :, None, :]
@@ -106,8 +134,9 @@ def _positions(name, positions, B, L, offset=None):
     return jnp.broadcast_to(p, (B, L))
   positions = _validation.int_array(name, positions)
   if positions.shape not in ((L,), (B, L)):
-    raise ValueError(f"{name} must have shape (L,)=({L},) or (B, L)=({B}, {L}), got "
-                     f"{positions.shape}")
+    raise ValueError(
+      f"{name} must have shape (L,)=({L},) or (B, L)=({B}, {L}), got {positions.shape}"
+    )
   return jnp.broadcast_to(positions.astype(jnp.int32), (B, L))
 
 
@@ -123,15 +152,24 @@ def _dropout(opts: Options, deterministic: bool, dropout_rng):
   if opts.dropout_rate == 0.0 or deterministic:
     return 0.0, None
   if dropout_rng is None:
-    raise ValueError(f"dropout_rate={opts.dropout_rate} with deterministic=False needs a dropout "
-                     f"PRNG key (linen: a 'dropout' rng or dropout_rng=; nnx: rngs=)")
+    raise ValueError(
+      f"dropout_rate={opts.dropout_rate} with deterministic=False needs a dropout "
+      f"PRNG key (linen: a 'dropout' rng or dropout_rng=; nnx: rngs=)"
+    )
   return opts.dropout_rate, dropout_rng
 
 
 def _common(opts: Options, rate, rng):
-  return dict(scale=opts.scale, logits_soft_cap=opts.logits_soft_cap, dropout_rate=rate,
-              dropout_rng=rng, dropout_broadcast=opts.broadcast_dropout,
-              implementation=opts.implementation, block_q=opts.block_q, block_kv=opts.block_kv)
+  return dict(
+    scale=opts.scale,
+    logits_soft_cap=opts.logits_soft_cap,
+    dropout_rate=rate,
+    dropout_rng=rng,
+    dropout_broadcast=opts.broadcast_dropout,
+    implementation=opts.implementation,
+    block_q=opts.block_q,
+    block_kv=opts.block_kv,
+  )
 
 
 def _attention(opts: Options, q, k, v, collect, rate, rng, sow=None, **masking):
@@ -140,15 +178,26 @@ def _attention(opts: Options, q, k, v, collect, rate, rng, sow=None, **masking):
   ``sow`` (or None) receives the (B, N, T, S) softmax weights of this call, before dropout
   (flax's ``sow_weights``)."""
   if sow is not None:
-    sow(attention_weights(q, k, v, scale=opts.scale, logits_soft_cap=opts.logits_soft_cap,
-                          **masking).astype(q.dtype))
+    sow(
+      attention_weights(
+        q, k, v, scale=opts.scale, logits_soft_cap=opts.logits_soft_cap, **masking
+      ).astype(q.dtype)
+    )
   if collect is not None:
     from jattn import diagnostics  # only modules that collect statistics need it
 
-    collect(lambda: diagnostics.attention_stats(
-        q, k, scale=opts.scale, logits_soft_cap=opts.logits_soft_cap,
-        implementation=opts.implementation, block_q=opts.block_q, block_kv=opts.block_kv,
-        **masking))
+    collect(
+      lambda: diagnostics.attention_stats(
+        q,
+        k,
+        scale=opts.scale,
+        logits_soft_cap=opts.logits_soft_cap,
+        implementation=opts.implementation,
+        block_q=opts.block_q,
+        block_kv=opts.block_kv,
+        **masking,
+      )
+    )
   return dot_product_attention(q, k, v, **masking, **_common(opts, rate, rng))
 
 
@@ -164,10 +213,25 @@ def _boolean_mask(mask):
   return jnp.asarray(mask) != 0
 
 
-def attend(opts: Options, q, k, v, *, self_attention: bool, mask=None, positions=None,
-           kv_positions=None, query_seq_lengths=None, key_value_seq_lengths=None,
-           q_segment_ids=None, kv_segment_ids=None, deterministic: bool = True,
-           dropout_rng=None, collect=None, sow=None):
+def attend(
+  opts: Options,
+  q,
+  k,
+  v,
+  *,
+  self_attention: bool,
+  mask=None,
+  positions=None,
+  kv_positions=None,
+  query_seq_lengths=None,
+  key_value_seq_lengths=None,
+  q_segment_ids=None,
+  kv_segment_ids=None,
+  deterministic: bool = True,
+  dropout_rng=None,
+  collect=None,
+  sow=None,
+):
   """Attention without a cache. q (B, T, N, H), k (B, S, K, H), v (B, S, K, Hv) -> (B, T, N, Hv).
 
   RoPE positions: ``positions`` for the queries (default arange(T)); ``kv_positions`` for the
@@ -185,17 +249,62 @@ def attend(opts: Options, q, k, v, *, self_attention: bool, mask=None, positions
     q, k = rope(q, qp, opts.rope_base), rope(k, kp, opts.rope_base)
   rate, rng = _dropout(opts, deterministic, dropout_rng)
   return _attention(
-      opts, q, k, v, collect, rate, rng, sow, mask=_boolean_mask(mask),
-      is_causal=opts.is_causal or False, local_window_size=opts.window, query_seq_lengths=query_seq_lengths,
-      key_value_seq_lengths=key_value_seq_lengths, q_segment_ids=q_segment_ids,
-      kv_segment_ids=kv_segment_ids)
+    opts,
+    q,
+    k,
+    v,
+    collect,
+    rate,
+    rng,
+    sow,
+    mask=_boolean_mask(mask),
+    is_causal=opts.is_causal or False,
+    local_window_size=opts.window,
+    query_seq_lengths=query_seq_lengths,
+    key_value_seq_lengths=key_value_seq_lengths,
+    q_segment_ids=q_segment_ids,
+    kv_segment_ids=kv_segment_ids,
+  )
+
+
+def kv_inputs(inputs_q, inputs_k, inputs_v) -> tuple[Any, Any, bool]:
+  """A layer's (inputs_k, inputs_v, self_attention): keys default to the queries' inputs and
+  values to the keys'."""
+  self_attention = inputs_k is None and inputs_v is None
+  if inputs_k is None:
+    if inputs_v is not None:
+      raise ValueError(
+        "inputs_v given without inputs_k; pass inputs_k (and leave inputs_v "
+        "None to use it for both)"
+      )
+    inputs_k = inputs_q
+  return inputs_k, inputs_k if inputs_v is None else inputs_v, self_attention
+
+
+def layer_attention(opts: Options, q, k, v, cache, *, self_attention, masking, **rest):
+  """The attention of one call of a Flax module (linen or nnx).
+
+  ``cache``: None, or a decoding module's (arrays, cache_index, page_table or None) (see
+  `decode_step`); ``masking``: the call's mask, positions, lengths and segment ids by keyword;
+  ``rest``: deterministic, dropout_rng, collect, sow. Returns (out, new cache arrays, new
+  cache_index), the last two None without a cache.
+  """
+  if cache is None:
+    return attend(opts, q, k, v, self_attention=self_attention, **masking, **rest), None, None
+  cache_set = ("kv_positions", "key_value_seq_lengths", "q_segment_ids", "kv_segment_ids")
+  check_decode_call(self_attention, **{name: masking.get(name) for name in cache_set})
+  arrays, cache_index, page_table = cache
+  given = {name: val for name, val in masking.items() if name not in cache_set}
+  return decode_step(opts, q, k, v, arrays, cache_index, page_table=page_table, **given, **rest)
 
 
 def check_decode_call(self_attention: bool, **cache_set):
   """A decoding call takes its keys, their positions and lengths from the cache."""
   if not self_attention:
-    raise NotImplementedError("decode=True caches self-attention keys; inputs_k/inputs_v "
-                              "(cross-attention) while decoding is not supported")
+    raise NotImplementedError(
+      "decode=True caches self-attention keys; inputs_k/inputs_v "
+      "(cross-attention) while decoding is not supported"
+    )
   for name, val in cache_set.items():
     if val is not None:
       raise ValueError(f"{name} is set by the cache while decoding; got a value")
@@ -207,8 +316,7 @@ def _at_fill_level(opts: Options, q, k, cache_index, positions, query_seq_length
   cache positions)."""
   B, T = q.shape[:2]
   index = cache_index.astype(jnp.int32)
-  new = (T if query_seq_lengths is None
-         else _lengths("query_seq_lengths", query_seq_lengths, B))
+  new = T if query_seq_lengths is None else _lengths("query_seq_lengths", query_seq_lengths, B)
   if opts.rope:
     p = _positions("positions", positions, B, T, offset=index)
     q, k = rope(q, p, opts.rope_base), rope(k, p, opts.rope_base)
@@ -216,9 +324,23 @@ def _at_fill_level(opts: Options, q, k, cache_index, positions, query_seq_length
   return q, k, index, new, jnp.arange(B, dtype=jnp.int32)[:, None], slots
 
 
-def attend_cached(opts: Options, q, k, v, cached_key, cached_value, cache_index, *, mask=None,
-                  positions=None, query_seq_lengths=None, deterministic: bool = True,
-                  dropout_rng=None, collect=None, sow=None):
+def attend_cached(
+  opts: Options,
+  q,
+  k,
+  v,
+  cached_key,
+  cached_value,
+  cache_index,
+  *,
+  mask=None,
+  positions=None,
+  query_seq_lengths=None,
+  deterministic: bool = True,
+  dropout_rng=None,
+  collect=None,
+  sow=None,
+):
   """One decoding step: append T new keys/values to the cache, attend over the cache.
 
   q (B, T, N, H); k, v (B, T, K, H|Hv); cached_key, cached_value (B, S_max, K, H|Hv); cache_index
@@ -240,14 +362,19 @@ def attend_cached(opts: Options, q, k, v, cached_key, cached_value, cache_index,
   if T > S_max:
     raise ValueError(f"decode step of T={T} tokens does not fit the cache of S_max={S_max}")
   if k.dtype != cached_key.dtype or v.dtype != cached_value.dtype:
-    raise TypeError(f"new keys/values ({k.dtype}) must have the cache's dtype "
-                    f"({cached_key.dtype}); init the cache with the computation dtype")
+    raise TypeError(
+      f"new keys/values ({k.dtype}) must have the cache's dtype "
+      f"({cached_key.dtype}); init the cache with the computation dtype"
+    )
   for name, new, cached in (("keys", k, cached_key), ("values", v, cached_value)):
     if new.shape[0] != B or cached.shape[0] != B or cached.shape[2:] != new.shape[2:]:
-      raise ValueError(f"cache of shape {cached.shape} (B, S_max, K, H) does not match new "
-                       f"{name} of shape {new.shape} (B, T, K, H)")
-  q, k, index, new, rows, slots = _at_fill_level(opts, q, k, cache_index, positions,
-                                                 query_seq_lengths)
+      raise ValueError(
+        f"cache of shape {cached.shape} (B, S_max, K, H) does not match new "
+        f"{name} of shape {new.shape} (B, T, K, H)"
+      )
+  q, k, index, new, rows, slots = _at_fill_level(
+    opts, q, k, cache_index, positions, query_seq_lengths
+  )
   # mode="drop": an out-of-range write is lost rather than clamped onto valid entries.
   cached_key = cached_key.at[rows, slots].set(k, mode="drop")
   cached_value = cached_value.at[rows, slots].set(v, mode="drop")
@@ -314,15 +441,30 @@ def new_cache(opts: Options, batch_size: int, max_length: int, dtype, page_size=
     lead = (batch_size * n, page_size)
     table = jnp.arange(batch_size * n, dtype=jnp.int32).reshape(batch_size, n)
   K = opts.num_kv_heads
-  arrays = (jnp.zeros(lead + (K, opts.head_dim), dtype),
-            jnp.zeros(lead + (K, opts.value_head_dim), dtype))
+  arrays: tuple[jax.Array, ...] = (
+    jnp.zeros(lead + (K, opts.head_dim), dtype),
+    jnp.zeros(lead + (K, opts.value_head_dim), dtype),
+  )
   if is_quantized(dtype):
     arrays += (jnp.ones(lead + (K,), jnp.float32),) * 2
   return arrays, table
 
 
-def attend_paged(opts: Options, q, k, v, pools, page_table, cache_index, *, positions=None,
-                 query_seq_lengths=None, masked=False, dropout=False, stats=False):
+def attend_paged(
+  opts: Options,
+  q,
+  k,
+  v,
+  pools,
+  page_table,
+  cache_index,
+  *,
+  positions=None,
+  query_seq_lengths=None,
+  masked=False,
+  dropout=False,
+  stats=False,
+):
   """A decoding step on a paged cache: ``pools`` = (key pages (P, ps, K, H), value pages
   (P, ps, K, Hv)) in the keys' dtype, or int8 / float8 with (key scales, value scales)
   (P, ps, K) float32; ``page_table`` (B, max_pages): example b's cache positions
@@ -331,33 +473,45 @@ def attend_paged(opts: Options, q, k, v, pools, page_table, cache_index, *, posi
   table, and the step attends through `jattn.paged_attention`. Returns (out (B, T, N, Hv), new
   pools, new cache_index)."""
   from jattn._paged import paged_attention  # the serving kernel
-  for what, given in (("a mask", masked), ("dropout", dropout),
-                      ("collect_stats / sow_weights", stats)):
+
+  for what, given in (
+    ("a mask", masked),
+    ("dropout", dropout),
+    ("collect_stats / sow_weights", stats),
+  ):
     if given:
       raise NotImplementedError(
-          f"decoding with a paged or quantised cache takes causality, windows and soft caps "
-          f"(it runs jattn.paged_attention), not {what}; use a contiguous float cache for that")
+        f"decoding with a paged or quantised cache takes causality, windows and soft caps "
+        f"(it runs jattn.paged_attention), not {what}; use a contiguous float cache for that"
+      )
   B, T = q.shape[:2]
   P, ps = pools[0].shape[:2]
   capacity = page_table.shape[1] * ps
   quantized = len(pools) == 4
   for name, x, pool in (("keys", k, pools[0]), ("values", v, pools[1])):
     if pool.shape[2:] != x.shape[2:]:
-      raise ValueError(f"paged cache of shape {pool.shape} (P, page_size, K, H) does not match "
-                       f"new {name} of shape {x.shape} (B, T, K, H)")
+      raise ValueError(
+        f"paged cache of shape {pool.shape} (P, page_size, K, H) does not match "
+        f"new {name} of shape {x.shape} (B, T, K, H)"
+      )
     if not quantized and x.dtype != pool.dtype:
-      raise TypeError(f"new {name} ({x.dtype}) must have the cache's dtype ({pool.dtype}); "
-                      f"init the cache with the computation dtype")
+      raise TypeError(
+        f"new {name} ({x.dtype}) must have the cache's dtype ({pool.dtype}); "
+        f"init the cache with the computation dtype"
+      )
   if page_table.shape[0] != B:
-    raise ValueError(f"page_table must have a row per example, (B, max_pages) with B={B}, got "
-                     f"shape {page_table.shape}")
-  q, k, index, new, _, slots = _at_fill_level(opts, q, k, cache_index, positions,
-                                              query_seq_lengths)
+    raise ValueError(
+      f"page_table must have a row per example, (B, max_pages) with B={B}, got "
+      f"shape {page_table.shape}"
+    )
+  q, k, index, new, _, slots = _at_fill_level(opts, q, k, cache_index, positions, query_seq_lengths)
   col = slots // ps
-  page = jnp.take_along_axis(page_table.astype(jnp.int32),
-                             jnp.minimum(col, page_table.shape[1] - 1), axis=1)
+  page = jnp.take_along_axis(
+    page_table.astype(jnp.int32), jnp.minimum(col, page_table.shape[1] - 1), axis=1
+  )
   # Past the table (a full cache) the write goes to page P: dropped, not clamped.
   page, off = jnp.where(col < page_table.shape[1], page, P), slots % ps
+  written: tuple[jax.Array, ...]
   if quantized:
     (kq, k_scale), (vq, v_scale) = quantize(k, pools[0].dtype), quantize(v, pools[1].dtype)
     written = (kq, vq, k_scale, v_scale)
@@ -366,32 +520,68 @@ def attend_paged(opts: Options, q, k, v, pools, page_table, cache_index, *, posi
   pools = tuple(pool.at[page, off].set(x, mode="drop") for pool, x in zip(pools, written))
   # Query t sits at position index + t: bottom-right against index + T keys (the new ones,
   # padded or not, written), so padded queries see only real keys; their rows are zeroed.
-  out = paged_attention(q, pools[0], pools[1], page_table, jnp.minimum(index + T, capacity),
-                        scale=opts.scale, is_causal=True, local_window_size=opts.window,
-                        logits_soft_cap=opts.logits_soft_cap,
-                        k_scale=pools[2] if quantized else None,
-                        v_scale=pools[3] if quantized else None)
+  out = paged_attention(
+    q,
+    pools[0],
+    pools[1],
+    page_table,
+    jnp.minimum(index + T, capacity),
+    scale=opts.scale,
+    is_causal=True,
+    local_window_size=opts.window,
+    logits_soft_cap=opts.logits_soft_cap,
+    k_scale=pools[2] if quantized else None,
+    v_scale=pools[3] if quantized else None,
+  )
   if query_seq_lengths is not None:
     live = jnp.arange(T, dtype=jnp.int32)[None, :] < new[:, None]
     out = jnp.where(live[..., None, None], out, jnp.zeros((), out.dtype))
   return out, pools, index + new
 
 
-def decode_step(opts: Options, q, k, v, cache, cache_index, *, page_table=None, mask=None,
-                positions=None, query_seq_lengths=None, deterministic=True, dropout_rng=None,
-                collect=None, sow=None):
+def decode_step(
+  opts: Options,
+  q,
+  k,
+  v,
+  cache,
+  cache_index,
+  *,
+  page_table=None,
+  mask=None,
+  positions=None,
+  query_seq_lengths=None,
+  deterministic=True,
+  dropout_rng=None,
+  collect=None,
+  sow=None,
+):
   """A decoding step on a module's cache: ``cache`` is (cached_key, cached_value) or, quantised,
   (cached_key, cached_value, key_scale, value_scale); contiguous (B, S_max, K, H|Hv) or, with
   ``page_table``, pools of pages (P, page_size, K, H|Hv). Returns (out, new cache of the same
   form, new cache_index)."""
   if opts.is_causal is None:
-    raise ValueError("decode=True needs is_causal=True: step-by-step decoding with a KV cache "
-                     "reproduces causal self-attention only")
+    raise ValueError(
+      "decode=True needs is_causal=True: step-by-step decoding with a KV cache "
+      "reproduces causal self-attention only"
+    )
   if page_table is None and len(cache) == 2:
     out, ck, cv, idx = attend_cached(
-        opts, q, k, v, *cache, cache_index, mask=mask, positions=positions,
-        query_seq_lengths=query_seq_lengths, deterministic=deterministic,
-        dropout_rng=dropout_rng, collect=collect, sow=sow)
+      opts,
+      q,
+      k,
+      v,
+      cache[0],
+      cache[1],
+      cache_index,
+      mask=mask,
+      positions=positions,
+      query_seq_lengths=query_seq_lengths,
+      deterministic=deterministic,
+      dropout_rng=dropout_rng,
+      collect=collect,
+      sow=sow,
+    )
     return out, (ck, cv), idx
   shapes = None
   if page_table is None:
@@ -402,10 +592,19 @@ def decode_step(opts: Options, q, k, v, cache, cache_index, *, page_table=None, 
     cache = tuple(x.reshape((B * (S_max // ps), ps) + x.shape[2:]) for x in cache)
     page_table = jnp.arange(B * (S_max // ps), dtype=jnp.int32).reshape(B, S_max // ps)
   out, cache, idx = attend_paged(
-      opts, q, k, v, cache, page_table, cache_index, positions=positions,
-      query_seq_lengths=query_seq_lengths, masked=mask is not None,
-      dropout=not deterministic and opts.dropout_rate > 0,
-      stats=collect is not None or sow is not None)
+    opts,
+    q,
+    k,
+    v,
+    cache,
+    page_table,
+    cache_index,
+    positions=positions,
+    query_seq_lengths=query_seq_lengths,
+    masked=mask is not None,
+    dropout=not deterministic and opts.dropout_rate > 0,
+    stats=collect is not None or sow is not None,
+  )
   if shapes is not None:
     cache = tuple(x.reshape(shape) for x, shape in zip(cache, shapes))
   return out, cache, idx

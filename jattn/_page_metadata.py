@@ -96,32 +96,46 @@ def describe(g: Geometry, code: int, b: int, table, lens, qs) -> str:
   """The message for sequence b's fault ``code`` (NumPy metadata)."""
   capacity = table.shape[1] * g.page_size
   if code == LENGTH:
-    return (f"kv_lengths[{b}]={int(lens[b])} is outside [0, {capacity}]: page_table's "
-            f"{table.shape[1]} pages of {g.page_size} tokens hold at most {capacity}")
+    return (
+      f"kv_lengths[{b}]={int(lens[b])} is outside [0, {capacity}]: page_table's "
+      f"{table.shape[1]} pages of {g.page_size} tokens hold at most {capacity}"
+    )
   if code == PAGE:
     pages = -(-int(lens[b]) // g.page_size)
     i = int(np.flatnonzero((table[b, :pages] < 0) | (table[b, :pages] >= g.P))[0])
-    return (f"page_table[{b}, {i}]={int(table[b, i])} is not a page of the pool [0, {g.P}) "
-            f"and sequence {b}'s kv_lengths[{b}]={int(lens[b])} covers it (a page id out of "
-            f"range would read another sequence's page)")
+    return (
+      f"page_table[{b}, {i}]={int(table[b, i])} is not a page of the pool [0, {g.P}) "
+      f"and sequence {b}'s kv_lengths[{b}]={int(lens[b])} covers it (a page id out of "
+      f"range would read another sequence's page)"
+    )
   if code == START:
-    return (f"query_start must start at 0, never decrease and end at most at the query's "
-            f"{g.rows} rows; sequence {b} has query_start[{b}]={int(qs[b])}, "
-            f"query_start[{b + 1}]={int(qs[b + 1])} (query_start={qs.tolist()})")
+    return (
+      f"query_start must start at 0, never decrease and end at most at the query's "
+      f"{g.rows} rows; sequence {b} has query_start[{b}]={int(qs[b])}, "
+      f"query_start[{b + 1}]={int(qs[b + 1])} (query_start={qs.tolist()})"
+    )
   n = int(qs[b + 1] - qs[b])
-  return (f"sequence {b} has {n} query rows but kv_lengths[{b}]={int(lens[b])}: kv_lengths "
-          f"counts the cached tokens including the new ones (FlashAttention's cache_seqlens, "
-          f"which excludes them, is kv_lengths - new tokens)")
+  return (
+    f"sequence {b} has {n} query rows but kv_lengths[{b}]={int(lens[b])}: kv_lengths "
+    f"counts the cached tokens including the new ones (FlashAttention's cache_seqlens, "
+    f"which excludes them, is kv_lengths - new tokens)"
+  )
 
 
 def checkify_faults(code) -> None:
   """Under `jax.experimental.checkify`: an error naming the first faulty sequence and its
   broken rule."""
-  from jax.experimental import checkify  # only callers who ask for it pay the import
   import jax.numpy as jnp
+  from jax.experimental import checkify  # only callers who ask for it pay the import
+
   bad = code != OK
   first = jnp.argmax(bad)
-  checkify.check(~bad.any(), "paged_attention: sequence {b} breaks metadata rule {rule} "
-                 "(1: kv_lengths out of [0, capacity], 2: a page id out of [0, P) in its "
-                 "length, 3: query_start not a run after the previous sequence's, 4: more "
-                 "query rows than kv_lengths)", b=first, rule=code[first])
+  checkify.check(
+    ~bad.any(),
+    "paged_attention: sequence {b} breaks metadata rule {rule} "
+    "(1: kv_lengths out of [0, capacity], 2: a page id out of [0, P) in its "
+    "length, 3: query_start not a run after the previous sequence's, 4: more "
+    "query rows than kv_lengths)",
+    b=first,
+    rule=code[first],
+  )

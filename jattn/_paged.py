@@ -31,8 +31,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn import (_fused, _page_metadata, _paged_fold, _paged_gpu, _paged_tpu, _plan, _softmax,
-                   _validation)
+from jattn import (
+  _fused,
+  _page_metadata,
+  _paged_fold,
+  _paged_gpu,
+  _paged_tpu,
+  _plan,
+  _softmax,
+  _validation,
+)
 from jattn._types import concrete
 
 # Keys per step: whole pages adding up to about this many (a page larger than it is one block).
@@ -53,8 +61,11 @@ LAYOUTS = ("NHD", "HND", "combined")
 # elsewhere; "chunked": the XLA walk everywhere; "pallas": the kernel (`jattn._paged_tpu`,
 # `jattn._paged_gpu`) or an error naming why not.
 IMPLEMENTATIONS = (None, "chunked", "pallas")
-DIMS = {"NHD": "(P, page_size, K, H)", "HND": "(P, K, page_size, H)",
-        "combined": "(P, page_size, 2K, H)"}
+DIMS = {
+  "NHD": "(P, page_size, K, H)",
+  "HND": "(P, K, page_size, H)",
+  "combined": "(P, page_size, 2K, H)",
+}
 # HND pages at least this long are multiplied page by page; shorter ones are first laid side by
 # side per head (a matmul of a few keys costs more than the copy).
 PAGE_MATMUL_MIN = 64
@@ -114,20 +125,41 @@ class _Static(NamedTuple):
     per_page = self.layout == "HND" and self.page_size >= PAGE_MATMUL_MIN
     return self.pages_per_block if per_page else 1
 
-  def with_block(self, keys: int) -> "_Static":
+  def with_block(self, keys: int) -> _Static:
     """Planned for blocks of about ``keys`` keys: whole pages, or a page cut into pieces of
     ``keys`` when it is longer and they divide it."""
     size, count = self.page_size * self.sub, self.max_pages // self.sub  # the pool's pages
     sub = size // keys if size > keys and size % keys == 0 else 1
-    return self._replace(page_size=size // sub, max_pages=count * sub, sub=sub,
-                         pages_per_block=min(max(1, keys * sub // size), count * sub))
+    return self._replace(
+      page_size=size // sub,
+      max_pages=count * sub,
+      sub=sub,
+      pages_per_block=min(max(1, keys * sub // size), count * sub),
+    )
 
 
-def paged_attention(query, key_pages, value_pages, page_table, kv_lengths, *, query_start=None,
-                    scale=None, is_causal=True, local_window_size=None, logits_soft_cap=None,
-                    sinks=None, k_scale=None, v_scale=None, kv_layout="NHD", page_size=None,
-                    num_kv_heads=None, on_invalid="nan", implementation=None,
-                    return_residual=False):
+def paged_attention(
+  query,
+  key_pages,
+  value_pages,
+  page_table,
+  kv_lengths,
+  *,
+  query_start=None,
+  scale=None,
+  is_causal=True,
+  local_window_size=None,
+  logits_soft_cap=None,
+  sinks=None,
+  k_scale=None,
+  v_scale=None,
+  kv_layout="NHD",
+  page_size=None,
+  num_kv_heads=None,
+  on_invalid="nan",
+  implementation=None,
+  return_residual=False,
+):
   """Attention of new tokens against a paged KV cache (forward only; see the module docstring).
 
   Args:
@@ -176,23 +208,50 @@ def paged_attention(query, key_pages, value_pages, page_table, kv_lengths, *, qu
   """
   _check_layout(key_pages, value_pages, kv_layout, page_size, num_kv_heads)
   if on_invalid not in _page_metadata.ON_INVALID:
-    raise ValueError(f"on_invalid must be one of {_page_metadata.ON_INVALID}, got "
-                     f"on_invalid={on_invalid!r}")
-  st, arrays = _check(query, key_pages, value_pages, page_table, kv_lengths, query_start, scale,
-                      is_causal, local_window_size, logits_soft_cap, sinks, k_scale, v_scale,
-                      kv_layout, implementation)
+    raise ValueError(
+      f"on_invalid must be one of {_page_metadata.ON_INVALID}, got on_invalid={on_invalid!r}"
+    )
+  st, arrays = _check(
+    query,
+    key_pages,
+    value_pages,
+    page_table,
+    kv_lengths,
+    query_start,
+    scale,
+    is_causal,
+    local_window_size,
+    logits_soft_cap,
+    sinks,
+    k_scale,
+    v_scale,
+    kv_layout,
+    implementation,
+  )
   if on_invalid == "checkify":
-    _page_metadata.checkify_faults(_page_metadata.faults(jnp, _geometry(st, arrays[1]),
-                                                         *arrays[3:6]))
+    _page_metadata.checkify_faults(
+      _page_metadata.faults(jnp, _geometry(st, arrays[1]), *arrays[3:6])
+    )
   out, lse = _attend(st, *arrays)
   return (out, lse) if return_residual else out
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attend(st: _Static, query, key_pages, value_pages, page_table, kv_lengths, query_start,
-            sinks, k_scale, v_scale):
-  return _jitted(st, query, key_pages, value_pages, page_table, kv_lengths, query_start, sinks,
-                 k_scale, v_scale)
+def _attend(
+  st: _Static,
+  query,
+  key_pages,
+  value_pages,
+  page_table,
+  kv_lengths,
+  query_start,
+  sinks,
+  k_scale,
+  v_scale,
+):
+  return _jitted(
+    st, query, key_pages, value_pages, page_table, kv_lengths, query_start, sinks, k_scale, v_scale
+  )
 
 
 def _attend_fwd(st, *args):
@@ -201,24 +260,38 @@ def _attend_fwd(st, *args):
 
 def _attend_bwd(st, res, ct):
   raise NotImplementedError(
-      "paged_attention is forward only (serving): its gradient is not implemented; for "
-      "training use dot_product_attention on contiguous keys and values")
+    "paged_attention is forward only (serving): its gradient is not implemented; for "
+    "training use dot_product_attention on contiguous keys and values"
+  )
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
-def _jitted(st: _Static, query, key_pages, value_pages, page_table, kv_lengths, query_start,
-            sinks, k_scale, v_scale):
+def _jitted(
+  st: _Static,
+  query,
+  key_pages,
+  value_pages,
+  page_table,
+  kv_lengths,
+  query_start,
+  sinks,
+  k_scale,
+  v_scale,
+):
   # A sequence whose metadata breaks the rules runs as an empty one and comes back NaN.
-  bad = _page_metadata.faults(jnp, _geometry(st, key_pages), page_table, kv_lengths,
-                              query_start) != _page_metadata.OK
+  bad = (
+    _page_metadata.faults(jnp, _geometry(st, key_pages), page_table, kv_lengths, query_start)
+    != _page_metadata.OK
+  )
   kv_lengths = jnp.where(bad, 0, kv_lengths.astype(jnp.int32))
   tiles = _tiles(st, query_start, kv_lengths, bad)
   q = _gather_queries(st, query, tiles)  # (M, K, G * tq, H)
-  m, l, acc = _plan.by_platform(_walks(st, q, tiles, key_pages, value_pages, page_table,
-                                        kv_lengths, k_scale, v_scale))
+  m, l, acc = _plan.by_platform(
+    _walks(st, q, tiles, key_pages, value_pages, page_table, kv_lengths, k_scale, v_scale)
+  )
   if sinks is not None:
     sink = jnp.repeat(sinks.astype(jnp.float32).reshape(1, st.K, st.G, 1), st.tq, axis=-1)
     m, l, acc = _softmax.join_sink(m, l, acc, sink.reshape(1, st.K, st.G * st.tq))
@@ -227,47 +300,75 @@ def _jitted(st: _Static, query, key_pages, value_pages, page_table, kv_lengths, 
   out = _scatter_rows(st, out, tiles, 0.0)
   lse = _scatter_rows(st, lse[..., None], tiles, _softmax.NEG)[..., 0]
   nan = _faulty_rows(st, bad, query_start)
-  return (jnp.where(nan[..., None, None], jnp.asarray(jnp.nan, out.dtype), out),
-          jnp.where(nan[..., None], jnp.asarray(jnp.nan, lse.dtype), lse))
+  return (
+    jnp.where(nan[..., None, None], jnp.asarray(jnp.nan, out.dtype), out),
+    jnp.where(nan[..., None], jnp.asarray(jnp.nan, lse.dtype), lse),
+  )
 
 
-def _walks(st: _Static, q, tiles: _Tiles, key_pages, value_pages, page_table, kv_lengths,
-           k_scale, v_scale):
+def _walks(
+  st: _Static, q, tiles: _Tiles, key_pages, value_pages, page_table, kv_lengths, k_scale, v_scale
+):
   """{platform: the walk that returns every tile's (m, l, acc)}: the XLA walk (one lane on the
   CPU, split-KV lanes on accelerators) and, where the call asks for it or leaves the choice,
   jattn's Pallas kernels on a TPU and an NVIDIA GPU (or anywhere in their interpret modes)."""
   arrays = (key_pages, value_pages, page_table, kv_lengths, k_scale, v_scale)
-  run = {}
+  run: dict[str, Any] = {}
   for platform in ("cpu", "default"):
     sp = st.with_block(BLOCK_KEYS[platform])._replace(upcast=platform == "cpu")
     lanes = 1 if platform == "cpu" else min(SPLIT_KV, sp.blocks)
     run[platform] = functools.partial(_walk, sp, lanes, q, tiles, *arrays)
   if st.implementation == "chunked":
     return run
-  kernels = {}
-  for platform, module, why in (("tpu", _paged_tpu, None),
-                                ("cuda", _paged_gpu, _paged_gpu.supports(st))):
+  kernels: dict[str, Any] = {}  # a kernel, or why it cannot take the call
+  for platform, module, why in (
+    ("tpu", _paged_tpu, None),
+    ("cuda", _paged_gpu, _paged_gpu.supports(st)),
+  ):
     why = _no_grid(st) or why
-    kernels[platform] = why if why is not None else functools.partial(
-        module.walk, st, q, tiles, key_pages, value_pages, page_table, kv_lengths[tiles.seq],
-        k_scale, v_scale)
-  if _fused.interpreting():
-    return {"default": kernels["tpu"]}
-  if _paged_gpu.interpreting():
-    return {"default": functools.partial(kernels["cuda"], interpret=True)}
+    kernels[platform] = (
+      why
+      if why is not None
+      else functools.partial(
+        module.walk,
+        st,
+        q,
+        tiles,
+        key_pages,
+        value_pages,
+        page_table,
+        kv_lengths[tiles.seq],
+        k_scale,
+        v_scale,
+      )
+    )
+  interpreted = "tpu" if _fused.interpreting() else "cuda" if _paged_gpu.interpreting() else None
+  if interpreted is not None:
+    kernel = kernels[interpreted]
+    if not isinstance(kernel, str):
+      return {
+        "default": kernel if interpreted == "tpu" else functools.partial(kernel, interpret=True)
+      }
+    if st.implementation == "pallas":  # in interpret mode, as on the device: say why not
+      raise NotImplementedError(f"implementation='pallas' on {interpreted} cannot take {kernel}")
   if st.implementation == "pallas":
     M, R = q.shape[0], st.G * st.tq
     like = (jax.ShapeDtypeStruct((M, st.K, R), jnp.float32),) * 2 + (
-        jax.ShapeDtypeStruct((M, st.K, R, st.Hv), jnp.float32),)
-    message = ("paged_attention(implementation='pallas') runs jattn's Pallas kernels on a TPU "
-               "or an NVIDIA GPU: this program is lowered for {platform}. On a CPU, run it "
-               "inside jax.experimental.pallas.tpu.force_tpu_interpret_mode() (slow; for "
-               "tests), or use implementation=None (the kernels where they run, the XLA walk "
-               "elsewhere)")
-    fail = lambda why: (lambda: _fused.unavailable(why, like, q))
+      jax.ShapeDtypeStruct((M, st.K, R, st.Hv), jnp.float32),
+    )
+    message = (
+      "paged_attention(implementation='pallas') runs jattn's Pallas kernels on a TPU "
+      "or an NVIDIA GPU: this program is lowered for {platform}. On a CPU, run it "
+      "inside jax.experimental.pallas.tpu.force_tpu_interpret_mode() (slow; for "
+      "tests), or use implementation=None (the kernels where they run, the XLA walk "
+      "elsewhere)"
+    )
+    fail = lambda why: lambda: _fused.unavailable(why, like, q)
     run = {"default": fail(message)}
-    kernels = {p: fail(f"implementation='pallas' on {p} cannot take {k}") if isinstance(k, str)
-               else k for p, k in kernels.items()}
+    kernels = {
+      p: fail(f"implementation='pallas' on {p} cannot take {k}") if isinstance(k, str) else k
+      for p, k in kernels.items()
+    }
   return dict(run, **{p: k for p, k in kernels.items() if not isinstance(k, str)})
 
 
@@ -330,8 +431,9 @@ def _tiles(st: _Static, query_start, kv_lengths, bad) -> _Tiles:
   rows = jnp.where(valid, qs[seq][:, None] + offset, -1)
   # Bottom-right: the sequence's last query sits at its last cached position.
   pos = kv_lengths[seq][:, None] - counts[seq][:, None] + offset
-  lo, hi = _key_range(st, jnp.where(valid, pos, jnp.int32(2 ** 30)),
-                      jnp.where(valid, pos, -1), kv_lengths[seq])
+  lo, hi = _key_range(
+    st, jnp.where(valid, pos, jnp.int32(2**30)), jnp.where(valid, pos, -1), kv_lengths[seq]
+  )
   return _Tiles(seq, rows, pos, lo, hi)
 
 
@@ -390,8 +492,18 @@ def _scatter_rows(st: _Static, x, tiles: _Tiles, fill):
 # --------------------------------------------------------------------------------------------
 
 
-def _walk(st: _Static, lanes: int, q, tiles: _Tiles, key_pages, value_pages, page_table,
-          kv_lengths, k_scale, v_scale):
+def _walk(
+  st: _Static,
+  lanes: int,
+  q,
+  tiles: _Tiles,
+  key_pages,
+  value_pages,
+  page_table,
+  kv_lengths,
+  k_scale,
+  v_scale,
+):
   """Every tile's running softmax over its key blocks: (m, l, acc) of (M, K, G * tq[, Hv]).
 
   ``lanes`` lanes side by side, lane p taking blocks p, p + lanes, ... of every tile; one lane
@@ -403,8 +515,19 @@ def _walk(st: _Static, lanes: int, q, tiles: _Tiles, key_pages, value_pages, pag
   acc0 = jnp.zeros((M, st.K, st.G * st.tq, st.Hv), jnp.float32)
   kv_len = kv_lengths.astype(jnp.int32)[tiles.seq]
   first, last = _block_range(st, tiles)
-  step = functools.partial(_block, st, q, tiles, (first, last), kv_len, key_pages, value_pages,
-                           page_table, k_scale, v_scale)
+  step = functools.partial(
+    _block,
+    st,
+    q,
+    tiles,
+    (first, last),
+    kv_len,
+    key_pages,
+    value_pages,
+    page_table,
+    k_scale,
+    v_scale,
+  )
   if lanes == 1:
     lo, hi = first.min(), last.max()
     return jax.lax.fori_loop(lo, jnp.maximum(hi, lo), step, (m0, l0, acc0))
@@ -418,8 +541,20 @@ def _walk(st: _Static, lanes: int, q, tiles: _Tiles, key_pages, value_pages, pag
   return _softmax.merge_lanes(m, l, acc)
 
 
-def _block(st: _Static, q, tiles: _Tiles, needed, kv_len, key_pages, value_pages, page_table,
-           k_scale, v_scale, j, carry):
+def _block(
+  st: _Static,
+  q,
+  tiles: _Tiles,
+  needed,
+  kv_len,
+  key_pages,
+  value_pages,
+  page_table,
+  k_scale,
+  v_scale,
+  j,
+  carry,
+):
   """Fold key block j of every tile's sequence into the tiles' running (m, l, acc).
 
   The block reaches the matmuls as (M, c, K, bk / c, X): c pieces of keys per head, batched
@@ -445,8 +580,7 @@ def _block(st: _Static, q, tiles: _Tiles, needed, kv_len, key_pages, value_pages
   if vs is not None:
     p = p * vs
   # Piece by piece, then summed: one contraction over (c, x) would relay V out per head.
-  pv = jnp.einsum("mckrx,mckxh->mckrh", p.astype(v.dtype), v,
-                  preferred_element_type=jnp.float32)
+  pv = jnp.einsum("mckrx,mckxh->mckrh", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
   pv = _softmax.ordered_sum(pv, 1)
   return m_new, l, acc * corr[..., None] + pv
 
@@ -549,23 +683,22 @@ def _float32(u, dtype):
   # A normal number's bits moved into float32's fields, its exponent re-biased; a subnormal
   # one (exponent 0) is its mantissa times the smallest subnormal (float32 subnormals may be
   # flushed to zero on the CPU, so they are not used).
-  normal = jax.lax.bitcast_convert_type((em << (23 - m_bits)) + ((127 - bias) << 23),
-                                        jnp.float32)
+  normal = jax.lax.bitcast_convert_type((em << (23 - m_bits)) + ((127 - bias) << 23), jnp.float32)
   sub = em.astype(jnp.float32) * jnp.float32(2.0 ** (1 - bias - m_bits))
   v = jnp.where(em < (1 << m_bits), sub, normal)
   if dtype == jnp.float8_e4m3fn:  # all ones: NaN (no infinities)
     v = jnp.where(em == 0x7F, jnp.float32(jnp.nan), v)
   else:  # the top exponent: infinity (mantissa 0) or NaN
-    v = jnp.where(em >= 0x7C, jnp.where(em == 0x7C, jnp.float32(jnp.inf),
-                                        jnp.float32(jnp.nan)), v)
+    v = jnp.where(em >= 0x7C, jnp.where(em == 0x7C, jnp.float32(jnp.inf), jnp.float32(jnp.nan)), v)
   return jnp.where(u >= 0x80, -v, v)
 
 
 def _visible(st: _Static, tiles: _Tiles, kv_len, j):
   """(M, 1, G * tq, bk) bool: which keys of block j each tile row sees, in positions."""
   key = j * st.block + jnp.arange(st.block, dtype=jnp.int32)[None, None, :]  # (1, 1, bk)
-  vis = _paged_fold.visible(st, key, tiles.pos[:, :, None], (tiles.rows >= 0)[:, :, None],
-                            kv_len[:, None, None])  # (M, tq, bk)
+  vis = _paged_fold.visible(
+    st, key, tiles.pos[:, :, None], (tiles.rows >= 0)[:, :, None], kv_len[:, None, None]
+  )  # (M, tq, bk)
   M = vis.shape[0]
   vis = jnp.broadcast_to(vis[:, None], (M, st.G, st.tq, st.block))
   return vis.reshape(M, 1, st.G * st.tq, st.block)
@@ -576,57 +709,61 @@ def _visible(st: _Static, tiles: _Tiles, kv_len, j):
 # --------------------------------------------------------------------------------------------
 
 
-def _check(query, key_pages, value_pages, page_table, kv_lengths, query_start, scale, is_causal,
-           local_window_size, logits_soft_cap, sinks, k_scale, v_scale, kv_layout,
-           implementation):
+def _check(
+  query,
+  key_pages,
+  value_pages,
+  page_table,
+  kv_lengths,
+  query_start,
+  scale,
+  is_causal,
+  local_window_size,
+  logits_soft_cap,
+  sinks,
+  k_scale,
+  v_scale,
+  kv_layout,
+  implementation,
+):
   """(_Static, arrays) of a call, every argument checked (errors name the argument; concrete
   metadata by its values too)."""
   metadata = (page_table, kv_lengths, query_start)  # as given: NumPy stays concrete under jit
   if kv_layout not in LAYOUTS:
-    raise ValueError(f"kv_layout must be one of {LAYOUTS} (pages {DIMS}), got "
-                     f"kv_layout={kv_layout!r}")
+    raise ValueError(
+      f"kv_layout must be one of {LAYOUTS} (pages {DIMS}), got kv_layout={kv_layout!r}"
+    )
   dims = DIMS[kv_layout]
   if implementation not in IMPLEMENTATIONS:
     error = NotImplementedError if isinstance(implementation, (str, tuple)) else ValueError
-    raise error(f"paged_attention runs jattn's own kernels: None, 'chunked' (the XLA walk) or "
-                f"'pallas' (its Pallas kernel), got implementation={implementation!r}; the "
-                f"other kernels take contiguous keys and values (dot_product_attention)")
+    raise error(
+      f"paged_attention runs jattn's own kernels: None, 'chunked' (the XLA walk) or "
+      f"'pallas' (its Pallas kernel), got implementation={implementation!r}; the "
+      f"other kernels take contiguous keys and values (dot_product_attention)"
+    )
   query = _validation.float_array("query", query)
   ragged = query_start is not None
   want = 3 if ragged else 4
   if query.ndim != want:
     raise ValueError(
-        f"query must be {'(total, N, H) with query_start' if ragged else '(B, T, N, H)'}, got "
-        f"query.shape={query.shape}")
+      f"query must be {'(total, N, H) with query_start' if ragged else '(B, T, N, H)'}, got "
+      f"query.shape={query.shape}"
+    )
   key_pages, value_pages, (P, page_size, K, H) = _pools(key_pages, value_pages, kv_layout)
   N = query.shape[-2]
   if query.shape[-1] != H:
     raise ValueError(f"query's head size must be key_pages' H={H}: query.shape={query.shape}")
   if N % K:
     raise ValueError(f"the query heads N={N} must be a multiple of the key/value heads K={K}")
-  page_table = _validation.int_array("page_table", page_table)
-  if page_table.ndim != 2:
-    raise ValueError(f"page_table must be (B, max_pages), got shape {page_table.shape}")
+  page_table, kv_lengths, query_start = _metadata_arrays(query, *metadata)
   B, max_pages = page_table.shape
-  kv_lengths = _validation.int_array("kv_lengths", kv_lengths)
-  if kv_lengths.shape != (B,):
-    raise ValueError(f"kv_lengths must be (B,) = ({B},) like page_table's rows, got shape "
-                     f"{kv_lengths.shape}")
-  if ragged:
-    query_start = _validation.int_array("query_start", query_start)
-    if query_start.shape != (B + 1,):
-      raise ValueError(f"query_start must be (B + 1,) = ({B + 1},), got shape "
-                       f"{query_start.shape}")
-    rows = query.shape[0]
-  else:
-    if query.shape[0] != B:
-      raise ValueError(f"query's batch B={query.shape[0]} must be page_table's B={B}")
-    rows = query.shape[1]
+  rows = query.shape[0] if ragged else query.shape[1]
   if not concrete(rows, N, H, max_pages, P, page_size, K):
     raise NotImplementedError(
-        "paged_attention plans its tiles and blocks from known sizes: only the number of "
-        "sequences B may be symbolic (jax.export), got query.shape="
-        f"{query.shape}, key_pages.shape={key_pages.shape}, page_table.shape={page_table.shape}")
+      "paged_attention plans its tiles and blocks from known sizes: only the number of "
+      "sequences B may be symbolic (jax.export), got query.shape="
+      f"{query.shape}, key_pages.shape={key_pages.shape}, page_table.shape={page_table.shape}"
+    )
   kinds = []
   for name, sc, pages in (("k_scale", k_scale, key_pages), ("v_scale", v_scale, value_pages)):
     kinds.append(_scale_kind(name, sc, pages, query.dtype, dims, K))
@@ -634,27 +771,80 @@ def _check(query, key_pages, value_pages, page_table, kv_lengths, query_start, s
     sinks = _validation.float_array("sinks", sinks)
     if sinks.shape != (N,):
       raise ValueError(f"sinks must be (N,) = ({N},), got shape {sinks.shape}")
-  static_scale = (1.0 / float(np.sqrt(H)) if scale is None
-                  else _validation.real("scale", scale))
-  causal = _validation.causal(is_causal)
-  if causal == "top_left" and is_causal is not True:
-    raise ValueError("is_causal here is True or False: queries are placed at their positions "
-                     "(bottom-right, after the cache), not aligned to the top-left")
-  window = _validation.window(local_window_size)
   # Ragged tiles hold at most 16 rows (a sequence's rows fill one tile, the rest pad it);
   # padded queries one tile per sequence of all T rows.
   tq = min(16, rows) if ragged else rows
-  tiles = (-(-rows // tq) + B) if ragged else B
-  st = _Static(B, N, K, H, value_pages.shape[-1], page_size, kv_layout, 1, max_pages, tq, tiles,
-               ragged, rows, static_scale, causal is not None, window,
-               _validation.soft_cap(logits_soft_cap), kinds[0], kinds[1], query.dtype)
+  st = _Static(
+    B=B,
+    N=N,
+    K=K,
+    H=H,
+    Hv=value_pages.shape[-1],
+    page_size=page_size,
+    layout=kv_layout,
+    pages_per_block=1,
+    max_pages=max_pages,
+    tq=tq,
+    tiles=(-(-rows // tq) + B) if ragged else B,
+    ragged=ragged,
+    rows=rows,
+    k_scale=kinds[0],
+    v_scale=kinds[1],
+    dtype=query.dtype,
+    **_score_options(H, scale, is_causal, local_window_size, logits_soft_cap),
+  )
   st = st.with_block(BLOCK_KEYS["default"])._replace(implementation=implementation)
   if implementation == "pallas" and _no_grid(st):
     raise NotImplementedError(f"implementation='pallas' cannot take {_no_grid(st)}")
   _page_metadata.check_concrete(_geometry(st, key_pages), *metadata)
-  return st, (query, key_pages, value_pages, page_table, kv_lengths, query_start, sinks,
-              None if k_scale is None else jnp.asarray(k_scale),
-              None if v_scale is None else jnp.asarray(v_scale))
+  return st, (
+    query,
+    key_pages,
+    value_pages,
+    page_table,
+    kv_lengths,
+    query_start,
+    sinks,
+    None if k_scale is None else jnp.asarray(k_scale),
+    None if v_scale is None else jnp.asarray(v_scale),
+  )
+
+
+def _metadata_arrays(query, page_table, kv_lengths, query_start):
+  """page_table (B, max_pages), kv_lengths (B,) and query_start (B + 1,) or None, checked
+  against each other and the query's batch (padded queries)."""
+  page_table = _validation.int_array("page_table", page_table)
+  if page_table.ndim != 2:
+    raise ValueError(f"page_table must be (B, max_pages), got shape {page_table.shape}")
+  B = page_table.shape[0]
+  kv_lengths = _validation.int_array("kv_lengths", kv_lengths)
+  if kv_lengths.shape != (B,):
+    raise ValueError(
+      f"kv_lengths must be (B,) = ({B},) like page_table's rows, got shape {kv_lengths.shape}"
+    )
+  if query_start is not None:
+    query_start = _validation.int_array("query_start", query_start)
+    if query_start.shape != (B + 1,):
+      raise ValueError(f"query_start must be (B + 1,) = ({B + 1},), got shape {query_start.shape}")
+  elif query.shape[0] != B:
+    raise ValueError(f"query's batch B={query.shape[0]} must be page_table's B={B}")
+  return page_table, kv_lengths, query_start
+
+
+def _score_options(H, scale, is_causal, local_window_size, logits_soft_cap):
+  """The logits' options as _Static's fields: scale, causal, window, soft_cap."""
+  causal = _validation.causal(is_causal)
+  if causal == "top_left" and is_causal is not True:
+    raise ValueError(
+      "is_causal here is True or False: queries are placed at their positions "
+      "(bottom-right, after the cache), not aligned to the top-left"
+    )
+  return dict(
+    scale=1.0 / float(np.sqrt(H)) if scale is None else _validation.real("scale", scale),
+    causal=causal is not None,
+    window=_validation.window(local_window_size),
+    soft_cap=_validation.soft_cap(logits_soft_cap),
+  )
 
 
 def _pools(key_pages, value_pages, kv_layout):
@@ -663,11 +853,14 @@ def _pools(key_pages, value_pages, kv_layout):
   key_pages = _pages("key_pages", key_pages, dims)
   if kv_layout == "combined":
     if value_pages is not None:
-      raise ValueError("kv_layout='combined' keeps values in key_pages (heads 1, 3, ...): pass "
-                       "value_pages=None")
+      raise ValueError(
+        "kv_layout='combined' keeps values in key_pages (heads 1, 3, ...): pass value_pages=None"
+      )
     if key_pages.shape[2] % 2:
-      raise ValueError(f"a combined pool has 2K heads (key, value, key, ...): key_pages.shape="
-                       f"{key_pages.shape} has {key_pages.shape[2]}")
+      raise ValueError(
+        f"a combined pool has 2K heads (key, value, key, ...): key_pages.shape="
+        f"{key_pages.shape} has {key_pages.shape[2]}"
+      )
     value_pages = key_pages
   value_pages = _pages("value_pages", value_pages, dims)
   if kv_layout == "HND":
@@ -676,8 +869,10 @@ def _pools(key_pages, value_pages, kv_layout):
     P, page_size, K, H = key_pages.shape
     K = K // 2 if kv_layout == "combined" else K
   if value_pages.shape[:3] != key_pages.shape[:3]:
-    raise ValueError(f"value_pages must have key_pages' first three sizes {dims[:-4]}): "
-                     f"key_pages.shape={key_pages.shape}, value_pages.shape={value_pages.shape}")
+    raise ValueError(
+      f"value_pages must have key_pages' first three sizes {dims[:-4]}): "
+      f"key_pages.shape={key_pages.shape}, value_pages.shape={value_pages.shape}"
+    )
   return key_pages, value_pages, (P, page_size, K, H)
 
 
@@ -685,19 +880,24 @@ def _check_layout(key_pages, value_pages, kv_layout, page_size, num_kv_heads):
   """What shapes cannot tell: one pool passed as both keys and values, and (when the caller
   says page_size / num_kv_heads) a pool of the other layout whose sizes happen to fit."""
   if key_pages is value_pages and key_pages is not None:
-    raise ValueError("key_pages and value_pages are the same array: a pool holding keys and "
-                     "values together, heads interleaved (vLLM's TPU cache), is "
-                     "kv_layout='combined' with value_pages=None")
+    raise ValueError(
+      "key_pages and value_pages are the same array: a pool holding keys and "
+      "values together, heads interleaved (vLLM's TPU cache), is "
+      "kv_layout='combined' with value_pages=None"
+    )
   heads = 2 if kv_layout == "combined" else 1  # a combined pool holds K key and K value heads
-  for name, want, axis in (("page_size", page_size, 2 if kv_layout == "HND" else 1),
-                           ("num_kv_heads", num_kv_heads and num_kv_heads * heads,
-                            1 if kv_layout == "HND" else 2)):
+  for name, want, axis in (
+    ("page_size", page_size, 2 if kv_layout == "HND" else 1),
+    ("num_kv_heads", num_kv_heads and num_kv_heads * heads, 1 if kv_layout == "HND" else 2),
+  ):
     shape = getattr(key_pages, "shape", ())
     if want is not None and len(shape) == 4 and shape[axis] != want:
-      raise ValueError(f"{name}={want} but key_pages.shape={tuple(shape)} has {shape[axis]} on "
-                       f"the axis kv_layout={kv_layout!r} puts it (pages (P, page_size, K, H) "
-                       f"for 'NHD', (P, K, page_size, H) for 'HND'): is the pool in the other "
-                       f"layout?")
+      raise ValueError(
+        f"{name}={want} but key_pages.shape={tuple(shape)} has {shape[axis]} on "
+        f"the axis kv_layout={kv_layout!r} puts it (pages (P, page_size, K, H) "
+        f"for 'NHD', (P, K, page_size, H) for 'HND'): is the pool in the other "
+        f"layout?"
+      )
 
 
 def _pages(name, x, dims):
@@ -714,19 +914,24 @@ def _scale_kind(name, scale, pages, dtype, dims, K):
   quantized = any(pages.dtype == d for d in QUANTIZED)
   if not quantized:
     if pages.dtype != dtype:
-      raise TypeError(f"{pages_name} must have the query's dtype {dtype} or be int8 / float8 "
-                      f"(with {name}), got {pages.dtype}")
+      raise TypeError(
+        f"{pages_name} must have the query's dtype {dtype} or be int8 / float8 "
+        f"(with {name}), got {pages.dtype}"
+      )
     if scale is not None:
       raise ValueError(f"{name} is for int8 / float8 pages; {pages_name} are {pages.dtype}")
     return None
   if scale is None:
-    raise ValueError(f"{pages_name} of dtype {pages.dtype} need {name} (their dequantisation "
-                     f"scale)")
+    raise ValueError(
+      f"{pages_name} of dtype {pages.dtype} need {name} (their dequantisation scale)"
+    )
   scale = _validation.float_array(name, scale)
   token = pages.shape[:3] if "2K" not in dims else pages.shape[:2] + (K,)  # combined: K of 2K
   for kind, shape in (("tensor", ()), ("head", (K,)), ("token", token)):
     if scale.shape == shape:
       return kind
   per_token = dims[:-4].replace("2K", "K")
-  raise ValueError(f"{name} must be () per tensor, (K,) = ({K},) per head or {per_token}) = "
-                   f"{token} per token and head, got shape {scale.shape}")
+  raise ValueError(
+    f"{name} must be () per tensor, (K,) = ({K},) per head or {per_token}) = "
+    f"{token} per token and head, got shape {scale.shape}"
+  )

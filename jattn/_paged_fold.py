@@ -39,10 +39,12 @@ def fold_page(st, carry, q, keys, values, ks, vs, vis):
   m, l, acc = carry
   if ks is not None or st.upcast:
     keys, q = keys.astype(jnp.float32), q.astype(jnp.float32)
-  s = jax.lax.dot_general(q, keys.astype(q.dtype), (((1,), (1,)), ((), ())),
-                          preferred_element_type=jnp.float32)
-  m, p, corr, l = _softmax.update(m, l, scores(st, s, ks, vis),
-                                  total=lambda p, axes: p.sum(axis=axes))
+  s = jax.lax.dot_general(
+    q, keys.astype(q.dtype), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+  )
+  m, p, corr, l = _softmax.update(
+    m, l, scores(st, s, ks, vis), total=lambda p, axes: p.sum(axis=axes)
+  )
   if vs is not None:  # sum_j p_j (s_j v_j) = sum_j (p_j s_j) v_j
     p = p * vs
   if vs is not None or st.upcast:
@@ -52,6 +54,7 @@ def fold_page(st, carry, q, keys, values, ks, vs, vis):
   # (A max over rows, not `any`: Triton's lowering has no boolean reduction.)
   seen = jnp.max(vis.astype(jnp.int32), axis=0) > 0
   values = jnp.where(seen[:, None], values, jnp.zeros((), values.dtype))
-  pv = jax.lax.dot_general(p.astype(values.dtype), values, (((1,), (0,)), ((), ())),
-                           preferred_element_type=jnp.float32)
+  pv = jax.lax.dot_general(
+    p.astype(values.dtype), values, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+  )
   return m, l, acc * corr[:, None] + pv

@@ -65,19 +65,32 @@ def supports(st) -> str | None:
   ps = st.page_size * st.sub
   for name, size in (("page_size", ps), ("H", st.H), ("Hv", st.Hv)):
     if not _pow2(size) or (name != "page_size" and size < 16):
-      return (f"{name}={size}: Triton's loads and matmuls take powers of two (head sizes of 16 "
-              f"or more)")
+      return (
+        f"{name}={size}: Triton's loads and matmuls take powers of two (head sizes of 16 or more)"
+      )
   return None
 
 
-def walk(st, q, tiles, key_pages, value_pages, page_table, kv_len, k_scale, v_scale, *,
-         interpret: bool = False):
+def walk(
+  st,
+  q,
+  tiles,
+  key_pages,
+  value_pages,
+  page_table,
+  kv_len,
+  k_scale,
+  v_scale,
+  *,
+  interpret: bool = False,
+):
   """(m, l, acc) of (M, K, R[, Hv]) float32, R = G * tq: as the XLA walk returns them."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import triton as plgpu
 
-  st = st._replace(page_size=st.page_size * st.sub, max_pages=st.max_pages // st.sub, sub=1,
-                   pages_per_block=1)
+  st = st._replace(
+    page_size=st.page_size * st.sub, max_pages=st.max_pages // st.sub, sub=1, pages_per_block=1
+  )
   M, K, R, H = q.shape
   ps = st.page_size
   ppb = max(1, STEP_KEYS // ps)
@@ -88,14 +101,19 @@ def walk(st, q, tiles, key_pages, value_pages, page_table, kv_len, k_scale, v_sc
   table = jnp.pad(page_table.astype(jnp.int32), ((0, 0), (0, steps * ppb - st.max_pages)))
   lo = jnp.clip(tiles.lo // ps, 0, st.max_pages)
   hi = jnp.maximum(jnp.clip(-(-tiles.hi // ps), 0, st.max_pages), lo)
-  info = jnp.stack([tiles.seq, lo, hi, kv_len, tiles.pos[:, 0], (tiles.rows >= 0).sum(axis=1)]
-                   + [jnp.zeros_like(lo)] * 2, axis=1).astype(jnp.int32)  # (M, 8)
+  info = jnp.stack(
+    [tiles.seq, lo, hi, kv_len, tiles.pos[:, 0], (tiles.rows >= 0).sum(axis=1)]
+    + [jnp.zeros_like(lo)] * 2,
+    axis=1,
+  ).astype(jnp.int32)  # (M, 8)
 
   P = key_pages.shape[0]
   operands = [info, table, q]
-  specs = [pl.BlockSpec((None, 8), lambda m, k, p: (m, 0)),
-           pl.BlockSpec(table.shape, lambda m, k, p: (0, 0)),
-           pl.BlockSpec((None, None, Rp, H), lambda m, k, p: (m, k, 0, 0))]
+  specs = [
+    pl.BlockSpec((None, 8), lambda m, k, p: (m, 0)),
+    pl.BlockSpec(table.shape, lambda m, k, p: (0, 0)),
+    pl.BlockSpec((None, None, Rp, H), lambda m, k, p: (m, k, 0, 0)),
+  ]
   for half, pool in ((0, key_pages), (1, key_pages if st.layout == "combined" else value_pages)):
     operands.append(pool)
     specs.append(_head_spec(st, pool.shape, half))
@@ -106,15 +124,21 @@ def walk(st, q, tiles, key_pages, value_pages, page_table, kv_len, k_scale, v_sc
     elif kind is not None:
       operands.append(jnp.broadcast_to(scale.astype(jnp.float32), (K,)))
       specs.append(pl.BlockSpec((K,), lambda m, k, p: (0,)))
-  lane_spec = lambda *rest: pl.BlockSpec((None, None, None, Rp) + rest,
-                                         lambda m, k, p: (p, m, k, 0) + (0,) * len(rest))
+  lane_spec = lambda *rest: pl.BlockSpec(
+    (None, None, None, Rp) + rest, lambda m, k, p: (p, m, k, 0) + (0,) * len(rest)
+  )
   out_shape = [jax.ShapeDtypeStruct((lanes, M, K, Rp), jnp.float32)] * 2 + [
-      jax.ShapeDtypeStruct((lanes, M, K, Rp, st.Hv), jnp.float32)]
+    jax.ShapeDtypeStruct((lanes, M, K, Rp, st.Hv), jnp.float32)
+  ]
   m, l, acc = pl.pallas_call(
-      functools.partial(_kernel, st, ppb, lanes, R, P),
-      grid=(M, K, lanes), in_specs=specs, out_specs=[lane_spec(), lane_spec(), lane_spec(st.Hv)],
-      out_shape=out_shape, interpret=interpret, name="jattn_paged_attention",
-      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+    functools.partial(_kernel, st, ppb, lanes, R, P),
+    grid=(M, K, lanes),
+    in_specs=specs,
+    out_specs=[lane_spec(), lane_spec(), lane_spec(st.Hv)],
+    out_shape=out_shape,
+    interpret=interpret,
+    name="jattn_paged_attention",
+    compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
   )(*operands)
   # Lanes merged in a fixed order (no scatter, no atomics): the same bits every run.
   m, l, acc = _softmax.merge_lanes(m, l, acc)
@@ -166,8 +190,11 @@ def _kernel(st, ppb, lanes, R, P, info_ref, table_ref, q_ref, k_ref, v_ref, *ref
     ks, vs = (_scale(kind, ref, pages, k, bk) for kind, ref in scales)
     return _paged_fold.fold_page(st, carry, q, keys, values, ks, vs, vis)
 
-  carry = (jnp.full((Rp,), _softmax.NEG, jnp.float32), jnp.zeros((Rp,), jnp.float32),
-           jnp.zeros((Rp, acc_ref.shape[-1]), jnp.float32))
+  carry = (
+    jnp.full((Rp,), _softmax.NEG, jnp.float32),
+    jnp.zeros((Rp,), jnp.float32),
+    jnp.zeros((Rp, acc_ref.shape[-1]), jnp.float32),
+  )
   m, l, acc = jax.lax.fori_loop(start, jnp.maximum(stop, start), step, carry)
   m_ref[...] = m
   l_ref[...] = l

@@ -47,8 +47,9 @@ def walk(st, q, tiles, key_pages, value_pages, page_table, kv_len, k_scale, v_sc
   from jax.experimental.pallas import tpu as pltpu
 
   # The pool's own pages (the XLA walk may cut long pages into pieces: not needed here).
-  st = st._replace(page_size=st.page_size * st.sub, max_pages=st.max_pages // st.sub, sub=1,
-                   pages_per_block=1)
+  st = st._replace(
+    page_size=st.page_size * st.sub, max_pages=st.max_pages // st.sub, sub=1, pages_per_block=1
+  )
   M, K, R, H = q.shape
   ppb = pages_per_step(st.page_size, st.max_pages)
   steps = -(-st.max_pages // ppb)
@@ -59,8 +60,15 @@ def walk(st, q, tiles, key_pages, value_pages, page_table, kv_len, k_scale, v_sc
   base = tiles.pos[:, 0].astype(jnp.int32)  # position of each tile's row 0
   count = (tiles.rows >= 0).sum(axis=1).astype(jnp.int32)
   P = key_pages.shape[0]
-  scalars = [page_table.astype(jnp.int32), tiles.seq.astype(jnp.int32), lo_page, hi_page,
-             kv_len.astype(jnp.int32), base, count]
+  scalars = [
+    page_table.astype(jnp.int32),
+    tiles.seq.astype(jnp.int32),
+    lo_page,
+    hi_page,
+    kv_len.astype(jnp.int32),
+    base,
+    count,
+  ]
   # Scales per tensor or per head are scalars of the step (SMEM); per token, blocks of pages.
   for kind, scale in ((st.k_scale, k_scale), (st.v_scale, v_scale)):
     if kind in ("tensor", "head"):
@@ -89,21 +97,26 @@ def walk(st, q, tiles, key_pages, value_pages, page_table, kv_len, k_scale, v_sc
     if kind == "token":
       operands += [scale.astype(jnp.float32)] * ppb
       specs += [scale_spec(scale, i) for i in range(ppb)]
-  out_specs = [pl.BlockSpec((None, K, R), lambda m, j, *s: (m, 0, 0)),
-               pl.BlockSpec((None, K, R), lambda m, j, *s: (m, 0, 0)),
-               pl.BlockSpec((None, K, R, st.Hv), lambda m, j, *s: (m, 0, 0, 0))]
+  out_specs = [
+    pl.BlockSpec((None, K, R), lambda m, j, *s: (m, 0, 0)),
+    pl.BlockSpec((None, K, R), lambda m, j, *s: (m, 0, 0)),
+    pl.BlockSpec((None, K, R, st.Hv), lambda m, j, *s: (m, 0, 0, 0)),
+  ]
   out_shape = [jax.ShapeDtypeStruct((M, K, R), jnp.float32)] * 2 + [
-      jax.ShapeDtypeStruct((M, K, R, st.Hv), jnp.float32)]
+    jax.ShapeDtypeStruct((M, K, R, st.Hv), jnp.float32)
+  ]
   kernel = functools.partial(_kernel, st, ppb, len(pools))
-  return tuple(pl.pallas_call(
+  return tuple(
+    pl.pallas_call(
       kernel,
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=len(scalars), grid=(M, steps), in_specs=specs,
-          out_specs=out_specs),
+        num_scalar_prefetch=len(scalars), grid=(M, steps), in_specs=specs, out_specs=out_specs
+      ),
       out_shape=out_shape,
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
       name="jattn_paged_attention",
-  )(*scalars, *operands))
+    )(*scalars, *operands)
+  )
 
 
 def _kernel(st, ppb, npools, _table, _seq, lo, hi, kv_len, base, count, *refs):
@@ -111,22 +124,22 @@ def _kernel(st, ppb, npools, _table, _seq, lo, hi, kv_len, base, count, *refs):
   output blocks (resident across the steps of a tile)."""
   from jax.experimental import pallas as pl
 
-  refs = list(refs)
+  refs_ = list(refs)
   scales = []  # per key and value: (kind, ref): SMEM (K,) per head, or ppb page blocks
   for kind in (st.k_scale, st.v_scale):
-    scales.append(("head", refs.pop(0)) if kind in ("tensor", "head") else (kind, None))
-  q_ref = refs.pop(0)
-  m_ref, l_ref, acc_ref = refs[-3:]
-  pages = [refs[i * ppb:(i + 1) * ppb] for i in range(npools)]
+    scales.append(("head", refs_.pop(0)) if kind in ("tensor", "head") else (kind, None))
+  q_ref = refs_.pop(0)
+  m_ref, l_ref, acc_ref = refs_[-3:]
+  pages = [refs_[i * ppb : (i + 1) * ppb] for i in range(npools)]
   key_refs, value_refs = pages[0], pages[-1]
-  rest = refs[npools * ppb:-3]
+  rest = refs_[npools * ppb : -3]
   for n, (kind, _) in enumerate(scales):
     if kind == "token":
       scales[n], rest = (kind, rest[:ppb]), rest[ppb:]
   t, j = pl.program_id(0), pl.program_id(1)
 
   @pl.when(j == 0)
-  def _():
+  def _start():
     m_ref[...] = jnp.full(m_ref.shape, _softmax.NEG, jnp.float32)
     l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
@@ -140,14 +153,22 @@ def _kernel(st, ppb, npools, _table, _seq, lo, hi, kv_len, base, count, *refs):
     page = j * ppb + i
 
     @pl.when((page >= lo[t]) & (page < hi[t]))
-    def _(i=i, page=page):
+    def _fold(i=i, page=page):
       key = page * st.page_size + jax.lax.broadcasted_iota(jnp.int32, (1, st.page_size), 1)
       vis = _paged_fold.visible(st, key, pos, real, kv_len[t])
       for k in range(K):
         ks, vs = _scale(st, scales, 0, k, i), _scale(st, scales, 1, k, i)
         carry = (m_ref[k], l_ref[k], acc_ref[k])
-        m, l, acc = _paged_fold.fold_page(st, carry, q_ref[k], _head(st, key_refs[i], k, 0),
-                                          _head(st, value_refs[i], k, 1), ks, vs, vis)
+        m, l, acc = _paged_fold.fold_page(
+          st,
+          carry,
+          q_ref[k],
+          _head(st, key_refs[i], k, 0),
+          _head(st, value_refs[i], k, 1),
+          ks,
+          vs,
+          vis,
+        )
         m_ref[k], l_ref[k], acc_ref[k] = m, l, acc
 
 

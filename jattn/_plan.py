@@ -92,8 +92,7 @@ def decoding(T: int, S: int, G: int = 1) -> bool:
   return T * G <= DECODE_MAX_ROWS and S >= DECODE_MIN_KEYS
 
 
-def choose_implementation(T: int, S: int, G: int = 1, dtype=None, mask=None,
-                          shape=None) -> str:
+def choose_implementation(T: int, S: int, G: int = 1, dtype=None, mask=None, shape=None) -> str:
   """The CPU's rule behind implementation=None: dense for small score matrices, chunked
   otherwise (the crossover measured here), and chunked for decoding-shaped calls.
 
@@ -123,9 +122,17 @@ def static_block_map(mask, T: int, S: int, shape) -> bool:
   return isinstance(_masks.reduce_states(mask.block_states(grid, shape), shape), np.ndarray)
 
 
-def implementation_by_platform(B: int, N: int, T: int, S: int, G: int = 1, dtype=None,
-                               mask=None, fused=None,
-                               keys_split: bool = False) -> dict[str, tuple[str, ...]]:
+def implementation_by_platform(
+  B: int,
+  N: int,
+  T: int,
+  S: int,
+  G: int = 1,
+  dtype=None,
+  mask=None,
+  fused=None,
+  keys_split: bool = False,
+) -> dict[str, tuple[str, ...]]:
   """implementation=None per platform ({"cpu": names, "default": names, maybe "tpu": names}):
   the implementations to try in order, picked where the program is lowered.
 
@@ -149,10 +156,9 @@ def implementation_by_platform(B: int, N: int, T: int, S: int, G: int = 1, dtype
     return {"default": ("chunked",)}
   decode = decoding(T, S, G)
   cpu = choose_implementation(T, S, G, dtype, mask, (B, N, T, S))
-  fits = (concrete(B, N)
-          and B * N * T * S * 4 <= ACCELERATOR_DENSE_SCORES_BYTES)
+  fits = concrete(B, N) and B * N * T * S * 4 <= ACCELERATOR_DENSE_SCORES_BYTES
   accelerator = "dense" if fits and not decode else "chunked"
-  choice = {"cpu": (cpu,), "default": (accelerator,)}
+  choice: dict[str, tuple[str, ...]] = {"cpu": (cpu,), "default": (accelerator,)}
   if not decode:
     for platform, name in (fused or {}).items():
       choice[platform] = (name, accelerator)
@@ -169,8 +175,15 @@ def by_platform(fns):
   return jax.lax.platform_dependent(**rest, default=fns.get("default"))
 
 
-def block_sizes(T: int, S: int, block_q: int | None, block_kv: int | None, *,
-                cap_q: int | None = None, cap_kv: int | None = None) -> tuple[int, int]:
+def block_sizes(
+  T: int,
+  S: int,
+  block_q: int | None,
+  block_kv: int | None,
+  *,
+  cap_q: int | None = None,
+  cap_kv: int | None = None,
+) -> tuple[int, int]:
   """The block sizes a call runs with: the request or the default, never more than T and S.
 
   ``cap_q``/``cap_kv`` bound only the defaults (ring attention keeps a default block inside one
@@ -256,7 +269,7 @@ def block_lists(states):
   jax map gives jax lists with L = C, its counts telling how many steps a row really needs.
   """
   xp = np if isinstance(states, np.ndarray) else jnp
-  R, C = states.shape
+  _R, C = states.shape
   nonempty = states != EMPTY
   counts = nonempty.sum(axis=1).astype(np.int32)
   # A stable sort of "is empty" puts each row's non-empty columns first, in column order.
@@ -330,8 +343,14 @@ def lanes(states: np.ndarray, min_lanes: int = 1) -> Lanes:
   ends[:, :-1] = starts[:, 1:]
   emit = np.where(ends, rows, R).astype(np.int32)
   final = rows[:, -1].copy() if total else np.full(V, R, np.int32)
-  return Lanes(rows.astype(np.int32), cols.astype(np.int32), knds.astype(np.int8), starts, emit,
-               final.astype(np.int32))
+  return Lanes(
+    rows.astype(np.int32),
+    cols.astype(np.int32),
+    knds.astype(np.int8),
+    starts,
+    emit,
+    final.astype(np.int32),
+  )
 
 
 def run_time_lanes(states, per_row: int = 1):
@@ -357,8 +376,14 @@ def run_time_lanes(states, per_row: int = 1):
     columns = columns * P + (jnp.arange(R * P, dtype=jnp.int32) % P)[:, None]
   rows = jnp.repeat(jnp.arange(R, dtype=jnp.int32), P)
   V = R * P
-  return Lanes(jnp.broadcast_to(rows[:, None], (V, L)), columns, kinds,
-               np.zeros((V, L), bool), jnp.full((V, L), R, jnp.int32), rows), counts.max()
+  return Lanes(
+    jnp.broadcast_to(rows[:, None], (V, L)),
+    columns,
+    kinds,
+    np.zeros((V, L), bool),
+    jnp.full((V, L), R, jnp.int32),
+    rows,
+  ), counts.max()
 
 
 class MergeOrder(NamedTuple):
@@ -389,8 +414,9 @@ def merge_order(ln: Lanes, per_row: int = 1) -> MergeOrder:
     ends = np.nonzero(ln.emit[v] < R)[0]
     if ln.rows[v, 0] == ln.rows[v - 1, -1] and ends.size and ln.emit[v, ends[0]] == ln.rows[v, 0]:
       hold[v, ends[0]] = True
-  lanes_per_row = np.bincount(np.unique(np.stack([ln.rows.ravel(),
-                                                  np.repeat(np.arange(V), L)]), axis=1)[0])
+  lanes_per_row = np.bincount(
+    np.unique(np.stack([ln.rows.ravel(), np.repeat(np.arange(V), L)]), axis=1)[0]
+  )
   return MergeOrder(hold, max(1, int(lanes_per_row.max())))
 
 
@@ -418,20 +444,25 @@ def closure_convert_score_mod(score_mod, tile_shape, dtype, varying_like=(), rep
   (or in one, on arguments already varying) needs to be called inside it.
   """
   B, N, tq, tk = tile_shape
-  ex = (jax.ShapeDtypeStruct((B, N, tq, tk), dtype),
-        jax.ShapeDtypeStruct((B, 1, 1, 1), jnp.int32),
-        jax.ShapeDtypeStruct((1, N, 1, 1), jnp.int32),
-        jax.ShapeDtypeStruct((1, 1, tq, 1), jnp.int32),
-        jax.ShapeDtypeStruct((1, 1, 1, tk), jnp.int32))
+  ex = (
+    jax.ShapeDtypeStruct((B, N, tq, tk), dtype),
+    jax.ShapeDtypeStruct((B, 1, 1, 1), jnp.int32),
+    jax.ShapeDtypeStruct((1, N, 1, 1), jnp.int32),
+    jax.ShapeDtypeStruct((1, 1, tq, 1), jnp.int32),
+    jax.ShapeDtypeStruct((1, 1, 1, tk), jnp.int32),
+  )
   out = jax.eval_shape(score_mod, *ex)
   if not hasattr(out, "shape") or tuple(out.shape) != (B, N, tq, tk):
     raise ValueError(
-        f"score_mod must return an array of the score's shape (B, N, tq, tk)={(B, N, tq, tk)} "
-        f"(it is applied tile by tile, so a broadcast result would differ between "
-        f"implementations), got {getattr(out, 'shape', type(out).__name__)}")
+      f"score_mod must return an array of the score's shape (B, N, tq, tk)={(B, N, tq, tk)} "
+      f"(it is applied tile by tile, so a broadcast result would differ between "
+      f"implementations), got {getattr(out, 'shape', type(out).__name__)}"
+    )
   if not jnp.issubdtype(out.dtype, jnp.floating):
-    raise TypeError(f"score_mod must return floating scores, got dtype {out.dtype} "
-                    f"(to hide positions, use a mask: jattn.masks.from_function)")
+    raise TypeError(
+      f"score_mod must return floating scores, got dtype {out.dtype} "
+      f"(to hide positions, use a mask: jattn.masks.from_function)"
+    )
   if varying_like:
     ex = tuple(_sharding.varying(jnp.zeros(x.shape, x.dtype), *varying_like) for x in ex)
   converted, consts = jax.closure_convert(score_mod, *ex)
@@ -529,8 +560,9 @@ def split_kv_lanes(cfg: Config, grid: BlockGrid, width: int) -> int:
   return max(1, min(SPLIT_KV_LANES, width, grid.num_kv_blocks))
 
 
-def make_plan(cfg: Config, mask, block_q: int, block_kv: int, schedule: str = "serial",
-              width: int | None = None):
+def make_plan(
+  cfg: Config, mask, block_q: int, block_kv: int, schedule: str = "serial", width: int | None = None
+):
   """(Plan, states): the plan over (cfg.T, cfg.S) in blocks of (block_q, block_kv), and its block
   map as a jax int8 array. ``width``: the parallel schedule's lanes per step (default: as many
   as fit STEP_BYTES, see `default_step_width`)."""
@@ -538,15 +570,16 @@ def make_plan(cfg: Config, mask, block_q: int, block_kv: int, schedule: str = "s
   states, kinds = block_map_and_kinds(mask, grid, (cfg.B, cfg.N, cfg.T, cfg.S))
   parallel = schedule == "parallel"
   width = (width or default_step_width(cfg, block_q, block_kv)) if parallel else None
-  split = split_kv_lanes(cfg, grid, width) if parallel else 1
-  plan = Plan(cfg, grid, kinds, schedule=schedule,
-              width=width, row_split=split)
+  split = split_kv_lanes(cfg, grid, width) if width is not None else 1
+  plan = Plan(cfg, grid, kinds, schedule=schedule, width=width, row_split=split)
   if isinstance(states, np.ndarray):
-    plan = dataclasses.replace(plan, q_ranges=static_ranges(states),
-                               kv_ranges=static_ranges(states.T))
+    plan = dataclasses.replace(
+      plan, q_ranges=static_ranges(states), kv_ranges=static_ranges(states.T)
+    )
     if parallel:
-      plan = dataclasses.replace(plan, row_lanes=_hashable(lanes(states, split)),
-                                 column_lanes=_hashable(lanes(states.T)))
+      plan = dataclasses.replace(
+        plan, row_lanes=_hashable(lanes(states, split)), column_lanes=_hashable(lanes(states.T))
+      )
   return plan, jnp.asarray(states, jnp.int8)
 
 
@@ -602,8 +635,10 @@ def pad_to_blocks(plan: Plan, q, k, v, bias):
     k = jnp.pad(k, ((0, 0), (0, ps), (0, 0), (0, 0)))
     v = jnp.pad(v, ((0, 0), (0, ps), (0, 0), (0, 0)))
   if bias is not None and (pt or ps):
-    bias = jnp.pad(bias, ((0, 0),) * 3 + ((0, pt if bias.shape[3] != 1 else 0),
-                                         (0, ps if bias.shape[4] != 1 else 0)))
+    bias = jnp.pad(
+      bias,
+      ((0, 0),) * 3 + ((0, pt if bias.shape[3] != 1 else 0), (0, ps if bias.shape[4] != 1 else 0)),
+    )
   return q, k, v, bias
 
 

@@ -9,7 +9,8 @@ adding one is a module with its ``run`` (and ``supports``) and one `register` ca
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 def _takes_everything(call) -> None:

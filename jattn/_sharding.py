@@ -85,7 +85,8 @@ def checks_vma(x) -> bool:
   """Whether the call is traced inside a `jax.shard_map` with ``check_vma=True`` (values typed
   device-varying or invariant). JAX's own flag when it has one, else whether ``x`` is typed
   varying over some manual axis."""
-  from jax._src import config  # noqa: PLC0415 -- the flag has no public name
+  from jax._src import config
+
   flag = getattr(config, "_check_vma", None)
   if flag is not None and hasattr(flag, "value"):
     return bool(flag.value)
@@ -119,7 +120,7 @@ def unshard_axis(x, axis: int):
   entries = tuple(spec) + (None,) * (x.ndim - len(spec))
   if entries[axis] is None:
     return x
-  entries = entries[:axis] + (None,) + entries[axis + 1:]
+  entries = entries[:axis] + (None,) + entries[axis + 1 :]
   return jax.sharding.reshard(x, PartitionSpec(*entries))
 
 
@@ -252,13 +253,18 @@ class VaryingReplay:
       ins = [read(v) for v in eqn.invars]
       if eqn.primitive.name == "pvary":
         want = set(eqn.params["axes"])
-        outs = [jax.lax.pcast(x, tuple(sorted(want - varying_axes(x), key=str)), to="varying")
-                if want - varying_axes(x) else x for x in ins]
+        outs = [
+          jax.lax.pcast(x, tuple(sorted(want - varying_axes(x), key=str)), to="varying")
+          if want - varying_axes(x)
+          else x
+          for x in ins
+        ]
       else:
         # A sharding recorded in the types of the trace (an Explicit mesh outside the
         # shard_map) does not hold inside it, where every axis is manual.
-        params = {k: (None if k in _TYPED_SHARDINGS and p is not None else p)
-                  for k, p in eqn.params.items()}
+        params = {
+          k: (None if k in _TYPED_SHARDINGS and p is not None else p) for k, p in eqn.params.items()
+        }
         outs = eqn.primitive.bind(*ins, **params)
         if not eqn.primitive.multiple_results:
           outs = [outs]
@@ -275,8 +281,9 @@ def reshape(x, shape):
   shape = tuple(int(d) if isinstance(d, (int, np.integer)) else d for d in shape)
   if -1 in shape:
     known = math.prod(d for d in shape if not (isinstance(d, int) and d == -1))
-    shape = tuple(math.prod(x.shape) // known if isinstance(d, int) and d == -1 else d
-                  for d in shape)
+    shape = tuple(
+      math.prod(x.shape) // known if isinstance(d, int) and d == -1 else d for d in shape
+    )
   spec = spec_of(x)
   if not explicit_mesh() or spec is None or all(e is None for e in spec):
     return x.reshape(shape)
@@ -291,10 +298,13 @@ def reshape(x, shape):
     # dimensions share their start with the next one: (1, B, ..) -> (1, B, .., 1) keeps B's),
     # or is its major part with room for every shard (heads N split into (K, G)).
     count = axes_size(_mesh(), _names(entry))
-    fits = [o for o in range(len(shape))
-            if out_start[o] == in_start[d] and out[o] is None
-            and (shape[o] % x.shape[d] == 0
-                 or (x.shape[d] % shape[o] == 0 and shape[o] % count == 0))]
+    fits = [
+      o
+      for o in range(len(shape))
+      if out_start[o] == in_start[d]
+      and out[o] is None
+      and (shape[o] % x.shape[d] == 0 or (x.shape[d] % shape[o] == 0 and shape[o] % count == 0))
+    ]
     if not fits:
       raise ValueError(f"reshape {x.shape} -> {shape} would split sharded dimension {d}")
     out[fits[0]] = entry
@@ -324,28 +334,32 @@ def aligned_to_query(args):
   def like_scores(x, rows=True):
     if x is None or not hasattr(x, "ndim"):
       return x
-    dims = (scores if rows else scores[:2] + ((None, None),) * 2)[4 - x.ndim:]
-    return reshard_to(x, PartitionSpec(*(e if size == n else None
-                                         for size, (n, e) in zip(x.shape, dims))))
+    dims = (scores if rows else scores[:2] + ((None, None),) * 2)[4 - x.ndim :]
+    return reshard_to(
+      x, PartitionSpec(*(e if size == n else None for size, (n, e) in zip(x.shape, dims)))
+    )
 
   def per_example(x):
     if x is None:
       return x
-    return reshard_to(x, PartitionSpec(q[0] if x.shape[0] == B else None,
-                                       *(None,) * (x.ndim - 1)))
+    return reshard_to(x, PartitionSpec(q[0] if x.shape[0] == B else None, *(None,) * (x.ndim - 1)))
 
   mask = args.mask
   if mask is not None and not hasattr(mask, "ndim"):
     # A mask object's arrays (positions, segment ids, lengths, offsets) likewise by example.
-    mask = jax.tree.map(lambda x: per_example(x) if getattr(x, "ndim", 0) else replicated(x),
-                        mask)
+    mask = jax.tree.map(lambda x: per_example(x) if getattr(x, "ndim", 0) else replicated(x), mask)
   else:
     mask = like_scores(mask, rows=False)
   return dataclasses.replace(
-      args, bias=like_scores(args.bias), mask=mask,
-      q_lengths=per_example(args.q_lengths), kv_lengths=per_example(args.kv_lengths),
-      q_seg=per_example(args.q_seg), kv_seg=per_example(args.kv_seg),
-      sinks=replicated(args.sinks))
+    args,
+    bias=like_scores(args.bias),
+    mask=mask,
+    q_lengths=per_example(args.q_lengths),
+    kv_lengths=per_example(args.kv_lengths),
+    q_seg=per_example(args.q_seg),
+    kv_seg=per_example(args.kv_seg),
+    sinks=replicated(args.sinks),
+  )
 
 
 def replicated(tree):

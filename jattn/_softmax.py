@@ -201,8 +201,9 @@ def empty_rows(m, l):
 def lse(m, l):
   """log-sum-exp of a row from its max and sum; NEG for a row with nothing to attend to."""
   ok = ~empty_rows(m, l)
-  return jnp.where(ok, m + jnp.log(jnp.where(ok, l, jnp.ones((), l.dtype))),
-                   jnp.asarray(NEG, m.dtype))
+  return jnp.where(
+    ok, m + jnp.log(jnp.where(ok, l, jnp.ones((), l.dtype))), jnp.asarray(NEG, m.dtype)
+  )
 
 
 def normalize(acc, l, m, dropout_rate: float):

@@ -37,8 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jattn import _fused, _plan, _sharding, _softmax, _tuning
-from jattn._types import concrete
 from jattn._tile import NEG
+from jattn._types import concrete
 
 LANES = _tuning.SPLASH_LANES  # splash's block sizes are multiples of the TPU's 128 lanes
 DEFAULT_BLOCK = 512
@@ -49,6 +49,7 @@ MAX_EVALUATED_POSITIONS = 1 << 28
 def _splash_modules():
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernel
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as mask
+
   return kernel, mask
 
 
@@ -59,8 +60,9 @@ def block_size(name: str, value: int | None, length: int) -> int:
     return min(DEFAULT_BLOCK, -(-length // LANES) * LANES)
   if value % LANES:
     raise NotImplementedError(
-        f"implementation='splash' needs {name} to be a multiple of {LANES} (the TPU's lanes), "
-        f"got {name}={value}")
+      f"implementation='splash' needs {name} to be a multiple of {LANES} (the TPU's lanes), "
+      f"got {name}={value}"
+    )
   return value
 
 
@@ -128,45 +130,39 @@ def static_masks(static, shape, padded) -> list[_Static]:
   problem, one per query head, or a single one that every head shares. Padding rows and columns
   are left visible here: the segment ids hide them."""
   _, mask_lib = _splash_modules()
-  B, N, T, S = shape
+  _B, _N, T, S = shape
   band = None if static is None else static.band()
-  if static is None or band == (None, None):
-    rows, cols = _band_rows_cols(None, None, T, S, padded)
-    return [_Static(("full", padded), lambda: mask_lib.FullMask(padded), rows, cols,
-                    lambda: np.ones(padded, bool))]
-  if band is not None:
-    lo, hi = band
-    rows, cols = _band_rows_cols(lo, hi, T, S, padded)
-    if not rows.any():
-      refuse("a mask that hides every position", "splash's block lists cannot be empty")
-    if lo is None:  # causal-like: keys up to q + hi
-      return [_Static(("causal", padded, hi), lambda: mask_lib.CausalMask(padded, offset=hi),
-                      rows, cols, lambda: _band_dense(lo, hi, padded))]
-    return [_Static(("band", padded, lo, hi),
-                    lambda: mask_lib.LocalMask(padded, window_size=(-lo, hi), offset=0),
-                    rows, cols, lambda: _band_dense(lo, hi, padded))]
+  if static is None or band is not None:
+    return _band_masks((None, None) if static is None else band, T, S, padded)
   if T * S > MAX_EVALUATED_POSITIONS:
-    refuse(f"a {type(static).__name__} mask at T x S = {T} x {S}",
-           "a mask other than causal or a window is evaluated into a (T, S) array when the "
-           f"kernel is built, and that is limited to {MAX_EVALUATED_POSITIONS} positions")
+    refuse(
+      f"a {type(static).__name__} mask at T x S = {T} x {S}",
+      "a mask other than causal or a window is evaluated into a (T, S) array when the "
+      f"kernel is built, and that is limited to {MAX_EVALUATED_POSITIONS} positions",
+    )
   # `masks.from_function`'s batch and head offsets are the global indices of ring attention's
   # shard; in a single-device call they are 0 but reach here traced (pytree leaves of the
   # jitted call), which would keep the mask from evaluating at trace time.
   static = static.unshifted()
   with jax.ensure_compile_time_eval():
     try:
-      values = static.evaluate(jnp.arange(T, dtype=jnp.int32), jnp.arange(S, dtype=jnp.int32),
-                               shape)
+      values = static.evaluate(
+        jnp.arange(T, dtype=jnp.int32), jnp.arange(S, dtype=jnp.int32), shape
+      )
       values = np.asarray(values)
     except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
-      refuse("a mask that depends on run-time arrays",
-             f"its block lists are built when the kernel is, so the mask ({type(static).__name__})"
-             " must be a function of positions and heads known at trace time; pass lengths and "
-             "segment ids as keywords or masks.lengths/masks.segments")
+      refuse(
+        "a mask that depends on run-time arrays",
+        f"its block lists are built when the kernel is, so the mask ({type(static).__name__})"
+        " must be a function of positions and heads known at trace time; pass lengths and "
+        "segment ids as keywords or masks.lengths/masks.segments",
+      )
   values = np.broadcast_to(values, (values.shape[0], values.shape[1], T, S))
   if values.shape[0] != 1 and not (values == values[:1]).all():
-    refuse("a mask that differs between examples of the batch",
-           "one kernel serves the whole batch; use segment ids or lengths for per-example masks")
+    refuse(
+      "a mask that differs between examples of the batch",
+      "one kernel serves the whole batch; use segment ids or lengths for per-example masks",
+    )
   heads = np.zeros((values.shape[1],) + tuple(padded), bool)
   heads[:, :T, :S] = values[0]
   if not heads.any():
@@ -174,9 +170,56 @@ def static_masks(static, shape, padded) -> list[_Static]:
   out = []
   for h in heads:
     digest = hashlib.sha1(np.packbits(h).tobytes()).hexdigest()
-    out.append(_Static(("array", padded, digest), functools.partial(mask_lib.NumpyMask, h),
-                       h.any(1), h.any(0), lambda h=h: h))
+    out.append(
+      _Static(
+        ("array", padded, digest),
+        functools.partial(mask_lib.NumpyMask, h),
+        h.any(1),
+        h.any(0),
+        lambda h=h: h,
+      )
+    )
   return out[:1] if len({m.key for m in out}) == 1 else out
+
+
+def _band_masks(band, T, S, padded) -> list[_Static]:
+  """The one splash mask of a band ``lo <= s - t <= hi`` (either side None: unbounded; both:
+  every position) on the padded problem."""
+  _, mask_lib = _splash_modules()
+  if band == (None, None):
+    rows, cols = _band_rows_cols(None, None, T, S, padded)
+    return [
+      _Static(
+        ("full", padded),
+        lambda: mask_lib.FullMask(padded),
+        rows,
+        cols,
+        lambda: np.ones(padded, bool),
+      )
+    ]
+  lo, hi = band
+  rows, cols = _band_rows_cols(lo, hi, T, S, padded)
+  if not rows.any():
+    refuse("a mask that hides every position", "splash's block lists cannot be empty")
+  if lo is None:  # causal-like: keys up to q + hi
+    return [
+      _Static(
+        ("causal", padded, hi),
+        lambda: mask_lib.CausalMask(padded, offset=hi),
+        rows,
+        cols,
+        lambda: _band_dense(lo, hi, padded),
+      )
+    ]
+  return [
+    _Static(
+      ("band", padded, lo, hi),
+      lambda: mask_lib.LocalMask(padded, window_size=(-lo, hi), offset=0),
+      rows,
+      cols,
+      lambda: _band_dense(lo, hi, padded),
+    )
+  ]
 
 
 def segment_ids(B, T, S, Tp, Sp, lengths, segments):
@@ -185,10 +228,16 @@ def segment_ids(B, T, S, Tp, Sp, lengths, segments):
   the call's lengths, padding and segment ids allow it, and which queries and keys those leave
   any partner. A hidden key gets an id below every query's, a hidden query one below that (ids
   near int32's minimum would wrap)."""
-  q = jnp.zeros((B, T), jnp.int32) if segments is None else jnp.broadcast_to(
-      segments[0].astype(jnp.int32), (B, T))
-  kv = jnp.zeros((B, S), jnp.int32) if segments is None else jnp.broadcast_to(
-      segments[1].astype(jnp.int32), (B, S))
+  q = (
+    jnp.zeros((B, T), jnp.int32)
+    if segments is None
+    else jnp.broadcast_to(segments[0].astype(jnp.int32), (B, T))
+  )
+  kv = (
+    jnp.zeros((B, S), jnp.int32)
+    if segments is None
+    else jnp.broadcast_to(segments[1].astype(jnp.int32), (B, S))
+  )
   # int32 positions: under jax_enable_x64 an arange is int64, which strict dtype promotion
   # refuses to compare with int32 lengths.
   q_pos = jnp.arange(Tp, dtype=jnp.int32)[None, :]
@@ -212,6 +261,7 @@ def segment_ids(B, T, S, Tp, Sp, lengths, segments):
       # Explicit mesh (jax 0.10: "Resource axis x ... not found in mesh: ()").
       at = jax.vmap(lambda a, v: jnp.searchsorted(a, v, method="sort"))(srt, ids)
       return jnp.take_along_axis(srt, jnp.minimum(at, srt.shape[-1] - 1), axis=-1) == ids
+
     q_ok, kv_ok = q_ok & present(q, kv), kv_ok & present(kv, q)
   return q, kv, q_ok, kv_ok
 
@@ -230,15 +280,27 @@ def _kernel(heads: tuple, bq: int, bk: int, soft_cap, save_residuals: bool):
   key = (tuple(h.key for h in heads), bq, bk, soft_cap, save_residuals)
   if key not in _KERNELS:
     kernel_lib, mask_lib = _splash_modules()
-    sizes = kernel_lib.BlockSizes(block_q=bq, block_kv=bk, block_kv_compute=bk,
-                                  block_q_dkv=bq, block_kv_dkv=bk, block_kv_dkv_compute=bk,
-                                  block_q_dq=bq, block_kv_dq=bk)
+    sizes = kernel_lib.BlockSizes(
+      block_q=bq,
+      block_kv=bk,
+      block_kv_compute=bk,
+      block_q_dkv=bq,
+      block_kv_dkv=bk,
+      block_kv_dkv_compute=bk,
+      block_q_dq=bq,
+      block_kv_dq=bk,
+    )
     # Concrete block lists (built in the trace they would be its tracers, and the cache would
     # hand them to the next trace).
     with jax.ensure_compile_time_eval():
       _KERNELS[key] = kernel_lib.make_splash_mqa(
-          mask_lib.MultiHeadMask([h.build() for h in heads]), block_sizes=sizes, head_shards=1,
-          q_seq_shards=1, save_residuals=save_residuals, attn_logits_soft_cap=soft_cap)
+        mask_lib.MultiHeadMask([h.build() for h in heads]),
+        block_sizes=sizes,
+        head_shards=1,
+        q_seq_shards=1,
+        save_residuals=save_residuals,
+        attn_logits_soft_cap=soft_cap,
+      )
   return _KERNELS[key]
 
 
@@ -267,15 +329,20 @@ def _kernels(groups, bq, bk, soft_cap, save_residuals):
       flat = lambda x: x.reshape((B * K,) + x.shape[2:])
       per_head = lambda x: jnp.repeat(x, K, axis=0)
       snk = None if sinks is None else jnp.tile(sinks, (B, 1))
-      out, lse = jax.lax.map(functools.partial(one, kernels[0]),
-                             (flat(q), flat(k), flat(v), per_head(q_ids), per_head(kv_ids), snk))
+      out, lse = jax.lax.map(
+        functools.partial(one, kernels[0]),
+        (flat(q), flat(k), flat(v), per_head(q_ids), per_head(kv_ids), snk),
+      )
       unflat = lambda x: None if x is None else x.reshape((B, K) + x.shape[1:])
       return unflat(out), unflat(lse)
     per_batch = lambda x: None if x is None else jnp.broadcast_to(x, (B,) + x.shape)
-    outs = [jax.lax.map(functools.partial(one, kern),
-                        (q[:, i], k[:, i], v[:, i], q_ids, kv_ids,
-                         per_batch(None if sinks is None else sinks[i])))
-            for i, kern in enumerate(kernels)]
+    outs = [
+      jax.lax.map(
+        functools.partial(one, kern),
+        (q[:, i], k[:, i], v[:, i], q_ids, kv_ids, per_batch(None if sinks is None else sinks[i])),
+      )
+      for i, kern in enumerate(kernels)
+    ]
     return jax.tree.map(lambda *xs: jnp.stack(xs, axis=1), *outs)
 
   return run
@@ -289,24 +356,37 @@ def _kernels(groups, bq, bk, soft_cap, save_residuals):
 def supports(call) -> str | None:
   """None, or what of the bound call (`jattn._call.Call`) splash cannot take and why."""
   s = call.static
-  missing = _fused.missing_input("the fused kernel", (
-      ("bias", call.given.bias is not None), ("dropout", s.opts.dropout_rate > 0),
-      ("score_mod", s.opts.score_mod is not None)))
+  missing = _fused.missing_input(
+    "the fused kernel",
+    (
+      ("bias", call.given.bias is not None),
+      ("dropout", s.opts.dropout_rate > 0),
+      ("score_mod", s.opts.score_mod is not None),
+    ),
+  )
   if missing:
     return missing
   if s.Hv != s.H:
-    return (f"a value head size Hv={s.Hv} other than the key's H={s.H}: splash's kernels take "
-            f"value with key's shape")
+    return (
+      f"a value head size Hv={s.Hv} other than the key's H={s.H}: splash's kernels take "
+      f"value with key's shape"
+    )
   if not concrete(s.B, s.N):
-    return (f"a symbolic batch or head count (B={s.B}, N={s.N}): its block masks are built per "
-            f"head while the call is traced")
+    return (
+      f"a symbolic batch or head count (B={s.B}, N={s.N}): its block masks are built per "
+      f"head while the call is traced"
+    )
   shard = shards(call)
   if isinstance(shard, str):
-    return (shard + " under an Explicit mesh: XLA cannot partition a Pallas kernel, and jattn "
-            "splits the call over devices only by examples and heads")
+    return (
+      shard + " under an Explicit mesh: XLA cannot partition a Pallas kernel, and jattn "
+      "splits the call over devices only by examples and heads"
+    )
   if _sharding.checks_vma(call.query):
-    return ("jax.shard_map(check_vma=True): its Pallas kernels do not type their outputs as "
-            "device-varying (JAX's pallas_call raises); use check_vma=False")
+    return (
+      "jax.shard_map(check_vma=True): its Pallas kernels do not type their outputs as "
+      "device-varying (JAX's pallas_call raises); use check_vma=False"
+    )
   return None
 
 
@@ -325,8 +405,11 @@ def first(call) -> bool:
   not known while the call is traced), or where an Explicit mesh shards only examples and heads
   (the shardings are in the types, so it runs per device inside a shard_map); and only for
   masks it builds lazily (see `builds_lazily`)."""
-  return supports(call) is None and builds_lazily(call.mask) and (
-      call.static.layout.unpartitioned or isinstance(shards(call), tuple))
+  return (
+    supports(call) is None
+    and builds_lazily(call.mask)
+    and (call.static.layout.unpartitioned or isinstance(shards(call), tuple))
+  )
 
 
 def run(call):
@@ -335,24 +418,42 @@ def run(call):
   the fallbacks (where the program is lowered: one exported for tpu from a CPU is traced here
   too)."""
   s = call.static
-  go = functools.partial(splash_attention, call.query, call.key, call.value, call.mask,
-                         call.given.sinks, scale=s.scale, soft_cap=s.opts.logits_soft_cap,
-                         block_q=s.tuned.splash_blocks[0], block_kv=s.tuned.splash_blocks[1],
-                         shard=shards(call))
+  go = functools.partial(
+    splash_attention,
+    call.query,
+    call.key,
+    call.value,
+    call.mask,
+    call.given.sinks,
+    scale=s.scale,
+    soft_cap=s.opts.logits_soft_cap,
+    block_q=s.tuned.splash_blocks[0],
+    block_kv=s.tuned.splash_blocks[1],
+    shard=shards(call),
+  )
   if _fused.interpreting():
     return go()
-  like = (jax.ShapeDtypeStruct((s.B, s.T, s.N, s.Hv), s.dtype),
-          jax.ShapeDtypeStruct((s.B, s.T, s.N), jnp.float32))
-  message = ("implementation='splash' needs a TPU: this program is lowered for {platform}. "
-             "Run it on a TPU, or on a CPU inside "
-             "jax.experimental.pallas.tpu.force_tpu_interpret_mode() (slow; for tests), or "
-             "name a fallback: implementation=('splash', 'chunked')")
-  return _plan.by_platform({"tpu": go, "default": lambda: _fused.unavailable(
-      message, like, call.query, call.key, call.value)})
+  like = (
+    jax.ShapeDtypeStruct((s.B, s.T, s.N, s.Hv), s.dtype),
+    jax.ShapeDtypeStruct((s.B, s.T, s.N), jnp.float32),
+  )
+  message = (
+    "implementation='splash' needs a TPU: this program is lowered for {platform}. "
+    "Run it on a TPU, or on a CPU inside "
+    "jax.experimental.pallas.tpu.force_tpu_interpret_mode() (slow; for tests), or "
+    "name a fallback: implementation=('splash', 'chunked')"
+  )
+  return _plan.by_platform(
+    {
+      "tpu": go,
+      "default": lambda: _fused.unavailable(message, like, call.query, call.key, call.value),
+    }
+  )
 
 
-def splash_attention(query, key, value, mask, sinks, *, scale, soft_cap, block_q, block_kv,
-                     shard=None):
+def splash_attention(
+  query, key, value, mask, sinks, *, scale, soft_cap, block_q, block_kv, shard=None
+):
   """(out (B, T, N, H) in the query dtype, lse (B, T, N) float32) of jattn's attention through
   splash. ``mask`` is the call's one jattn mask object (or None); ``sinks`` (N,) or None.
 
@@ -361,8 +462,8 @@ def splash_attention(query, key, value, mask, sinks, *, scale, soft_cap, block_q
   Pallas kernel, so each device then runs splash on its own examples and heads inside a
   `jax.shard_map` (manual over every mesh axis): the embarrassingly parallel split, with no
   communication."""
-  B, T, N, H = query.shape
-  _, S, K, _ = key.shape
+  B, T, N, _H = query.shape
+  _, S, _K, _ = key.shape
   if query.dtype not in (jnp.bfloat16, jnp.float32):
     refuse(f"query dtype {query.dtype}", "splash computes in bfloat16 or float32")
   bq, bk = block_size("block_q", block_q, T), block_size("block_kv", block_kv, S)
@@ -370,16 +471,19 @@ def splash_attention(query, key, value, mask, sinks, *, scale, soft_cap, block_q
   static, lengths, segments = split_mask(mask)
   heads = static_masks(static, (B, N, T, S), (Tp, Sp))
   # q_ids, kv_ids, q_ok, kv_ok, each (B, Tp) or (B, Sp).
-  ids = tuple(jnp.broadcast_to(x, (B,) + x.shape[1:])
-              for x in segment_ids(B, T, S, Tp, Sp, lengths, segments))
+  ids = tuple(
+    jnp.broadcast_to(x, (B,) + x.shape[1:]) for x in segment_ids(B, T, S, Tp, Sp, lengths, segments)
+  )
   attend = functools.partial(_attend, heads=heads, scale=scale, soft_cap=soft_cap, bq=bq, bk=bk)
   if shard is None:
     return attend(query, key, value, sinks, ids)
   batch, head = shard
   if head and len(heads) > 1:
-    refuse("head-sharded inputs with a mask that differs between heads",
-           "each device's kernels are built for the heads it holds, which one shard_map body "
-           "cannot tell apart")
+    refuse(
+      "head-sharded inputs with a mask that differs between heads",
+      "each device's kernels are built for the heads it holds, which one shard_map body "
+      "cannot tell apart",
+    )
   P = jax.sharding.PartitionSpec
   b, h = _sharding.spec_entry(batch), _sharding.spec_entry(head)
   rows, per_example, per_head = P(b, None, h), P(b), P(h)
@@ -387,14 +491,24 @@ def splash_attention(query, key, value, mask, sinks, *, scale, soft_cap, block_q
   mesh = jax.sharding.get_abstract_mesh()
   # Manual over every mesh axis not manual yet (replicated over those the inputs do not use): a
   # Pallas kernel lowers only where no axis is left for XLA to partition.
-  manual = frozenset(n for n, t in zip(mesh.axis_names, mesh.axis_types)
-                     if t != jax.sharding.AxisType.Manual)
-  fn = jax.shard_map(attend, mesh=mesh,
-                     in_specs=(rows, rows, rows, None if sinks is None else per_head,
-                               (per_example,) * 4),
-                     out_specs=(rows, rows), axis_names=manual, check_vma=False)
-  return fn(put(query, rows), put(key, rows), put(value, rows), put(sinks, per_head),
-            tuple(put(x, per_example) for x in ids))
+  manual = frozenset(
+    n for n, t in zip(mesh.axis_names, mesh.axis_types) if t != jax.sharding.AxisType.Manual
+  )
+  fn = jax.shard_map(
+    attend,
+    mesh=mesh,
+    in_specs=(rows, rows, rows, None if sinks is None else per_head, (per_example,) * 4),
+    out_specs=(rows, rows),
+    axis_names=manual,
+    check_vma=False,
+  )
+  return fn(
+    put(query, rows),
+    put(key, rows),
+    put(value, rows),
+    put(sinks, per_head),
+    tuple(put(x, per_example) for x in ids),
+  )
 
 
 def _attend(query, key, value, sinks, ids, *, heads, scale, soft_cap, bq, bk):
@@ -407,8 +521,9 @@ def _attend(query, key, value, sinks, ids, *, heads, scale, soft_cap, bq, bk):
   q_ids, kv_ids, q_ok, kv_ok = ids
   Tp, Sp = q_ids.shape[1], kv_ids.shape[1]
   # One group of G head masks when every head shares one, else each key/value head its own.
-  groups = ([(heads[0],) * G] if len(heads) == 1 else
-            [tuple(heads[g * G:(g + 1) * G]) for g in range(K)])
+  groups = (
+    [(heads[0],) * G] if len(heads) == 1 else [tuple(heads[g * G : (g + 1) * G]) for g in range(K)]
+  )
 
   # Splash multiplies every key and value of a block it visits (a hidden one by a weight of 0),
   # so inf or NaN at a position hidden from every query (padding, past a length, an empty
@@ -416,8 +531,9 @@ def _attend(query, key, value, sinks, ids, *, heads, scale, soft_cap, bq, bk):
   # such positions are zeroed first, as jattn's tiles do.
   per_head = heads * N if len(heads) == 1 else heads
   rows = np.stack([h.rows for h in per_head], axis=-1)  # (Tp, N)
-  cols = np.stack([np.any([h.cols for h in per_head[g * G:(g + 1) * G]], axis=0)
-                   for g in range(K)], axis=-1)  # (Sp, K)
+  cols = np.stack(
+    [np.any([h.cols for h in per_head[g * G : (g + 1) * G]], axis=0) for g in range(K)], axis=-1
+  )  # (Sp, K)
   q_keep = q_ok[:, :, None] & jnp.asarray(rows)[None]
   kv_keep = kv_ok[:, :, None] & jnp.asarray(cols)[None]
 
@@ -426,17 +542,22 @@ def _attend(query, key, value, sinks, ids, *, heads, scale, soft_cap, bq, bk):
   q = jnp.pad(q, ((0, 0), (0, Tp - T), (0, 0), (0, 0)))
   q = jnp.where(q_keep[..., None], q, jnp.zeros((), q.dtype))
   q = jnp.transpose(q.reshape(B, Tp, K, G, H), (0, 2, 3, 1, 4))
-  pad_kv = lambda x: jnp.where(kv_keep[..., None],
-                               jnp.pad(x, ((0, 0), (0, Sp - S), (0, 0), (0, 0))),
-                               jnp.zeros((), x.dtype))
+  pad_kv = lambda x: jnp.where(
+    kv_keep[..., None], jnp.pad(x, ((0, 0), (0, Sp - S), (0, 0), (0, 0))), jnp.zeros((), x.dtype)
+  )
   k = jnp.transpose(pad_kv(key), (0, 2, 1, 3))
   v = jnp.transpose(pad_kv(value), (0, 2, 1, 3))
   snk = None if sinks is None else sinks.astype(jnp.float32).reshape(K, G)
 
   out, lse = _fused.zero_empty_rows(
-      _kernels(groups, bq, bk, soft_cap, True),
-      lambda *a: _kernels(groups, bq, bk, soft_cap, False)(*a)[0], _pure(groups, soft_cap),
-      _empty_rows, _pure(groups, soft_cap, lse=True), (q, k, v, snk), (q_ids, kv_ids))
+    _kernels(groups, bq, bk, soft_cap, True),
+    lambda *a: _kernels(groups, bq, bk, soft_cap, False)(*a)[0],
+    _pure(groups, soft_cap),
+    _empty_rows,
+    _pure(groups, soft_cap, lse=True),
+    (q, k, v, snk),
+    (q_ids, kv_ids),
+  )
   out = jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(B, Tp, N, -1)[:, :T]
   lse = jnp.transpose(lse.reshape(B, K, G, Tp), (0, 3, 1, 2)).reshape(B, Tp, N)[:, :T]
   return out, lse
@@ -458,8 +579,7 @@ def _pure(groups, soft_cap, lse: bool = False):
     p, l, m = _softmax.exp_rows(s, None if sinks is None else sinks[None, :, :, None])
     if lse:
       return _softmax.lse(m, l)
-    out = _softmax.normalize(jnp.einsum("bkgts,bksh->bkgth", p, v.astype(jnp.float32)), l, m,
-                             0.0)
+    out = _softmax.normalize(jnp.einsum("bkgts,bksh->bkgth", p, v.astype(jnp.float32)), l, m, 0.0)
     return out.astype(q.dtype)
 
   return run

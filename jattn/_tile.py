@@ -14,14 +14,14 @@ or, in rows layout (the chunked forward), the G heads of a group stacked as rows
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
 
 from jattn import _dropout, _sharding
 from jattn._softmax import NEG, stat_dtype  # noqa: F401  (the tiles' masked logit and dtype)
-
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -91,7 +91,7 @@ def as_rows(x, G: int, t: int):
   return jnp.broadcast_to(x, (b, k, G, t, xx)).reshape(b, k, G * t, xx)
 
 
-def query_takes_scale(cfg: "Config", dtype) -> bool:
+def query_takes_scale(cfg: Config, dtype) -> bool:
   """Whether the logit scale may multiply the query once instead of every (tq, tk) tile of
   logits: (c q).k = c (q.k) up to one rounding, and a whole pass over each tile cheaper. Only
   where that rounding is no coarser than the logits' own: float32 and float64 queries, or
@@ -106,7 +106,7 @@ def query_takes_scale(cfg: "Config", dtype) -> bool:
   return dtype == jnp.dtype(jnp.bfloat16) and abs(mantissa) == 0.5
 
 
-def prescaled_query(cfg: "Config", q):
+def prescaled_query(cfg: Config, q):
   """(q, scaled): the query times the scale where `query_takes_scale` allows it (scaled True),
   else the query as it is. The chunked forward and backward both take Q from here, so that
   both compute the logits with the same rounding."""
@@ -133,8 +133,9 @@ class Index(NamedTuple):
   head0: Any = 0
 
 
-def logits(cfg: Config, q, k, bias, idx: Index, score_args=(), fold: bool = True,
-           scaled: bool = False):
+def logits(
+  cfg: Config, q, k, bias, idx: Index, score_args=(), fold: bool = True, scaled: bool = False
+):
   """Scaled logits of a tile in the statistics dtype, before masking.
 
   Order: scale * q.k, then soft-cap (cap * tanh(x / cap)), then + bias, then score_mod.
@@ -170,8 +171,10 @@ def scale_cap_bias(cfg: Config, s, bias, scaled: bool = False):
 def index_grids(cfg: Config, idx: Index):
   """Broadcastable (batch, head, q, kv) int32 index arrays for a tile, heads as n = k * G + g."""
   b = jnp.arange(cfg.B, dtype=jnp.int32).reshape(cfg.B, 1, 1, 1, 1) + idx.batch0
-  h = (jnp.arange(cfg.K, dtype=jnp.int32)[:, None] * cfg.G
-       + jnp.arange(cfg.G, dtype=jnp.int32)[None, :]).reshape(1, cfg.K, cfg.G, 1, 1) + idx.head0
+  h = (
+    jnp.arange(cfg.K, dtype=jnp.int32)[:, None] * cfg.G
+    + jnp.arange(cfg.G, dtype=jnp.int32)[None, :]
+  ).reshape(1, cfg.K, cfg.G, 1, 1) + idx.head0
   q = idx.q.astype(jnp.int32).reshape(1, 1, 1, -1, 1)
   k = idx.kv.astype(jnp.int32).reshape(1, 1, 1, 1, -1)
   return b, h, q, k
@@ -190,6 +193,7 @@ def apply_score_mod(cfg: Config, s, idx: Index, score_args):
   q = idx.q.astype(jnp.int32).reshape(1, 1, -1, 1)
   k = idx.kv.astype(jnp.int32).reshape(1, 1, 1, -1)
   # The shape and dtype of the result were checked when the call was traced.
+  assert cfg.score_mod is not None
   out = cfg.score_mod(s4, b, h, q, k, *score_args)
   return _sharding.reshape(out.astype(s.dtype), shape)
 

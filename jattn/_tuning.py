@@ -33,7 +33,6 @@ import jax
 
 from jattn import _registry
 
-
 ENV_VAR = "JATTN_TUNING"
 FORMAT = "jattn-tuning-1"
 _OPTIONS = ("block_q", "block_kv", "schedule", "step_width", "implementation")
@@ -41,8 +40,9 @@ _OPTIONS = ("block_q", "block_kv", "schedule", "step_width", "implementation")
 SPLASH_LANES = 128
 _MASK_KINDS = ("full", "causal", "window", "masked")
 
-_active: contextvars.ContextVar[TuningTable | None] = contextvars.ContextVar("jattn_tuning",
-                                                                            default=None)
+_active: contextvars.ContextVar[TuningTable | None] = contextvars.ContextVar(
+  "jattn_tuning", default=None
+)
 _env_cache: dict[tuple[str, float], TuningTable] = {}
 # The active table's contents, as part of jax.jit's cache key: a function traced before a
 # `tuning` block is traced again inside it (and once per table), so the table applies.
@@ -92,8 +92,16 @@ class TuningTable:
 
   def to_json(self) -> str:
     from jattn import __version__
-    return json.dumps({"format": FORMAT, "jattn_version": self.jattn_version or __version__,
-                       "entries": self.entries}, indent=1, sort_keys=True)
+
+    return json.dumps(
+      {
+        "format": FORMAT,
+        "jattn_version": self.jattn_version or __version__,
+        "entries": self.entries,
+      },
+      indent=1,
+      sort_keys=True,
+    )
 
   def save(self, path) -> None:
     with open(path, "w") as f:
@@ -125,8 +133,9 @@ def _check_options(options, where):
       known = _registry.fused() + ("chunked", "dense")
       if value not in known:
         raise ValueError(f"{where}: implementation must be one of {known}, got {value!r}")
-    elif value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                or value <= 0):
+    elif value is not None and (
+      isinstance(value, bool) or not isinstance(value, int) or value <= 0
+    ):
       raise ValueError(f"{where}: {name} must be a positive int or null, got {value!r}")
 
 
@@ -141,25 +150,38 @@ def load(path) -> TuningTable:
   except json.JSONDecodeError as e:
     raise ValueError(f"jattn tuning table {path!r} is not valid JSON: {e}") from None
   if not isinstance(data, dict) or data.get("format") != FORMAT:
-    raise ValueError(f"jattn tuning table {path!r}: expected a JSON object with "
-                     f"\"format\": {FORMAT!r} (written by jattn-bench tune), got "
-                     f"{type(data).__name__ if not isinstance(data, dict) else data.get('format')!r}")
+    raise ValueError(
+      f"jattn tuning table {path!r}: expected a JSON object with "
+      f"\"format\": {FORMAT!r} (written by jattn-bench tune), got "
+      f"{type(data).__name__ if not isinstance(data, dict) else data.get('format')!r}"
+    )
   entries = data.get("entries")
   if not isinstance(entries, dict):
     raise ValueError(f"jattn tuning table {path!r}: \"entries\" must be an object")
   for key, options in entries.items():
     parts = key.split("|")
-    if (len(parts) != 5 or not parts[2].isdigit() or not parts[4].isdigit()
-        or parts[3] not in _MASK_KINDS or not isinstance(options, dict)):
-      raise ValueError(f"jattn tuning table {path!r}: malformed entry {key!r}: {options!r} "
-                       f"(keys are 'device_kind|dtype|head_dim|mask_kind|length_bucket')")
+    if (
+      len(parts) != 5
+      or not parts[2].isdigit()
+      or not parts[4].isdigit()
+      or parts[3] not in _MASK_KINDS
+      or not isinstance(options, dict)
+    ):
+      raise ValueError(
+        f"jattn tuning table {path!r}: malformed entry {key!r}: {options!r} "
+        f"(keys are 'device_kind|dtype|head_dim|mask_kind|length_bucket')"
+      )
     _check_options(options, where=f"jattn tuning table {path!r}, entry {key!r}")
   from jattn import __version__
+
   version = data.get("jattn_version")
   if version != __version__:
-    warnings.warn(f"jattn tuning table {path!r} was written by jattn {version}, this is "
-                  f"{__version__}: its choices are used, but may no longer be the best; "
-                  f"re-run jattn-bench tune", stacklevel=2)
+    warnings.warn(
+      f"jattn tuning table {path!r} was written by jattn {version}, this is "
+      f"{__version__}: its choices are used, but may no longer be the best; "
+      f"re-run jattn-bench tune",
+      stacklevel=2,
+    )
   return TuningTable(entries=entries, jattn_version=version, source=path)
 
 
@@ -209,12 +231,21 @@ def resolve(fingerprint_, given, implementation, kind, dtype, H, T, S) -> Tuned:
   they leave open filled from the active table when the call's ``fingerprint_`` (of that table,
   see `fingerprint`) is not None. Read while the call is traced."""
   table = {} if fingerprint_ is None else options_for(dtype, H, kind, T, S)
-  pick = [g if g is not None else table.get(n)
-          for g, n in zip(given, ("block_q", "block_kv", "schedule", "step_width"))]
-  return Tuned(*pick,
-               implementation=table.get("implementation") if implementation is None else None,
-               splash_blocks=(splash_block(given[0], table.get("block_q")),
-                              splash_block(given[1], table.get("block_kv"))))
+  pick = [
+    g if g is not None else table.get(n)
+    for g, n in zip(given, ("block_q", "block_kv", "schedule", "step_width"))
+  ]
+  return Tuned(
+    block_q=pick[0],
+    block_kv=pick[1],
+    schedule=pick[2],
+    step_width=pick[3],
+    implementation=table.get("implementation") if implementation is None else None,
+    splash_blocks=(
+      splash_block(given[0], table.get("block_q")),
+      splash_block(given[1], table.get("block_kv")),
+    ),
+  )
 
 
 def fingerprint() -> str | None:
@@ -235,10 +266,16 @@ def options_for(dtype, head_dim: int, kind: str, T: int, S: int) -> dict[str, An
     return {}
   device_kind = jax.devices()[0].device_kind
   found = table.lookup(device_kind, str(dtype), head_dim, kind, length_bucket(T, S))
-  if found is None and table.entries and not any(
-      k.startswith(device_kind + "|") for k in table.entries):
-    warnings.warn(f"jattn tuning table {table.source or '(in memory)'!r} has no entry for this "
-                  f"device ({device_kind!r}): its options are not used", stacklevel=3)
+  if (
+    found is None
+    and table.entries
+    and not any(k.startswith(device_kind + "|") for k in table.entries)
+  ):
+    warnings.warn(
+      f"jattn tuning table {table.source or '(in memory)'!r} has no entry for this "
+      f"device ({device_kind!r}): its options are not used",
+      stacklevel=3,
+    )
   return dict(found or {})
 
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 import numbers
 import typing
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -91,8 +90,9 @@ def integer(name: str, value, *, minimum: int | None = None, optional: bool = Fa
   if value is None and optional:
     return None
   if not is_int(value):
-    raise TypeError(f"{name} must be {_int_text(minimum)}{_or_none(optional)}, got "
-                    f"{describe(value)}")
+    raise TypeError(
+      f"{name} must be {_int_text(minimum)}{_or_none(optional)}, got {describe(value)}"
+    )
   if minimum is not None and value < minimum:
     raise ValueError(f"{name} must be {_int_text(minimum)}{_or_none(optional)}, got {int(value)}")
   return int(value)
@@ -109,8 +109,8 @@ def non_negative_int(name: str, value, *, optional: bool = False):
 
 
 def _range_text(above, at_least, below, at_most):
-  lo = (f"({above}" if above is not None else f"[{at_least}" if at_least is not None else None)
-  hi = (f"{below})" if below is not None else f"{at_most}]" if at_most is not None else None)
+  lo = f"({above}" if above is not None else f"[{at_least}" if at_least is not None else None
+  hi = f"{below})" if below is not None else f"{at_most}]" if at_most is not None else None
   if lo is not None and hi is not None:
     return f" in {lo}, {hi}"
   if lo is not None:
@@ -120,8 +120,18 @@ def _range_text(above, at_least, below, at_most):
   return ""
 
 
-def real(name: str, value, *, optional: bool = False, finite: bool = True,
-         positive: bool = False, above=None, at_least=None, below=None, at_most=None):
+def real(
+  name: str,
+  value,
+  *,
+  optional: bool = False,
+  finite: bool = True,
+  positive: bool = False,
+  above=None,
+  at_least=None,
+  below=None,
+  at_most=None,
+):
   """A real number (Python or NumPy, ints included, bools not) as a Python float.
 
   ``positive`` is ``above=0``; ``above`` / ``at_least`` / ``below`` / ``at_most`` bound it
@@ -204,8 +214,9 @@ def axis(name: str, value, shape) -> int:
   ndim = len(shape)
   value = integer(name, value)
   if not -ndim <= value < ndim:
-    raise ValueError(f"{name}={value} is out of range for an array of rank {ndim} (shape "
-                     f"{tuple(shape)})")
+    raise ValueError(
+      f"{name}={value} is out of range for an array of rank {ndim} (shape {tuple(shape)})"
+    )
   return value % ndim
 
 
@@ -277,8 +288,9 @@ def causal(value):
     return "top_left" if value else None
   if value is None:
     return None
-  return one_of("is_causal", value, CAUSAL_ALIGNMENTS,
-                expected="a bool, 'top_left' or 'bottom_right'")
+  return one_of(
+    "is_causal", value, CAUSAL_ALIGNMENTS, expected="a bool, 'top_left' or 'bottom_right'"
+  )
 
 
 def window(value):
@@ -290,13 +302,18 @@ def window(value):
     w = non_negative_int(name, value)
     return (w, w)
   if not isinstance(value, (tuple, list)):
-    raise TypeError(f"{name} must be None, an int or a (left, right) pair of ints (None on a "
-                    f"side: unbounded), got {describe(value)}")
+    raise TypeError(
+      f"{name} must be None, an int or a (left, right) pair of ints (None on a "
+      f"side: unbounded), got {describe(value)}"
+    )
   if len(value) != 2:
-    raise ValueError(f"{name} must be an int or a (left, right) pair, got {len(value)} values "
-                     f"{tuple(value)!r}")
-  left, right = (non_negative_int(f"{name}[{i}] ({side})", v, optional=True)
-                 for i, (side, v) in enumerate(zip(("left", "right"), value)))
+    raise ValueError(
+      f"{name} must be an int or a (left, right) pair, got {len(value)} values {tuple(value)!r}"
+    )
+  left, right = (
+    non_negative_int(f"{name}[{i}] ({side})", v, optional=True)
+    for i, (side, v) in enumerate(zip(("left", "right"), value))
+  )
   return None if (left, right) == (None, None) else (left, right)
 
 
@@ -318,13 +335,17 @@ def _prng_key(name, key):
   shape, dtype = getattr(key, "shape", None), getattr(key, "dtype", None)
   if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
     if shape != ():
-      raise ValueError(f"{name} must be a single PRNG key, got a key array of shape {shape} "
-                       f"(split keys are for several calls)")
+      raise ValueError(
+        f"{name} must be a single PRNG key, got a key array of shape {shape} "
+        f"(split keys are for several calls)"
+      )
     return
   if dtype != jnp.uint32 or shape is None or len(shape) != 1:
-    raise TypeError(f"{name} must be a PRNG key (jax.random.key(...), or a raw uint32 "
-                    f"jax.random.PRNGKey(...)), got "
-                    f"{type(key).__name__ if dtype is None else f'{dtype}{tuple(shape)}'}")
+    raise TypeError(
+      f"{name} must be a PRNG key (jax.random.key(...), or a raw uint32 "
+      f"jax.random.PRNGKey(...)), got "
+      f"{type(key).__name__ if dtype is None or shape is None else f'{dtype}{tuple(shape)}'}"
+    )
 
 
 def implementation(value):
@@ -333,8 +354,9 @@ def implementation(value):
   jax.nn's name for "dense")."""
   if value is None:
     return None
-  listed = ", ".join(repr(n) + "".join(f" (or {a!r})" for a in b.aliases)
-                     for n, b in _registry.REGISTRY.items())
+  listed = ", ".join(
+    repr(n) + "".join(f" (or {a!r})" for a in b.aliases) for n, b in _registry.REGISTRY.items()
+  )
   expected = f"None, {listed}, or a sequence of these tried in order"
   names = _registry.names()
   if isinstance(value, (list, tuple)):
@@ -365,14 +387,16 @@ _float_array = float_array  # the older private name
 def broadcastable(name, x, shape, letters):
   """Rank <= 4, each dim either 1 or the full size (no silent broadcasting of other sizes)."""
   if x.ndim > 4:
-    raise ValueError(f"{name} must have rank <= 4, broadcastable to {letters}={shape}, got "
-                     f"shape {tuple(x.shape)}")
+    raise ValueError(
+      f"{name} must have rank <= 4, broadcastable to {letters}={shape}, got shape {tuple(x.shape)}"
+    )
   x4 = x.reshape((1,) * (4 - x.ndim) + tuple(x.shape))
   for got, want in zip(x4.shape, shape):
     if got not in (1, want):
       raise ValueError(
-          f"{name} of shape {tuple(x.shape)} is not broadcastable to {letters}={shape}: each "
-          f"dimension must be 1 or the full size")
+        f"{name} of shape {tuple(x.shape)} is not broadcastable to {letters}={shape}: each "
+        f"dimension must be 1 or the full size"
+      )
   return x4
 
 
@@ -381,8 +405,10 @@ def mask_array(x, shape):
   (B, N, T, S) ``shape`` (returned as rank 4)."""
   x = as_array("mask", x, "a boolean array or a jattn.masks object")
   if x.dtype != jnp.bool_:
-    raise TypeError(f"mask must be a boolean array (True = attend) or a jattn.masks object, "
-                    f"got dtype {x.dtype}; pass additive masks as bias")
+    raise TypeError(
+      f"mask must be a boolean array (True = attend) or a jattn.masks object, "
+      f"got dtype {x.dtype}; pass additive masks as bias"
+    )
   return broadcastable("mask", jnp.asarray(x), shape, "(B, N, T, S)")
 
 
@@ -403,8 +429,9 @@ def int_vector(name, x, B, *, checked=False):
 def segment_ids(name, x, B, L, letter, *, checked=False):
   x = as_array(name, x, f"an integer array of shape (B, {letter})=({B}, {L})")
   if not jnp.issubdtype(x.dtype, jnp.integer):
-    raise TypeError(f"{name} must be an integer array of shape (B, {letter})=({B}, {L}), "
-                    f"got dtype {x.dtype}")
+    raise TypeError(
+      f"{name} must be an integer array of shape (B, {letter})=({B}, {L}), got dtype {x.dtype}"
+    )
   x = jnp.asarray(x)
   if x.ndim == 1 and B == 1 and not checked:
     x = x[None]

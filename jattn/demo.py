@@ -23,7 +23,8 @@ import math
 import os
 import sys
 import time
-from typing import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -50,7 +51,7 @@ def softmax_jacobian_norm(p):
   """
   p = np.asarray(p, np.float64)
   p2 = (p * p).sum(-1)
-  return np.sqrt(np.maximum(p2 - 2.0 * (p ** 3).sum(-1) + p2 * p2, 0.0))
+  return np.sqrt(np.maximum(p2 - 2.0 * (p**3).sum(-1) + p2 * p2, 0.0))
 
 
 # --------------------------------------------------------------------------------------------
@@ -73,8 +74,9 @@ class SharpnessRow:
   jacobian_norm: float  # Frobenius norm of the softmax Jacobian
 
 
-def sharpness(dims: Sequence[int] = (32, 64, 128, 512), num_keys: int = 8, seeds: int = 256,
-              seed: int = 0) -> list[SharpnessRow]:
+def sharpness(
+  dims: Sequence[int] = (32, 64, 128, 512), num_keys: int = 8, seeds: int = 256, seed: int = 0
+) -> list[SharpnessRow]:
   """One query against ``num_keys`` keys, entries N(0, 1), ``seeds`` independent draws per d.
 
   Probabilities, entropy and the Jacobian norm are computed in float64 NumPy; the entropy fraction
@@ -95,15 +97,22 @@ def sharpness(dims: Sequence[int] = (32, 64, 128, 512), num_keys: int = 8, seeds
       logits = raw * scale
       p = _softmax64(logits)
       # The scale folded into q keeps one compiled program per d for both rows.
-      stats = diagnostics.attention_stats(jnp.asarray(q * np.float32(scale)), jnp.asarray(k),
-                                          scale=1.0)
-      rows.append(SharpnessRow(
-          d=int(d), scaled=scaled, logit_std=float(logits.std()),
-          max_prob=float(p.max(-1).mean()), min_prob=float(p.min(-1).mean()),
+      stats = diagnostics.attention_stats(
+        jnp.asarray(q * np.float32(scale)), jnp.asarray(k), scale=1.0
+      )
+      rows.append(
+        SharpnessRow(
+          d=int(d),
+          scaled=scaled,
+          logit_std=float(logits.std()),
+          max_prob=float(p.max(-1).mean()),
+          min_prob=float(p.min(-1).mean()),
           entropy=float((-(p * np.log(np.maximum(p, 1e-300))).sum(-1)).mean()),
           entropy_fraction=float(np.mean(stats.entropy_fraction)),
           saturated_fraction=float(np.mean(stats.saturated_fraction)),
-          jacobian_norm=float(softmax_jacobian_norm(p).mean())))
+          jacobian_norm=float(softmax_jacobian_norm(p).mean()),
+        )
+      )
   return rows
 
 
@@ -112,10 +121,10 @@ def sharpness(dims: Sequence[int] = (32, 64, 128, 512), num_keys: int = 8, seeds
 # --------------------------------------------------------------------------------------------
 
 PATTERNS = {
-    # logits spread over [-M, M]: exp(M) overflows the naive softmax.
-    "spread": lambda M, S: M * np.linspace(-1.0, 1.0, S),
-    # logits in [-M - 1, -M]: every exp(x) underflows to 0 and the naive softmax is 0 / 0.
-    "shifted": lambda M, S: -M + np.linspace(-1.0, 0.0, S),
+  # logits spread over [-M, M]: exp(M) overflows the naive softmax.
+  "spread": lambda M, S: M * np.linspace(-1.0, 1.0, S),
+  # logits in [-M - 1, -M]: every exp(x) underflows to 0 and the naive softmax is 0 / 0.
+  "shifted": lambda M, S: -M + np.linspace(-1.0, 0.0, S),
 }
 
 
@@ -151,9 +160,12 @@ def _status(p):
   return "ok"
 
 
-def overflow(magnitudes: Sequence[float] = (1, 10, 100, 1e3, 1e4, 1e5), num_keys: int = 8,
-             dtypes: Sequence[str] = ("float16", "bfloat16", "float32"),
-             patterns: Sequence[str] = ("spread", "shifted")) -> list[OverflowRow]:
+def overflow(
+  magnitudes: Sequence[float] = (1, 10, 100, 1e3, 1e4, 1e5),
+  num_keys: int = 8,
+  dtypes: Sequence[str] = ("float16", "bfloat16", "float32"),
+  patterns: Sequence[str] = ("spread", "shifted"),
+) -> list[OverflowRow]:
   """Softmax of one row of logits x = q * k_i, computed three ways from q and k in ``dtype``.
 
   naive: exp(x) / sum(exp(x)) in the dtype; stable: exp(x - max x) / sum(...) in the dtype;
@@ -161,13 +173,19 @@ def overflow(magnitudes: Sequence[float] = (1, 10, 100, 1e3, 1e4, 1e5), num_keys
   (logits and statistics in float32). The reference is the float64 softmax of the exact products
   of the rounded inputs.
   """
-  magnitudes = [_validation.real(f"magnitudes[{i}]", m, at_least=0)
-                for i, m in enumerate(_sequence("magnitudes", magnitudes))]
+  magnitudes = [
+    _validation.real(f"magnitudes[{i}]", m, at_least=0)
+    for i, m in enumerate(_sequence("magnitudes", magnitudes))
+  ]
   S = _validation.positive_int("num_keys", num_keys)
-  dtypes = [_validation.one_of(f"dtypes[{i}]", d, tuple(DTYPES))
-            for i, d in enumerate(_sequence("dtypes", dtypes))]
-  patterns = [_validation.one_of(f"patterns[{i}]", p, tuple(PATTERNS))
-              for i, p in enumerate(_sequence("patterns", patterns))]
+  dtypes = [
+    _validation.one_of(f"dtypes[{i}]", d, tuple(DTYPES))
+    for i, d in enumerate(_sequence("dtypes", dtypes))
+  ]
+  patterns = [
+    _validation.one_of(f"patterns[{i}]", p, tuple(PATTERNS))
+    for i, p in enumerate(_sequence("patterns", patterns))
+  ]
   rows = []
   for name in dtypes:
     dtype = DTYPES[name]
@@ -176,8 +194,10 @@ def overflow(magnitudes: Sequence[float] = (1, 10, 100, 1e3, 1e4, 1e5), num_keys
         x = PATTERNS[pattern](float(M), S)
         r = math.sqrt(abs(float(M)))
         # q = r e_1 and k_i = (x_i / r) e_1, so q.k_i = x_i; H = S lets value be the identity.
-        q = np.zeros((1, 1, 1, S)); q[0, 0, 0, 0] = r
-        k = np.zeros((1, S, 1, S)); k[0, :, 0, 0] = x / r
+        q = np.zeros((1, 1, 1, S))
+        q[0, 0, 0, 0] = r
+        k = np.zeros((1, S, 1, S))
+        k[0, :, 0, 0] = x / r
         qd = jnp.asarray(q, jnp.float32).astype(dtype)
         kd = jnp.asarray(k, jnp.float32).astype(dtype)
         vd = jnp.asarray(np.eye(S).reshape(1, S, 1, S), jnp.float32).astype(dtype)
@@ -186,9 +206,9 @@ def overflow(magnitudes: Sequence[float] = (1, 10, 100, 1e3, 1e4, 1e5), num_keys
         ref = _softmax64(q64 * k64)
         xd = qd[0, 0, 0, 0] * kd[0, :, 0, 0]  # the logits, computed in the dtype
         got = {
-            "naive": _naive_softmax(xd),
-            "stable": _stable_softmax(xd),
-            "jattn": jattn.dot_product_attention(qd, kd, vd, scale=1.0)[0, 0, 0],
+          "naive": _naive_softmax(xd),
+          "stable": _stable_softmax(xd),
+          "jattn": jattn.dot_product_attention(qd, kd, vd, scale=1.0)[0, 0, 0],
         }
         for method, p in got.items():
           p = np.asarray(p.astype(jnp.float32), np.float64)
@@ -236,13 +256,16 @@ def _with_grad(f):
   return jax.jit(f), jax.jit(grad)
 
 
-_MASKED_FNS = {"naive -inf": _with_grad(_naive_masked_attention),
-               "jax.nn": _with_grad(_jax_nn_attention),
-               "jattn": _with_grad(_jattn_attention)}
+_MASKED_FNS = {
+  "naive -inf": _with_grad(_naive_masked_attention),
+  "jax.nn": _with_grad(_jax_nn_attention),
+  "jattn": _with_grad(_jattn_attention),
+}
 
 
-def masked_row(T: int = 4, S: int = 6, H: int = 8, masked_query: int = 1,
-               seed: int = 0) -> list[MaskedRowResult]:
+def masked_row(
+  T: int = 4, S: int = 6, H: int = 8, masked_query: int = 1, seed: int = 0
+) -> list[MaskedRowResult]:
   """Attention in float32 with a mask that hides every key from query ``masked_query``."""
   T, S, H = (_validation.positive_int(n, x) for n, x in (("T", T), ("S", S), ("H", H)))
   masked_query = _validation.non_negative_int("masked_query", masked_query)
@@ -252,7 +275,7 @@ def masked_row(T: int = 4, S: int = 6, H: int = 8, masked_query: int = 1,
   q, k, v = (rng.standard_normal((1, L, 1, H)).astype(np.float32) for L in (T, S, S))
   vis = np.ones((1, 1, T, S), bool)
   vis[0, 0, masked_query] = False
-  vis[0, 0, (masked_query + 1) % T, S // 2:] = False  # a partly masked row for contrast
+  vis[0, 0, (masked_query + 1) % T, S // 2 :] = False  # a partly masked row for contrast
   s = np.einsum("th,sh->ts", q[0, :, 0].astype(np.float64), k[0, :, 0].astype(np.float64))
   s = np.where(vis[0, 0], s / math.sqrt(H), -np.inf)
   seen = vis[0, 0].any(-1)
@@ -266,11 +289,16 @@ def masked_row(T: int = 4, S: int = 6, H: int = 8, masked_query: int = 1,
     o = np.asarray(f(q, k, v, mask), np.float64)[0, :, 0]  # (T, H)
     grads = grad(q, k, v, mask)
     err = np.abs(o[seen] - ref[seen])
-    out.append(MaskedRowResult(
-        method=name, masked_row=o[masked_query], output_nan=bool(np.isnan(o).any()),
+    out.append(
+      MaskedRowResult(
+        method=name,
+        masked_row=o[masked_query],
+        output_nan=bool(np.isnan(o).any()),
         grad_nan=bool(any(np.isnan(np.asarray(g)).any() for g in grads)),
         other_rows_error=float(np.nanmax(err)) if not np.isnan(err).all() else float("nan"),
-        mean_of_v_error=float(np.abs(o[masked_query] - mean_v).max())))
+        mean_of_v_error=float(np.abs(o[masked_query] - mean_v).max()),
+      )
+    )
   return out
 
 
@@ -287,8 +315,14 @@ class PrecisionRow:
   max_error: float  # max |out - ref|
 
 
-PRECISION_METHODS = ("jattn dense fp32", "jattn chunked fp32", "jattn dense bf16",
-                     "jattn chunked bf16", "plain bf16", "bf16 rounding of ref")
+PRECISION_METHODS = (
+  "jattn dense fp32",
+  "jattn chunked fp32",
+  "jattn dense bf16",
+  "jattn chunked bf16",
+  "plain bf16",
+  "bf16 rounding of ref",
+)
 
 
 @jax.jit
@@ -309,37 +343,56 @@ def _reference64(q, k, v):
   return np.einsum("bnts,bsnh->btnh", _softmax64(s), v)
 
 
-def precision(lengths: Sequence[int] = (128, 256, 512, 1024, 2048), heads: int = 2,
-              head_dim: int = 64, block: int = 128, seed: int = 0) -> list[PrecisionRow]:
+def precision(
+  lengths: Sequence[int] = (128, 256, 512, 1024, 2048),
+  heads: int = 2,
+  head_dim: int = 64,
+  block: int = 128,
+  seed: int = 0,
+) -> list[PrecisionRow]:
   """Self-attention (T = S), q, k, v ~ N(0, 1) rounded to bfloat16 so every dtype sees the same
   values; errors against the float64 attention of those values. Chunked uses block x block tiles.
   """
   lengths = _int_list("lengths", lengths)
-  heads, head_dim, block = (_validation.positive_int(n, x) for n, x in (
-      ("heads", heads), ("head_dim", head_dim), ("block", block)))
+  heads, head_dim, block = (
+    _validation.positive_int(n, x)
+    for n, x in (("heads", heads), ("head_dim", head_dim), ("block", block))
+  )
   rng = np.random.default_rng(_validation.non_negative_int("seed", seed))
   rows = []
-  impls = {"dense": dict(implementation="dense"),
-           "chunked": dict(implementation="chunked", block_q=block, block_kv=block)}
+  impls: dict[str, dict[str, Any]] = {
+    "dense": dict(implementation="dense"),
+    "chunked": dict(implementation="chunked", block_q=block, block_kv=block),
+  }
   # jattn's functions are jitted inside; its compilation cache is shared across calls.
-  fns = {f"jattn {impl} {tag}": (functools.partial(jattn.dot_product_attention, **kw), dt)
-         for impl, kw in impls.items()
-         for tag, dt in (("fp32", jnp.float32), ("bf16", jnp.bfloat16))}
+  fns: dict[str, tuple[Callable[..., Any], Any]] = {
+    f"jattn {impl} {tag}": (functools.partial(jattn.dot_product_attention, **kw), dt)
+    for impl, kw in impls.items()
+    for tag, dt in (("fp32", jnp.float32), ("bf16", jnp.bfloat16))
+  }
   fns["plain bf16"] = (_plain_attention, jnp.bfloat16)
   for T in lengths:
-    x = [jnp.asarray(rng.standard_normal((1, T, heads, head_dim)), jnp.float32).astype(
-        jnp.bfloat16) for _ in range(3)]
+    x = [
+      jnp.asarray(rng.standard_normal((1, T, heads, head_dim)), jnp.float32).astype(jnp.bfloat16)
+      for _ in range(3)
+    ]
     x32 = [a.astype(jnp.float32) for a in x]
     ref = _reference64(*x32)
     norm = float(np.sqrt((ref * ref).sum()))
-    outs = {name: np.asarray(f(*[a.astype(dt) for a in x32]).astype(jnp.float32), np.float64)
-            for name, (f, dt) in fns.items()}
+    outs = {
+      name: np.asarray(f(*[a.astype(dt) for a in x32]).astype(jnp.float32), np.float64)
+      for name, (f, dt) in fns.items()
+    }
     outs["bf16 rounding of ref"] = np.asarray(
-        jnp.asarray(ref, jnp.float32).astype(jnp.bfloat16).astype(jnp.float32), np.float64)
+      jnp.asarray(ref, jnp.float32).astype(jnp.bfloat16).astype(jnp.float32), np.float64
+    )
     for name in PRECISION_METHODS:
       diff = outs[name] - ref
-      rows.append(PrecisionRow(int(T), name, float(np.sqrt((diff * diff).sum())) / norm,
-                               float(np.abs(diff).max())))
+      rows.append(
+        PrecisionRow(
+          int(T), name, float(np.sqrt((diff * diff).sum())) / norm, float(np.abs(diff).max())
+        )
+      )
   return rows
 
 
@@ -352,57 +405,93 @@ def _table(headers, rows) -> str:
   cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
   widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
   line = lambda r: "  ".join(c.rjust(w) for c, w in zip(r, widths))
-  return "\n".join([line(cells[0]), "  ".join("-" * w for w in widths)]
-                   + [line(r) for r in cells[1:]])
+  return "\n".join(
+    [line(cells[0]), "  ".join("-" * w for w in widths)] + [line(r) for r in cells[1:]]
+  )
 
 
 def format_sharpness(rows: list[SharpnessRow], num_keys: int, seeds: int) -> str:
-  head = (f"1. Softmax sharpness, 1 query x {num_keys} keys, q, k ~ N(0, 1), mean of {seeds} "
-          f"draws (uniform: max = min = {1 / num_keys:.3f}, entropy = log S = "
-          f"{math.log(num_keys):.3f})")
+  head = (
+    f"1. Softmax sharpness, 1 query x {num_keys} keys, q, k ~ N(0, 1), mean of {seeds} "
+    f"draws (uniform: max = min = {1 / num_keys:.3f}, entropy = log S = "
+    f"{math.log(num_keys):.3f})"
+  )
   body = _table(
-      ["d", "scale", "logit std", "max p", "min p", "entropy", "H/logS", "saturated",
-       "|J|_F"],
-      [[r.d, "1/sqrt(d)" if r.scaled else "none", f"{r.logit_std:.2f}", f"{r.max_prob:.3f}",
-        f"{r.min_prob:.2e}", f"{r.entropy:.3f}", f"{r.entropy_fraction:.3f}",
-        f"{r.saturated_fraction:.2f}", f"{r.jacobian_norm:.3f}"] for r in rows])
+    ["d", "scale", "logit std", "max p", "min p", "entropy", "H/logS", "saturated", "|J|_F"],
+    [
+      [
+        r.d,
+        "1/sqrt(d)" if r.scaled else "none",
+        f"{r.logit_std:.2f}",
+        f"{r.max_prob:.3f}",
+        f"{r.min_prob:.2e}",
+        f"{r.entropy:.3f}",
+        f"{r.entropy_fraction:.3f}",
+        f"{r.saturated_fraction:.2f}",
+        f"{r.jacobian_norm:.3f}",
+      ]
+      for r in rows
+    ],
+  )
   return head + "\n" + body
 
 
 def format_overflow(rows: list[OverflowRow]) -> str:
-  out = ["2. Naive exp(x)/sum(exp(x)) vs max-subtracted softmax vs jattn: max |p - p_ref| "
-         "(float64 reference), or what went wrong"]
+  out = [
+    "2. Naive exp(x)/sum(exp(x)) vs max-subtracted softmax vs jattn: max |p - p_ref| "
+    "(float64 reference), or what went wrong"
+  ]
   mags = sorted({r.magnitude for r in rows})
   for pattern in dict.fromkeys(r.pattern for r in rows):
     desc = {"spread": "logits in [-M, M]", "shifted": "logits in [-M-1, -M]"}[pattern]
     table = []
     for dtype in dict.fromkeys(r.dtype for r in rows):
       for method in ("naive", "stable", "jattn"):
-        cells = {r.magnitude: r for r in rows
-                 if (r.pattern, r.dtype, r.method) == (pattern, dtype, method)}
-        table.append([dtype, method] + [
+        cells = {
+          r.magnitude: r for r in rows if (r.pattern, r.dtype, r.method) == (pattern, dtype, method)
+        }
+        table.append(
+          [dtype, method]
+          + [
             (f"{cells[M].max_error:.1e}" if cells[M].status == "ok" else cells[M].status)
-            if M in cells else "" for M in mags])
+            if M in cells
+            else ""
+            for M in mags
+          ]
+        )
     out.append(f"  {desc}")
     out.append(_table(["dtype", "method"] + [f"M={M:g}" for M in mags], table))
-  out.append("  naive/stable compute the logits in the dtype (float16's max is 65504); jattn "
-             "computes them in float32.")
+  out.append(
+    "  naive/stable compute the logits in the dtype (float16's max is 65504); jattn "
+    "computes them in float32."
+  )
   return "\n".join(out)
 
 
 def format_masked(results: list[MaskedRowResult]) -> str:
   head = "3. A query row with every key masked (float32)"
   body = _table(
-      ["method", "masked row output", "NaN out", "NaN grad", "other rows err", "= mean(V)?"],
-      [[r.method, np.array2string(r.masked_row[:3], precision=3, separator=",")[:-1] + ",...]",
-        r.output_nan, r.grad_nan, f"{r.other_rows_error:.1e}",
-        "yes" if r.mean_of_v_error < 1e-5 else "no"] for r in results])
+    ["method", "masked row output", "NaN out", "NaN grad", "other rows err", "= mean(V)?"],
+    [
+      [
+        r.method,
+        np.array2string(r.masked_row[:3], precision=3, separator=",")[:-1] + ",...]",
+        r.output_nan,
+        r.grad_nan,
+        f"{r.other_rows_error:.1e}",
+        "yes" if r.mean_of_v_error < 1e-5 else "no",
+      ]
+      for r in results
+    ],
+  )
   return head + "\n" + body
 
 
 def format_precision(rows: list[PrecisionRow], heads: int, head_dim: int, block: int) -> str:
-  head = (f"4. Relative error ||out - ref|| / ||ref|| against float64, self-attention, N={heads}, "
-          f"H={head_dim}, chunked blocks {block}x{block}")
+  head = (
+    f"4. Relative error ||out - ref|| / ||ref|| against float64, self-attention, N={heads}, "
+    f"H={head_dim}, chunked blocks {block}x{block}"
+  )
   lengths = sorted({r.T for r in rows})
   table = []
   for method in PRECISION_METHODS:
@@ -449,9 +538,9 @@ def plot_overflow(rows, path):
   plt = _pyplot()
   dtypes = list(dict.fromkeys(r.dtype for r in rows))
   patterns = list(dict.fromkeys(r.pattern for r in rows))
-  fig, axes = plt.subplots(len(patterns), len(dtypes), figsize=(4 * len(dtypes),
-                                                              3.2 * len(patterns)),
-                           squeeze=False)
+  fig, axes = plt.subplots(
+    len(patterns), len(dtypes), figsize=(4 * len(dtypes), 3.2 * len(patterns)), squeeze=False
+  )
   for i, pattern in enumerate(patterns):
     for j, dtype in enumerate(dtypes):
       ax = axes[i][j]
@@ -459,11 +548,13 @@ def plot_overflow(rows, path):
         rs = [r for r in rows if (r.pattern, r.dtype, r.method) == (pattern, dtype, method)]
         ok = [r for r in rs if r.status == "ok"]
         bad = [r for r in rs if r.status != "ok"]
-        line, = ax.plot([r.magnitude for r in ok], [max(r.max_error, 1e-12) for r in ok], style,
-                        label=method)
+        (line,) = ax.plot(
+          [r.magnitude for r in ok], [max(r.max_error, 1e-12) for r in ok], style, label=method
+        )
         # Failures are drawn as crosses pinned at the top of the axis.
-        ax.plot([r.magnitude for r in bad], [10.0] * len(bad), "x", color=line.get_color(),
-                markersize=9)
+        ax.plot(
+          [r.magnitude for r in bad], [10.0] * len(bad), "x", color=line.get_color(), markersize=9
+        )
       ax.set_xscale("log")
       ax.set_yscale("log")
       ax.set_ylim(1e-12, 30)
@@ -483,8 +574,9 @@ def plot_masked(results, path):
   width = 0.8 / len(results)
   for i, r in enumerate(results):
     vals = np.nan_to_num(r.masked_row, nan=0.0)
-    ax.bar(np.arange(H) + i * width, vals, width, label=r.method + (" (NaN)" if r.output_nan
-                                                                   else ""))
+    ax.bar(
+      np.arange(H) + i * width, vals, width, label=r.method + (" (NaN)" if r.output_nan else "")
+    )
   ax.set_xlabel("output feature of the fully masked query row")
   ax.set_title("fully masked row: NaN (naive), mean of V (jax.nn), 0 (jattn)")
   ax.legend()
@@ -520,8 +612,9 @@ def _sequence(name, values):
 
 
 def _int_list(name, values):
-  return [_validation.positive_int(f"{name}[{i}]", v)
-          for i, v in enumerate(_sequence(name, values))]
+  return [
+    _validation.positive_int(f"{name}[{i}]", v) for i, v in enumerate(_sequence(name, values))
+  ]
 
 
 # Command-line types: argparse turns their ArgumentTypeError into "argument --keys: ..." (exit 2).
@@ -572,38 +665,70 @@ def _experiments(text):
       t = EXPERIMENTS[int(t) - 1]
     if t not in EXPERIMENTS:
       raise argparse.ArgumentTypeError(
-          f"unknown experiment {t!r}; choose from {', '.join(EXPERIMENTS)} (or 1-4)")
+        f"unknown experiment {t!r}; choose from {', '.join(EXPERIMENTS)} (or 1-4)"
+      )
     names.append(t)
   return tuple(dict.fromkeys(names))
 
 
 def build_parser():
   p = argparse.ArgumentParser(
-      prog="jattn-demo",
-      description="Reproduce the numerical-stability experiments: softmax sharpness with and "
-      "without 1/sqrt(d), naive vs stable softmax overflow, fully masked rows, and bf16/fp32 "
-      "attention error against float64.")
-  p.add_argument("-e", "--experiments", type=_experiments, default=EXPERIMENTS,
-                 help="comma-separated subset of sharpness,overflow,masked,precision (or 1-4); "
-                 "default all")
+    prog="jattn-demo",
+    description="Reproduce the numerical-stability experiments: softmax sharpness with and "
+    "without 1/sqrt(d), naive vs stable softmax overflow, fully masked rows, and bf16/fp32 "
+    "attention error against float64.",
+  )
+  p.add_argument(
+    "-e",
+    "--experiments",
+    type=_experiments,
+    default=EXPERIMENTS,
+    help="comma-separated subset of sharpness,overflow,masked,precision (or 1-4); default all",
+  )
   p.add_argument("--seed", type=_non_negative, default=0, help="base random seed")
-  p.add_argument("--seeds", type=_positive, default=256,
-                 help="sharpness: independent draws averaged per head dim (default 256)")
-  p.add_argument("--keys", type=_positive, default=8,
-                 help="sharpness and overflow: number of keys S (default 8, as the article)")
-  p.add_argument("--dims", type=_ints, default=(32, 64, 128, 512),
-                 help="sharpness: head dims (default 32,64,128,512)")
-  p.add_argument("--magnitudes", type=_floats, default=(1, 10, 100, 1e3, 1e4, 1e5),
-                 help="overflow: logit magnitudes M (default 1,10,100,1e3,1e4,1e5)")
-  p.add_argument("--lengths", type=_ints, default=(128, 256, 512, 1024, 2048),
-                 help="precision: sequence lengths T (default 128,...,2048)")
+  p.add_argument(
+    "--seeds",
+    type=_positive,
+    default=256,
+    help="sharpness: independent draws averaged per head dim (default 256)",
+  )
+  p.add_argument(
+    "--keys",
+    type=_positive,
+    default=8,
+    help="sharpness and overflow: number of keys S (default 8, as the article)",
+  )
+  p.add_argument(
+    "--dims",
+    type=_ints,
+    default=(32, 64, 128, 512),
+    help="sharpness: head dims (default 32,64,128,512)",
+  )
+  p.add_argument(
+    "--magnitudes",
+    type=_floats,
+    default=(1, 10, 100, 1e3, 1e4, 1e5),
+    help="overflow: logit magnitudes M (default 1,10,100,1e3,1e4,1e5)",
+  )
+  p.add_argument(
+    "--lengths",
+    type=_ints,
+    default=(128, 256, 512, 1024, 2048),
+    help="precision: sequence lengths T (default 128,...,2048)",
+  )
   p.add_argument("--heads", type=_positive, default=2, help="precision: heads N (default 2)")
-  p.add_argument("--head-dim", type=_positive, default=64,
-                 help="precision: head dim H (default 64)")
-  p.add_argument("--block", type=_positive, default=128,
-                 help="precision: chunked block size (default 128)")
-  p.add_argument("--plot", metavar="DIR", default=None,
-                 help="also write PNG figures (one per experiment) into DIR")
+  p.add_argument(
+    "--head-dim", type=_positive, default=64, help="precision: head dim H (default 64)"
+  )
+  p.add_argument(
+    "--block", type=_positive, default=128, help="precision: chunked block size (default 128)"
+  )
+  p.add_argument(
+    "--plot",
+    metavar="DIR",
+    default=None,
+    help="also write PNG figures (one per experiment) into DIR",
+  )
   return p
 
 
@@ -613,26 +738,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.makedirs(args.plot, exist_ok=True)
   for name in args.experiments:
     t0 = time.perf_counter()
+    # Each experiment's rows have their own type: bind them to their plot function here.
+    plot: Callable[[str], None]
     if name == "sharpness":
-      data = sharpness(args.dims, args.keys, args.seeds, args.seed)
-      text = format_sharpness(data, args.keys, args.seeds)
-      plot = plot_sharpness
+      sharp = sharpness(args.dims, args.keys, args.seeds, args.seed)
+      text = format_sharpness(sharp, args.keys, args.seeds)
+      plot = functools.partial(plot_sharpness, sharp)
     elif name == "overflow":
-      data = overflow(args.magnitudes, args.keys)
-      text = format_overflow(data)
-      plot = plot_overflow
+      over = overflow(args.magnitudes, args.keys)
+      text = format_overflow(over)
+      plot = functools.partial(plot_overflow, over)
     elif name == "masked":
-      data = masked_row(seed=args.seed)
-      text = format_masked(data)
-      plot = plot_masked
+      masked = masked_row(seed=args.seed)
+      text = format_masked(masked)
+      plot = functools.partial(plot_masked, masked)
     else:
-      data = precision(args.lengths, args.heads, args.head_dim, args.block, args.seed)
-      text = format_precision(data, args.heads, args.head_dim, args.block)
-      plot = plot_precision
+      prec = precision(args.lengths, args.heads, args.head_dim, args.block, args.seed)
+      text = format_precision(prec, args.heads, args.head_dim, args.block)
+      plot = functools.partial(plot_precision, prec)
     print(text)
     if args.plot:
       path = os.path.join(args.plot, f"{EXPERIMENTS.index(name) + 1}_{name}.png")
-      plot(data, path)
+      plot(path)
       print(f"  wrote {path}")
     print(f"  ({time.perf_counter() - t0:.1f} s)\n")
   return 0

@@ -26,19 +26,20 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jattn import _call, _chunked, _plan, _tile, _validation
-from jattn._plan import Operands
 from jattn import masks as _masks
+from jattn._plan import Operands
 from jattn._tile import Config
 from jattn._types import ArrayLike, Implementation, IsCausal, LocalWindowSize
 
-__all__ = ["AttentionStats", "attention_stats", "sow_linen", "sow_nnx", "COLLECTION_NAME"]
+__all__ = ["COLLECTION_NAME", "AttentionStats", "attention_stats", "sow_linen", "sow_nnx"]
 
 # The name under which the Flax helpers store the statistics.
 COLLECTION_NAME = "attention_stats"
@@ -93,26 +94,26 @@ class _Options:
 
 
 def attention_stats(
-    query: ArrayLike,
-    key: ArrayLike,
-    bias: ArrayLike | None = None,
-    mask: ArrayLike | _masks.Mask | None = None,
-    *,
-    scale: float | None = None,
-    is_causal: IsCausal = False,
-    query_seq_lengths: ArrayLike | None = None,
-    key_value_seq_lengths: ArrayLike | None = None,
-    local_window_size: LocalWindowSize | None = None,
-    q_segment_ids: ArrayLike | None = None,
-    kv_segment_ids: ArrayLike | None = None,
-    logits_soft_cap: float | None = None,
-    score_mod: Callable | None = None,
-    sinks: ArrayLike | None = None,
-    implementation: Implementation | None = None,
-    block_q: int | None = None,
-    block_kv: int | None = None,
-    per_query: bool = False,
-    saturation_threshold: float = 0.99,
+  query: ArrayLike,
+  key: ArrayLike,
+  bias: ArrayLike | None = None,
+  mask: ArrayLike | _masks.Mask | None = None,
+  *,
+  scale: float | None = None,
+  is_causal: IsCausal = False,
+  query_seq_lengths: ArrayLike | None = None,
+  key_value_seq_lengths: ArrayLike | None = None,
+  local_window_size: LocalWindowSize | None = None,
+  q_segment_ids: ArrayLike | None = None,
+  kv_segment_ids: ArrayLike | None = None,
+  logits_soft_cap: float | None = None,
+  score_mod: Callable | None = None,
+  sinks: ArrayLike | None = None,
+  implementation: Implementation | None = None,
+  block_q: int | None = None,
+  block_kv: int | None = None,
+  per_query: bool = False,
+  saturation_threshold: float = 0.99,
 ) -> AttentionStats:
   """Softmax statistics of the attention that `jattn.dot_product_attention` would compute.
 
@@ -135,20 +136,43 @@ def attention_stats(
   Returns:
     An `AttentionStats` of (B, N) arrays, or (B, N, T) with ``per_query=True``.
   """
-  saturation_threshold = _validation.real("saturation_threshold", saturation_threshold, above=0,
-                                         at_most=1)
+  saturation_threshold = _validation.real(
+    "saturation_threshold", saturation_threshold, above=0, at_most=1
+  )
   call, _ = _call.options(
-      scale=_validation.scale(scale), is_causal=is_causal, local_window_size=local_window_size,
-      logits_soft_cap=logits_soft_cap, dropout_rate=0.0, dropout_rng=None,
-      dropout_broadcast=False,
-      implementation=_own_implementation(_validation.implementation(implementation)),
-      block_q=block_q, block_kv=block_kv, schedule=None, step_width=None, return_residual=False,
-      score_mod=score_mod, tuned=False)  # the statistics do not depend on block sizes
-  opts = _Options(call=call,
-                  per_query=_validation.flag("per_query", per_query),
-                  saturation_threshold=float(saturation_threshold))
-  return _stats(query, key, bias, mask, query_seq_lengths, key_value_seq_lengths, q_segment_ids,
-                kv_segment_ids, sinks, opts=opts)
+    scale=_validation.scale(scale),
+    is_causal=is_causal,
+    local_window_size=local_window_size,
+    logits_soft_cap=logits_soft_cap,
+    dropout_rate=0.0,
+    dropout_rng=None,
+    dropout_broadcast=False,
+    implementation=_own_implementation(_validation.implementation(implementation)),
+    block_q=block_q,
+    block_kv=block_kv,
+    schedule=None,
+    step_width=None,
+    return_residual=False,
+    score_mod=score_mod,
+    tuned=False,
+  )  # the statistics do not depend on block sizes
+  opts = _Options(
+    call=call,
+    per_query=_validation.flag("per_query", per_query),
+    saturation_threshold=float(saturation_threshold),
+  )
+  return _stats(
+    query,
+    key,
+    bias,
+    mask,
+    query_seq_lengths,
+    key_value_seq_lengths,
+    q_segment_ids,
+    kv_segment_ids,
+    sinks,
+    opts=opts,
+  )
 
 
 def _own_implementation(impl):
@@ -160,22 +184,24 @@ def _own_implementation(impl):
     if name in ("dense", "chunked"):
       return name
   raise NotImplementedError(
-      f"diagnostics computes its statistics with jattn's dense or chunked kernels; "
-      f"implementation={impl!r} names only fused kernels, whose logits it cannot read")
+    f"diagnostics computes its statistics with jattn's dense or chunked kernels; "
+    f"implementation={impl!r} names only fused kernels, whose logits it cannot read"
+  )
 
 
 @functools.partial(jax.jit, static_argnames=("opts",))
-def _stats(query, key, bias, mask, q_lengths, kv_lengths, q_seg, kv_seg, sinks, *,
-           opts: _Options):
+def _stats(query, key, bias, mask, q_lengths, kv_lengths, q_seg, kv_seg, sinks, *, opts: _Options):
   # The value is not needed; passing the key in its place reuses every shape check.
-  call = _call.bind(query, key, key, bias, mask, q_lengths, kv_lengths, q_seg, kv_seg, None,
-                    sinks, None, opts.call)
+  call = _call.bind(
+    query, key, key, bias, mask, q_lengths, kv_lengths, q_seg, kv_seg, None, sinks, None, opts.call
+  )
   s = call.static
   B, T, N, H, S, K, G = s.B, s.T, s.N, s.H, s.S, s.K, s.G
   query, key, combined, bias5, sink = call.query, call.key, call.mask, call.bias, call.sink
   sd = s.stat_dtype
-  impl = opts.call.implementation or _plan.choose_implementation(T, S, G, query.dtype, combined,
-                                                                 (B, N, T, S))
+  impl = opts.call.implementation or _plan.choose_implementation(
+    T, S, G, query.dtype, combined, (B, N, T, S)
+  )
   bq, bk = (T, S) if impl == "dense" else s.block_sizes()
   cfg, score_args = s.config((B, N, bq, bk))
 
@@ -187,11 +213,19 @@ def _stats(query, key, bias, mask, q_lengths, kv_lengths, q_seg, kv_seg, sinks, 
     rows = _update_rows(cfg, _init_rows(cfg, sd, T, sink), q, k, vis, bias5, idx, score_args)
   else:
     plan, states = _plan.make_plan(cfg, combined, bq, bk)
-    ops = Operands(q=query, k=key, v=key, bias=bias5, mask=combined, states=states,
-                   score_args=score_args, sink=sink)
+    ops = Operands(
+      q=query,
+      k=key,
+      v=key,
+      bias=bias5,
+      mask=combined,
+      states=states,
+      score_args=score_args,
+      sink=sink,
+    )
     rows = _chunked_rows(plan, ops)
 
-  out = _finish(rows, sink is not None, jnp.finfo(query.dtype).max, opts)
+  out = _finish(rows, sink is not None, float(jnp.finfo(query.dtype).max), opts)
   # (B, K, G, T) -> (B, N, T); per head: (B, N).
   out = AttentionStats(*(x.reshape((B, N, T) if opts.per_query else (B, N)) for x in out))
   if s.unbatched:
@@ -223,8 +257,14 @@ def _init_rows(cfg: Config, sd, tq: int, sink) -> _Rows:
   else:
     # The sink is one more candidate: it starts the max and adds exp(sink - m) = 1 to the sum.
     m, l = jnp.broadcast_to(sink, shape), jnp.ones(shape, sd)
-  return _Rows(m=m, l=l, w=jnp.zeros(shape, sd), hi=neg, lo=jnp.full(shape, -_tile.NEG, sd),
-               n=jnp.zeros(shape, jnp.int32))
+  return _Rows(
+    m=m,
+    l=l,
+    w=jnp.zeros(shape, sd),
+    hi=neg,
+    lo=jnp.full(shape, -_tile.NEG, sd),
+    n=jnp.zeros(shape, jnp.int32),
+  )
 
 
 def _update_rows(cfg: Config, rows: _Rows, q, k, vis, bias, idx, score_args) -> _Rows:
@@ -247,9 +287,14 @@ def _update_rows(cfg: Config, rows: _Rows, q, k, vis, bias, idx, score_args) -> 
   #   = corr * exp(s - m) * ((s - m) + (m - m_new)).
   w = corr * (rows.w + rows.l * (rows.m - m_new)) + (e * d).sum(axis=-1)
   l = rows.l * corr + e.sum(axis=-1)
-  return _Rows(m=m_new, l=l, w=w, hi=jnp.maximum(rows.hi, s_hi.max(axis=-1)),
-               lo=jnp.minimum(rows.lo, s_lo.min(axis=-1)),
-               n=rows.n + vis.sum(axis=-1, dtype=jnp.int32))
+  return _Rows(
+    m=m_new,
+    l=l,
+    w=w,
+    hi=jnp.maximum(rows.hi, s_hi.max(axis=-1)),
+    lo=jnp.minimum(rows.lo, s_lo.min(axis=-1)),
+    n=rows.n + vis.sum(axis=-1, dtype=jnp.int32),
+  )
 
 
 def _chunked_rows(plan, ops: Operands) -> _Rows:
@@ -266,18 +311,20 @@ def _chunked_rows(plan, ops: Operands) -> _Rows:
     return _chunked.q_tile(q, i, bq, cfg.K, cfg.G), _init_rows(cfg, sd, bq, ops.sink)
 
   def tile(qb, view, rows):
-    return _update_rows(cfg, rows, qb, _chunked.kv_tile(k, view.j, bk), view.vis, view.bias,
-                        view.idx, ops.score_args)
+    return _update_rows(
+      cfg, rows, qb, _chunked.kv_tile(k, view.j, bk), view.vis, view.bias, view.idx, ops.score_args
+    )
 
   def finish(i, rows, outs):
     return _Rows(*(_chunked.put_q_tile(o, r, i, bq) for o, r in zip(outs, rows)))
 
   B, Tp, N = q.shape[:3]
   outs0 = _Rows(*(jnp.zeros((B, Tp, N), x.dtype) for x in _init_rows(cfg, sd, 1, ops.sink)))
-  rows = _chunked.walk_rows(plan, ops, start=start, tile=tile, finish=finish, outs=outs0,
-                            name="stats")
+  rows = _chunked.walk_rows(
+    plan, ops, start=start, tile=tile, finish=finish, outs=outs0, name="stats"
+  )
   # (B, Tp, N) -> (B, K, G, T), as the dense pass gives them.
-  return _Rows(*(x[:, :cfg.T].transpose(0, 2, 1).reshape(B, cfg.K, cfg.G, cfg.T) for x in rows))
+  return _Rows(*(x[:, : cfg.T].transpose(0, 2, 1).reshape(B, cfg.K, cfg.G, cfg.T) for x in rows))
 
 
 def _finish(rows: _Rows, has_sink: bool, dtype_max: float, opts: _Options) -> AttentionStats:
@@ -302,8 +349,7 @@ def _finish(rows: _Rows, has_sink: bool, dtype_max: float, opts: _Options) -> At
   masked = (~has_key).astype(jnp.int32)
 
   if opts.per_query:
-    return AttentionStats(hi, lo, max_prob, entropy, frac, saturated.astype(sd), masked,
-                          overflow)
+    return AttentionStats(hi, lo, max_prob, entropy, frac, saturated.astype(sd), masked, overflow)
 
   def mean(x):
     num = jnp.where(choice, x, zero).sum(axis=-1)
@@ -312,14 +358,14 @@ def _finish(rows: _Rows, has_sink: bool, dtype_max: float, opts: _Options) -> At
 
   any_key = has_key.any(axis=-1)
   return AttentionStats(
-      max_logit=jnp.where(any_key, jnp.where(has_key, rows.hi, -jnp.inf).max(axis=-1), zero),
-      min_logit=jnp.where(any_key, jnp.where(has_key, rows.lo, jnp.inf).min(axis=-1), zero),
-      max_prob=mean(max_prob),
-      entropy=mean(entropy),
-      entropy_fraction=mean(frac),
-      saturated_fraction=mean(saturated.astype(sd)),
-      masked_rows=masked.sum(axis=-1, dtype=jnp.int32),
-      overflow=overflow.any(axis=-1),
+    max_logit=jnp.where(any_key, jnp.where(has_key, rows.hi, -jnp.inf).max(axis=-1), zero),
+    min_logit=jnp.where(any_key, jnp.where(has_key, rows.lo, jnp.inf).min(axis=-1), zero),
+    max_prob=mean(max_prob),
+    entropy=mean(entropy),
+    entropy_fraction=mean(frac),
+    saturated_fraction=mean(saturated.astype(sd)),
+    masked_rows=masked.sum(axis=-1, dtype=jnp.int32),
+    overflow=overflow.any(axis=-1),
   )
 
 
@@ -331,8 +377,9 @@ def _finish(rows: _Rows, has_sink: bool, dtype_max: float, opts: _Options) -> At
 def _resolve(stats):
   stats = stats() if callable(stats) else stats
   if not isinstance(stats, AttentionStats):
-    raise TypeError(f"stats must be an AttentionStats or a function returning one, got "
-                    f"{type(stats).__name__}")
+    raise TypeError(
+      f"stats must be an AttentionStats or a function returning one, got {type(stats).__name__}"
+    )
   return stats
 
 

@@ -7,7 +7,8 @@ heads, H head dim, D features.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax.numpy as jnp
 from flax import linen as nn
@@ -100,24 +101,66 @@ class MultiHeadAttention(nn.Module):
     dtype = k.dtype if self.cache_dtype is None else self.cache_dtype
     page_size = _validation.positive_int("cache_page_size", self.cache_page_size, optional=True)
     # Made once, when init creates the first variable, whichever variables it then creates.
-    new = functools.cache(lambda: _mha.new_cache(opts, *k.shape[:2], dtype, page_size))
+    B, S_max = k.shape[:2]
+    new = functools.cache(lambda: _mha.new_cache(opts, B, S_max, dtype, page_size))
     names = ("cached_key", "cached_value", "cached_key_scale", "cached_value_scale")
-    variables = [self.variable("cache", name, lambda i=i: new()[0][i])
-                 for i, name in enumerate(names[:4 if _mha.is_quantized(dtype) else 2])]
-    page_table = None if page_size is None else self.variable(
-        "cache", "page_table", lambda: new()[1])
+    variables = [
+      self.variable("cache", name, lambda i=i: new()[0][i])
+      for i, name in enumerate(names[: 4 if _mha.is_quantized(dtype) else 2])
+    ]
+    page_table = (
+      None if page_size is None else self.variable("cache", "page_table", lambda: new()[1])
+    )
     index = self.variable("cache", "cache_index", jnp.zeros, k.shape[:1], jnp.int32)
     return variables, page_table, index
 
+  def _checked_options(self, D):
+    """(_mha.Options, out_features, decode, collect_stats, use_bias), every attribute checked
+    (errors name it); D: the queries' input features."""
+    opts = _mha.options(
+      num_heads=self.num_heads,
+      num_kv_heads=self.num_kv_heads,
+      qkv_features=D if self.qkv_features is None else self.qkv_features,
+      is_causal=self.is_causal,
+      local_window_size=self.local_window_size,
+      logits_soft_cap=self.logits_soft_cap,
+      scale=self.scale,
+      implementation=self.implementation,
+      block_q=self.block_q,
+      block_kv=self.block_kv,
+      rope=self.rope,
+      rope_base=self.rope_base,
+      dropout_rate=self.dropout_rate,
+      broadcast_dropout=self.broadcast_dropout,
+      value_head_dim=self.value_head_dim,
+    )
+    out_features = _validation.positive_int("out_features", self.out_features, optional=True)
+    decode = _validation.flag("decode", self.decode)
+    collect_stats = _validation.flag("collect_stats", self.collect_stats)
+    use_bias = _validation.flag("use_bias", self.use_bias)
+    _validation.flag("deterministic", self.deterministic, optional=True)
+    _validation.function("kernel_init", self.kernel_init)
+    _validation.function("bias_init", self.bias_init)
+    return opts, out_features, decode, collect_stats, use_bias
+
   @nn.compact
-  def __call__(self, inputs_q: ArrayLike, inputs_k: ArrayLike | None = None,
-               inputs_v: ArrayLike | None = None, *, mask: _masks.Mask | ArrayLike | None = None,
-               positions: ArrayLike | None = None, kv_positions: ArrayLike | None = None,
-               query_seq_lengths: ArrayLike | None = None,
-               key_value_seq_lengths: ArrayLike | None = None,
-               q_segment_ids: ArrayLike | None = None, kv_segment_ids: ArrayLike | None = None,
-               deterministic: bool | None = None, dropout_rng: ArrayLike | None = None,
-               sow_weights: bool = False):
+  def __call__(
+    self,
+    inputs_q: ArrayLike,
+    inputs_k: ArrayLike | None = None,
+    inputs_v: ArrayLike | None = None,
+    *,
+    mask: _masks.Mask | ArrayLike | None = None,
+    positions: ArrayLike | None = None,
+    kv_positions: ArrayLike | None = None,
+    query_seq_lengths: ArrayLike | None = None,
+    key_value_seq_lengths: ArrayLike | None = None,
+    q_segment_ids: ArrayLike | None = None,
+    kv_segment_ids: ArrayLike | None = None,
+    deterministic: bool | None = None,
+    dropout_rng: ArrayLike | None = None,
+    sow_weights: bool = False,
+  ):
     """inputs_q (B, T, D); inputs_k, inputs_v (B, S, D_kv) (default: self-attention).
 
     Args:
@@ -140,43 +183,30 @@ class MultiHeadAttention(nn.Module):
     """
     inputs_q = jnp.asarray(inputs_q)
     D = inputs_q.shape[-1]
-    opts = _mha.options(
-        num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-        qkv_features=D if self.qkv_features is None else self.qkv_features,
-        is_causal=self.is_causal,
-        local_window_size=self.local_window_size, logits_soft_cap=self.logits_soft_cap,
-        scale=self.scale, implementation=self.implementation, block_q=self.block_q,
-        block_kv=self.block_kv, rope=self.rope, rope_base=self.rope_base,
-        dropout_rate=self.dropout_rate, broadcast_dropout=self.broadcast_dropout,
-        value_head_dim=self.value_head_dim)
-    out_features = _validation.positive_int("out_features", self.out_features, optional=True)
-    decode = _validation.flag("decode", self.decode)
-    collect_stats = _validation.flag("collect_stats", self.collect_stats)
-    use_bias = _validation.flag("use_bias", self.use_bias)
-    _validation.flag("deterministic", self.deterministic, optional=True)
+    opts, out_features, decode, collect_stats, use_bias = self._checked_options(D)
     deterministic = _validation.flag("deterministic", deterministic, optional=True)
     sow_weights = _validation.flag("sow_weights", sow_weights)
-    _validation.function("kernel_init", self.kernel_init)
-    _validation.function("bias_init", self.bias_init)
-    self_attention = inputs_k is None and inputs_v is None
-    if inputs_k is None:
-      if inputs_v is not None:
-        raise ValueError("inputs_v given without inputs_k; pass inputs_k (and leave inputs_v "
-                         "None to use it for both)")
-      inputs_k = inputs_q
-    if inputs_v is None:
-      inputs_v = inputs_k
+    inputs_k, inputs_v, self_attention = _mha.kv_inputs(inputs_q, inputs_k, inputs_v)
 
     dense = lambda heads, size, name: nn.DenseGeneral(
-        features=(heads, size), axis=-1, dtype=self.dtype,
-        param_dtype=self.param_dtype, kernel_init=self.kernel_init, bias_init=self.bias_init,
-        use_bias=use_bias, name=name)
+      features=(heads, size),
+      axis=-1,
+      dtype=self.dtype,
+      param_dtype=self.param_dtype,
+      kernel_init=self.kernel_init,
+      bias_init=self.bias_init,
+      use_bias=use_bias,
+      name=name,
+    )
     q = dense(opts.num_heads, opts.head_dim, "query")(inputs_q)  # (B, T, N, H)
     k = dense(opts.num_kv_heads, opts.head_dim, "key")(inputs_k)  # (B, S, K, H)
     v = dense(opts.num_kv_heads, opts.value_head_dim, "value")(inputs_v)  # (B, S, K, Hv)
 
-    m_deterministic = nn.merge_param("deterministic", self.deterministic, deterministic) if (
-        opts.dropout_rate > 0) else True
+    m_deterministic = (
+      nn.merge_param("deterministic", self.deterministic, deterministic)
+      if (opts.dropout_rate > 0)
+      else True
+    )
     if not m_deterministic and dropout_rng is None:
       dropout_rng = self.make_rng("dropout")
 
@@ -184,32 +214,50 @@ class MultiHeadAttention(nn.Module):
     collect = None
     if collect_stats:
       from jattn import diagnostics
+
       collect = lambda stats: diagnostics.sow_linen(self, stats)
     sow = (lambda w: self.sow("intermediates", "attention_weights", w)) if sow_weights else None
 
     decoding = decode and self.has_variable("cache", "cached_key")
+    cache = None
     if decode:
       variables, page_table, cache_index = self._cache(opts, k)
     if decoding:
-      _mha.check_decode_call(self_attention, kv_positions=kv_positions,
-                             key_value_seq_lengths=key_value_seq_lengths,
-                             q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
-      x, cache, cache_index.value = _mha.decode_step(
-          opts, q, k, v, tuple(var.value for var in variables), cache_index.value,
-          page_table=None if page_table is None else page_table.value, mask=mask,
-          positions=positions, query_seq_lengths=query_seq_lengths,
-          deterministic=m_deterministic, dropout_rng=dropout_rng, collect=collect, sow=sow)
-      for var, value in zip(variables, cache):
+      page_table = None if page_table is None else page_table.value
+      cache = (tuple(var.value for var in variables), cache_index.value, page_table)
+    x, arrays, index = _mha.layer_attention(
+      opts,
+      q,
+      k,
+      v,
+      cache,
+      self_attention=self_attention,
+      masking=dict(
+        mask=mask,
+        positions=positions,
+        kv_positions=kv_positions,
+        query_seq_lengths=query_seq_lengths,
+        key_value_seq_lengths=key_value_seq_lengths,
+        q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids,
+      ),
+      deterministic=m_deterministic,
+      dropout_rng=dropout_rng,
+      collect=collect,
+      sow=sow,
+    )
+    if decoding:
+      cache_index.value = index
+      for var, value in zip(variables, arrays):
         var.value = value
-    else:
-      x = _mha.attend(
-          opts, q, k, v, self_attention=self_attention, mask=mask, positions=positions,
-          kv_positions=kv_positions, query_seq_lengths=query_seq_lengths,
-          key_value_seq_lengths=key_value_seq_lengths, q_segment_ids=q_segment_ids,
-          kv_segment_ids=kv_segment_ids, deterministic=m_deterministic,
-          dropout_rng=dropout_rng, collect=collect, sow=sow)
 
     return nn.DenseGeneral(
-        features=D if out_features is None else out_features, axis=(-2, -1), dtype=self.dtype,
-        param_dtype=self.param_dtype, kernel_init=self.kernel_init, bias_init=self.bias_init,
-        use_bias=use_bias, name="out")(x)
+      features=D if out_features is None else out_features,
+      axis=(-2, -1),
+      dtype=self.dtype,
+      param_dtype=self.param_dtype,
+      kernel_init=self.kernel_init,
+      bias_init=self.bias_init,
+      use_bias=use_bias,
+      name="out",
+    )(x)

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -32,9 +33,21 @@ from jattn import _sharding, _validation
 from jattn._types import ArrayLike, CausalAlignment
 
 __all__ = [
-    "EMPTY", "PARTIAL", "FULL", "Mask", "BlockGrid", "causal", "local_window", "chunked_local",
-    "prefix_lm", "lengths", "segments", "from_array", "from_function", "full",
-    "CausalAlignment",
+  "EMPTY",
+  "FULL",
+  "PARTIAL",
+  "BlockGrid",
+  "CausalAlignment",
+  "Mask",
+  "causal",
+  "chunked_local",
+  "from_array",
+  "from_function",
+  "full",
+  "lengths",
+  "local_window",
+  "prefix_lm",
+  "segments",
 ]
 
 # Block states. The numeric order matters: AND of two states is their minimum, OR their maximum,
@@ -75,12 +88,14 @@ class BlockGrid:
     last block's rows past T are padding)."""
     pos = np.arange(self.num_q_blocks * self.block_q, dtype=np.int32)
     return pos.reshape(self.num_q_blocks, self.block_q), (pos < self.T).reshape(
-        self.num_q_blocks, self.block_q)
+      self.num_q_blocks, self.block_q
+    )
 
   def kv_blocks(self) -> tuple[np.ndarray, np.ndarray]:
     pos = np.arange(self.num_kv_blocks * self.block_kv, dtype=np.int32)
     return pos.reshape(self.num_kv_blocks, self.block_kv), (pos < self.S).reshape(
-        self.num_kv_blocks, self.block_kv)
+      self.num_kv_blocks, self.block_kv
+    )
 
 
 def _xp(*arrays):
@@ -115,13 +130,13 @@ class Mask:
   def validate(self, shape) -> None:
     del shape
 
-  def block_states(self, grid: BlockGrid, shape):  # pragma: no cover - abstract
+  def block_states(self, grid: BlockGrid | _TableGrid, shape):  # pragma: no cover - abstract
     raise NotImplementedError
 
   # What kernels and the parallel layer ask of a mask. The defaults fit a mask that is a function
   # of positions and heads holding no arrays; kinds that differ override them.
 
-  def conjuncts(self) -> tuple["Mask", ...]:
+  def conjuncts(self) -> tuple[Mask, ...]:
     """The masks ANDed together to make this one (itself, unless it is an AND)."""
     return (self,)
 
@@ -146,34 +161,35 @@ class Mask:
     (by default: it holds none, so it is the same on every part)."""
     return not jax.tree.leaves(self)
 
-  def take_part(self, cut: "Cut") -> "Mask":
+  def take_part(self, cut: Cut) -> Mask:
     """This mask on one device's examples and heads (``cut``), positions unchanged."""
     return self
 
-  def shift_indices(self, batch0, head0) -> "Mask":
+  def shift_indices(self, batch0, head0) -> Mask:
     """This mask with its local example and head 0 at global ``batch0`` and ``head0``."""
     return self
 
-  def unshifted(self) -> "Mask":
+  def unshifted(self) -> Mask:
     """This mask with any shift of its example and head indices dropped (a single-device call
     whose shift reached it traced, see `jattn._splash`)."""
     return self
 
-  def __and__(self, other: "Mask") -> "Mask":
+  def __and__(self, other: Mask) -> Mask:
     _check_is_mask(other, "&")
     return _And(self, other)
 
-  def __or__(self, other: "Mask") -> "Mask":
+  def __or__(self, other: Mask) -> Mask:
     _check_is_mask(other, "|")
     return _Or(self, other)
 
-  def __invert__(self) -> "Mask":
+  def __invert__(self) -> Mask:
     return _Not(self)
 
   def __bool__(self):
     raise TypeError(
-        f"The truth value of a jattn mask ({type(self).__name__}) is ambiguous: use `m1 & m2` or "
-        "`m1 | m2` to combine masks, not `and`/`or`.")
+      f"The truth value of a jattn mask ({type(self).__name__}) is ambiguous: use `m1 & m2` or "
+      "`m1 | m2` to combine masks, not `and`/`or`."
+    )
 
 
 def _check_is_mask(other, op):
@@ -281,8 +297,10 @@ _register(_Band)
 def band(lo: int | None, hi: int | None) -> Mask:
   """Keys k with ``q + lo <= k <= q + hi`` (``None``: unbounded on that side): the diagonal band
   that causal masks and windows are made of, given by its two edges."""
-  return _Band(_validation.integer("band: lo", lo, optional=True),
-               _validation.integer("band: hi", hi, optional=True))
+  return _Band(
+    _validation.integer("band: lo", lo, optional=True),
+    _validation.integer("band: hi", hi, optional=True),
+  )
 
 
 def _alignment_offset(alignment: str, shape) -> int:
@@ -294,8 +312,12 @@ def _alignment_offset(alignment: str, shape) -> int:
   raise ValueError(f"alignment must be 'top_left' or 'bottom_right', got {alignment!r}")
 
 
-def causal(shape: Sequence[int] | None = None, *, alignment: CausalAlignment = "top_left",
-           offset: int | ArrayLike | None = None) -> Mask:
+def causal(
+  shape: Sequence[int] | None = None,
+  *,
+  alignment: CausalAlignment = "top_left",
+  offset: int | ArrayLike | None = None,
+) -> Mask:
   """Causal mask: query q sees keys k <= q + offset.
 
   ``alignment="top_left"`` (offset 0) is `jax.nn`'s convention: query i sees keys <= i.
@@ -307,25 +329,31 @@ def causal(shape: Sequence[int] | None = None, *, alignment: CausalAlignment = "
   _validation.one_of("masks.causal: alignment", alignment, _validation.CAUSAL_ALIGNMENTS)
   if shape is not None:
     if not isinstance(shape, (tuple, list)) or not all(_validation.is_int(d) for d in shape):
-      raise TypeError(f"masks.causal: shape must be a (T, S) or (B, N, T, S) tuple of ints, got "
-                      f"{_validation.describe(shape)}")
+      raise TypeError(
+        f"masks.causal: shape must be a (T, S) or (B, N, T, S) tuple of ints, got "
+        f"{_validation.describe(shape)}"
+      )
     if len(shape) not in (2, 4) or any(d < 0 for d in shape):
-      raise ValueError(f"masks.causal: shape must be a (T, S) or (B, N, T, S) tuple of "
-                       f"non-negative ints, got {tuple(shape)}")
+      raise ValueError(
+        f"masks.causal: shape must be a (T, S) or (B, N, T, S) tuple of "
+        f"non-negative ints, got {tuple(shape)}"
+      )
   if offset is None and alignment == "bottom_right" and shape is None:
-    raise ValueError("masks.causal: alignment='bottom_right' needs shape, the problem's (T, S) "
-                     "or (B, N, T, S) (or an explicit offset), got shape=None")
+    raise ValueError(
+      "masks.causal: alignment='bottom_right' needs shape, the problem's (T, S) "
+      "or (B, N, T, S) (or an explicit offset), got shape=None"
+    )
   if offset is None:
     offset = 0 if alignment == "top_left" else _alignment_offset(alignment, _shape4(shape))
   if _validation.is_int(offset):
-    return _Band(None, int(offset))
+    return _Band(None, int(offset))  # type: ignore[arg-type]  # is_int: an int or an int array of shape ()
   expected = "an int or an integer array of shape () or (B,)"
   if not hasattr(offset, "dtype") and not isinstance(offset, (list, tuple)):
     raise TypeError(f"masks.causal: offset must be {expected}, got {_validation.describe(offset)}")
-  offset = _validation.int_array("masks.causal: offset", offset)
-  if offset.ndim > 1:
-    raise ValueError(f"masks.causal: offset must be {expected}, got shape {offset.shape}")
-  return _DynamicCausal(offset)
+  offsets = _validation.int_array("masks.causal: offset", offset)
+  if offsets.ndim > 1:
+    raise ValueError(f"masks.causal: offset must be {expected}, got shape {offsets.shape}")
+  return _DynamicCausal(offsets)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
@@ -342,8 +370,10 @@ class _DynamicCausal(Mask):
   def validate(self, shape):
     B = shape[0]
     if self.offset.ndim == 1 and self.offset.shape[0] not in (1, B):
-      raise ValueError(f"masks.causal: offset must be an int or an int array of shape () or "
-                       f"(B,)=({B},), got shape {self.offset.shape}")
+      raise ValueError(
+        f"masks.causal: offset must be an int or an int array of shape () or "
+        f"(B,)=({B},), got shape {self.offset.shape}"
+      )
 
   def can_take_part(self):
     return True
@@ -370,7 +400,7 @@ _register(_DynamicCausal, data_fields=("offset",))
 _SAME = object()
 
 
-def local_window(left: int | None, right: int | None = _SAME, *, offset: int = 0) -> Mask:
+def local_window(left: int | None, right: int | object | None = _SAME, *, offset: int = 0) -> Mask:
   """Sliding window: query q sees keys with ``q + offset - left <= k <= q + offset + right``.
 
   One int means the same on both sides, as jax.nn's ``local_window_size=w``:
@@ -378,13 +408,14 @@ def local_window(left: int | None, right: int | None = _SAME, *, offset: int = 0
   ``local_window(3, 2)`` is ``local_window_size=(3, 2)``. ``None`` on a side means unbounded.
   Causal sliding-window attention is ``local_window(w, 0)`` (or ``causal() & local_window(w)``).
   """
-  if right is _SAME:
-    right = left
-  left = _validation.non_negative_int("masks.local_window: left", left, optional=True)
-  right = _validation.non_negative_int("masks.local_window: right", right, optional=True)
+  before = _validation.non_negative_int("masks.local_window: left", left, optional=True)
+  after = _validation.non_negative_int(
+    "masks.local_window: right", left if right is _SAME else right, optional=True
+  )
   offset = _validation.integer("masks.local_window: offset", offset)
-  return _Band(None if left is None else offset - left,
-               None if right is None else offset + right)
+  return _Band(
+    None if before is None else offset - before, None if after is None else offset + after
+  )
 
 
 def _shape4(shape):
@@ -434,7 +465,8 @@ class _Prefix(Mask):
 
   def evaluate(self, q_pos, kv_pos, shape):
     return jnp.broadcast_to(kv_pos[None, :] < self.prefix, (q_pos.shape[0], kv_pos.shape[0]))[
-        None, None]
+      None, None
+    ]
 
   def block_states(self, grid, shape):
     k0, k1 = grid.kv_ranges()
@@ -463,9 +495,9 @@ class _Full(Mask):
   def block_states(self, grid, shape):
     return np.full((1, 1, grid.num_q_blocks, grid.num_kv_blocks), FULL, np.int8)
 
-
   def band(self):
     return None, None
+
 
 _register(_Full)
 
@@ -512,8 +544,10 @@ class _Lengths(Mask):
   def block_states(self, grid, shape):
     full = jnp.ones((1, grid.num_q_blocks, grid.num_kv_blocks), bool)
     empty = jnp.zeros((1, grid.num_q_blocks, grid.num_kv_blocks), bool)
-    for lens, (lo, hi), axis in ((self.q_lengths, grid.q_ranges(), 2),
-                                 (self.kv_lengths, grid.kv_ranges(), 1)):
+    for lens, (lo, hi), axis in (
+      (self.q_lengths, grid.q_ranges(), 2),
+      (self.kv_lengths, grid.kv_ranges(), 1),
+    ):
       if lens is None:
         continue
       lo = jnp.asarray(lo, jnp.int32)
@@ -531,8 +565,10 @@ _register(_Lengths, data_fields=("q_lengths", "kv_lengths"))
 
 def lengths(q_lengths: ArrayLike | None = None, kv_lengths: ArrayLike | None = None) -> Mask:
   """Padding mask from per-example valid lengths, int arrays of shape (B,)."""
-  return _Lengths(_int_array("masks.lengths: q_lengths", q_lengths),
-                  _int_array("masks.lengths: kv_lengths", kv_lengths))
+  return _Lengths(
+    _int_array("masks.lengths: q_lengths", q_lengths),
+    _int_array("masks.lengths: kv_lengths", kv_lengths),
+  )
 
 
 def _int_array(name, x):
@@ -552,8 +588,7 @@ class _Segments(Mask):
 
     B, _, T, S = shape
     _validation.segment_ids("masks.segments: q_segment_ids", self.q_ids, B, T, "T", checked=True)
-    _validation.segment_ids("masks.segments: kv_segment_ids", self.kv_ids, B, S, "S",
-                            checked=True)
+    _validation.segment_ids("masks.segments: kv_segment_ids", self.kv_ids, B, S, "S", checked=True)
 
   def ids(self):
     return "segments", self.q_ids, self.kv_ids
@@ -585,8 +620,10 @@ def _block_min_max(ids, positions, valid):
   """(B, n) min and max of the (B, L) ids over each block's valid positions ((n, block))."""
   blocks = jnp.take(ids, jnp.asarray(positions), axis=1, mode="clip")  # (B, n, block)
   valid = jnp.asarray(valid)[None]
-  return (jnp.where(valid, blocks, jnp.iinfo(ids.dtype).max).min(-1),
-          jnp.where(valid, blocks, jnp.iinfo(ids.dtype).min).max(-1))
+  return (
+    jnp.where(valid, blocks, jnp.iinfo(ids.dtype).max).min(-1),
+    jnp.where(valid, blocks, jnp.iinfo(ids.dtype).min).max(-1),
+  )
 
 
 _register(_Segments, data_fields=("q_ids", "kv_ids"))
@@ -630,27 +667,28 @@ class _Positions(Mask):
 
   def validate(self, shape):
     B, _, T, S = shape
-    _validation.segment_ids("masks.positions: q_positions", self.q_positions, B, T, "T",
-                            checked=True)
-    _validation.segment_ids("masks.positions: kv_positions", self.kv_positions, B, S, "S",
-                            checked=True)
+    _validation.segment_ids(
+      "masks.positions: q_positions", self.q_positions, B, T, "T", checked=True
+    )
+    _validation.segment_ids(
+      "masks.positions: kv_positions", self.kv_positions, B, S, "S", checked=True
+    )
 
   def can_take_part(self):
     return True
 
   def take_part(self, cut):
-    return _Positions(cut.examples(self.q_positions), cut.examples(self.kv_positions),
-                      self.causal, self.window)
+    return _Positions(
+      cut.examples(self.q_positions), cut.examples(self.kv_positions), self.causal, self.window
+    )
 
   def _visible(self, q, k):
     """Visibility of keys at positions k from queries at positions q (broadcast)."""
     return visible_by_position(q, k, self.causal, self.window)
 
   def evaluate(self, q_pos, kv_pos, shape):
-    q = jnp.take(self.q_positions.astype(jnp.int32), q_pos, axis=1, mode="fill",
-                 fill_value=-_FAR)
-    k = jnp.take(self.kv_positions.astype(jnp.int32), kv_pos, axis=1, mode="fill",
-                 fill_value=_FAR)
+    q = jnp.take(self.q_positions.astype(jnp.int32), q_pos, axis=1, mode="fill", fill_value=-_FAR)
+    k = jnp.take(self.kv_positions.astype(jnp.int32), kv_pos, axis=1, mode="fill", fill_value=_FAR)
     ok = self._visible(q[:, :, None], k[:, None, :])
     # A query or key past the arrays (a block's padding) sees nothing.
     ok = ok & (q > -_FAR)[:, :, None] & (k < _FAR)[:, None, :]
@@ -679,8 +717,13 @@ class _Positions(Mask):
 _register(_Positions, data_fields=("q_positions", "kv_positions"))
 
 
-def positions(q_positions: ArrayLike, kv_positions: ArrayLike, *, causal: bool = True,
-              window: int | tuple | None = None) -> Mask:
+def positions(
+  q_positions: ArrayLike,
+  kv_positions: ArrayLike,
+  *,
+  causal: bool = True,
+  window: int | tuple | None = None,
+) -> Mask:
   """Causality and a ``window`` (``w`` or ``(left, right)``, as ``local_window_size``)
   measured in positions: int arrays q_positions (B, T) and kv_positions (B, S). Combine with
   `lengths` or `segments` to hide padding (a position alone does not say a slot is empty)."""
@@ -694,8 +737,7 @@ def positions(q_positions: ArrayLike, kv_positions: ArrayLike, *, causal: bool =
 def segments(q_segment_ids: ArrayLike, kv_segment_ids: ArrayLike | None = None) -> Mask:
   """Packed-document mask from integer segment ids, q (B, T) and kv (B, S)."""
   q = _int_array("masks.segments: q_segment_ids", q_segment_ids)
-  kv = q if kv_segment_ids is None else _int_array("masks.segments: kv_segment_ids",
-                                                   kv_segment_ids)
+  kv = q if kv_segment_ids is None else _int_array("masks.segments: kv_segment_ids", kv_segment_ids)
   return _Segments(q, kv)
 
 
@@ -745,8 +787,11 @@ def _array_block_states(xp, a, grid):
   pad = ((0, 0), (0, 0), (0, nq * bq - t), (0, nk * bk - s))
   # Under an Explicit mesh a traced mask sharded along B or N keeps that sharding (_sharding's
   # reshape spells it out: jnp's cannot infer it for a split of T and S).
-  blocks = ((lambda x: x.reshape(b, n, nq, bq, nk, bk)) if xp is np
-            else (lambda x: _sharding.reshape(x, (b, n, nq, bq, nk, bk))))
+  blocks = (
+    (lambda x: x.reshape(b, n, nq, bq, nk, bk))
+    if xp is np
+    else (lambda x: _sharding.reshape(x, (b, n, nq, bq, nk, bk)))
+  )
   anyv = blocks(xp.pad(a, pad, constant_values=False)).any(axis=(3, 5))
   allv = blocks(xp.pad(a, pad, constant_values=True)).all(axis=(3, 5))
   return _summary(xp, ~anyv, allv)
@@ -765,9 +810,9 @@ def _table_rows(a, grid):
   positions (of its T and S valid rows; axes of length 1 stay)."""
   a = jnp.asarray(a)
   if a.shape[2] != 1:
-    a = jnp.take(a, grid.q_table[:grid.grid.T], axis=2, mode="clip")
+    a = jnp.take(a, grid.q_table[: grid.grid.T], axis=2, mode="clip")
   if a.shape[3] != 1:
-    a = jnp.take(a, grid.kv_table[:grid.grid.S], axis=3, mode="clip")
+    a = jnp.take(a, grid.kv_table[: grid.grid.S], axis=3, mode="clip")
   return a
 
 
@@ -811,6 +856,7 @@ def static_array(mask: np.ndarray) -> Mask:
   """``mask`` (a boolean NumPy array of rank <= 4 broadcastable to (B, N, T, S)) as a mask
   known at trace time (see `_StaticArrayMask`)."""
   import hashlib
+
   m = np.asarray(mask)
   m = m.reshape((1,) * (4 - m.ndim) + m.shape)
   digest = hashlib.sha1(repr(m.shape).encode() + np.packbits(m).tobytes()).hexdigest()
@@ -821,8 +867,10 @@ def from_array(mask: ArrayLike) -> Mask:
   """Wrap a boolean array broadcastable to (B, N, T, S) (True = attend)."""
   m = _validation.bool_array("masks.from_array: mask", mask, "a boolean array (True = attend)")
   if m.ndim > 4:
-    raise ValueError(f"masks.from_array: mask must have rank <= 4, broadcastable to "
-                     f"(B, N, T, S), got shape {m.shape}")
+    raise ValueError(
+      f"masks.from_array: mask must have rank <= 4, broadcastable to "
+      f"(B, N, T, S), got shape {m.shape}"
+    )
   return _ArrayMask(m.reshape((1,) * (4 - m.ndim) + m.shape))
 
 
@@ -1028,8 +1076,17 @@ def keyword_band(shape, causal=None, window=None) -> tuple[int | None, int | Non
   return lo, hi
 
 
-def from_arguments(shape, mask=None, causal=None, window=None, *, q_lengths=None, kv_lengths=None,
-               q_segment_ids=None, kv_segment_ids=None):
+def from_arguments(
+  shape,
+  mask=None,
+  causal=None,
+  window=None,
+  *,
+  q_lengths=None,
+  kv_lengths=None,
+  q_segment_ids=None,
+  kv_segment_ids=None,
+):
   """Turn the keyword arguments into one `jattn.masks` object (None when nothing is hidden).
 
   The keywords are thin ways to build mask objects, so every implementation sees one mechanism.
@@ -1090,8 +1147,11 @@ def remap(mask: Mask, q_table, kv_table, batch0=0, head0=0) -> Mask:
   summaries come from each block's [min, max] of global positions: exact for blocks of
   consecutive positions, and sound (only more PARTIAL) for a block that straddles a jump.
   """
-  return _Remapped(mask.shift_indices(batch0, head0), jnp.asarray(q_table, jnp.int32),
-                   jnp.asarray(kv_table, jnp.int32))
+  return _Remapped(
+    mask.shift_indices(batch0, head0),
+    jnp.asarray(q_table, jnp.int32),
+    jnp.asarray(kv_table, jnp.int32),
+  )
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
@@ -1101,8 +1161,11 @@ class _Remapped(Mask):
   kv_table: Any  # (Sp,) int32
 
   def evaluate(self, q_pos, kv_pos, shape):
-    return self.mask.evaluate(jnp.take(self.q_table, q_pos, mode="clip"),
-                              jnp.take(self.kv_table, kv_pos, mode="clip"), shape)
+    return self.mask.evaluate(
+      jnp.take(self.q_table, q_pos, mode="clip"),
+      jnp.take(self.kv_table, kv_pos, mode="clip"),
+      shape,
+    )
 
   def block_states(self, grid, shape):
     return self.mask.block_states(_TableGrid(grid, self.q_table, self.kv_table), shape)
@@ -1136,11 +1199,14 @@ class _TableGrid:
   def _hull(pos, valid):
     """[min, max + 1) of each block's valid positions."""
     big = jnp.iinfo(jnp.int32)
-    return (jnp.where(valid, pos, big.max).min(axis=1),
-            jnp.where(valid, pos, big.min).max(axis=1) + 1)
+    return (
+      jnp.where(valid, pos, big.max).min(axis=1),
+      jnp.where(valid, pos, big.min).max(axis=1) + 1,
+    )
 
 
 # The mask kinds `take_part` knows (the structural ones hold no arrays).
+
 
 def reduce_states(states, shape) -> Any:
   """Summarise (B|1, N|1, nq, nk) states over batch and heads into one (nq, nk) map.

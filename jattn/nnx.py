@@ -6,7 +6,8 @@ heads, H head dim, D features.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax.numpy as jnp
 from flax import nnx
@@ -55,47 +56,56 @@ class MultiHeadAttention(nnx.Module):
   """
 
   def __init__(
-      self,
-      num_heads: int,
-      in_features: int,
-      qkv_features: int | None = None,
-      out_features: int | None = None,
-      num_kv_heads: int | None = None,
-      in_kv_features: int | None = None,
-      *,
-      value_head_dim: int | None = None,
-      dtype: Any = None,
-      param_dtype: Any = jnp.float32,
-      dropout_rate: float = 0.0,
-      broadcast_dropout: bool = False,
-      deterministic: bool | None = None,
-      use_bias: bool = True,
-      kernel_init: Callable = nnx.initializers.lecun_normal(),
-      bias_init: Callable = nnx.initializers.zeros_init(),
-      is_causal: IsCausal = False,
-      local_window_size: LocalWindowSize | None = None,
-      logits_soft_cap: float | None = None,
-      scale: float | None = None,
-      implementation: Implementation | None = None,
-      block_q: int | None = None,
-      block_kv: int | None = None,
-      rope: bool = False,
-      rope_base: float = 10000.0,
-      decode: bool = False,
-      collect_stats: bool = False,
-      rngs: nnx.Rngs,
+    self,
+    num_heads: int,
+    in_features: int,
+    qkv_features: int | None = None,
+    out_features: int | None = None,
+    num_kv_heads: int | None = None,
+    in_kv_features: int | None = None,
+    *,
+    value_head_dim: int | None = None,
+    dtype: Any = None,
+    param_dtype: Any = jnp.float32,
+    dropout_rate: float = 0.0,
+    broadcast_dropout: bool = False,
+    deterministic: bool | None = None,
+    use_bias: bool = True,
+    kernel_init: Callable = nnx.initializers.lecun_normal(),  # noqa: B008 -- flax's own default
+    bias_init: Callable = nnx.initializers.zeros_init(),  # noqa: B008
+    is_causal: IsCausal = False,
+    local_window_size: LocalWindowSize | None = None,
+    logits_soft_cap: float | None = None,
+    scale: float | None = None,
+    implementation: Implementation | None = None,
+    block_q: int | None = None,
+    block_kv: int | None = None,
+    rope: bool = False,
+    rope_base: float = 10000.0,
+    decode: bool = False,
+    collect_stats: bool = False,
+    rngs: nnx.Rngs,
   ):
     in_features = _validation.positive_int("in_features", in_features)
     out_features = _validation.positive_int("out_features", out_features, optional=True)
     in_kv_features = _validation.positive_int("in_kv_features", in_kv_features, optional=True)
     self.opts = _mha.options(
-        num_heads=num_heads, num_kv_heads=num_kv_heads,
-        qkv_features=in_features if qkv_features is None else qkv_features,
-        is_causal=is_causal, local_window_size=local_window_size,
-        logits_soft_cap=logits_soft_cap, scale=scale, implementation=implementation,
-        block_q=block_q, block_kv=block_kv, rope=rope, rope_base=rope_base,
-        dropout_rate=dropout_rate, broadcast_dropout=broadcast_dropout,
-        value_head_dim=value_head_dim)
+      num_heads=num_heads,
+      num_kv_heads=num_kv_heads,
+      qkv_features=in_features if qkv_features is None else qkv_features,
+      is_causal=is_causal,
+      local_window_size=local_window_size,
+      logits_soft_cap=logits_soft_cap,
+      scale=scale,
+      implementation=implementation,
+      block_q=block_q,
+      block_kv=block_kv,
+      rope=rope,
+      rope_base=rope_base,
+      dropout_rate=dropout_rate,
+      broadcast_dropout=broadcast_dropout,
+      value_head_dim=value_head_dim,
+    )
     o = self.opts
     self.in_features = in_features
     self.out_features = in_features if out_features is None else out_features
@@ -110,25 +120,41 @@ class MultiHeadAttention(nnx.Module):
     _validation.instance("rngs", rngs, nnx.Rngs, "an nnx.Rngs")
     in_kv = in_features if in_kv_features is None else in_kv_features
     linear = lambda fin, heads, size: nnx.LinearGeneral(
-        fin, (heads, size), dtype=dtype, param_dtype=param_dtype, use_bias=use_bias,
-        kernel_init=kernel_init, bias_init=bias_init, rngs=rngs)
+      fin,
+      (heads, size),
+      dtype=dtype,
+      param_dtype=param_dtype,
+      use_bias=use_bias,
+      kernel_init=kernel_init,
+      bias_init=bias_init,
+      rngs=rngs,
+    )
     self.query = linear(in_features, o.num_heads, o.head_dim)
     self.key = linear(in_kv, o.num_kv_heads, o.head_dim)
     self.value = linear(in_kv, o.num_kv_heads, o.value_head_dim)
     self.out = nnx.LinearGeneral(
-        (o.num_heads, o.value_head_dim), self.out_features, axis=(-2, -1), dtype=dtype,
-        param_dtype=param_dtype, use_bias=use_bias, kernel_init=kernel_init,
-        bias_init=bias_init, rngs=rngs)
+      (o.num_heads, o.value_head_dim),
+      self.out_features,
+      axis=(-2, -1),
+      dtype=dtype,
+      param_dtype=param_dtype,
+      use_bias=use_bias,
+      kernel_init=kernel_init,
+      bias_init=bias_init,
+      rngs=rngs,
+    )
     self.rngs = rngs.dropout.fork() if o.dropout_rate > 0 else nnx.data(None)
-    self.cached_key = nnx.data(None)
-    self.cached_value = nnx.data(None)
-    self.cache_index = nnx.data(None)
-    self.cached_key_scale = nnx.data(None)
-    self.cached_value_scale = nnx.data(None)
-    self.page_table = nnx.data(None)
+    # The cache, once `init_cache` makes it.
+    self.cached_key: nnx.Cache | None = nnx.data(None)
+    self.cached_value: nnx.Cache | None = nnx.data(None)
+    self.cache_index: nnx.Cache | None = nnx.data(None)
+    self.cached_key_scale: nnx.Cache | None = nnx.data(None)
+    self.cached_value_scale: nnx.Cache | None = nnx.data(None)
+    self.page_table: nnx.Cache | None = nnx.data(None)
 
-  def init_cache(self, batch_size: int, max_length: int, dtype: Any = None, *,
-                 page_size: int | None = None):
+  def init_cache(
+    self, batch_size: int, max_length: int, dtype: Any = None, *, page_size: int | None = None
+  ):
     """Create a zero KV cache: ``cached_key``, ``cached_value`` (B, S_max, K, H|Hv) and
     ``cache_index`` int32 (B,), as ``nnx.Cache`` variables. ``dtype`` defaults to the
     computation dtype (``dtype``, else ``param_dtype``); it must be the dtype keys come in, or
@@ -159,14 +185,46 @@ class MultiHeadAttention(nnx.Module):
       self.cached_key_scale = nnx.data(None)
       self.cached_value_scale = nnx.data(None)
 
-  def __call__(self, inputs_q: ArrayLike, inputs_k: ArrayLike | None = None,
-               inputs_v: ArrayLike | None = None, *, mask: _masks.Mask | ArrayLike | None = None,
-               positions: ArrayLike | None = None, kv_positions: ArrayLike | None = None,
-               query_seq_lengths: ArrayLike | None = None,
-               key_value_seq_lengths: ArrayLike | None = None,
-               q_segment_ids: ArrayLike | None = None, kv_segment_ids: ArrayLike | None = None,
-               deterministic: bool | None = None, decode: bool | None = None,
-               rngs: nnx.Rngs | nnx.RngStream | None = None, sow_weights: bool = False):
+  def _decode_cache(self):
+    """(the cache's variables, the cache as `_mha.layer_attention` takes it)."""
+    if self.cached_key is None:
+      raise ValueError(
+        "decode=True but the KV cache is not initialized: call "
+        "init_cache(batch_size, max_length) first"
+      )
+    # Key and value, and their scales where the cache is quantised.
+    variables = [
+      var
+      for var in (
+        self.cached_key,
+        self.cached_value,
+        self.cached_key_scale,
+        self.cached_value_scale,
+      )
+      if var is not None
+    ]
+    page_table = None if self.page_table is None else self.page_table[...]
+    assert self.cache_index is not None  # made with the cached keys
+    return variables, (tuple(var[...] for var in variables), self.cache_index[...], page_table)
+
+  def __call__(
+    self,
+    inputs_q: ArrayLike,
+    inputs_k: ArrayLike | None = None,
+    inputs_v: ArrayLike | None = None,
+    *,
+    mask: _masks.Mask | ArrayLike | None = None,
+    positions: ArrayLike | None = None,
+    kv_positions: ArrayLike | None = None,
+    query_seq_lengths: ArrayLike | None = None,
+    key_value_seq_lengths: ArrayLike | None = None,
+    q_segment_ids: ArrayLike | None = None,
+    kv_segment_ids: ArrayLike | None = None,
+    deterministic: bool | None = None,
+    decode: bool | None = None,
+    rngs: nnx.Rngs | nnx.RngStream | None = None,
+    sow_weights: bool = False,
+  ):
     """inputs_q (B, T, D); inputs_k, inputs_v (B, S, D_kv) (default: self-attention).
 
     Args:
@@ -193,30 +251,28 @@ class MultiHeadAttention(nnx.Module):
     decode = _validation.flag("decode", decode, optional=True)
     sow_weights = _validation.flag("sow_weights", sow_weights)
     if rngs is not None:
-      _validation.instance("rngs", rngs, (nnx.Rngs, nnx.RngStream),
-                           "an nnx.Rngs or nnx.RngStream (or None)")
+      _validation.instance(
+        "rngs", rngs, (nnx.Rngs, nnx.RngStream), "an nnx.Rngs or nnx.RngStream (or None)"
+      )
     inputs_q = jnp.asarray(inputs_q)
     if inputs_q.shape[-1] != self.in_features:
-      raise ValueError(f"inputs_q has {inputs_q.shape[-1]} features, the module expects "
-                       f"in_features={self.in_features}")
-    self_attention = inputs_k is None and inputs_v is None
-    if inputs_k is None:
-      if inputs_v is not None:
-        raise ValueError("inputs_v given without inputs_k; pass inputs_k (and leave inputs_v "
-                         "None to use it for both)")
-      inputs_k = inputs_q
-    if inputs_v is None:
-      inputs_v = inputs_k
+      raise ValueError(
+        f"inputs_q has {inputs_q.shape[-1]} features, the module expects "
+        f"in_features={self.in_features}"
+      )
+    keys_in, values_in, self_attention = _mha.kv_inputs(inputs_q, inputs_k, inputs_v)
     q = self.query(inputs_q)  # (B, T, N, H)
-    k = self.key(inputs_k)  # (B, S, K, H)
-    v = self.value(inputs_v)
+    k = self.key(keys_in)  # (B, S, K, H)
+    v = self.value(values_in)
 
     det = True
     if o.dropout_rate > 0:
       det = deterministic if deterministic is not None else self.deterministic
       if det is None:
-        raise ValueError("dropout_rate > 0 needs deterministic=True/False, at the call or in the "
-                         "constructor (or model.train() / model.eval())")
+        raise ValueError(
+          "dropout_rate > 0 needs deterministic=True/False, at the call or in the "
+          "constructor (or model.train() / model.eval())"
+        )
     dropout_rng = None
     if not det:
       stream = rngs if rngs is not None else self.rngs
@@ -230,31 +286,36 @@ class MultiHeadAttention(nnx.Module):
     collect = None
     if self.collect_stats:
       from jattn import diagnostics
+
       collect = lambda stats: diagnostics.sow_nnx(self, stats)
     sow = (lambda w: self.sow(nnx.Intermediate, "attention_weights", w)) if sow_weights else None
 
     decode = self.decode if decode is None else decode
-    if decode:
-      if self.cached_key is None:
-        raise ValueError("decode=True but the KV cache is not initialized: call "
-                         "init_cache(batch_size, max_length) first")
-      _mha.check_decode_call(self_attention, kv_positions=kv_positions,
-                             key_value_seq_lengths=key_value_seq_lengths,
-                             q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
-      variables = [self.cached_key, self.cached_value, self.cached_key_scale,
-                   self.cached_value_scale][:2 if self.cached_key_scale is None else 4]
-      x, cache, self.cache_index[...] = _mha.decode_step(
-          o, q, k, v, tuple(var[...] for var in variables), self.cache_index[...],
-          page_table=None if self.page_table is None else self.page_table[...], mask=mask,
-          positions=positions, query_seq_lengths=query_seq_lengths, deterministic=det,
-          dropout_rng=dropout_rng, collect=collect, sow=sow)
-      for var, value in zip(variables, cache):
+    variables, cache = self._decode_cache() if decode else (None, None)
+    x, arrays, index = _mha.layer_attention(
+      o,
+      q,
+      k,
+      v,
+      cache,
+      self_attention=self_attention,
+      masking=dict(
+        mask=mask,
+        positions=positions,
+        kv_positions=kv_positions,
+        query_seq_lengths=query_seq_lengths,
+        key_value_seq_lengths=key_value_seq_lengths,
+        q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids,
+      ),
+      deterministic=det,
+      dropout_rng=dropout_rng,
+      collect=collect,
+      sow=sow,
+    )
+    if variables is not None:
+      assert self.cache_index is not None
+      self.cache_index[...] = index
+      for var, value in zip(variables, arrays):
         var[...] = value
-    else:
-      x = _mha.attend(
-          o, q, k, v, self_attention=self_attention, mask=mask, positions=positions,
-          kv_positions=kv_positions, query_seq_lengths=query_seq_lengths,
-          key_value_seq_lengths=key_value_seq_lengths, q_segment_ids=q_segment_ids,
-          kv_segment_ids=kv_segment_ids, deterministic=det, dropout_rng=dropout_rng,
-          collect=collect, sow=sow)
     return self.out(x)

@@ -21,11 +21,11 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
 os.environ["JAX_PLATFORMS"] = "cpu"
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
-
-import matrix  # noqa: E402
+import jax
+import matrix
+import numpy as np
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
@@ -68,7 +68,7 @@ def main(mesh_kind, layout, out_path):
         results[name] = "ok"
       except NotImplementedError as e:
         results[name] = f"refused: {e}"
-      except Exception as e:  # noqa: BLE001 -- every other failure is reported by name
+      except Exception as e:
         results[name] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
   with open(out_path, "w") as f:
     json.dump(results, f, indent=1)

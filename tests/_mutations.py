@@ -1,7 +1,10 @@
 """Issue #30's five mutations (realistic single bugs), put into the library one at a time: runs the
 tests meant to catch each and reports which fail, then restores the file. Not collected by
 pytest; run `python tests/_mutations.py [PYTHON] [INDEX...]` from a checkout."""
-import subprocess, sys, pathlib
+import pathlib
+import subprocess
+import sys
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PY = sys.argv[1] if len(sys.argv) > 1 else sys.executable
 MUTATIONS = [

@@ -239,6 +239,7 @@ def _mesh(c):
 def _ring_fn(c, mesh, extra):
   """f(q, k, v) -> (out, lse) on global arrays in sequence order."""
   import jax
+
   import jattn
   P = mesh.shape[c["seq"]]
   zig = c["layout"] == "zigzag"
@@ -313,6 +314,7 @@ def memory_by_ring_size(Ts=16, sizes=(4, 8)):
   import jax
   import jax.numpy as jnp
   import numpy as np
+
   import jattn
   res = {}
   for P in sizes:
@@ -349,8 +351,9 @@ def split_kv_recipe(P=4):
   import jax
   import jax.numpy as jnp
   import numpy as np
-  import jattn
   import reference as ref
+
+  import jattn
   B, S, N, K, H = 5, 32, 4, 2, 8
   L = S // P
   rng = np.random.default_rng(1)
@@ -404,6 +407,7 @@ def vs_single(devices):
   import jax
   import jax.numpy as jnp
   import numpy as np
+
   import jattn
   from jattn import masks as M
   # A value head size of its own (Hv != H, as MLA's) rides along with every feature.
@@ -477,7 +481,7 @@ def _typed_vs_single(mesh, q, k, v, do, sinks, table):
   the sinks and of score_mod's table (arrays that are the same on every device) are summed over
   the ring, once."""
   import jax
-  import jax.numpy as jnp
+
   import jattn
   PS = jax.sharding.PartitionSpec
   T = q.shape[1]

@@ -38,7 +38,7 @@ def keep(dropout_rng, rate, b, n, t, s):
   x = _mix(x ^ ((u(n) + s1) & _M32))
   x = _mix(x ^ _mul(u(t), 0x85EBCA6B))
   x = _mix(x ^ _mul(u(s), 0xC2B2AE35))
-  threshold = min(int(round(rate * 2.0 ** 32)), 2 ** 32 - 1)
+  threshold = min(int(round(rate * 2.0 ** 32)), 2 ** 32 - 1)  # noqa: RUF046
   return x >= np.uint64(threshold)
 
 

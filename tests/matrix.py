@@ -16,13 +16,12 @@ internals except to read its list of implementations.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
+import dropout_reference
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-import dropout_reference
 import reference as ref
 
 B, T, S, N, K, H = 4, 32, 32, 8, 4, 8

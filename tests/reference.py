@@ -89,7 +89,7 @@ def grads(cache, dout, bias_shape=None):
     raise NotImplementedError("grads has no score_mod derivative: use attention_vjp")
   dout = np.asarray(dout, np.float64)
   q, kr, vr, p, pd = cache["q"], cache["kr"], cache["vr"], cache["p"], cache["pd"]
-  B, T, N, H = q.shape
+  B, _T, _N, H = q.shape
   K, G = cache["K"], cache["G"]
   dvr = np.einsum("bnts,btnh->bsnh", pd, dout)
   dpd = np.einsum("btnh,bsnh->bnts", dout, vr)

@@ -17,7 +17,6 @@ D features.
 from __future__ import annotations
 
 import numpy as np
-
 import reference
 
 NAMES = ("query", "key", "value", "out")

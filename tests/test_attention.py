@@ -3,15 +3,15 @@
 import functools
 
 import chex
+import dropout_reference
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import reference as ref
 
 import jattn
 from jattn import _dropout
-import dropout_reference
-import reference as ref
 
 # Chunked runs with small, non-dividing blocks so ragged edges and many blocks are exercised.
 # The chunked kernels in both schedules: "chunked" is the serial walk (CPU's default), "parallel"
@@ -260,7 +260,7 @@ def test_matches_jax_nn(impl, case, K):
                                                      **kw, **IMPLS[impl])
   o_jax, pull_jax, lse_jax = jax.vjp(f_jax, q, k, v, has_aux=True)
   o_us, pull_us, lse_us = jax.vjp(f_us, q, k, v, has_aux=True)
-  B, T, N, H = q.shape
+  B, T, N, _H = q.shape
   vis = ref.visible_mask(B, N, T, 45, mask=None if mask is None else np.asarray(mask),
                          causal="top_left" if kw.get("is_causal") else None,
                          window=_pair(kw.get("local_window_size")),
@@ -438,7 +438,7 @@ def test_low_precision_rule(impl, dtype, causal):
 
 
 def test_dropout_same_entries_for_every_implementation_and_block():
-  q, k, v, do = _inputs()
+  q, k, v, _do = _inputs()
   rng = jax.random.key(7)
   runs = [jattn.dot_product_attention(q, k, v, dropout_rate=0.3, dropout_rng=rng,
                                       is_causal=True, implementation="dense")]

@@ -11,8 +11,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jattn.bench import (cli, config, decode_bench, flops, masks, report, ring_bench, runner,
-                         sharding_bench, torch_peer)
+from jattn.bench import (
+  cli,
+  config,
+  decode_bench,
+  flops,
+  masks,
+  report,
+  ring_bench,
+  runner,
+  sharding_bench,
+  torch_peer,
+)
 
 _JAX_IMPLS = {"jattn-dense", "jattn-chunked-32x32", "jax-nn", "flax"}
 
@@ -50,7 +60,7 @@ def test_quick_rows_have_every_field_with_sane_values(quick):
     assert tuple(r) == runner.ROW_FIELDS
     assert r["status"] == "ok", r
     assert r["impl"] in _JAX_IMPLS | {"torch"}
-    assert isinstance(r["compile_s"], float) and r["compile_s"] > 0 or r["impl"] == "torch"
+    assert (isinstance(r["compile_s"], float) and r["compile_s"] > 0) or r["impl"] == "torch"
     times = r["times_s"]
     assert len(times) == r["repeats"] == 2 and all(t > 0 for t in times)
     assert r["time_min_s"] <= r["time_p25_s"] <= r["time_median_s"] <= r["time_p75_s"] \
@@ -431,7 +441,7 @@ head_dim = [8]
 T = [64]
 masks = ["full"]
 """)
-  result, out = _run(tmp_path, path, "--platform", "cuda")
+  result, _out = _run(tmp_path, path, "--platform", "cuda")
   assert result["platform"] == "cuda" and result["compile_only"] is True
   rows = {(r["pass"], r["impl"]): r for r in result["rows"]}
   for r in rows.values():
@@ -796,7 +806,7 @@ max_memory_gib = 1.0
   rows = {(r["page_dtype"], r["layout"]): r for r in json.loads(out.read_text())["rows"]}
   assert set(rows) == {(d, layout) for d in ("float32", "int8", "float8_e5m2")
                        for layout in ("NHD", "HND")}
-  for (dtype, layout), r in rows.items():
+  for (_dtype, layout), r in rows.items():
     assert r["status"] == "ok" and r["max_abs_diff"] < 1e-5, r
     assert r["ms"]["floor"] == min(r["ms"]["floor-sum"], r["ms"]["floor-max"])
     assert r["vs_floor"] == pytest.approx(r["ms"]["paged"] / r["ms"]["floor"])

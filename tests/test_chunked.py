@@ -4,11 +4,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import reference as ref
 
 import jattn
 from jattn import _chunked, _plan
 from jattn import masks as M
-import reference as ref
 
 
 def _compiled_temp_bytes(fn, *args):

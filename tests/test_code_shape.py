@@ -1,5 +1,6 @@
 """The package's shape, read from its source (no JAX): no import cycle among jattn's modules, no
-library function over 80 lines of code (docstrings, comments and blank lines not counted;
+library function whose body is over 80 lines of code (docstrings, comments and blank lines not
+counted;
 jattn/bench/ and jattn/demo.py aside), and no module outside jattn/masks.py that branches on a
 private mask class (masks answer for themselves: see docs/architecture.md)."""
 
@@ -65,7 +66,9 @@ def _code_lines(node, src) -> int:
   if (body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
       and isinstance(body[0].value.value, str)):
     doc = set(range(body[0].lineno, body[0].end_lineno + 1))
-  return sum(1 for i in range(node.lineno, node.end_lineno + 1)
+  # From the body: the formatter writes a long signature one parameter per line, and a public
+  # signature spells out every keyword the user may pass; the limit is on what a function does.
+  return sum(1 for i in range(body[0].lineno, node.end_lineno + 1)
              if i not in doc and src[i - 1].strip() and not src[i - 1].strip().startswith("#"))
 
 

@@ -14,11 +14,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import reference as ref
 
 import jattn
-import reference as ref
-from jattn import _plan
-from jattn import masks
+from jattn import _plan, masks
 from jattn.bench import structure
 
 B, K, G, H, S = 3, 2, 3, 8, 300

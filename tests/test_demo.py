@@ -4,6 +4,7 @@ Settings are small; the CLI test reuses the experiment settings of the claim tes
 compiled programs are shared.
 """
 
+import itertools
 import math
 
 import jax
@@ -27,9 +28,9 @@ def test_unscaled_softmax_sharpens_with_d_and_scaled_does_not(sharpness_rows):
     assert abs(un[d].logit_std / math.sqrt(d) - 1) < 0.2, (d, un[d].logit_std)
     assert abs(sc[d].logit_std - 1) < 0.2, (d, sc[d].logit_std)
   # Unscaled: the max probability grows with d, entropy and the softmax Jacobian shrink.
-  assert all(un[a].max_prob < un[b].max_prob for a, b in zip(dims, dims[1:]))
-  assert all(un[a].entropy > un[b].entropy for a, b in zip(dims, dims[1:]))
-  assert all(un[a].jacobian_norm > un[b].jacobian_norm for a, b in zip(dims, dims[1:]))
+  assert all(un[a].max_prob < un[b].max_prob for a, b in itertools.pairwise(dims))
+  assert all(un[a].entropy > un[b].entropy for a, b in itertools.pairwise(dims))
+  assert all(un[a].jacobian_norm > un[b].jacobian_norm for a, b in itertools.pairwise(dims))
   assert un[512].saturated_fraction > 0.5 and un[512].jacobian_norm < 0.1
   for d in dims:
     assert un[d].max_prob > sc[d].max_prob and un[d].min_prob < sc[d].min_prob

@@ -4,18 +4,18 @@ scale, padding, cross-attention, dropout with jattn's keep mask, bf16 by the Fla
 and KV-cache decoding against the reference's decoding loop and the full forward pass at every
 position; the errors of the decoding path."""
 
+import dropout_reference
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+import reference_modules as rm
 from flax import linen as nn
 from flax import nnx
 
 import jattn
 from jattn import masks
-import dropout_reference
-import reference_modules as rm
 
 B, T, D, N, K = 2, 8, 16, 4, 2
 H = D // N

@@ -15,10 +15,11 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import jattn
 import numpy as np
 import pytest
 from flax import nnx
+
+import jattn
 
 _ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
@@ -36,7 +37,7 @@ generate = _load("generate")
 train_recall = generate.train_recall  # the module generate.py itself trains and generates with
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _trained():
   cfg = train_recall.load_config(os.path.join(_ROOT, "examples", "train_recall.toml"))
   cfg["train"].update(batch_size=16, eval_every=1000, eval_batch=16)

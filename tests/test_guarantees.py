@@ -10,10 +10,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-import jattn
 import reference as ref
 from test_attention import IMPLS, _inputs, keep_mask
+
+import jattn
 
 
 def _uses_loop(f, *args) -> bool:
@@ -81,7 +81,7 @@ def test_float16_lse_of_empty_rows_is_finite(impl):
   lse = np.asarray(lse, np.float64)
   assert np.all(lse[0] == float(jnp.finfo(jnp.float16).min))  # batch 0 sees no key at all
   vis = ref.visible_mask(2, 4, 37, 45, kv_lengths=[0, 20])
-  want, r_lse, _ = ref.attention(*(np.asarray(x, np.float64) for x in (q, k, v)), visible=vis)
+  _want, r_lse, _ = ref.attention(*(np.asarray(x, np.float64) for x in (q, k, v)), visible=vis)
   np.testing.assert_allclose(lse[1], r_lse[1], rtol=2e-3, atol=2e-3)
   assert np.all(np.asarray(out)[0] == 0)
 

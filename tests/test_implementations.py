@@ -12,10 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import reference as ref
 
 import jattn
-
-import reference as ref
 
 B, T, S, N, K, H = 2, 40, 56, 4, 2, 16
 
@@ -268,7 +267,7 @@ def test_flax_callers_take_the_same_implementation_values():
 
 
 def test_diagnostics_reads_logits_with_jattn_kernels_only():
-  q, k, v = _inputs()
+  q, k, _v = _inputs()
   with pytest.raises(NotImplementedError, match="fused kernels"):
     jattn.diagnostics.attention_stats(q, k, implementation="splash")
   got = jattn.diagnostics.attention_stats(q, k, is_causal=True,

@@ -6,10 +6,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import reference as ref
 
 import jattn
 from jattn import masks as M
-import reference as ref
 
 B, N = 2, 3
 

@@ -14,11 +14,9 @@ import contextlib
 import functools
 
 import jax
-import jax.numpy as jnp
+import matrix
 import numpy as np
 import pytest
-
-import matrix
 
 IMPLS = matrix.implementations()
 MODES = {
@@ -30,7 +28,7 @@ MODES = {
 }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _reference(option):
   return matrix.reference(option)
 

@@ -11,9 +11,8 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 import matrix
+import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

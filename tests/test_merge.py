@@ -16,11 +16,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import reference as ref
 
 import jattn
 from jattn._tile import NEG
-
-import reference as ref
 
 B, T, S, N, K, H = 2, 6, 13, 4, 2, 8
 RANGES = ((0, 5), (5, 6), (6, 13))  # the middle part is a single key

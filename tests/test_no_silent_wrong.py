@@ -7,12 +7,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import reference as ref
 from flax import nnx
+from test_attention import IMPLS, _inputs
 
 import jattn
 from jattn import masks
-import reference as ref
-from test_attention import IMPLS, _inputs
 
 B, T, S, N, K, H = 2, 37, 45, 4, 2, 16
 
@@ -285,7 +285,7 @@ def test_jattn_modules_sow_weights_against_reference():
   x = jax.random.normal(jax.random.key(0), (2, 9, 16))
   layer = jattn.linen.MultiHeadAttention(num_heads=4, num_kv_heads=2, is_causal=True)
   params = layer.init(jax.random.key(1), x)
-  out, st = layer.apply(params, x, sow_weights=True, mutable=["intermediates"])
+  _out, st = layer.apply(params, x, sow_weights=True, mutable=["intermediates"])
   w = np.asarray(st["intermediates"]["attention_weights"][0])
   p = jax.tree.map(np.asarray, params["params"])
   q = np.einsum("btd,dnh->btnh", x, p["query"]["kernel"]) + p["query"]["bias"]

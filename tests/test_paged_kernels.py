@@ -16,10 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
+from test_paged import _check, combined, head_major, options, pool, reference
 
 import jattn
 from jattn import _paged_gpu
-from test_paged import _check, combined, head_major, options, pool, reference
 
 N, K, H = 4, 2, 16  # the GPU kernel (Triton) takes head sizes that are powers of two >= 16
 KERNELS = {"tpu": pltpu.force_tpu_interpret_mode, "gpu": _paged_gpu.interpret_mode}
@@ -204,3 +204,18 @@ def test_the_choice_is_made_where_the_program_is_lowered():
     assert "custom_call" not in exp.mlir_module().replace("stablehlo.custom_call @shape_assertion", "")
   with pytest.raises(NotImplementedError, match="symbolic number of sequences"):
     _lowered(call("pallas"), *shapes, platform="tpu")
+
+
+def test_interpret_mode_refuses_what_the_kernel_cannot_take_as_the_device_would():
+  """In the GPU kernel's interpret mode a call Triton cannot take (H = 8) runs the XLA walk for
+  None and is refused by name for "pallas", as lowered for a GPU (it was a TypeError from
+  functools.partial over the reason string; mypy found it)."""
+  lens = np.array([5, 9])
+  kp, vp, table = pool(jax.random.key(51), 8, 4, K, 8, 8, 2, lens)
+  q = jax.random.normal(jax.random.key(52), (2, 1, N, 8))
+  args = (q, kp, vp, table, jnp.asarray(lens))
+  want = jattn.paged_attention(*args, implementation="chunked")
+  with _paged_gpu.interpret_mode():
+    np.testing.assert_array_equal(jattn.paged_attention(*args), want)
+    with pytest.raises(NotImplementedError, match="pallas.*cuda cannot take H=8: Triton"):
+      jattn.paged_attention(*args, implementation="pallas")

@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental import checkify
+from test_paged import _check, pool, reference
 
 import jattn
-from test_paged import _check, pool, reference
 
 N, K, H, PS, P = 4, 2, 8, 8, 24
 

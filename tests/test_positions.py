@@ -12,12 +12,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import reference as ref
+from test_attention import IMPLS
 
 import jattn
 from jattn import _chunked
-
-import reference as ref
-from test_attention import IMPLS
 
 B, T, S, N, K, H = 2, 24, 40, 4, 2, 8
 

@@ -21,9 +21,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import reference as ref
 
 import jattn
-import reference as ref
 
 FORWARD, GRADIENTS = 1.5, 1.75
 B, T, N, K, H = 1, 2048, 2, 1, 64
@@ -42,7 +42,7 @@ def _round(x, dtype):
   return np.asarray(jnp.asarray(x, jnp.float32).astype(dtype).astype(jnp.float32), np.float64)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _exact(dtype_name):
   """16-bit inputs (as float64 values), the float64 output and gradients of causal attention,
   and the relative error of rounding each of them to the dtype."""

@@ -9,12 +9,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import reference as ref
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from test_attention import keep_mask
 
 import jattn
-import reference as ref
-from test_attention import keep_mask
 
 
 # Score functions with closed-over arrays (their gradients are compared too). Defined once at

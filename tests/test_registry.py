@@ -12,12 +12,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import reference as ref
 
 import jattn
 from jattn import _registry
 from jattn._parallel import ring as _ring
-
-import reference as ref
 
 NAME = "float64-host"
 RUNS = []

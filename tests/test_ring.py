@@ -14,19 +14,18 @@ import subprocess
 import sys
 import tempfile
 
+import _ring_runs
+import _ring_worker
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import reference as ref
 
 import jattn
-from jattn._parallel import ring as _ring
 from jattn import masks as jmasks
+from jattn._parallel import ring as _ring
 from jattn._tile import NEG
-
-import _ring_runs
-import _ring_worker
-import reference as ref
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TOL = 1e-5  # float32 against float64, errors relative to max(1, max |reference|)
@@ -385,7 +384,7 @@ def test_ring_lse_carries_its_gradient_on_a_one_device_mesh():
       return_residual=True),
                     mesh=_mesh1(), in_specs=(spec, spec, spec, jax.sharding.PartitionSpec()),
                     out_specs=(spec, spec))
-  (out, lse), pull = jax.vjp(lambda q, k, v, s: f(q, k, v, s), q, k, v, sinks)
+  (_out, _lse), pull = jax.vjp(lambda q, k, v, s: f(q, k, v, s), q, k, v, sinks)
   got = pull((do, w))
   vis = ref.visible_mask(B, N, T, S, causal="top_left")
   _, _, g = ref.attention_vjp(q, k, v, do, visible=vis, sinks=sinks, dlse=w)
@@ -422,7 +421,7 @@ def test_merge_equals_full_attention_over_key_ranges():
   assert np.all(np.asarray(lse)[~live] < -1e30) and (~live).any()
   np.testing.assert_array_equal(np.asarray(out)[1, 2], 0.0)
   # The same through single-device attention, and with the parts stacked.
-  full, full_lse = jattn.dot_product_attention(q, k, v, mask=mask, return_residual=True)
+  full, _full_lse = jattn.dot_product_attention(q, k, v, mask=mask, return_residual=True)
   np.testing.assert_allclose(out, full, atol=2e-6, rtol=2e-6)
   out2, lse2 = jattn.merge_attention(jnp.stack([p[0] for p in parts]),
                                      jnp.stack([p[1] for p in parts]))

@@ -12,13 +12,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import reference as ref
 from jax.experimental.pallas import tpu as pltpu
+from test_attention import _plain_low_precision
 
 import jattn
 from jattn import masks as M
-
-import reference as ref
-from test_attention import _plain_low_precision
 
 B, H = 2, 32
 
@@ -201,7 +200,8 @@ def test_splash_under_an_explicit_mesh_runs_per_device_inside_a_shard_map():
   same path (the 4-device programs, exported for a TPU, are checked in test_sharding; Pallas's
   interpret mode cannot run a kernel on several host devices at once). Results and gradients
   equal the call without a mesh."""
-  from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+  from jax.sharding import AxisType, NamedSharding
+  from jax.sharding import PartitionSpec as P
   T, S, N, K = 140, 200, 4, 2
   q, k, v, do, sinks = _inputs(T, S, N, K)
   lens = jnp.asarray([S, 0], jnp.int32)

@@ -11,11 +11,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-import jattn
-
 import reference as ref
 from test_attention import IMPLS
+
+import jattn
 
 B, T, S, N, K, H, HV = 2, 37, 45, 4, 2, 16, 24
 

@@ -42,17 +42,20 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import custom_batching
-from jax.experimental.custom_partitioning import SdyShardingRule, custom_partitioning
+from jax.experimental.custom_partitioning import (
+  ArrayMapping,
+  SdyShardingRule,
+  custom_partitioning,
+)
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jattn import _plan
-from jattn import _softmax
-from jattn import _sharding
+from jattn import _plan, _sharding, _softmax
 from jattn import masks as _masks
 
 # Part of jit's cache key (a function traced with the rule on is traced anew with it off).
@@ -96,7 +99,7 @@ class Split(NamedTuple):
   heads: tuple = ()
   keys: tuple = ()
 
-  def index(self, axes, size: int):
+  def offset(self, axes, size: int):
     """The global index of the first element of this device's part along ``axes``."""
     return jax.lax.axis_index(axes) * size if axes else jnp.zeros((), jnp.int32)
 
@@ -125,8 +128,9 @@ def _split(mesh, q_spec, k_spec, problem) -> Split:
     names = _sharding._names(entry)
     return names if names and size % _sharding.axes_size(mesh, names) == 0 else ()
 
-  split = Split(axes(q_entries[0], problem.B), axes(q_entries[1], problem.T),
-                axes(q_entries[2], problem.K))
+  split = Split(
+    axes(q_entries[0], problem.B), axes(q_entries[1], problem.T), axes(q_entries[2], problem.K)
+  )
   keys = axes(k_entries[1], problem.S)
   taken = {a for entry in q_entries for a in _sharding._names(entry)}
   if not split.rows and keys and not taken & set(keys):
@@ -161,9 +165,12 @@ def _part(problem: Problem, split: Split, mesh, operands):
   G = N // K
   local = lambda size, axes: size // _sharding.axes_size(mesh, axes)
   nb, nk = local(B, split.batch), local(K, split.heads)
-  part = Part(split.index(split.batch, nb), split.index(split.rows, local(T, split.rows)),
-              split.index(split.heads, nk * G), split.index(split.keys, local(problem.S,
-                                                                             split.keys)))
+  part = Part(
+    split.offset(split.batch, nb),
+    split.offset(split.rows, local(T, split.rows)),
+    split.offset(split.heads, nk * G),
+    split.offset(split.keys, local(problem.S, split.keys)),
+  )
   if sink is not None and nk != K:
     sink = jax.lax.dynamic_slice_in_dim(sink, part.head0 // G, nk, 1)
   mask = _masks.take_part(mask, part.batch0, nb, part.head0, nk * G, (B, N, T, None))
@@ -181,10 +188,18 @@ def _bias_dims(problem: Problem, split: Split):
   """Per dimension of the whole bias (B|1, K|1, G|1, T|1, S|1): (factor, mesh axes) where it
   is the call's examples, key/value heads, query rows or keys, None where it is broadcast or
   G."""
-  own = (("b", problem.B, split.batch), ("k", problem.K, split.heads), None,
-         ("t", problem.T, split.rows), ("s", problem.S, split.keys))
-  return tuple(None if d is None or d[1] == 1 or size != d[1] else (d[0], d[2])
-               for d, size in zip(own, problem.bias_shape))
+  assert problem.bias_shape is not None  # asked for the bias's role only
+  own = (
+    ("b", problem.B, split.batch),
+    ("k", problem.K, split.heads),
+    None,
+    ("t", problem.T, split.rows),
+    ("s", problem.S, split.keys),
+  )
+  return tuple(
+    None if d is None or d[1] == 1 or size != d[1] else (d[0], d[2])
+    for d, size in zip(own, problem.bias_shape)
+  )
 
 
 def _spec(problem: Problem, split: Split, role: str):
@@ -201,11 +216,12 @@ def _spec(problem: Problem, split: Split, role: str):
   return P()
 
 
-def _factors(problem: Problem, role: str, x, fresh) -> tuple:
+def _factors(problem: Problem, role: str, x, fresh) -> ArrayMapping:
   """The factors of ``x``'s dimensions in the operation's sharding rule: arrays of one role
   share the factors of the examples, rows, heads and keys (so Shardy gives an output the
   sharding of the input it is laid out like); every other dimension is a factor of its own."""
   shape = jnp.shape(x)
+  named: tuple[str | None, ...]
   if role == "q":
     named = ("b", "t", "n")
   elif role == "kv":
@@ -214,15 +230,15 @@ def _factors(problem: Problem, role: str, x, fresh) -> tuple:
     named = tuple(None if d is None else d[0] for d in _bias_dims(problem, WHOLE))
   else:
     named = ()
-  named = named[:len(shape)] + (None,) * (len(shape) - len(named))
-  return tuple(f if f is not None else fresh() for f in named)
+  named = named[: len(shape)] + (None,) * (len(shape) - len(named))
+  return ArrayMapping(*(f if f is not None else fresh() for f in named))
 
 
 def _unsplit_axes(split: Split, spec) -> tuple:
   """The axes the work is split over that an operand of ``spec`` is not: its gradient's partial
   sums over those devices are added."""
-  held = set()
-  for entry in (spec or ()):
+  held: set[str] = set()
+  for entry in spec or ():
     held.update(_sharding._names(entry))
   return tuple(a for a in split.batch + split.rows + split.heads + split.keys if a not in held)
 
@@ -256,8 +272,9 @@ def _backward(problem: Problem, split: Split, mesh, operands, extra):
   dsink = grads.sink
   if split != WHOLE and dsink is not None and dsink.shape != sink.shape:
     # This device's heads' part of the (1, K, G, 1) sinks.
-    dsink = jax.lax.dynamic_update_slice_in_dim(jnp.zeros_like(sink), dsink,
-                                                part.head0 // (problem.N // problem.K), 1)
+    dsink = jax.lax.dynamic_update_slice_in_dim(
+      jnp.zeros_like(sink), dsink, part.head0 // (problem.N // problem.K), 1
+    )
   grads = (grads.q, grads.k, grads.v, grads.bias, dsink)
   if split == WHOLE:
     return grads
@@ -288,9 +305,8 @@ def _op(problem: Problem, body: Callable, operands, extra, out_roles: tuple):
     ops, ex = jax.tree.unflatten(tree, xs)
     return tuple(body(problem, split, mesh, ops, ex))
 
-  closed, outs_struct = jax.make_jaxpr(lambda *xs: run(WHOLE, None, xs),
-                                       return_shape=True)(*flat)
-  out_roles = [r for o, r in zip(outs_struct, out_roles) if o is not None]
+  closed, outs_struct = jax.make_jaxpr(lambda *xs: run(WHOLE, None, xs), return_shape=True)(*flat)
+  live_roles = [r for o, r in zip(outs_struct, out_roles) if o is not None]
   out_leaves = [o for o in outs_struct if o is not None]
 
   # custom_partitioning traces its function without constants (the kernels' block lists are
@@ -304,7 +320,7 @@ def _op(problem: Problem, body: Callable, operands, extra, out_roles: tuple):
     return WHOLE if q_spec is None else _split(mesh, q_spec, k_spec, problem)
 
   def out_shardings(mesh, split):
-    return tuple(NamedSharding(mesh, _spec(problem, split, r)) for r in out_roles)
+    return tuple(NamedSharding(mesh, _spec(problem, split, r)) for r in live_roles)
 
   def partition(mesh, shapes, result_shape):
     del result_shape
@@ -325,13 +341,12 @@ def _op(problem: Problem, body: Callable, operands, extra, out_roles: tuple):
   count = iter(range(1 << 30))
   fresh = lambda: f"d{next(count)}"
   rule = SdyShardingRule(
-      operand_mappings=tuple(_factors(problem, "whole", c, fresh) for c in closed.consts)
-      + tuple(_factors(problem, r, x, fresh) for r, x in zip(in_roles, flat)),
-      result_mappings=tuple(_factors(problem, r, o, fresh) for r, o in zip(out_roles,
-                                                                          out_leaves)))
+    operand_mappings=tuple(_factors(problem, "whole", c, fresh) for c in closed.consts)
+    + tuple(_factors(problem, r, x, fresh) for r, x in zip(in_roles, flat)),
+    result_mappings=tuple(_factors(problem, r, o, fresh) for r, o in zip(live_roles, out_leaves)),
+  )
   op = custom_partitioning(plain)
-  op.def_partition(partition=partition, infer_sharding_from_operands=infer,
-                   sharding_rule=rule)
+  op.def_partition(partition=partition, infer_sharding_from_operands=infer, sharding_rule=rule)
 
   # The primitive has no batching rule: under vmap, the plain computation is mapped.
   @custom_batching.custom_vmap
@@ -341,8 +356,10 @@ def _op(problem: Problem, body: Callable, operands, extra, out_roles: tuple):
   @call.def_vmap
   def _(axis_size, in_batched, *xs):
     del axis_size
-    outs = jax.vmap(lambda *ys: tuple(o for o in run(WHOLE, None, ys) if o is not None),
-                    in_axes=[0 if b else None for b in in_batched])(*xs)
+    outs = jax.vmap(
+      lambda *ys: tuple(o for o in run(WHOLE, None, ys) if o is not None),
+      in_axes=[0 if b else None for b in in_batched],
+    )(*xs)
     return outs, tuple(True for _ in outs)
 
   it = iter(call(*flat))
@@ -364,8 +381,9 @@ def _attention_fwd(problem, operands):
 def _attention_bwd(problem, res, cts):
   operands, out, lse = res
   dout, dlse = cts
-  dq, dk, dv, dbias, dsink = _op(problem, _backward, operands, (out, lse, dout, dlse),
-                                 BACKWARD_ROLES)
+  dq, dk, dv, dbias, dsink = _op(
+    problem, _backward, operands, (out, lse, dout, dlse), BACKWARD_ROLES
+  )
   _, _, _, _, mask, seed, _ = operands
   zeros = lambda tree: jax.tree.map(_plan.zero_cotangent, tree)
   return ((dq, dk, dv, dbias, zeros(mask), zeros(seed), dsink),)

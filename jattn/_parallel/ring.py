@@ -37,14 +37,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, NamedTuple, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn import (_call, _chunked, _plan, _registry, _sharding, _softmax, _tile,
-                   _validation)
+from jattn import _call, _chunked, _plan, _registry, _sharding, _softmax, _tile, _validation
 from jattn import masks as _masks
 from jattn._tile import NEG, Config
 from jattn._types import ArrayLike, Implementation, IsCausal, Layout, LocalWindowSize
@@ -77,9 +77,11 @@ def _zigzag_take(x, num_devices, axis, inverse):
   axis = _validation.axis("axis", axis, x.shape)
   L = x.shape[axis]
   if L % (2 * P):
-    raise ValueError(f"the zigzag layout cuts the sequence into 2 * num_devices = {2 * P} equal "
-                     f"chunks, but x.shape[{axis}] = {L} (x.shape={x.shape}) is not a multiple "
-                     f"of {2 * P}")
+    raise ValueError(
+      f"the zigzag layout cuts the sequence into 2 * num_devices = {2 * P} equal "
+      f"chunks, but x.shape[{axis}] = {L} (x.shape={x.shape}) is not a multiple "
+      f"of {2 * P}"
+    )
   index = np.arange(L).reshape(2 * P, L // (2 * P))[zigzag_order(P)].reshape(-1)
   if inverse:
     index = np.argsort(index)
@@ -168,8 +170,9 @@ def _pair(rc: _RingConfig, ro: _RingOperands, q, k, v, q_index, kv_index, kv_seg
   cfg = plan.cfg
   q_table = _padded_positions(q_index, cfg.T, plan.Tp, rc)
   kv_table = _padded_positions(kv_index, cfg.S, plan.Sp, rc)
-  parts = [None if ro.mask is None
-           else _masks.remap(ro.mask, q_table, kv_table, ro.batch0, ro.head0)]
+  parts = [
+    None if ro.mask is None else _masks.remap(ro.mask, q_table, kv_table, ro.batch0, ro.head0)
+  ]
   if ro.q_seg is not None:
     # Segment ids are per token: the key shard's ids travelled with it, so they are local here.
     parts.append(_masks.segments(ro.q_seg, kv_seg))
@@ -185,12 +188,28 @@ def _pair(rc: _RingConfig, ro: _RingOperands, q, k, v, q_index, kv_index, kv_seg
     # devices once, after the loops, in _ring_backward).
     positions = _sharding.varying_tree(positions, q, k)
     score_args = _sharding.varying_tree(score_args, q, k)
-  return _plan.Operands(q=q, k=k, v=v, mask=mask, states=states, seed=ro.seed,
-                        score_args=score_args, positions=positions)
+  return _plan.Operands(
+    q=q,
+    k=k,
+    v=v,
+    mask=mask,
+    states=states,
+    seed=ro.seed,
+    score_args=score_args,
+    positions=positions,
+  )
 
 
-def tiles_per_device(num_devices: int, layout: str, Ts: int, Ss: int, block_q: int,
-                     block_kv: int, lo: int | None = None, hi: int | None = None):
+def tiles_per_device(
+  num_devices: int,
+  layout: str,
+  Ts: int,
+  Ss: int,
+  block_q: int,
+  block_kv: int,
+  lo: int | None = None,
+  hi: int | None = None,
+):
   """Kernel tiles each device computes over a whole ring pass, from the block maps it runs on.
 
   Returns two (P,) int arrays: the non-EMPTY tiles (the work) and, of those, the FULL ones (no
@@ -277,12 +296,14 @@ def _ring_backward(rc: _RingConfig, q, k, v, ro: _RingOperands, out, lse, dout, 
     return k_next, v_next, seg_next, dk, dv, dq + g.q.astype(sd), dargs
 
   dk0, dv0, dq0 = _sharding.varying_tree(
-      (jnp.zeros(k.shape, sd), jnp.zeros(v.shape, sd), jnp.zeros(q.shape, sd)), q, k, v, dout)
+    (jnp.zeros(k.shape, sd), jnp.zeros(v.shape, sd), jnp.zeros(q.shape, sd)), q, k, v, dout
+  )
   dargs0 = _sharding.varying_tree(jax.tree.map(jnp.zeros_like, ro.score_args), q, k, v, dout)
   if rc.plan.cfg.score_mod is None:
     dargs0 = ()
-  _, _, _, dk, dv, dq, dargs = jax.lax.fori_loop(0, P, body,
-                                                 (k, v, ro.kv_seg, dk0, dv0, dq0, dargs0))
+  _, _, _, dk, dv, dq, dargs = jax.lax.fori_loop(
+    0, P, body, (k, v, ro.kv_seg, dk0, dv0, dq0, dargs0)
+  )
   dargs = jax.tree.map(total, dargs)
   dsink = None
   if ro.sink is not None:
@@ -290,9 +311,16 @@ def _ring_backward(rc: _RingConfig, q, k, v, ro: _RingOperands, out, lse, dout, 
     delta = _softmax.output_delta(dout, out) - dlse.astype(sd)
     dsink = total(_softmax.sink_gradient(ro.sink, lse, delta))
   zeros = lambda tree: jax.tree.map(_plan.zero_cotangent, tree)
-  dro = _RingOperands(mask=zeros(ro.mask), q_seg=zeros(ro.q_seg), kv_seg=zeros(ro.kv_seg),
-                      seed=zeros(ro.seed), score_args=dargs, sink=dsink,
-                      batch0=zeros(ro.batch0), head0=zeros(ro.head0))
+  dro = _RingOperands(
+    mask=zeros(ro.mask),
+    q_seg=zeros(ro.q_seg),
+    kv_seg=zeros(ro.kv_seg),
+    seed=zeros(ro.seed),
+    score_args=dargs,
+    sink=dsink,
+    batch0=zeros(ro.batch0),
+    head0=zeros(ro.head0),
+  )
   return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dro
 
 
@@ -339,16 +367,18 @@ class _RingOptions:
 # (`jattn._registry.Backend.ring`).
 _RING_KERNELS = ("chunked", "dense")
 _REFUSAL = (
-    "ring_attention cannot run {name} per shard pair: which part of the mask a pair sees "
-    "depends on the ring step (a run-time device index), {why}, and the backward must recompute "
-    "each pair from the log-sum-exp merged over all pairs")
+  "ring_attention cannot run {name} per shard pair: which part of the mask a pair sees "
+  "depends on the ring step (a run-time device index), {why}, and the backward must recompute "
+  "each pair from the log-sum-exp merged over all pairs"
+)
 
 
 def _ring_kernel(implementation) -> str:
   """The per-shard kernel for ``implementation`` (None, a name or a sequence tried in order):
   "chunked" (None too) or "dense"; the others are skipped with their reason."""
-  names = (_validation.implementation_names(_validation.implementation(implementation))
-           or ("chunked",))
+  names = _validation.implementation_names(_validation.implementation(implementation)) or (
+    "chunked",
+  )
   reasons = []
   for name in names:
     if name in _RING_KERNELS:
@@ -359,32 +389,32 @@ def _ring_kernel(implementation) -> str:
 
 
 def ring_attention(
-    query: ArrayLike,
-    key: ArrayLike,
-    value: ArrayLike,
-    bias: ArrayLike | None = None,
-    mask: _masks.Mask | None = None,
-    *,
-    axis_name,
-    scale: float | None = None,
-    is_causal: IsCausal = False,
-    query_seq_lengths: ArrayLike | None = None,
-    key_value_seq_lengths: ArrayLike | None = None,
-    local_window_size: LocalWindowSize | None = None,
-    q_segment_ids: ArrayLike | None = None,
-    kv_segment_ids: ArrayLike | None = None,
-    logits_soft_cap: float | None = None,
-    dropout_rate: float = 0.0,
-    dropout_rng: ArrayLike | None = None,
-    dropout_broadcast: bool = False,
-    layout: Layout = "contiguous",
-    block_q: int | None = None,
-    block_kv: int | None = None,
-    return_residual: bool = False,
-    score_mod: Callable | None = None,
-    sinks: ArrayLike | None = None,
-    implementation: Implementation | Sequence[Implementation] | None = None,
-    _index_offsets=None,
+  query: ArrayLike,
+  key: ArrayLike,
+  value: ArrayLike,
+  bias: ArrayLike | None = None,
+  mask: _masks.Mask | None = None,
+  *,
+  axis_name,
+  scale: float | None = None,
+  is_causal: IsCausal = False,
+  query_seq_lengths: ArrayLike | None = None,
+  key_value_seq_lengths: ArrayLike | None = None,
+  local_window_size: LocalWindowSize | None = None,
+  q_segment_ids: ArrayLike | None = None,
+  kv_segment_ids: ArrayLike | None = None,
+  logits_soft_cap: float | None = None,
+  dropout_rate: float = 0.0,
+  dropout_rng: ArrayLike | None = None,
+  dropout_broadcast: bool = False,
+  layout: Layout = "contiguous",
+  block_q: int | None = None,
+  block_kv: int | None = None,
+  return_residual: bool = False,
+  score_mod: Callable | None = None,
+  sinks: ArrayLike | None = None,
+  implementation: Implementation | Sequence[Implementation] | None = None,
+  _index_offsets=None,
 ):
   r"""Ring (context-parallel) attention; call it inside `jax.shard_map`.
 
@@ -450,93 +480,133 @@ def ring_attention(
   """
   if bias is not None:
     raise NotImplementedError(
-        "ring_attention does not support bias: an additive (T, S) array spans every pair of "
-        "shards and would have to be all-gathered. Express position-dependent terms with "
-        "score_mod (it sees global indices).")
+      "ring_attention does not support bias: an additive (T, S) array spans every pair of "
+      "shards and would have to be all-gathered. Express position-dependent terms with "
+      "score_mod (it sees global indices)."
+    )
   if mask is not None and not isinstance(mask, _masks.Mask) and not hasattr(mask, "shape"):
     raise TypeError(f"mask must be a jattn.masks object, got {_validation.describe(mask)}")
   if mask is not None and not (isinstance(mask, _masks.Mask) and _masks.is_position_based(mask)):
     raise NotImplementedError(
-        "ring_attention supports mask objects that are functions of positions (jattn.masks: "
-        "causal, local_window, chunked_local, prefix_lm, from_function, lengths and their "
-        "combinations); a boolean mask array (or masks.from_array) spans the whole (T, S) and "
-        f"would have to be all-gathered. Got {type(mask).__name__}.")
+      "ring_attention supports mask objects that are functions of positions (jattn.masks: "
+      "causal, local_window, chunked_local, prefix_lm, from_function, lengths and their "
+      "combinations); a boolean mask array (or masks.from_array) spans the whole (T, S) and "
+      f"would have to be all-gathered. Got {type(mask).__name__}."
+    )
   _validation.one_of("layout", layout, LAYOUTS)
   _validation.hashable("axis_name", axis_name, "a hashable mesh axis name")
   try:
     num_devices = jax.lax.axis_size(axis_name)
   except NameError as e:
     raise ValueError(
-        f"ring_attention: axis_name={axis_name!r} is not a bound mesh axis; call it inside "
-        f"jax.shard_map over a mesh with that axis (or use ring_attention_sharded)") from e
+      f"ring_attention: axis_name={axis_name!r} is not a bound mesh axis; call it inside "
+      f"jax.shard_map over a mesh with that axis (or use ring_attention_sharded)"
+    ) from e
   kernel = _ring_kernel(implementation)
   call, _ = _call.options(
-      scale=_validation.scale(scale), is_causal=is_causal, local_window_size=local_window_size,
-      logits_soft_cap=logits_soft_cap, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
-      dropout_broadcast=dropout_broadcast, implementation=kernel, block_q=block_q,
-      block_kv=block_kv, schedule=None, step_width=None, return_residual=return_residual,
-      score_mod=score_mod, tuned=False)
-  opts = _RingOptions(call=call, axis_name=axis_name, num_devices=int(num_devices),
-                      layout=layout, kernel=kernel)
+    scale=_validation.scale(scale),
+    is_causal=is_causal,
+    local_window_size=local_window_size,
+    logits_soft_cap=logits_soft_cap,
+    dropout_rate=dropout_rate,
+    dropout_rng=dropout_rng,
+    dropout_broadcast=dropout_broadcast,
+    implementation=kernel,
+    block_q=block_q,
+    block_kv=block_kv,
+    schedule=None,
+    step_width=None,
+    return_residual=return_residual,
+    score_mod=score_mod,
+    tuned=False,
+  )
+  opts = _RingOptions(
+    call=call, axis_name=axis_name, num_devices=int(num_devices), layout=layout, kernel=kernel
+  )
   if opts.call.dropout_rate == 0.0:
     dropout_rng = None
   batch0, head0 = (0, 0) if _index_offsets is None else _index_offsets
-  return _ring_attention(query, key, value, mask, query_seq_lengths, key_value_seq_lengths,
-                         q_segment_ids, kv_segment_ids, dropout_rng, sinks,
-                         jnp.asarray(batch0, jnp.int32), jnp.asarray(head0, jnp.int32),
-                         opts=opts)
+  return _ring_attention(
+    query,
+    key,
+    value,
+    mask,
+    query_seq_lengths,
+    key_value_seq_lengths,
+    q_segment_ids,
+    kv_segment_ids,
+    dropout_rng,
+    sinks,
+    jnp.asarray(batch0, jnp.int32),
+    jnp.asarray(head0, jnp.int32),
+    opts=opts,
+  )
 
 
 @functools.partial(jax.jit, static_argnames=("opts",))
-def _ring_attention(query, key, value, mask, q_lengths, kv_lengths, q_seg, kv_seg, dropout_rng,
-                    sinks, batch0, head0, *, opts: _RingOptions):
+def _ring_attention(
+  query,
+  key,
+  value,
+  mask,
+  q_lengths,
+  kv_lengths,
+  q_seg,
+  kv_seg,
+  dropout_rng,
+  sinks,
+  batch0,
+  head0,
+  *,
+  opts: _RingOptions,
+):
   # This device's shards bound as a call of their own (its mask, over the shard, is not used:
   # the ring's mask is over the whole sequence, and the key segment ids travel round the ring).
-  call = _call.bind(query, key, value, None, None, q_lengths, kv_lengths, q_seg, kv_seg,
-                    dropout_rng, sinks, None, opts.call)
+  call = _call.bind(
+    query,
+    key,
+    value,
+    None,
+    None,
+    q_lengths,
+    kv_lengths,
+    q_seg,
+    kv_seg,
+    dropout_rng,
+    sinks,
+    None,
+    opts.call,
+  )
   args, st = call.given, call.static
+  assert args is not None  # bound from arrays
   query, key, value = call.query, call.key, call.value
-  B, Ts, N, H, Ss, K, G = st.B, st.T, st.N, st.H, st.S, st.K, st.G
+  B, Ts, N, Ss = st.B, st.T, st.N, st.S
   P = opts.num_devices
   zigzag = opts.layout == "zigzag"
   if zigzag and (Ts % 2 or Ss % 2):
     raise ValueError(
-        f"layout='zigzag' holds two equal chunks per device, so the shard lengths must be even; "
-        f"got query shard Ts={Ts} and key shard Ss={Ss} (query.shape={query.shape}, "
-        f"key.shape={key.shape})")
+      f"layout='zigzag' holds two equal chunks per device, so the shard lengths must be even; "
+      f"got query shard Ts={Ts} and key shard Ss={Ss} (query.shape={query.shape}, "
+      f"key.shape={key.shape})"
+    )
   T, S = Ts * P, Ss * P
   # Masks see the whole problem: global lengths, this device's batch elements and heads.
   global_shape = (B, N, T, S)
   if mask is not None:
     mask.validate(global_shape)
-  global_mask = _masks.from_arguments(global_shape, mask, opts.call.causal, opts.call.window,
-                                 q_lengths=args.q_lengths, kv_lengths=args.kv_lengths)
+  global_mask = _masks.from_arguments(
+    global_shape,
+    mask,
+    opts.call.causal,
+    opts.call.window,
+    q_lengths=args.q_lengths,
+    kv_lengths=args.kv_lengths,
+  )
 
-  if opts.kernel == "dense":
-    # The whole pair in one tile (no block may straddle two zigzag chunks).
-    bq, bk = (Ts // 2, Ss // 2) if zigzag else (Ts, Ss)
-  else:
-    bq, bk = _plan.block_sizes(Ts, Ss, opts.call.block_q, opts.call.block_kv,
-                               cap_q=Ts // 2 if zigzag else None,
-                               cap_kv=Ss // 2 if zigzag else None)
-  sd = st.stat_dtype
-  score_mod, score_args = None, ()
-  if opts.call.score_mod is not None:
-    # Replayed with its arrays passed in varying (see _sharding.VaryingReplay).
-    score_mod, score_args = _plan.closure_convert_score_mod(opts.call.score_mod, (B, N, bq, bk), sd,
-                                                            varying_like=(query, key),
-                                                            replay=True)
-  cfg = Config(B=B, T=Ts, S=Ss, K=K, G=G, H=H, scale=st.scale,
-               logits_soft_cap=opts.call.logits_soft_cap, dropout_rate=opts.call.dropout_rate,
-               score_mod=score_mod, dropout_broadcast=opts.call.dropout_broadcast)
-  plan, _ = _plan.make_plan(cfg, None, bq, bk)
-  # The block map of every pair is computed at run time (it depends on the ring step), so every
-  # tile variant is compiled.
-  rc = _RingConfig(dataclasses.replace(plan, kinds=(_masks.EMPTY, _masks.PARTIAL, _masks.FULL),
-                                       q_ranges=None, kv_ranges=None),
-                   opts.axis_name, P, opts.layout)
-  ro = _RingOperands(global_mask, args.q_seg, args.kv_seg, call.seed, score_args, call.sink,
-                     batch0, head0)
+  rc, score_args = _ring_config(opts, st, query, key)
+  ro = _RingOperands(
+    global_mask, args.q_seg, args.kv_seg, call.seed, score_args, call.sink, batch0, head0
+  )
 
   # Sequence-major as the chunked kernel takes them, padded to whole blocks: (B, Tp, N, H).
   q, k, v, _ = _plan.pad_to_blocks(rc.plan, query, key, value, None)
@@ -547,6 +617,57 @@ def _ring_attention(query, key, value, mask, q_lengths, kv_lengths, q_seg, kv_se
   if not opts.call.return_residual:
     return out
   return out, _softmax.returned_lse(lse, query.dtype)
+
+
+def _ring_config(opts: _RingOptions, st, query, key):
+  """(_RingConfig, score_mod's arrays) for this device's (Ts, Ss) shard pair: the blocks (one
+  tile per zigzag chunk for the dense kernel; no block straddles two chunks) and the plan."""
+  B, Ts, N, H, Ss, K, G = st.B, st.T, st.N, st.H, st.S, st.K, st.G
+  zigzag = opts.layout == "zigzag"
+  if opts.kernel == "dense":
+    # The whole pair in one tile (no block may straddle two zigzag chunks).
+    bq, bk = (Ts // 2, Ss // 2) if zigzag else (Ts, Ss)
+  else:
+    bq, bk = _plan.block_sizes(
+      Ts,
+      Ss,
+      opts.call.block_q,
+      opts.call.block_kv,
+      cap_q=Ts // 2 if zigzag else None,
+      cap_kv=Ss // 2 if zigzag else None,
+    )
+  sd = st.stat_dtype
+  score_mod, score_args = None, ()
+  if opts.call.score_mod is not None:
+    # Replayed with its arrays passed in varying (see _sharding.VaryingReplay).
+    score_mod, score_args = _plan.closure_convert_score_mod(
+      opts.call.score_mod, (B, N, bq, bk), sd, varying_like=(query, key), replay=True
+    )
+  cfg = Config(
+    B=B,
+    T=Ts,
+    S=Ss,
+    K=K,
+    G=G,
+    H=H,
+    scale=st.scale,
+    logits_soft_cap=opts.call.logits_soft_cap,
+    dropout_rate=opts.call.dropout_rate,
+    score_mod=score_mod,
+    dropout_broadcast=opts.call.dropout_broadcast,
+  )
+  plan, _ = _plan.make_plan(cfg, None, bq, bk)
+  # The block map of every pair is computed at run time (it depends on the ring step), so every
+  # tile variant is compiled.
+  rc = _RingConfig(
+    dataclasses.replace(
+      plan, kinds=(_masks.EMPTY, _masks.PARTIAL, _masks.FULL), q_ranges=None, kv_ranges=None
+    ),
+    opts.axis_name,
+    opts.num_devices,
+    opts.layout,
+  )
+  return rc, score_args
 
 
 def merge_attention(outs, lses):
@@ -579,8 +700,10 @@ def merge_attention(outs, lses):
   for name, x in (("outs", outs), ("lses", lses)):
     _validation.float_array(name, x)
   if outs.ndim < 2 or lses.shape != outs.shape[:-1]:
-    raise ValueError(f"lses must have the shape of outs without its last (H) axis: stacked "
-                     f"outs.shape={outs.shape}, lses.shape={lses.shape}")
+    raise ValueError(
+      f"lses must have the shape of outs without its last (H) axis: stacked "
+      f"outs.shape={outs.shape}, lses.shape={lses.shape}"
+    )
   if outs.shape[0] == 0:
     raise ValueError("merge_attention needs at least one partial result, got 0")
   return _merge(outs, lses)
@@ -606,9 +729,21 @@ def _stack(name, xs):
   return jnp.asarray(xs)
 
 
-def ring_attention_sharded(query, key, value, *, mesh, seq_axis, batch_axis=None,
-                           head_axis=None, query_seq_lengths=None, key_value_seq_lengths=None,
-                           q_segment_ids=None, kv_segment_ids=None, **kwargs):
+def ring_attention_sharded(
+  query,
+  key,
+  value,
+  *,
+  mesh,
+  seq_axis,
+  batch_axis=None,
+  head_axis=None,
+  query_seq_lengths=None,
+  key_value_seq_lengths=None,
+  q_segment_ids=None,
+  kv_segment_ids=None,
+  **kwargs,
+):
   """`ring_attention` on global arrays: sets up the `jax.shard_map` over ``mesh``.
 
   Shards query, key and value (B, T, N, H) / (B, S, K, H) as ``P(batch_axis, seq_axis,
@@ -651,42 +786,49 @@ def ring_attention_sharded(query, key, value, *, mesh, seq_axis, batch_axis=None
     raise ValueError(f"seq_axis, batch_axis and head_axis must be distinct mesh axes, got {axes}")
   for name, x in (("query", query), ("key", key), ("value", value)):
     if jnp.ndim(x) != 4:
-      raise ValueError(f"{name} must be a global (B, T|S, N|K, H) array, got shape "
-                       f"{jnp.shape(x)}")
+      raise ValueError(f"{name} must be a global (B, T|S, N|K, H) array, got shape {jnp.shape(x)}")
   B, T, N, _ = jnp.shape(query)
   _, S, K, _ = jnp.shape(key)
   size = lambda ax: 1 if ax is None else mesh.shape[ax]
   chunks = size(seq_axis) * (2 if kwargs.get("layout", "contiguous") == "zigzag" else 1)
-  for what, n, d in (("T (query.shape[1])", T, chunks), ("S (key.shape[1])", S, chunks),
-                     ("B (query.shape[0])", B, size(batch_axis)),
-                     ("N (query.shape[2])", N, size(head_axis)),
-                     ("K (key.shape[2])", K, size(head_axis))):
+  for what, n, d in (
+    ("T (query.shape[1])", T, chunks),
+    ("S (key.shape[1])", S, chunks),
+    ("B (query.shape[0])", B, size(batch_axis)),
+    ("N (query.shape[2])", N, size(head_axis)),
+    ("K (key.shape[2])", K, size(head_axis)),
+  ):
     if n % d:
-      raise ValueError(f"{what} = {n} must be a multiple of {d} to shard over mesh {mesh.shape} "
-                       f"(seq_axis={seq_axis!r}, batch_axis={batch_axis!r}, "
-                       f"head_axis={head_axis!r}, layout={kwargs.get('layout', 'contiguous')!r})")
+      raise ValueError(
+        f"{what} = {n} must be a multiple of {d} to shard over mesh {mesh.shape} "
+        f"(seq_axis={seq_axis!r}, batch_axis={batch_axis!r}, "
+        f"head_axis={head_axis!r}, layout={kwargs.get('layout', 'contiguous')!r})"
+      )
 
   PS = jax.sharding.PartitionSpec
   seq_spec = PS(batch_axis, seq_axis, head_axis, None)
   extras, extra_specs = {}, {}
-  for name, x, spec in (("query_seq_lengths", query_seq_lengths, PS(batch_axis)),
-                        ("key_value_seq_lengths", key_value_seq_lengths, PS(batch_axis)),
-                        ("q_segment_ids", q_segment_ids, PS(batch_axis, seq_axis)),
-                        ("kv_segment_ids", kv_segment_ids, PS(batch_axis, seq_axis)),
-                        ("sinks", kwargs.pop("sinks", None), PS(head_axis))):
+  for name, x, spec in (
+    ("query_seq_lengths", query_seq_lengths, PS(batch_axis)),
+    ("key_value_seq_lengths", key_value_seq_lengths, PS(batch_axis)),
+    ("q_segment_ids", q_segment_ids, PS(batch_axis, seq_axis)),
+    ("kv_segment_ids", kv_segment_ids, PS(batch_axis, seq_axis)),
+    ("sinks", kwargs.pop("sinks", None), PS(head_axis)),
+  ):
     if x is not None:
       extras[name], extra_specs[name] = x, spec
-  out_spec = seq_spec
+  out_spec: Any = seq_spec  # the output's spec, or (output's, lse's)
   if kwargs.get("return_residual", False):
     out_spec = (seq_spec, PS(batch_axis, seq_axis, head_axis))
 
   def body(q, k, v, extra):
     # Batch and head indices seen by score_mod, mask functions and the dropout hash are global:
     # this device's first batch element and head.
-    offsets = tuple(0 if ax is None else jax.lax.axis_index(ax) * n
-                    for ax, n in ((batch_axis, q.shape[0]), (head_axis, q.shape[2])))
-    return ring_attention(q, k, v, axis_name=seq_axis, _index_offsets=offsets, **extra,
-                          **kwargs)
+    offsets = tuple(
+      0 if ax is None else jax.lax.axis_index(ax) * n
+      for ax, n in ((batch_axis, q.shape[0]), (head_axis, q.shape[2]))
+    )
+    return ring_attention(q, k, v, axis_name=seq_axis, _index_offsets=offsets, **extra, **kwargs)
 
   in_specs = (seq_spec, seq_spec, seq_spec, extra_specs)
   args = (query, key, value, extras)
@@ -695,8 +837,18 @@ def ring_attention_sharded(query, key, value, *, mesh, seq_axis, batch_axis=None
     # Explicit mesh axes make the sharding part of the array type: shard_map wants inputs
     # already laid out as in_specs say.
     put = lambda x, spec: jax.reshard(x, jax.sharding.NamedSharding(mesh, spec))
-    args = (put(query, seq_spec), put(key, seq_spec), put(value, seq_spec),
-            {name: put(x, extra_specs[name]) for name, x in extras.items()})
-  fn = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_spec,
-                     axis_names=frozenset(used), check_vma=False)
+    args = (
+      put(query, seq_spec),
+      put(key, seq_spec),
+      put(value, seq_spec),
+      {name: put(x, extra_specs[name]) for name, x in extras.items()},
+    )
+  fn = jax.shard_map(
+    body,
+    mesh=mesh,
+    in_specs=in_specs,
+    out_specs=out_spec,
+    axis_names=frozenset(used),
+    check_vma=False,
+  )
   return fn(*args)

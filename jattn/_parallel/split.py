@@ -34,9 +34,11 @@ def chunked(call):
   s = call.static
   layout = s.layout
   if layout.q_shards is not None:
-    out, lse = sequence_sharded(call, *layout.q_shards, split_query=True)
+    axes, count = layout.q_shards
+    out, lse = sequence_sharded(call, axes, count, split_query=True)
   elif layout.kv_shards is not None:
-    out, lse = sequence_sharded(call, *layout.kv_shards, split_query=False)
+    axes, count = layout.kv_shards
+    out, lse = sequence_sharded(call, axes, count, split_query=False)
   else:
     cfg, score_args = s.config((s.B, s.N) + s.block_sizes())
     if layout.spec is not None:
@@ -44,8 +46,17 @@ def chunked(call):
     if layout.spec is None and _partition.applies(call.mask, score_args):
       operands = (call.query, call.key, call.value, call.bias, call.mask, call.seed, call.sink)
       out, lse = _partition.attention(
-          _partition.Problem(s.B, s.T, s.S, s.N, s.K, functools.partial(part, s),
-                             None if call.bias is None else call.bias.shape), operands)
+        _partition.Problem(
+          s.B,
+          s.T,
+          s.S,
+          s.N,
+          s.K,
+          functools.partial(part, s),
+          None if call.bias is None else call.bias.shape,
+        ),
+        operands,
+      )
     else:
       out, lse = _chunked.attend(call, cfg, score_args)
   if layout.spec is not None and _sharding.spec_of(out) != layout.spec:
@@ -61,9 +72,16 @@ def part(static, q, k, v, bias, mask, seed, sink, cut, saved=None):
   Sl, Kl = k.shape[1], k.shape[2]
   local = dataclasses.replace(static, B=Bl, T=Tl, S=Sl, N=Nl, K=Kl)
   cfg, score_args = local.config((Bl, Nl) + local.block_sizes())
-  place = _call.Place() if cut is None else _call.Place(
+  place = (
+    _call.Place()
+    if cut is None
+    else _call.Place(
       q_offset=cut.row0 if Tl != static.T else None,
-      kv_offset=cut.key0 if Sl != static.S else None, batch0=cut.batch0, head0=cut.head0)
+      kv_offset=cut.key0 if Sl != static.S else None,
+      batch0=cut.batch0,
+      head0=cut.head0,
+    )
+  )
   call = _call.Call(q, k, v, bias, mask, seed, sink, None, local, place)
   return _chunked.attend(call, cfg, score_args, saved=saved)
 
@@ -85,11 +103,15 @@ def sequence_sharded(call, axes, count, split_query: bool):
   split = tuple(_sharding.shard_dim(x, 1, axes) for x in split)
   bias_dim = 3 if split_query else 4  # T or S of (B|1, K|1, G|1, T|1, S|1)
   local_bias = call.bias is not None and call.bias.shape[bias_dim] != 1
-  bias = (_sharding.shard_dim(call.bias, bias_dim, axes) if local_bias
-          else _sharding.replicate_over(call.bias, axes))
+  bias = (
+    _sharding.shard_dim(call.bias, bias_dim, axes)
+    if local_bias
+    else _sharding.replicate_over(call.bias, axes)
+  )
   whole = (call.key, call.value) if split_query else (call.query,)
   whole = _sharding.replicate_over(
-      (whole, call.mask, call.seed, call.sink if split_query else None, score_args), axes)
+    (whole, call.mask, call.seed, call.sink if split_query else None, score_args), axes
+  )
 
   def body(split, bias, whole):
     whole, mask, seed, sink, score_args = whole
@@ -101,10 +123,14 @@ def sequence_sharded(call, axes, count, split_query: bool):
     return (out, lse) if split_query else _softmax.merge_over_devices(out, lse, axes)
 
   rows = P(None, seq) if split_query else P()
-  fn = jax.shard_map(body, mesh=jax.sharding.get_abstract_mesh(),
-                     in_specs=(P(None, seq),
-                               P(*(None,) * bias_dim, seq) if local_bias else P(), P()),
-                     out_specs=(rows, rows), axis_names=frozenset(axes), check_vma=False)
+  fn = jax.shard_map(
+    body,
+    mesh=jax.sharding.get_abstract_mesh(),
+    in_specs=(P(None, seq), P(*(None,) * bias_dim, seq) if local_bias else P(), P()),
+    out_specs=(rows, rows),
+    axis_names=frozenset(axes),
+    check_vma=False,
+  )
   out, lse = fn(split, bias, whole)
   if not split_query and call.given.sinks is not None:
     out, lse = _softmax.add_sink(out, lse, call.given.sinks)

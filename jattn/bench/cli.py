@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import datetime
 import sys
+from typing import Any
 
 from jattn.bench import config as _config
 from jattn.bench import flops as _flops
@@ -44,41 +45,74 @@ unsupported, oom, error: with the reason).
 
 def build_parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(
-      prog="jattn-bench", description=(
-          "Benchmark jattn's dense and chunked attention against jax.nn, flax (and PyTorch's "
-          "SDPA when torch is importable): time, compile time, XLA memory, FLOP rate."),
-      epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("config_pos", nargs="?", metavar="CONFIG",
-                 help="config file, or a name in configs/ (default: default)")
+    prog="jattn-bench",
+    description=(
+      "Benchmark jattn's dense and chunked attention against jax.nn, flax (and PyTorch's "
+      "SDPA when torch is importable): time, compile time, XLA memory, FLOP rate."
+    ),
+    epilog=_EPILOG,
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
+  p.add_argument(
+    "config_pos",
+    nargs="?",
+    metavar="CONFIG",
+    help="config file, or a name in configs/ (default: default)",
+  )
   p.add_argument("--config", help="the same as the positional CONFIG")
   p.add_argument("--quick", action="store_true", help="use configs/quick.toml (a tiny sweep)")
-  p.add_argument("--out", default="results", metavar="DIR",
-                 help="directory for the JSON, CSV and Markdown results (default: results)")
+  p.add_argument(
+    "--out",
+    default="results",
+    metavar="DIR",
+    help="directory for the JSON, CSV and Markdown results (default: results)",
+  )
   p.add_argument("--no-out", action="store_true", help="write no result files")
   p.add_argument("--plot", metavar="DIR", help="also write PNG plots (time and memory vs T) here")
-  p.add_argument("--max-memory", type=float, metavar="GIB",
-                 help="skip cases that would need more memory than this many GiB: dense "
-                      "implementations by their (B, N, T, S) score estimate before compiling, "
-                      "every JAX implementation by its compiled memory (default: the config's "
-                      "max_memory_gib, else 16)")
+  p.add_argument(
+    "--max-memory",
+    type=float,
+    metavar="GIB",
+    help="skip cases that would need more memory than this many GiB: dense "
+    "implementations by their (B, N, T, S) score estimate before compiling, "
+    "every JAX implementation by its compiled memory (default: the config's "
+    "max_memory_gib, else 16)",
+  )
   p.add_argument("--repeats", type=int, metavar="N", help="timed calls per case (overrides)")
   p.add_argument("--warmup", type=int, metavar="N", help="untimed calls first (overrides)")
-  p.add_argument("--impl", action="append", metavar="NAMES",
-                 help="only these implementations, comma-separated, repeatable: names "
-                      "(jattn-dense, jattn-chunked, jattn-serial, jattn-parallel, "
-                      "jattn-splash, jattn-cudnn, jax-nn, jax-nn-cudnn, flax, torch; "
-                      "'jattn-chunked' keeps every block size) or labels "
-                      "('jattn-chunked-256x256')")
-  p.add_argument("--peak-size", type=int, metavar="N",
-                 help="n of the n^3 matmul that measures the FLOP peak (overrides the config)")
-  p.add_argument("--compile-only", action="store_true",
-                 help="compile and report compile time and memory, run nothing")
-  p.add_argument("--platform", choices=("cuda", "tpu"),
-                 help="lower every JAX implementation for this accelerator with jax.export and "
-                      "report its compiled structure (loop steps, ops per step) and memory as "
-                      "compiled here, without running (implies --compile-only)")
-  p.add_argument("--dry-run", action="store_true",
-                 help="list the cases with their FLOPs and dense memory estimates, and stop")
+  p.add_argument(
+    "--impl",
+    action="append",
+    metavar="NAMES",
+    help="only these implementations, comma-separated, repeatable: names "
+    "(jattn-dense, jattn-chunked, jattn-serial, jattn-parallel, "
+    "jattn-splash, jattn-cudnn, jax-nn, jax-nn-cudnn, flax, torch; "
+    "'jattn-chunked' keeps every block size) or labels "
+    "('jattn-chunked-256x256')",
+  )
+  p.add_argument(
+    "--peak-size",
+    type=int,
+    metavar="N",
+    help="n of the n^3 matmul that measures the FLOP peak (overrides the config)",
+  )
+  p.add_argument(
+    "--compile-only",
+    action="store_true",
+    help="compile and report compile time and memory, run nothing",
+  )
+  p.add_argument(
+    "--platform",
+    choices=("cuda", "tpu"),
+    help="lower every JAX implementation for this accelerator with jax.export and "
+    "report its compiled structure (loop steps, ops per step) and memory as "
+    "compiled here, without running (implies --compile-only)",
+  )
+  p.add_argument(
+    "--dry-run",
+    action="store_true",
+    help="list the cases with their FLOPs and dense memory estimates, and stop",
+  )
   p.add_argument("--quiet", action="store_true", help="no progress display on stderr")
   return p
 
@@ -118,7 +152,7 @@ def _select(cfg: _config.Config, args) -> tuple[list[_config.Case], list[str]]:
       keep.append(impl)
     if not keep:
       continue
-    changes = {"impls": tuple(keep)}
+    changes: dict[str, Any] = {"impls": tuple(keep)}  # keyword overrides of dataclasses.replace
     if args.repeats is not None:
       changes["repeats"] = args.repeats
     if args.warmup is not None:
@@ -140,7 +174,7 @@ def _groups(cases, compares) -> list[list[tuple[int, _config.Case]]]:
   between cases; without a compare every case is its own group.
   """
   fields = {c.field for c in compares} - {"impl"}
-  groups = {}
+  groups: dict[tuple, list[tuple[int, _config.Case]]] = {}
   for i, case in enumerate(cases):
     key = tuple(v for f, v in case.fields().items() if f not in fields)
     groups.setdefault(key, []).append((i, case))
@@ -164,13 +198,16 @@ def main(argv: list[str] | None = None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
   if argv[:1] == ["tune"]:
     from jattn.bench import tune as _tune
+
     return _tune.main(argv[1:])
   if argv[:1] == ["decode"]:
     from jattn.bench import decode_bench
+
     return decode_bench.main(argv[1:])
   if argv[:1] == ["sharding"]:
     # Needs several host devices, set up before JAX starts: its own runner.
     from jattn.bench import sharding_bench
+
     return sharding_bench.main(argv[1:])
   args = build_parser().parse_args(argv)
   if args.config and args.config_pos:
@@ -195,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     if _is_ring_config(path):
       # Ring attention needs several (host) devices, set up before JAX starts: its own runner.
       from jattn.bench import ring_bench
+
       return ring_bench.main([str(path)])
     cfg = _config.load(path)
   except _config.ConfigError as e:
@@ -209,9 +247,11 @@ def main(argv: list[str] | None = None) -> int:
 
   if args.dry_run:
     for i, c in enumerate(cases):
-      print(f"[{i + 1}/{len(cases)}] {c.name}: {c.flops / 1e9:.4g} GFLOP, dense estimate "
-            f"{c.dense_memory_estimate / 2 ** 30:.3g} GiB, "
-            f"{', '.join(x.label for x in c.impls)}")
+      print(
+        f"[{i + 1}/{len(cases)}] {c.name}: {c.flops / 1e9:.4g} GFLOP, dense estimate "
+        f"{c.dense_memory_estimate / 2**30:.3g} GiB, "
+        f"{', '.join(x.label for x in c.impls)}"
+      )
     for n in notes:
       print(f"note: {n}")
     return 0
@@ -232,19 +272,30 @@ def _run(cfg, cases, notes, args, argv, max_memory_gib) -> int:
     peak_start[d] = _runner.measure_matmul_peak(d, peak_n)
 
   threads = machine["cpu_affinity"] or machine["cpu_count"] or 1
-  peer = _torch_peer.TorchPeer(threads) if any(
-      i.name == "torch" for c in cases for i in c.impls) else None
+  peer = (
+    _torch_peer.TorchPeer(threads)
+    if any(i.name == "torch" for c in cases for i in c.impls)
+    else None
+  )
   ctx = _runner.Context(
-      max_memory_bytes=int(max_memory_gib * 2 ** 30), baseline=cfg.baseline, seed=cfg.seed,
-      backend=machine["backend"], peak_flops={d: p["flops_per_s"] for d, p in peak_start.items()},
-      compile_only=args.compile_only or args.platform is not None, platform=args.platform,
-      torch_peer=peer, progress=progress.detail)
+    max_memory_bytes=int(max_memory_gib * 2**30),
+    baseline=cfg.baseline,
+    seed=cfg.seed,
+    backend=machine["backend"],
+    peak_flops={d: p["flops_per_s"] for d, p in peak_start.items()},
+    compile_only=args.compile_only or args.platform is not None,
+    platform=args.platform,
+    torch_peer=peer,
+    progress=progress.detail,
+  )
 
   impl_labels = list(dict.fromkeys(i.label for c in cases for i in c.impls))
   peaks = ", ".join(f"{d} {p['flops_per_s'] / 1e9:.1f}" for d, p in peak_start.items())
-  print(f"jattn-bench: config {cfg.name!r} ({len(cases)} cases; {', '.join(impl_labels)}) on "
-        f"{machine['backend']} ({', '.join(sorted(set(machine['devices'])))}, "
-        f"{machine['cpu_affinity']} cores); matmul peak GFLOP/s: {peaks}")
+  print(
+    f"jattn-bench: config {cfg.name!r} ({len(cases)} cases; {', '.join(impl_labels)}) on "
+    f"{machine['backend']} ({', '.join(sorted(set(machine['devices'])))}, "
+    f"{machine['cpu_affinity']} cores); matmul peak GFLOP/s: {peaks}"
+  )
   for n in notes:
     print(f"note: {n}")
   sys.stdout.flush()
@@ -277,9 +328,11 @@ def _run(cfg, cases, notes, args, argv, max_memory_gib) -> int:
       peak_end[d] = _runner.measure_matmul_peak(d, peak_n)
       drift = peak_end[d]["flops_per_s"] / peak_start[d]["flops_per_s"]
       if abs(drift - 1) > 0.15:
-        notes.append(f"the {d} matmul peak moved {100 * (drift - 1):+.0f}% between the start and "
-                     f"the end of the run: the machine's load changed; compare within one run "
-                     f"and treat differences under ~15% as noise")
+        notes.append(
+          f"the {d} matmul peak moved {100 * (drift - 1):+.0f}% between the start and "
+          f"the end of the run: the machine's load changed; compare within one run "
+          f"and treat differences under ~15% as noise"
+        )
         print(f"note: {notes[-1]}")
   machine["load_average_end"] = _report._loadavg()
 
@@ -288,25 +341,29 @@ def _run(cfg, cases, notes, args, argv, max_memory_gib) -> int:
   if comps:
     print("\ncomparisons (median time ratios):\n" + _report.format_comparisons(comps))
   result = {
-      "schema_version": 1,
-      "tool": "jattn-bench",
-      "argv": argv,
-      "config": {"name": cfg.name, "path": cfg.path, "description": cfg.description,
-                 "raw": cfg.raw},
-      "machine": machine,
-      "max_memory_gib": max_memory_gib,
-      "baseline": cfg.baseline,
-      "peak": {d: {"n": peak_n, "flops_per_s": peak_start[d]["flops_per_s"],
-                   "times_s": peak_start[d]["times_s"],
-                   "flops_per_s_end": peak_end[d]["flops_per_s"] if d in peak_end else None}
-               for d in dtypes},
-      "flop_convention": _flops.__doc__.strip(),
-      "notes": notes,
-      "interrupted": interrupted,
-      "compile_only": args.compile_only or args.platform is not None,
-      "platform": args.platform,
-      "rows": rows,
-      "comparisons": comps,
+    "schema_version": 1,
+    "tool": "jattn-bench",
+    "argv": argv,
+    "config": {"name": cfg.name, "path": cfg.path, "description": cfg.description, "raw": cfg.raw},
+    "machine": machine,
+    "max_memory_gib": max_memory_gib,
+    "baseline": cfg.baseline,
+    "peak": {
+      d: {
+        "n": peak_n,
+        "flops_per_s": peak_start[d]["flops_per_s"],
+        "times_s": peak_start[d]["times_s"],
+        "flops_per_s_end": peak_end[d]["flops_per_s"] if d in peak_end else None,
+      }
+      for d in dtypes
+    },
+    "flop_convention": _flops.__doc__.strip(),
+    "notes": notes,
+    "interrupted": interrupted,
+    "compile_only": args.compile_only or args.platform is not None,
+    "platform": args.platform,
+    "rows": rows,
+    "comparisons": comps,
   }
   stem = f"{cfg.name}-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}"
   if not args.no_out:
@@ -314,6 +371,7 @@ def _run(cfg, cases, notes, args, argv, max_memory_gib) -> int:
     print("\nresults: " + ", ".join(str(p) for p in paths.values()))
   if args.plot:
     from jattn.bench import plots as _plots
+
     written = _plots.write_plots(rows, args.plot, stem)
     print(f"plots: {len(written)} PNG in {args.plot}")
   return 130 if interrupted else 0

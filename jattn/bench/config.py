@@ -45,18 +45,51 @@ else:  # pragma: no cover - exercised on Python 3.10 only
   except ImportError:
     _toml = None
 
-IMPLEMENTATIONS = ("jattn-dense", "jattn-chunked", "jattn-serial", "jattn-parallel",
-                   "jattn-splash", "jattn-cudnn", "jax-nn", "jax-nn-cudnn", "flax", "torch")
+IMPLEMENTATIONS = (
+  "jattn-dense",
+  "jattn-chunked",
+  "jattn-serial",
+  "jattn-parallel",
+  "jattn-splash",
+  "jattn-cudnn",
+  "jax-nn",
+  "jax-nn-cudnn",
+  "flax",
+  "torch",
+)
 # jattn's chunked kernels, one row per block size: the platform's default schedule, or one named.
 CHUNKED_IMPLEMENTATIONS = ("jattn-chunked", "jattn-serial", "jattn-parallel")
 DTYPES = ("float32", "bfloat16", "float16")
 # Implementations whose memory is a dense (B, N, T, S) score matrix: guarded before compiling.
 DENSE_IMPLEMENTATIONS = frozenset({"jattn-dense", "jax-nn", "flax", "torch"})
 
-_RUN_KEYS = {"name", "description", "repeats", "warmup", "max_memory_gib", "peak_matmul_size",
-             "seed", "baseline", "compare", "sweep"}
-_SWEEP_KEYS = {"implementations", "block_sizes", "passes", "batch", "heads", "kv_heads",
-               "head_dim", "T", "S", "dtypes", "masks", "repeats", "warmup"}
+_RUN_KEYS = {
+  "name",
+  "description",
+  "repeats",
+  "warmup",
+  "max_memory_gib",
+  "peak_matmul_size",
+  "seed",
+  "baseline",
+  "compare",
+  "sweep",
+}
+_SWEEP_KEYS = {
+  "implementations",
+  "block_sizes",
+  "passes",
+  "batch",
+  "heads",
+  "kv_heads",
+  "head_dim",
+  "T",
+  "S",
+  "dtypes",
+  "masks",
+  "repeats",
+  "warmup",
+}
 
 
 class ConfigError(ValueError):
@@ -106,8 +139,10 @@ class Case:
 
   @property
   def name(self) -> str:
-    return (f"{self.pass_} {self.dtype} {self.mask.name} B={self.B} N={self.N} K={self.K} "
-            f"H={self.H} T={self.T} S={self.S}")
+    return (
+      f"{self.pass_} {self.dtype} {self.mask.name} B={self.B} N={self.N} K={self.K} "
+      f"H={self.H} T={self.T} S={self.S}"
+    )
 
   @property
   def flops(self) -> float:
@@ -119,8 +154,17 @@ class Case:
 
   def fields(self) -> dict[str, Any]:
     """The case's identity as flat JSON fields."""
-    return {"pass": self.pass_, "dtype": self.dtype, "mask": self.mask.name, "B": self.B,
-            "N": self.N, "K": self.K, "H": self.H, "T": self.T, "S": self.S}
+    return {
+      "pass": self.pass_,
+      "dtype": self.dtype,
+      "mask": self.mask.name,
+      "B": self.B,
+      "N": self.N,
+      "K": self.K,
+      "H": self.H,
+      "T": self.T,
+      "S": self.S,
+    }
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -161,6 +205,7 @@ def read_table(path, keys, defaults: dict) -> dict:
   """A subcommand's flat TOML config: ``defaults`` updated by the file, whose keys must be a
   subset of ``keys`` (a ValueError naming the file and the unknown keys otherwise)."""
   import tomllib
+
   with open(path, "rb") as f:
     cfg = tomllib.load(f)
   unknown = set(cfg) - set(keys)
@@ -205,8 +250,9 @@ def parse(raw: dict[str, Any], *, name: str = "config", path: str = "") -> Confi
   where = f"config {path or name!r}"
   unknown = set(raw) - _RUN_KEYS - _SWEEP_KEYS
   if unknown:
-    raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)}; known: "
-                      f"{sorted(_RUN_KEYS | _SWEEP_KEYS)}")
+    raise ConfigError(
+      f"{where}: unknown key(s) {sorted(unknown)}; known: {sorted(_RUN_KEYS | _SWEEP_KEYS)}"
+    )
   top = {k: v for k, v in raw.items() if k in _SWEEP_KEYS}
   sweeps = raw.get("sweep", [{}])
   if not isinstance(sweeps, list) or not sweeps:
@@ -217,8 +263,9 @@ def parse(raw: dict[str, Any], *, name: str = "config", path: str = "") -> Confi
       raise ConfigError(f"{where}: sweep {i} must be a table, got {sweep!r}")
     bad = set(sweep) - _SWEEP_KEYS
     if bad:
-      raise ConfigError(f"{where}: sweep {i}: unknown key(s) {sorted(bad)}; known: "
-                        f"{sorted(_SWEEP_KEYS)}")
+      raise ConfigError(
+        f"{where}: sweep {i}: unknown key(s) {sorted(bad)}; known: {sorted(_SWEEP_KEYS)}"
+      )
     cases.extend(_expand({**top, **sweep}, f"{where}, sweep {i}"))
   if not cases:
     raise ConfigError(f"{where}: the sweeps describe no case")
@@ -226,34 +273,41 @@ def parse(raw: dict[str, Any], *, name: str = "config", path: str = "") -> Confi
   if baseline not in IMPLEMENTATIONS:
     raise ConfigError(f"{where}: baseline must be one of {IMPLEMENTATIONS}, got {baseline!r}")
   return Config(
-      name=_str(raw.get("name", name), "name", where),
-      description=_str(raw.get("description", ""), "description", where),
-      path=path,
-      max_memory_gib=_positive(raw.get("max_memory_gib", 16.0), "max_memory_gib", where),
-      peak_matmul_size=_int(raw.get("peak_matmul_size", 2048), "peak_matmul_size", where, 1),
-      seed=_int(raw.get("seed", 0), "seed", where, 0),
-      baseline=baseline,
-      compare=tuple(_compare(c, where) for c in raw.get("compare", [])),
-      cases=tuple(cases),
-      raw=raw,
+    name=_str(raw.get("name", name), "name", where),
+    description=_str(raw.get("description", ""), "description", where),
+    path=path,
+    max_memory_gib=_positive(raw.get("max_memory_gib", 16.0), "max_memory_gib", where),
+    peak_matmul_size=_int(raw.get("peak_matmul_size", 2048), "peak_matmul_size", where, 1),
+    seed=_int(raw.get("seed", 0), "seed", where, 0),
+    baseline=baseline,
+    compare=tuple(_compare(c, where) for c in raw.get("compare", [])),
+    cases=tuple(cases),
+    raw=raw,
   )
 
 
 def _expand(s: dict[str, Any], where: str) -> list[Case]:
   if "T" not in s:
     raise ConfigError(f"{where}: 'T' (the list of query lengths) is required")
-  impl_names = _list(s.get("implementations", ["jattn-dense", "jattn-chunked", "jax-nn", "flax"]),
-                     "implementations", where)
+  impl_names = _list(
+    s.get("implementations", ["jattn-dense", "jattn-chunked", "jax-nn", "flax"]),
+    "implementations",
+    where,
+  )
   for n in impl_names:
     if n not in IMPLEMENTATIONS:
       raise ConfigError(f"{where}: implementations: unknown {n!r}; known: {IMPLEMENTATIONS}")
   blocks = _list(s.get("block_sizes", [[512, 512]]), "block_sizes", where)
   for b in blocks:
-    if (not isinstance(b, list) or len(b) != 2
-        or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in b)):
-      raise ConfigError(f"{where}: block_sizes entries must be [block_q, block_kv] of positive "
-                        f"ints, got {b!r}")
-  impls = []
+    if (
+      not isinstance(b, list)
+      or len(b) != 2
+      or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in b)
+    ):
+      raise ConfigError(
+        f"{where}: block_sizes entries must be [block_q, block_kv] of positive ints, got {b!r}"
+      )
+  impls: list[Impl] = []
   for n in dict.fromkeys(impl_names):
     if n in CHUNKED_IMPLEMENTATIONS:
       impls.extend(Impl(n, bq, bk) for bq, bk in dict.fromkeys(tuple(b) for b in blocks))
@@ -273,28 +327,47 @@ def _expand(s: dict[str, Any], where: str) -> list[Case]:
       mask_specs.append(_masks.parse(m))
     except ValueError as e:
       raise ConfigError(f"{where}: masks: {e}") from None
-  ints = {}
+  ints: dict[str, list[int]] = {}
   for key, default in (("batch", [1]), ("heads", [8]), ("head_dim", [64]), ("T", None)):
     ints[key] = [_int(v, key, where, 1) for v in _list(s.get(key, default), key, where)]
   kv_heads = s.get("kv_heads")
-  ints["kv_heads"] = (None if kv_heads is None else
-                      [_int(v, "kv_heads", where, 1) for v in _list(kv_heads, "kv_heads", where)])
+  kv_heads_list: list[int] | None = (
+    None
+    if kv_heads is None
+    else [_int(v, "kv_heads", where, 1) for v in _list(kv_heads, "kv_heads", where)]
+  )
   s_list = s.get("S")
-  ints["S"] = (None if s_list is None
-               else [_int(v, "S", where, 1) for v in _list(s_list, "S", where)])
+  s_lengths: list[int] | None = (
+    None if s_list is None else [_int(v, "S", where, 1) for v in _list(s_list, "S", where)]
+  )
   repeats = _int(s.get("repeats", 5), "repeats", where, 1)
   warmup = _int(s.get("warmup", 1), "warmup", where, 0)
 
   cases = []
-  for pass_, dtype, spec, B, N, H in itertools.product(passes, dtypes, mask_specs, ints["batch"],
-                                                       ints["heads"], ints["head_dim"]):
-    for K in (ints["kv_heads"] or [N]):
+  for pass_, dtype, spec, B, N, H in itertools.product(
+    passes, dtypes, mask_specs, ints["batch"], ints["heads"], ints["head_dim"]
+  ):
+    for K in kv_heads_list or [N]:
       if N % K:
         raise ConfigError(f"{where}: kv_heads={K} does not divide heads={N}")
       for T in ints["T"]:
-        for S in (ints["S"] or [T]):
-          cases.append(Case(pass_=pass_, dtype=dtype, mask=spec, B=B, N=N, K=K, H=H, T=T, S=S,
-                            impls=tuple(impls), repeats=repeats, warmup=warmup))
+        for S in s_lengths or [T]:
+          cases.append(
+            Case(
+              pass_=pass_,
+              dtype=dtype,
+              mask=spec,
+              B=B,
+              N=N,
+              K=K,
+              H=H,
+              T=T,
+              S=S,
+              impls=tuple(impls),
+              repeats=repeats,
+              warmup=warmup,
+            )
+          )
   return cases
 
 

@@ -37,22 +37,53 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 from jattn.bench.config import configs_dir, read_table
 
 DEFAULT_CONFIG = configs_dir() / "decode.toml"
-KEYS = {"name", "description", "repeats", "warmup", "batch", "heads", "kv_heads", "head_dim",
-        "T", "S", "dtypes", "max_memory_gib", "page_sizes", "page_dtypes", "page_layouts"}
+KEYS = {
+  "name",
+  "description",
+  "repeats",
+  "warmup",
+  "batch",
+  "heads",
+  "kv_heads",
+  "head_dim",
+  "T",
+  "S",
+  "dtypes",
+  "max_memory_gib",
+  "page_sizes",
+  "page_dtypes",
+  "page_layouts",
+}
 PAGE_DTYPES = ("float32", "bfloat16", "int8", "float8_e4m3fn", "float8_e5m2")
 IMPLS = ("jattn", "jattn-chunked", "jattn-dense", "jax.nn", "floor")
 
 
 def load_config(path, overrides=None) -> dict:
-  cfg = read_table(path, KEYS, {
-      "repeats": 5, "warmup": 1, "batch": 4, "heads": 32, "kv_heads": 8, "head_dim": 128,
-      "T": 1, "S": [4096, 16384], "dtypes": ["bfloat16", "float32"], "max_memory_gib": 12.0,
-      "page_sizes": [], "page_dtypes": ["float32", "bfloat16", "int8", "float8_e4m3fn"],
-      "page_layouts": ["NHD", "HND"]})
+  cfg = read_table(
+    path,
+    KEYS,
+    {
+      "repeats": 5,
+      "warmup": 1,
+      "batch": 4,
+      "heads": 32,
+      "kv_heads": 8,
+      "head_dim": 128,
+      "T": 1,
+      "S": [4096, 16384],
+      "dtypes": ["bfloat16", "float32"],
+      "max_memory_gib": 12.0,
+      "page_sizes": [],
+      "page_dtypes": ["float32", "bfloat16", "int8", "float8_e4m3fn"],
+      "page_layouts": ["NHD", "HND"],
+    },
+  )
   cfg.update({k: v for k, v in (overrides or {}).items() if v is not None})
   if isinstance(cfg["S"], int):
     cfg["S"] = [cfg["S"]]
@@ -60,22 +91,27 @@ def load_config(path, overrides=None) -> dict:
     if not isinstance(cfg[name], int) or cfg[name] < 1:
       raise ValueError(f"{path}: {name} must be a positive int, got {cfg[name]!r}")
   if cfg["heads"] % cfg["kv_heads"]:
-    raise ValueError(f"{path}: heads={cfg['heads']} must be a multiple of "
-                     f"kv_heads={cfg['kv_heads']}")
-  bad = [S for S in cfg["S"] if not isinstance(S, int) or S < cfg["T"]]
-  if bad:
-    raise ValueError(f"{path}: every S must be an int >= T={cfg['T']}, got {bad}")
-  bad = set(cfg["dtypes"]) - {"bfloat16", "float16", "float32"}
-  if bad:
-    raise ValueError(f"{path}: dtypes has {sorted(bad)}; allowed: bfloat16, float16, float32")
-  bad = set(cfg["page_dtypes"]) - set(PAGE_DTYPES)
-  if bad:
-    raise ValueError(f"{path}: page_dtypes has {sorted(bad)}; allowed: {', '.join(PAGE_DTYPES)}")
-  bad = [p for p in cfg["page_sizes"] if not isinstance(p, int) or p < 1]
-  if bad:
-    raise ValueError(f"{path}: page_sizes must be positive ints, got {bad}")
-  bad = set(cfg["page_layouts"]) - {"NHD", "HND"}
-  if bad or not cfg["page_layouts"]:
+    raise ValueError(
+      f"{path}: heads={cfg['heads']} must be a multiple of kv_heads={cfg['kv_heads']}"
+    )
+  bad_lengths = [S for S in cfg["S"] if not isinstance(S, int) or S < cfg["T"]]
+  if bad_lengths:
+    raise ValueError(f"{path}: every S must be an int >= T={cfg['T']}, got {bad_lengths}")
+  bad_dtypes = set(cfg["dtypes"]) - {"bfloat16", "float16", "float32"}
+  if bad_dtypes:
+    raise ValueError(
+      f"{path}: dtypes has {sorted(bad_dtypes)}; allowed: bfloat16, float16, float32"
+    )
+  bad_page_dtypes = set(cfg["page_dtypes"]) - set(PAGE_DTYPES)
+  if bad_page_dtypes:
+    raise ValueError(
+      f"{path}: page_dtypes has {sorted(bad_page_dtypes)}; allowed: {', '.join(PAGE_DTYPES)}"
+    )
+  bad_sizes = [p for p in cfg["page_sizes"] if not isinstance(p, int) or p < 1]
+  if bad_sizes:
+    raise ValueError(f"{path}: page_sizes must be positive ints, got {bad_sizes}")
+  bad_layouts = set(cfg["page_layouts"]) - {"NHD", "HND"}
+  if bad_layouts or not cfg["page_layouts"]:
     raise ValueError(f"{path}: page_layouts must be some of NHD, HND, got {cfg['page_layouts']}")
   return cfg
 
@@ -83,20 +119,22 @@ def load_config(path, overrides=None) -> dict:
 def _functions():
   import jax
   import jax.numpy as jnp
+
   import jattn
 
   # The cache's fill level as a run-time length per example, as a decoding loop under jit has
   # it (jattn's Flax modules pass the same as a run-time causal offset): the key blocks to read
   # are known only when the step runs. jax.nn takes the same argument.
   return {
-      "jattn": lambda q, k, v, n: jattn.dot_product_attention(q, k, v, key_value_seq_lengths=n),
-      "jattn-chunked": lambda q, k, v, n: jattn.dot_product_attention(
-          q, k, v, key_value_seq_lengths=n, implementation="chunked"),
-      "jattn-dense": lambda q, k, v, n: jattn.dot_product_attention(
-          q, k, v, key_value_seq_lengths=n, implementation="dense"),
-      "jax.nn": lambda q, k, v, n: jax.nn.dot_product_attention(q, k, v,
-                                                                key_value_seq_lengths=n),
-      "floor": lambda q, k, v, n: (k.astype(jnp.float32).sum(), v.astype(jnp.float32).sum()),
+    "jattn": lambda q, k, v, n: jattn.dot_product_attention(q, k, v, key_value_seq_lengths=n),
+    "jattn-chunked": lambda q, k, v, n: jattn.dot_product_attention(
+      q, k, v, key_value_seq_lengths=n, implementation="chunked"
+    ),
+    "jattn-dense": lambda q, k, v, n: jattn.dot_product_attention(
+      q, k, v, key_value_seq_lengths=n, implementation="dense"
+    ),
+    "jax.nn": lambda q, k, v, n: jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=n),
+    "floor": lambda q, k, v, n: (k.astype(jnp.float32).sum(), v.astype(jnp.float32).sum()),
   }
 
 
@@ -116,11 +154,16 @@ def run(cfg: dict, log=print) -> list[dict]:
       cache_bytes = 2 * B * S * K * H * dt.itemsize
       # Inputs, and the whole-cache copies dense and jax.nn make (float32 on a CPU).
       need = cache_bytes + 2 * B * S * K * H * 4
-      base = dict(dtype=dtype, B=B, N=N, K=K, H=H, T=T, S=S, cache_mib=cache_bytes / 2 ** 20)
-      if need > cfg["max_memory_gib"] * 2 ** 30:
-        rows.append(dict(base, status="skipped",
-                         reason=f"needs ~{need / 2 ** 30:.1f} GiB > {cfg['max_memory_gib']}"))
-        log(f"{dtype} S={S}: skipped (~{need / 2 ** 30:.1f} GiB)")
+      base = dict(dtype=dtype, B=B, N=N, K=K, H=H, T=T, S=S, cache_mib=cache_bytes / 2**20)
+      if need > cfg["max_memory_gib"] * 2**30:
+        rows.append(
+          dict(
+            base,
+            status="skipped",
+            reason=f"needs ~{need / 2**30:.1f} GiB > {cfg['max_memory_gib']}",
+          )
+        )
+        log(f"{dtype} S={S}: skipped (~{need / 2**30:.1f} GiB)")
         continue
       keys = jax.random.split(jax.random.key(S), 3)
       q = jax.random.normal(keys[0], (B, T, N, H), dt)
@@ -134,7 +177,7 @@ def run(cfg: dict, log=print) -> list[dict]:
         compile_s[name] = time.perf_counter() - start
         for _ in range(cfg["warmup"]):
           jax.block_until_ready(f(*args))
-      times = {name: [] for name in fns}
+      times: dict[str, list[float]] = {name: [] for name in fns}
       for _ in range(cfg["repeats"]):
         for name, f in fns.items():
           settle()
@@ -143,11 +186,18 @@ def run(cfg: dict, log=print) -> list[dict]:
           times[name].append(time.perf_counter() - start)
       ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
       want = np.asarray(outs["jattn-dense"], np.float32)
-      row = dict(base, status="ok", ms=ms, first_call_s=compile_s,
-                 vs_floor={n: ms[n] / ms["floor"] for n in ms if n != "floor"},
-                 jattn_speedup_vs_jax_nn=ms["jax.nn"] / ms["jattn"],
-                 max_abs_diff={n: float(np.abs(np.asarray(outs[n], np.float32) - want).max())
-                               for n in ("jattn", "jattn-chunked", "jax.nn")})
+      row = dict(
+        base,
+        status="ok",
+        ms=ms,
+        first_call_s=compile_s,
+        vs_floor={n: ms[n] / ms["floor"] for n in ms if n != "floor"},
+        jattn_speedup_vs_jax_nn=ms["jax.nn"] / ms["jattn"],
+        max_abs_diff={
+          n: float(np.abs(np.asarray(outs[n], np.float32) - want).max())
+          for n in ("jattn", "jattn-chunked", "jax.nn")
+        },
+      )
       rows.append(row)
       log(f"{dtype} S={S}: " + ", ".join(f"{n} {t:.1f} ms" for n, t in ms.items()))
   return rows
@@ -185,6 +235,7 @@ def _floor_max(x):
   """Read every byte of ``x`` once, as unsigned integers of its width."""
   import jax
   import jax.numpy as jnp
+
   width = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[jnp.dtype(x.dtype).itemsize]
   return jax.lax.bitcast_convert_type(x, width).max()
 
@@ -192,6 +243,7 @@ def _floor_max(x):
 def _floor_sum(x):
   """Read every element of ``x`` once, summed in float32."""
   import jax.numpy as jnp
+
   return x.astype(jnp.float32).sum()
 
 
@@ -208,45 +260,77 @@ def run_paged(cfg: dict, log=print) -> list[dict]:
   # implementation=None, and on an accelerator also the XLA walk beside the kernel it picks (on
   # a CPU None is the walk; the Pallas kernels' interpret mode is a test, not a figure).
   impls = [None] + (["chunked"] if jax.default_backend() in ("gpu", "tpu") else [])
-  paged = {(layout, impl): jax.jit(functools.partial(_paged_call, layout=layout, impl=impl))
-           for layout in ("NHD", "HND") for impl in impls}
+  paged = {
+    (layout, impl): jax.jit(functools.partial(_paged_call, layout=layout, impl=impl))
+    for layout in ("NHD", "HND")
+    for impl in impls
+  }
   # The same pool head-major: pages (P, K, page_size, H), token scales (P, K, page_size).
   hnd = jax.jit(lambda *xs: [None if x is None else jnp.swapaxes(x, 1, 2) for x in xs])
-  contiguous = jax.jit(lambda q, k, v, n: jattn.dot_product_attention(
-      q, k, v, key_value_seq_lengths=n, is_causal="bottom_right", implementation="chunked"))
+  contiguous = jax.jit(
+    lambda q, k, v, n: jattn.dot_product_attention(
+      q, k, v, key_value_seq_lengths=n, is_causal="bottom_right", implementation="chunked"
+    )
+  )
   floor_max = jax.jit(lambda k, v: (_floor_max(k), _floor_max(v)))
   floor_sum = jax.jit(lambda k, v: (_floor_sum(k), _floor_sum(v)))
-  rows = []
+  rows: list[dict[str, Any]] = []
   for S in cfg["S"]:
     for page_size in cfg["page_sizes"]:
       for dtype in cfg["page_dtypes"]:
-        base = dict(kind="paged", page_dtype=dtype, page_size=page_size, B=B, N=N, K=K, H=H,
-                    T=T, S=S, layout=None)
+        base = dict(
+          kind="paged",
+          page_dtype=dtype,
+          page_size=page_size,
+          B=B,
+          N=N,
+          K=K,
+          H=H,
+          T=T,
+          S=S,
+          layout=None,
+        )
         need = 4 * B * S * K * H * 4  # float32 pools while quantising, and the contiguous copy
-        if need > cfg["max_memory_gib"] * 2 ** 30:
-          rows.extend(dict(base, layout=layout, status="skipped",
-                           reason=f"needs ~{need / 2 ** 30:.1f} GiB > {cfg['max_memory_gib']}")
-                      for layout in cfg["page_layouts"])
+        if need > cfg["max_memory_gib"] * 2**30:
+          rows.extend(
+            dict(
+              base,
+              layout=layout,
+              status="skipped",
+              reason=f"needs ~{need / 2**30:.1f} GiB > {cfg['max_memory_gib']}",
+            )
+            for layout in cfg["page_layouts"]
+          )
           continue
-        (kp, vp), (ks, vs), table, (kc, vc) = _pool(jax.random.key(S), B, S, K, H, page_size,
-                                                    dtype)
+        (kp, vp), (ks, vs), table, (kc, vc) = _pool(jax.random.key(S), B, S, K, H, page_size, dtype)
         qdt = jnp.bfloat16 if dtype == "bfloat16" else jnp.float32
         q = jax.random.normal(jax.random.key(1), (B, T, N, H), jnp.float32).astype(qdt)
         lens = jnp.full((B,), S, jnp.int32)
         pools = {"NHD": (kp, vp, ks, vs)}
         if "HND" in cfg["page_layouts"]:
           pools["HND"] = tuple(hnd(kp, vp, ks, vs))
-        calls = {key: functools.partial(paged[key], q, p[0], p[1], table, lens, p[2], p[3])
-                 for key in paged for layout, p in pools.items()
-                 if key[0] == layout and layout in cfg["page_layouts"]}
-        ran = {key: _ran(paged[key], q, pools[key[0]][0], pools[key[0]][1], table, lens,
-                         *pools[key[0]][2:]) for key in calls}
-        calls.update({"floor-sum": lambda: floor_sum(kp, vp), "floor-max": lambda: floor_max(kp, vp)})
+        paged_calls = {
+          key: functools.partial(paged[key], q, p[0], p[1], table, lens, p[2], p[3])
+          for key in paged
+          for layout, p in pools.items()
+          if key[0] == layout and layout in cfg["page_layouts"]
+        }
+        ran = {
+          key: _ran(
+            paged[key], q, pools[key[0]][0], pools[key[0]][1], table, lens, *pools[key[0]][2:]
+          )
+          for key in paged_calls
+        }
+        # Keyed by (layout, implementation) of a paged call, or by the name of a floor.
+        calls: dict[tuple[str, str | None] | str, Callable[[], Any]] = dict(paged_calls.items())
+        calls.update(
+          {"floor-sum": lambda: floor_sum(kp, vp), "floor-max": lambda: floor_max(kp, vp)}
+        )
         outs = {key: jax.block_until_ready(calls[key]()) for key in ran}
         for _ in range(cfg["warmup"] + 1):
           for f in calls.values():
             jax.block_until_ready(f())
-        times = {name: [] for name in calls}
+        times: dict[tuple[str, str | None] | str, list[float]] = {name: [] for name in calls}
         for _ in range(cfg["repeats"]):
           for name, f in calls.items():
             settle()
@@ -258,17 +342,28 @@ def run_paged(cfg: dict, log=print) -> list[dict]:
         want = np.asarray(contiguous(q.astype(jnp.float32), kc, vc, lens))
         for (layout, impl), out in outs.items():
           t = ms[layout, impl]
-          rows.append(dict(base, layout=layout, status="ok", implementation=ran[layout, impl],
-                           requested=impl,
-                           ms=dict(paged=t, floor=floor, **{
-                               k: ms[k] for k in ("floor-sum", "floor-max")}),
-                           vs_floor=t / floor,
-                           pool_mib=2 * kp.size * jnp.dtype(kp.dtype).itemsize / 2 ** 20,
-                           max_abs_diff=float(np.abs(np.asarray(out, np.float32) - want).max())))
-          log(f"paged {layout} {dtype} page {page_size} S={S} ({ran[layout, impl]}): "
-              f"{t:.1f} ms, floor {floor:.1f} ms")
-  f32 = {(r["S"], r["page_size"], r["layout"], r["requested"]): r["ms"]["paged"] for r in rows
-         if r["status"] == "ok" and r["page_dtype"] == "float32"}
+          rows.append(
+            dict(
+              base,
+              layout=layout,
+              status="ok",
+              implementation=ran[layout, impl],
+              requested=impl,
+              ms=dict(paged=t, floor=floor, **{k: ms[k] for k in ("floor-sum", "floor-max")}),
+              vs_floor=t / floor,
+              pool_mib=2 * kp.size * jnp.dtype(kp.dtype).itemsize / 2**20,
+              max_abs_diff=float(np.abs(np.asarray(out, np.float32) - want).max()),
+            )
+          )
+          log(
+            f"paged {layout} {dtype} page {page_size} S={S} ({ran[layout, impl]}): "
+            f"{t:.1f} ms, floor {floor:.1f} ms"
+          )
+  f32 = {
+    (r["S"], r["page_size"], r["layout"], r["requested"]): r["ms"]["paged"]
+    for r in rows
+    if r["status"] == "ok" and r["page_dtype"] == "float32"
+  }
   for r in rows:
     if r["status"] == "ok":
       key = (r["S"], r["page_size"], r["layout"], r["requested"])
@@ -278,8 +373,10 @@ def run_paged(cfg: dict, log=print) -> list[dict]:
 
 def _paged_call(q, kp, vp, table, lens, ks, vs, *, layout, impl):
   import jattn
-  return jattn.paged_attention(q, kp, vp, table, lens, k_scale=ks, v_scale=vs,
-                               kv_layout=layout, implementation=impl)
+
+  return jattn.paged_attention(
+    q, kp, vp, table, lens, k_scale=ks, v_scale=vs, kv_layout=layout, implementation=impl
+  )
 
 
 def _ran(jitted, *args) -> str:
@@ -293,69 +390,99 @@ def _ran(jitted, *args) -> str:
 
 
 def paged_table(rows: list[dict]) -> str:
-  head = ("| paged pool | layout | kernel | page size | S | pool MiB | paged ms | floor ms | "
-          "paged / floor | / float32 pool | max abs diff |")
+  head = (
+    "| paged pool | layout | kernel | page size | S | pool MiB | paged ms | floor ms | "
+    "paged / floor | / float32 pool | max abs diff |"
+  )
   lines = [head, "|---" * (head.count("|") - 1) + "|"]
   for r in rows:
     if r["status"] != "ok":
-      lines.append(f"| {r['page_dtype']} | {r['layout']} | | {r['page_size']} | {r['S']} | "
-                   f"{r['reason']} | | | | | |")
+      lines.append(
+        f"| {r['page_dtype']} | {r['layout']} | | {r['page_size']} | {r['S']} | "
+        f"{r['reason']} | | | | | |"
+      )
       continue
     rel = "-" if r["vs_float32"] is None else f"{r['vs_float32']:.2f}x"
-    lines.append(f"| {r['page_dtype']} | {r['layout']} | {r['implementation']} | "
-                 f"{r['page_size']} | {r['S']} | "
-                 f"{r['pool_mib']:.0f} | "
-                 f"{r['ms']['paged']:.1f} | {r['ms']['floor']:.1f} | {r['vs_floor']:.2f}x | "
-                 f"{rel} | {r['max_abs_diff']:.1e} |")
+    lines.append(
+      f"| {r['page_dtype']} | {r['layout']} | {r['implementation']} | "
+      f"{r['page_size']} | {r['S']} | "
+      f"{r['pool_mib']:.0f} | "
+      f"{r['ms']['paged']:.1f} | {r['ms']['floor']:.1f} | {r['vs_floor']:.2f}x | "
+      f"{rel} | {r['max_abs_diff']:.1e} |"
+    )
   return "\n".join(lines)
 
 
 def table(rows: list[dict]) -> str:
-  head = ("| dtype | S | cache MiB | jattn ms | chunked ms | dense ms | jax.nn ms | floor ms | "
-          "jattn / floor | jattn speed-up vs jax.nn | max abs diff |")
+  head = (
+    "| dtype | S | cache MiB | jattn ms | chunked ms | dense ms | jax.nn ms | floor ms | "
+    "jattn / floor | jattn speed-up vs jax.nn | max abs diff |"
+  )
   lines = [head, "|---" * (head.count("|") - 1) + "|"]
   for r in rows:
     if r["status"] != "ok":
-      lines.append(f"| {r['dtype']} | {r['S']} | {r['cache_mib']:.0f} | {r['reason']} "
-                   "| | | | | | | |")
+      lines.append(
+        f"| {r['dtype']} | {r['S']} | {r['cache_mib']:.0f} | {r['reason']} | | | | | | | |"
+      )
       continue
     ms = r["ms"]
     lines.append(
-        f"| {r['dtype']} | {r['S']} | {r['cache_mib']:.0f} | {ms['jattn']:.1f} | "
-        f"{ms['jattn-chunked']:.1f} | {ms['jattn-dense']:.1f} | {ms['jax.nn']:.1f} | "
-        f"{ms['floor']:.1f} | {r['vs_floor']['jattn']:.1f}x | "
-        f"{r['jattn_speedup_vs_jax_nn']:.2f} | {max(r['max_abs_diff'].values()):.1e} |")
+      f"| {r['dtype']} | {r['S']} | {r['cache_mib']:.0f} | {ms['jattn']:.1f} | "
+      f"{ms['jattn-chunked']:.1f} | {ms['jattn-dense']:.1f} | {ms['jax.nn']:.1f} | "
+      f"{ms['floor']:.1f} | {r['vs_floor']['jattn']:.1f}x | "
+      f"{r['jattn_speedup_vs_jax_nn']:.2f} | {max(r['max_abs_diff'].values()):.1e} |"
+    )
   return "\n".join(lines)
 
 
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(prog="jattn-bench decode", description=__doc__.split("\n")[0])
-  p.add_argument("config", nargs="?", default=str(DEFAULT_CONFIG),
-                 help="TOML config (default: the shipped configs/decode.toml)")
+  p.add_argument(
+    "config",
+    nargs="?",
+    default=str(DEFAULT_CONFIG),
+    help="TOML config (default: the shipped configs/decode.toml)",
+  )
   p.add_argument("--S", type=int, nargs="+", help="cache lengths (override the config)")
   p.add_argument("--dtypes", nargs="+", help="dtypes (override the config)")
   p.add_argument("--repeats", type=int, help="timed rounds (override the config)")
-  p.add_argument("--page-sizes", type=int, nargs="*",
-                 help="time jattn.paged_attention with these page sizes (override the config)")
-  p.add_argument("--page-dtypes", nargs="+", choices=PAGE_DTYPES,
-                 help="page pool dtypes (override the config)")
-  p.add_argument("--page-layouts", nargs="+", choices=("NHD", "HND"),
-                 help="pool layouts (override the config)")
+  p.add_argument(
+    "--page-sizes",
+    type=int,
+    nargs="*",
+    help="time jattn.paged_attention with these page sizes (override the config)",
+  )
+  p.add_argument(
+    "--page-dtypes", nargs="+", choices=PAGE_DTYPES, help="page pool dtypes (override the config)"
+  )
+  p.add_argument(
+    "--page-layouts", nargs="+", choices=("NHD", "HND"), help="pool layouts (override the config)"
+  )
   p.add_argument("--paged-only", action="store_true", help="only the paged rows")
   p.add_argument("--json", help="also write the rows to this JSON file")
   a = p.parse_args(argv)
   try:
-    cfg = load_config(a.config, dict(S=a.S, dtypes=a.dtypes, repeats=a.repeats,
-                                     page_sizes=a.page_sizes, page_dtypes=a.page_dtypes,
-                                     page_layouts=a.page_layouts))
+    cfg = load_config(
+      a.config,
+      dict(
+        S=a.S,
+        dtypes=a.dtypes,
+        repeats=a.repeats,
+        page_sizes=a.page_sizes,
+        page_dtypes=a.page_dtypes,
+        page_layouts=a.page_layouts,
+      ),
+    )
   except (OSError, ValueError) as e:
     print(f"jattn-bench decode: {e}", file=sys.stderr)
     return 2
   log = lambda s: print(s, file=sys.stderr, flush=True)
   rows = [] if a.paged_only else run(cfg, log)
   paged = run_paged(cfg, log) if cfg["page_sizes"] else []
-  print(f"<!-- jattn-bench decode: B={cfg['batch']} N={cfg['heads']} K={cfg['kv_heads']} "
-        f"H={cfg['head_dim']} T={cfg['T']}, medians of {cfg['repeats']} interleaved rounds -->")
+  print(
+    f"<!-- jattn-bench decode: B={cfg['batch']} N={cfg['heads']} K={cfg['kv_heads']} "
+    f"H={cfg['head_dim']} T={cfg['T']}, medians of {cfg['repeats']} interleaved rounds -->"
+  )
   if rows:
     print(table(rows))
   if paged:

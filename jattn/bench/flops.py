@@ -31,8 +31,9 @@ PASS_FACTOR = {FORWARD: 1.0, FORWARD_BACKWARD: 3.5}
 DENSE_SCORE_COPIES = {FORWARD: 3, FORWARD_BACKWARD: 4}
 
 
-def attention_flops(B: int, N: int, T: int, S: int, H: int, spec: _masks.MaskSpec,
-                    pass_: str, Hv: int | None = None) -> float:
+def attention_flops(
+  B: int, N: int, T: int, S: int, H: int, spec: _masks.MaskSpec, pass_: str, Hv: int | None = None
+) -> float:
   """FLOPs of one call: query (B, T, N, H), key (B, S, K, H), value (B, S, K, Hv), mask ``spec``.
 
   K (the key/value heads) does not enter: GQA shares keys, not arithmetic.

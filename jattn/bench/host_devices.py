@@ -18,8 +18,10 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 # of sys.path (as a script's directory would be): it finds the same jattn as this process, also in
 # a bare checkout. Run as a file instead, jattn/bench/ would head sys.path and its module names
 # (config, masks, report, ...) would shadow top-level modules.
-_CHILD = ("import sys; sys.path[0] = {root!r}; from jattn.bench import {module}; "
-          "raise SystemExit({module}.main())")
+_CHILD = (
+  "import sys; sys.path[0] = {root!r}; from jattn.bench import {module}; "
+  "raise SystemExit({module}.main())"
+)
 _ROWS = "ROWS "
 
 
@@ -34,13 +36,18 @@ def run_child(module: str, argv: list[str], devices: int):
   Returns (rows, 0), or (None, the child's exit status or 1) after writing its output to stderr
   when it failed."""
   env = dict(os.environ)
-  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
-                      f" --xla_force_host_platform_device_count={devices}")
+  env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}"
   env["JAX_PLATFORMS"] = "cpu"
-  proc = subprocess.run([sys.executable, "-c", _CHILD.format(root=str(ROOT), module=module),
-                         *argv, "--child"], env=env, capture_output=True, text=True)
-  rows = next((json.loads(line[len(_ROWS):]) for line in proc.stdout.splitlines()
-               if line.startswith(_ROWS)), None)
+  proc = subprocess.run(
+    [sys.executable, "-c", _CHILD.format(root=str(ROOT), module=module), *argv, "--child"],
+    env=env,
+    capture_output=True,
+    text=True,
+  )
+  rows = next(
+    (json.loads(line[len(_ROWS) :]) for line in proc.stdout.splitlines() if line.startswith(_ROWS)),
+    None,
+  )
   if proc.returncode or rows is None:
     sys.stderr.write(proc.stdout[-2000:] + proc.stderr[-4000:])
     return None, proc.returncode or 1
@@ -54,8 +61,7 @@ def main(module: str, argv, cfg: dict, *, child, report, json_path, is_child: bo
   if is_child:
     print_rows(child(cfg))
     return 0
-  rows, status = run_child(module, list(argv if argv is not None else sys.argv[1:]),
-                           cfg["devices"])
+  rows, status = run_child(module, list(argv if argv is not None else sys.argv[1:]), cfg["devices"])
   if rows is None:
     return status
   report(rows)

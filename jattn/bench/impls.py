@@ -12,7 +12,8 @@ int32 segment ids ``q_seg`` (B, T) and ``kv_seg`` (B, S) when the mask has segme
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
+from collections.abc import Callable
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +32,8 @@ class Unsupported(Exception):
 def attention_fn(impl: Impl, case: Case) -> tuple[Callable, str]:
   """(attn(q, k, v, aux) -> out, note) for a JAX implementation; raises Unsupported."""
   if impl.name in ("jattn-dense", "jattn-splash", "jattn-cudnn") or (
-      impl.name in CHUNKED_IMPLEMENTATIONS):
+    impl.name in CHUNKED_IMPLEMENTATIONS
+  ):
     return _jattn(impl, case)
   if impl.name in ("jax-nn", "jax-nn-cudnn"):
     return _jax_nn(impl, case)
@@ -46,29 +48,37 @@ def _jattn(impl, case):
   if impl.name in CHUNKED_IMPLEMENTATIONS:
     # jattn-chunked: schedule=None, the platform's default (serial on CPU, parallel on GPU/TPU).
     schedule = {"jattn-serial": "serial", "jattn-parallel": "parallel"}.get(impl.name)
-    kwargs.update(implementation="chunked", block_q=impl.block_q, block_kv=impl.block_kv,
-                  schedule=schedule)
+    kwargs.update(
+      implementation="chunked", block_q=impl.block_q, block_kv=impl.block_kv, schedule=schedule
+    )
   else:  # jattn-dense, jattn-splash, jattn-cudnn: their own default blocks
-    kwargs.update(implementation=impl.name[len("jattn-"):])
+    kwargs.update(implementation=impl.name[len("jattn-") :])
 
   def attn(q, k, v, aux):
-    return jattn.dot_product_attention(q, k, v, q_segment_ids=aux.get("q_seg"),
-                                       kv_segment_ids=aux.get("kv_seg"), **kwargs)
+    return jattn.dot_product_attention(
+      q, k, v, q_segment_ids=aux.get("q_seg"), kv_segment_ids=aux.get("kv_seg"), **kwargs
+    )
 
   return attn, ""
 
 
 def _jax_nn(impl, case):
   m = case.mask
-  implementation = "cudnn" if impl.name == "jax-nn-cudnn" else "xla"
+  # jax.nn's own implementation names (not jattn's `Implementation`).
+  implementation: Literal["xla", "cudnn"] = "cudnn" if impl.name == "jax-nn-cudnn" else "xla"
   # jax.nn's is_causal and local_window_size are top-left aligned and it has no segment ids.
   native = m.causal in (None, "top_left") and m.segments is None
 
   def attn(q, k, v, aux):
     if native:
-      return jax.nn.dot_product_attention(q, k, v, is_causal=m.causal is not None,
-                                          local_window_size=m.window,
-                                          implementation=implementation)
+      return jax.nn.dot_product_attention(
+        q,
+        k,
+        v,
+        is_causal=m.causal is not None,
+        local_window_size=m.window,
+        implementation=implementation,
+      )
     mask = _masks.mask_array(m, case.T, case.S, aux.get("q_seg"), aux.get("kv_seg"))
     return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=implementation)
 
@@ -142,10 +152,12 @@ def make_inputs(case: Case, seed: int) -> tuple:
   v = normal((case.B, case.S, case.K, case.H))
   aux = {}
   if case.mask.segments is not None:
-    aux["q_seg"] = jnp.asarray(np.broadcast_to(
-        _masks.segment_ids(case.T, case.mask.segments), (case.B, case.T)))
-    aux["kv_seg"] = jnp.asarray(np.broadcast_to(
-        _masks.segment_ids(case.S, case.mask.segments), (case.B, case.S)))
+    aux["q_seg"] = jnp.asarray(
+      np.broadcast_to(_masks.segment_ids(case.T, case.mask.segments), (case.B, case.T))
+    )
+    aux["kv_seg"] = jnp.asarray(
+      np.broadcast_to(_masks.segment_ids(case.S, case.mask.segments), (case.B, case.S))
+    )
   if case.pass_ == _flops.FORWARD:
     return (q, k, v, aux)
   return (q, k, v, normal((case.B, case.T, case.N, case.H)), aux)

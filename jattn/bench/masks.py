@@ -66,8 +66,9 @@ def parse(spec: str) -> MaskSpec:
       elif arg == "bottom_right":
         causal = "bottom_right"
       else:
-        raise ValueError(f"mask spec {spec!r}: causal alignment must be 'top_left' or "
-                         f"'bottom_right', got {arg!r}")
+        raise ValueError(
+          f"mask spec {spec!r}: causal alignment must be 'top_left' or 'bottom_right', got {arg!r}"
+        )
     elif kind == "window":
       if window is not None:
         raise ValueError(f"mask spec {spec!r}: 'window' given twice")
@@ -77,8 +78,10 @@ def parse(spec: str) -> MaskSpec:
         raise ValueError(f"mask spec {spec!r}: 'segments' given twice")
       segments = _parse_int(spec, "segments", arg, minimum=1)
     else:
-      raise ValueError(f"mask spec {spec!r}: unknown part {part!r}; expected full, causal[:"
-                       f"bottom_right], window:W, window:L,R or segments:M")
+      raise ValueError(
+        f"mask spec {spec!r}: unknown part {part!r}; expected full, causal[:"
+        f"bottom_right], window:W, window:L,R or segments:M"
+      )
   return MaskSpec(causal=causal, window=window, segments=segments)
 
 
@@ -98,8 +101,10 @@ def _parse_window(spec, arg):
     w = _parse_int(spec, "window", sides[0], minimum=0)
     return (w, w)
   if len(sides) == 2:
-    return (_parse_int(spec, "window left", sides[0], minimum=0),
-            _parse_int(spec, "window right", sides[1], minimum=0))
+    return (
+      _parse_int(spec, "window left", sides[0], minimum=0),
+      _parse_int(spec, "window right", sides[1], minimum=0),
+    )
   raise ValueError(f"mask spec {spec!r}: window takes W or L,R, got {arg!r}")
 
 

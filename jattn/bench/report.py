@@ -28,28 +28,31 @@ def machine_info() -> dict[str, Any]:
   import numpy as np
 
   info = {
-      "timestamp_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-      "python": sys.version.split()[0],
-      "platform": platform.platform(),
-      "processor": platform.processor() or platform.machine(),
-      "cpu_count": os.cpu_count(),
-      "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-      "cpu_model": _cpu_model(),
-      "memory_gib": _memory_gib(),
-      "jax": jax.__version__,
-      "jaxlib": jaxlib.__version__,
-      "numpy": np.__version__,
-      "backend": jax.default_backend(),
-      "devices": [str(d.device_kind) for d in jax.devices()],
-      "device_count": jax.device_count(),
-      "matmul_precision": str(jax.config.jax_default_matmul_precision),
-      "env": {k: v for k, v in sorted(os.environ.items())
-              if k in _ENV_NAMES or k.startswith(_ENV_PREFIXES)},
-      "load_average_start": _loadavg(),
-      "jattn_git_commit": _git_commit(),
+    "timestamp_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    "python": sys.version.split()[0],
+    "platform": platform.platform(),
+    "processor": platform.processor() or platform.machine(),
+    "cpu_count": os.cpu_count(),
+    "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+    "cpu_model": _cpu_model(),
+    "memory_gib": _memory_gib(),
+    "jax": jax.__version__,
+    "jaxlib": jaxlib.__version__,
+    "numpy": np.__version__,
+    "backend": jax.default_backend(),
+    "devices": [str(d.device_kind) for d in jax.devices()],
+    "device_count": jax.device_count(),
+    # jax.config's options are attributes set at run time, not declared in its type stubs.
+    "matmul_precision": str(jax.config.jax_default_matmul_precision),  # type: ignore[attr-defined]
+    "env": {
+      k: v for k, v in sorted(os.environ.items()) if k in _ENV_NAMES or k.startswith(_ENV_PREFIXES)
+    },
+    "load_average_start": _loadavg(),
+    "jattn_git_commit": _git_commit(),
   }
   try:
     import flax
+
     info["flax"] = flax.__version__
   except ImportError:
     info["flax"] = None
@@ -69,7 +72,7 @@ def _cpu_model():
 
 def _memory_gib():
   try:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1024 ** 3
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1024**3
   except (ValueError, OSError, AttributeError):
     return None
 
@@ -83,8 +86,13 @@ def _loadavg():
 
 def _git_commit():
   try:
-    out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
-                         cwd=Path(__file__).resolve().parent)
+    out = subprocess.run(
+      ["git", "rev-parse", "HEAD"],
+      capture_output=True,
+      text=True,
+      timeout=5,
+      cwd=Path(__file__).resolve().parent,
+    )
   except (OSError, subprocess.SubprocessError):
     return None
   return out.stdout.strip() or None
@@ -132,8 +140,21 @@ class Progress:
 
 # ---------------------------------------------------------------------------------------- table
 
-_COLUMNS = ("impl", "compile_s", "median_s", "min..max_s", "temp_MiB", "GFLOP/s", "%peak",
-            "vs_base", "max|diff|", "steps", "ops/step", "work", "status")
+_COLUMNS = (
+  "impl",
+  "compile_s",
+  "median_s",
+  "min..max_s",
+  "temp_MiB",
+  "GFLOP/s",
+  "%peak",
+  "vs_base",
+  "max|diff|",
+  "steps",
+  "ops/step",
+  "work",
+  "status",
+)
 
 
 def _fmt(x, spec=".3g"):
@@ -143,24 +164,25 @@ def _fmt(x, spec=".3g"):
 def _cells(row: dict) -> list[str]:
   ok = row["status"] == "ok"
   spread = f"{row['time_min_s']:.3g}..{row['time_max_s']:.3g}" if ok else "-"
-  status = row["status"] if row["status"] in ("ok", "compiled") else (
-      f"{row['status']}: {row['reason']}")
+  status = (
+    row["status"] if row["status"] in ("ok", "compiled") else (f"{row['status']}: {row['reason']}")
+  )
   if len(status) > 90:
     status = status[:87] + "..."
   return [
-      row["impl"],
-      _fmt(row["compile_s"]),
-      _fmt(row["time_median_s"]),
-      spread,
-      _fmt(None if row["temp_bytes"] is None else row["temp_bytes"] / 2 ** 20, ".4g"),
-      _fmt(None if row["flops_per_s"] is None else row["flops_per_s"] / 1e9, ".3g"),
-      _fmt(None if row["peak_fraction"] is None else 100 * row["peak_fraction"], ".0f"),
-      "-" if row["speedup_vs_baseline"] is None else f"{row['speedup_vs_baseline']:.2f}x",
-      _fmt(row["max_abs_diff"], ".1e"),
-      _steps(row),
-      _fmt(row["ops_per_step"] if row["loops"] else None, "d"),
-      _fmt(row["work_vs_ideal"], ".2f"),
-      status,
+    row["impl"],
+    _fmt(row["compile_s"]),
+    _fmt(row["time_median_s"]),
+    spread,
+    _fmt(None if row["temp_bytes"] is None else row["temp_bytes"] / 2**20, ".4g"),
+    _fmt(None if row["flops_per_s"] is None else row["flops_per_s"] / 1e9, ".3g"),
+    _fmt(None if row["peak_fraction"] is None else 100 * row["peak_fraction"], ".0f"),
+    "-" if row["speedup_vs_baseline"] is None else f"{row['speedup_vs_baseline']:.2f}x",
+    _fmt(row["max_abs_diff"], ".1e"),
+    _steps(row),
+    _fmt(row["ops_per_step"] if row["loops"] else None, "d"),
+    _fmt(row["work_vs_ideal"], ".2f"),
+    status,
   ]
 
 
@@ -174,8 +196,10 @@ def _steps(row: dict) -> str:
 
 def case_header(row: dict) -> str:
   gflop = row["flops"] / 1e9
-  return (f"{row['pass']} {row['dtype']} {row['mask']}  B={row['B']} N={row['N']} K={row['K']} "
-          f"H={row['H']} T={row['T']} S={row['S']}  ({gflop:.4g} GFLOP per call)")
+  return (
+    f"{row['pass']} {row['dtype']} {row['mask']}  B={row['B']} N={row['N']} K={row['K']} "
+    f"H={row['H']} T={row['T']} S={row['S']}  ({gflop:.4g} GFLOP per call)"
+  )
 
 
 def format_case(rows: list[dict], baseline: str) -> str:
@@ -217,16 +241,24 @@ def comparisons(rows: list[dict], compares) -> list[dict]:
   for cmp in compares:
     a_val, b_val = cmp.values
     others = [f for f in _IDENTITY if f != cmp.field]
-    by_key = {}
+    # identity of the other fields -> {compared value: row}
+    by_key: dict[tuple, dict[Any, dict]] = {}
     for r in rows:
       if r["status"] == "ok" and r[cmp.field] in (a_val, b_val):
         by_key.setdefault(tuple(r[f] for f in others), {})[r[cmp.field]] = r
     for key, pair in by_key.items():
       if a_val in pair and b_val in pair:
-        out.append({"field": cmp.field, "a": a_val, "b": b_val, **dict(zip(others, key)),
-                    "time_a_s": pair[a_val]["time_median_s"],
-                    "time_b_s": pair[b_val]["time_median_s"],
-                    "time_ratio": pair[a_val]["time_median_s"] / pair[b_val]["time_median_s"]})
+        out.append(
+          {
+            "field": cmp.field,
+            "a": a_val,
+            "b": b_val,
+            **dict(zip(others, key)),
+            "time_a_s": pair[a_val]["time_median_s"],
+            "time_b_s": pair[b_val]["time_median_s"],
+            "time_ratio": pair[a_val]["time_median_s"] / pair[b_val]["time_median_s"],
+          }
+        )
   return out
 
 
@@ -234,12 +266,15 @@ def format_comparisons(items: list[dict]) -> str:
   lines = []
   for c in items:
     what = " ".join(f"{f}={c[f]}" for f in _IDENTITY if f in c and f != c["field"])
-    lines.append(f"  {c['field']} {c['a']!s} vs {c['b']!s}: {c['time_ratio']:.3f}x the time "
-                 f"({c['time_a_s']:.3g} s / {c['time_b_s']:.3g} s)  [{what}]")
+    lines.append(
+      f"  {c['field']} {c['a']!s} vs {c['b']!s}: {c['time_ratio']:.3f}x the time "
+      f"({c['time_a_s']:.3g} s / {c['time_b_s']:.3g} s)  [{what}]"
+    )
   return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------------- files
+
 
 def write_results(out_dir: str | os.PathLike, stem: str, result: dict) -> dict[str, Path]:
   """Write ``stem``.json, .csv and .md into ``out_dir``; returns the paths."""
@@ -253,8 +288,12 @@ def write_results(out_dir: str | os.PathLike, stem: str, result: dict) -> dict[s
     writer = csv.DictWriter(f, fieldnames=ROW_FIELDS)
     writer.writeheader()
     for r in result["rows"]:
-      writer.writerow({k: (";".join(f"{t:.6g}" for t in r[k]) if k == "times_s" and r[k]
-                           else r[k]) for k in ROW_FIELDS})
+      writer.writerow(
+        {
+          k: (";".join(f"{t:.6g}" for t in r[k]) if k == "times_s" and r[k] else r[k])
+          for k in ROW_FIELDS
+        }
+      )
   with open(paths["md"], "w") as f:
     f.write(f"<!-- jattn-bench {' '.join(result['argv'])} -->\n")
     f.write(format_markdown(result["rows"], result["baseline"]))

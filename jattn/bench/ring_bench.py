@@ -28,23 +28,51 @@ from jattn.bench import host_devices
 from jattn.bench.config import configs_dir, read_table
 
 DEFAULT_CONFIG = configs_dir() / "ring.toml"
-KEYS = {"name", "description", "devices", "repeats", "warmup", "batch", "heads", "kv_heads",
-        "head_dim", "T", "block", "dtype", "layouts", "masks", "passes"}
+KEYS = {
+  "name",
+  "description",
+  "devices",
+  "repeats",
+  "warmup",
+  "batch",
+  "heads",
+  "kv_heads",
+  "head_dim",
+  "T",
+  "block",
+  "dtype",
+  "layouts",
+  "masks",
+  "passes",
+}
 MASKS = ("full", "causal")
 PASSES = ("forward", "forward+backward")
 
 
 def load_config(path, overrides):
-  cfg = read_table(path, KEYS, {
-      "devices": 4, "repeats": 3, "warmup": 1, "batch": 1, "heads": 8, "head_dim": 64,
-      "T": [2048], "block": 512, "dtype": "float32", "layouts": ["contiguous", "zigzag"],
-      "masks": ["causal"], "passes": list(PASSES)})
+  cfg = read_table(
+    path,
+    KEYS,
+    {
+      "devices": 4,
+      "repeats": 3,
+      "warmup": 1,
+      "batch": 1,
+      "heads": 8,
+      "head_dim": 64,
+      "T": [2048],
+      "block": 512,
+      "dtype": "float32",
+      "layouts": ["contiguous", "zigzag"],
+      "masks": ["causal"],
+      "passes": list(PASSES),
+    },
+  )
   cfg.update({k: v for k, v in overrides.items() if v is not None})
   cfg.setdefault("kv_heads", cfg["heads"])
   if isinstance(cfg["T"], int):
     cfg["T"] = [cfg["T"]]
-  for key, allowed in (("masks", MASKS), ("passes", PASSES),
-                       ("layouts", ("contiguous", "zigzag"))):
+  for key, allowed in (("masks", MASKS), ("passes", PASSES), ("layouts", ("contiguous", "zigzag"))):
     bad = set(cfg[key]) - set(allowed)
     if bad:
       raise ValueError(f"{path}: {key} has {sorted(bad)}; allowed: {allowed}")
@@ -57,6 +85,7 @@ def load_config(path, overrides):
 
 def _median_time(fn, args, repeats, warmup):
   import jax
+
   start = time.perf_counter()
   compiled = jax.jit(fn).lower(*args).compile()
   compile_s = time.perf_counter() - start
@@ -74,6 +103,7 @@ def child(cfg):
   import jax
   import jax.numpy as jnp
   import numpy as np
+
   import jattn
   from jattn._parallel import ring as _ring
 
@@ -94,9 +124,9 @@ def child(cfg):
       kw = dict(is_causal=causal)
       for pss in cfg["passes"]:
         one = lambda q, k, v, do: jattn.dot_product_attention(
-            q, k, v, implementation="chunked", block_q=blk, block_kv=blk, **kw)
-        t_one, c_one = _median_time(_pass(one, pss), (q, k, v, do), cfg["repeats"],
-                                    cfg["warmup"])
+          q, k, v, implementation="chunked", block_q=blk, block_kv=blk, **kw
+        )
+        t_one, c_one = _median_time(_pass(one, pss), (q, k, v, do), cfg["repeats"], cfg["warmup"])
         for layout in cfg["layouts"]:
           # Inputs are laid out once, as a data pipeline would, outside the timed function.
           lay = (lambda x: jattn.zigzag_permute(x, P)) if layout == "zigzag" else (lambda x: x)
@@ -105,23 +135,36 @@ def child(cfg):
           # explicit block to the shard, so pass it the block the tiles below are counted for.
           bq = min(blk, Ts // 2) if layout == "zigzag" else min(blk, Ts)
           ring = lambda q, k, v, do, layout=layout, bq=bq: jattn.ring_attention_sharded(
-              q, k, v, mesh=mesh, seq_axis="seq", layout=layout, block_q=bq, block_kv=bq,
-              **kw)
+            q, k, v, mesh=mesh, seq_axis="seq", layout=layout, block_q=bq, block_kv=bq, **kw
+          )
           t_ring, c_ring = _median_time(_pass(ring, pss), args, cfg["repeats"], cfg["warmup"])
           work, _ = _ring.tiles_per_device(P, layout, Ts, Ts, bq, bq, hi=0 if causal else None)
           itemsize = dtype.itemsize
-          rows.append(dict(
-              case=f"T={T} B={B} N={N} K={K} H={H} {cfg['dtype']} {mask}", layout=layout,
-              passes=pss, devices=P, block=bq, one_s=t_one, ring_s=t_ring, ratio=t_ring / t_one,
-              compile_one_s=c_one, compile_ring_s=c_ring,
-              tiles_max=int(work.max()), tiles_min=int(work.min()),
-              step_bytes=2 * B * Ts * K * H * itemsize, step_flops=4 * B * N * Ts * Ts * H))
+          rows.append(
+            dict(
+              case=f"T={T} B={B} N={N} K={K} H={H} {cfg['dtype']} {mask}",
+              layout=layout,
+              passes=pss,
+              devices=P,
+              block=bq,
+              one_s=t_one,
+              ring_s=t_ring,
+              ratio=t_ring / t_one,
+              compile_one_s=c_one,
+              compile_ring_s=c_ring,
+              tiles_max=int(work.max()),
+              tiles_min=int(work.min()),
+              step_bytes=2 * B * Ts * K * H * itemsize,
+              step_flops=4 * B * N * Ts * Ts * H,
+            )
+          )
   return rows
 
 
 def _pass(fn, pss):
   import jax
   import jax.numpy as jnp
+
   if pss == "forward":
     return lambda q, k, v, do: fn(q, k, v, do)
   loss = lambda q, k, v, do: jnp.sum(fn(q, k, v, do) * do)
@@ -129,16 +172,22 @@ def _pass(fn, pss):
 
 
 def print_table(rows, cfg):
-  print(f"ring_attention on {cfg['devices']} host CPU devices vs chunked attention on one "
-        f"(median of {cfg['repeats']}, seconds; compile apart)")
-  print(f"{'case':44} {'layout':10} {'pass':16} {'one':>7} {'ring':>7} {'ring/one':>8} "
-        f"{'compile one/ring':>16} {'tiles max/min':>13} {'step MB':>7} {'step GFLOP':>10}")
+  print(
+    f"ring_attention on {cfg['devices']} host CPU devices vs chunked attention on one "
+    f"(median of {cfg['repeats']}, seconds; compile apart)"
+  )
+  print(
+    f"{'case':44} {'layout':10} {'pass':16} {'one':>7} {'ring':>7} {'ring/one':>8} "
+    f"{'compile one/ring':>16} {'tiles max/min':>13} {'step MB':>7} {'step GFLOP':>10}"
+  )
   for r in rows:
-    print(f"{r['case']:44} {r['layout']:10} {r['passes']:16} {r['one_s']:7.3f} "
-          f"{r['ring_s']:7.3f} {r['ratio']:8.2f} "
-          f"{r['compile_one_s']:7.2f}/{r['compile_ring_s']:<8.2f} "
-          f"{r['tiles_max']:>6}/{r['tiles_min']:<6} {r['step_bytes'] / 1e6:7.2f} "
-          f"{r['step_flops'] / 1e9:10.3f}")
+    print(
+      f"{r['case']:44} {r['layout']:10} {r['passes']:16} {r['one_s']:7.3f} "
+      f"{r['ring_s']:7.3f} {r['ratio']:8.2f} "
+      f"{r['compile_one_s']:7.2f}/{r['compile_ring_s']:<8.2f} "
+      f"{r['tiles_max']:>6}/{r['tiles_min']:<6} {r['step_bytes'] / 1e6:7.2f} "
+      f"{r['step_flops'] / 1e9:10.3f}"
+    )
 
 
 def main(argv=None):
@@ -156,8 +205,9 @@ def main(argv=None):
     print(f"{cfg.get('name', 'ring')}: {cfg.get('description', '')}")
     print_table(rows, cfg)
 
-  return host_devices.main("ring_bench", argv, cfg, child=child, report=report,
-                           json_path=a.json, is_child=a.child)
+  return host_devices.main(
+    "ring_bench", argv, cfg, child=child, report=report, json_path=a.json, is_child=a.child
+  )
 
 
 if __name__ == "__main__":

@@ -16,7 +16,8 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -28,25 +29,67 @@ from jattn.bench import structure as _structure
 from jattn.bench import torch_peer as _torch_peer
 from jattn.bench.config import Case, Impl
 
-GIB = 1024 ** 3
+GIB = 1024**3
 
 # Every row carries every field (None where it does not apply), in this order (also the CSV's).
 ROW_FIELDS = (
-    "case_index", "pass", "dtype", "mask", "B", "N", "K", "H", "T", "S", "impl", "block_q",
-    "block_kv", "status", "reason", "note", "compile_s", "time_median_s", "time_min_s",
-    "time_max_s", "time_p25_s", "time_p75_s", "spread_pct", "repeats", "warmup", "times_s",
-    "flops", "flops_per_s", "peak_fraction", "temp_bytes", "argument_bytes", "output_bytes",
-    "memory_estimate_bytes", "baseline", "speedup_vs_baseline", "temp_vs_baseline",
-    "max_abs_diff", "diff_reference", "platform", "loop_steps", "loops", "ops_per_step",
-    "program_flops", "work_vs_ideal",
+  "case_index",
+  "pass",
+  "dtype",
+  "mask",
+  "B",
+  "N",
+  "K",
+  "H",
+  "T",
+  "S",
+  "impl",
+  "block_q",
+  "block_kv",
+  "status",
+  "reason",
+  "note",
+  "compile_s",
+  "time_median_s",
+  "time_min_s",
+  "time_max_s",
+  "time_p25_s",
+  "time_p75_s",
+  "spread_pct",
+  "repeats",
+  "warmup",
+  "times_s",
+  "flops",
+  "flops_per_s",
+  "peak_fraction",
+  "temp_bytes",
+  "argument_bytes",
+  "output_bytes",
+  "memory_estimate_bytes",
+  "baseline",
+  "speedup_vs_baseline",
+  "temp_vs_baseline",
+  "max_abs_diff",
+  "diff_reference",
+  "platform",
+  "loop_steps",
+  "loops",
+  "ops_per_step",
+  "program_flops",
+  "work_vs_ideal",
 )
 STATUSES = ("ok", "compiled", "skipped", "unsupported", "oom", "error")
 
 
-def settle(max_wait_s: float = 3.0, interval_s: float = 0.02, busy_s: float = 0.002, *,
-           cpu_time: Callable[[], float] = time.process_time,
-           clock: Callable[[], float] = time.perf_counter,
-           sleep: Callable[[float], None] = time.sleep) -> bool:
+def settle(
+  max_wait_s: float = 3.0,
+  interval_s: float = 0.02,
+  busy_s: float = 0.002,
+  *,
+  cpu_time: Callable[[], float] = time.process_time,
+  clock: Callable[[], float] = time.perf_counter,
+  sleep: Callable[[float], None] = time.sleep,
+) -> bool:
   """Wait until this process has stopped using CPU time; True once idle, False at the deadline.
 
   XLA hands a call's large buffers back to the system after ``block_until_ready`` has returned:
@@ -104,16 +147,24 @@ def measure_matmul_peak(dtype: str, n: int, repeats: int = 5) -> dict[str, Any]:
     jax.block_until_ready(compiled(a, b))
     samples.append(time.perf_counter() - start)
   median = statistics.median(samples)
-  return {"dtype": dtype, "n": n, "flops_per_s": 2.0 * n ** 3 / median, "times_s": samples}
+  return {"dtype": dtype, "n": n, "flops_per_s": 2.0 * n**3 / median, "times_s": samples}
 
 
 def new_row(case: Case, index: int, impl: Impl, baseline: str) -> dict[str, Any]:
   row = dict.fromkeys(ROW_FIELDS)
   row.update(case.fields())
-  row.update(case_index=index, impl=impl.label, repeats=case.repeats, warmup=case.warmup,
-             flops=case.flops, baseline=baseline, note="")
+  row.update(
+    case_index=index,
+    impl=impl.label,
+    repeats=case.repeats,
+    warmup=case.warmup,
+    flops=case.flops,
+    baseline=baseline,
+    note="",
+  )
   if impl.block_q is not None:
     # The kernel clips blocks to the sequence: record what ran.
+    assert impl.block_kv is not None  # config sets a chunked Impl's two block sizes together
     row.update(block_q=min(impl.block_q, case.T), block_kv=min(impl.block_kv, case.S))
   return row
 
@@ -125,8 +176,12 @@ def classify(error: BaseException) -> tuple[str, str]:
     text = text[:500] + " ..."
   if isinstance(error, (NotImplementedError, _impls.Unsupported)):
     return "unsupported", text
-  if (isinstance(error, MemoryError) or getattr(error, "oom", False)
-      or "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()):
+  if (
+    isinstance(error, MemoryError)
+    or getattr(error, "oom", False)
+    or "RESOURCE_EXHAUSTED" in text
+    or "out of memory" in text.lower()
+  ):
     return "oom", text
   return "error", text
 
@@ -136,20 +191,22 @@ def compiled_memory(compiled) -> dict[str, int] | None:
   and output_bytes; None where the backend does not implement it."""
   try:
     stats = compiled.memory_analysis()
-  except Exception:  # noqa: BLE001 - some backends do not implement it; the fields stay None
+  except Exception:
     return None
   if stats is None:
     return None
-  return {"temp_bytes": int(stats.temp_size_in_bytes),
-          "argument_bytes": int(stats.argument_size_in_bytes),
-          "output_bytes": int(stats.output_size_in_bytes)}
+  return {
+    "temp_bytes": int(stats.temp_size_in_bytes),
+    "argument_bytes": int(stats.argument_size_in_bytes),
+    "output_bytes": int(stats.output_size_in_bytes),
+  }
 
 
 class _JaxRunner:
   def __init__(self, impl: Impl, case: Case, args: tuple, row: dict, platform: str | None = None):
     self.impl, self.case, self.args, self.row = impl, case, args, row
     self.platform = platform
-    self.compiled = None
+    self.compiled: jax.stages.Compiled | None = None
 
   def prepare(self):
     attn, note = _impls.attention_fn(self.impl, self.case)
@@ -162,22 +219,30 @@ class _JaxRunner:
       else:
         # The program an accelerator would get, exported from here and compiled for this CPU
         # (jax.export): its loops are the accelerator program's; it is never timed.
-        exp = jax.export.export(jax.jit(fn), platforms=[self.platform], disabled_checks=[
-            jax.export.DisabledSafetyCheck.platform()])(*self.args)
+        exp = jax.export.export(
+          jax.jit(fn),
+          platforms=[self.platform],
+          disabled_checks=[jax.export.DisabledSafetyCheck.platform()],
+        )(*self.args)
         self.compiled = jax.jit(exp.call).lower(*self.args).compile()
     self.row["compile_s"] = time.perf_counter() - start
     memory = compiled_memory(self.compiled)
     if memory is not None:
       self.row.update(memory)
     text = self.compiled.as_text()
+    assert text is not None  # XLA's CPU, GPU and TPU executables all print their HLO
     st = _structure.loop_structure(text)
     # The work the program does (its matmuls, loop trip counts multiplied through) against the
     # case's FLOPs (visible pairs only): what masked or padding tiles cost it.
     program = _structure.matmul_flops(text)
-    self.row.update(platform=self.platform or jax.default_backend(), loop_steps=st.steps,
-                    loops=st.loops, ops_per_step=st.ops_per_step, program_flops=program,
-                    work_vs_ideal=None if not program or not self.row["flops"]
-                    else program / self.row["flops"])
+    self.row.update(
+      platform=self.platform or jax.default_backend(),
+      loop_steps=st.steps,
+      loops=st.loops,
+      ops_per_step=st.ops_per_step,
+      program_flops=program,
+      work_vs_ideal=None if not program or not self.row["flops"] else program / self.row["flops"],
+    )
 
   def measured_bytes(self) -> int | None:
     if self.row["temp_bytes"] is None:
@@ -185,6 +250,7 @@ class _JaxRunner:
     return self.row["temp_bytes"] + self.row["argument_bytes"] + self.row["output_bytes"]
 
   def call(self, keep: bool):
+    assert self.compiled is not None, "call() after prepare() and before close()"
     start = time.perf_counter()
     out = jax.block_until_ready(self.compiled(*self.args))
     elapsed = time.perf_counter() - start
@@ -201,8 +267,9 @@ class _TorchRunner:
   def prepare(self):
     fields = self.case.fields()
     m = self.case.mask
-    fields.update(causal=m.causal, window=None if m.window is None else list(m.window),
-                  segments=m.segments)
+    fields.update(
+      causal=m.causal, window=None if m.window is None else list(m.window), segments=m.segments
+    )
     self.row["note"] = self.peer.setup(fields, self.seed, self.backend)["note"]
 
   def measured_bytes(self):
@@ -217,8 +284,10 @@ class _TorchRunner:
 
 def _max_abs_diff(a, b) -> float:
   leaves_a, leaves_b = jax.tree.leaves(a), jax.tree.leaves(b)
-  diffs = [jnp.max(jnp.abs(x.astype(jnp.float32) - y.astype(jnp.float32)))
-           for x, y in zip(leaves_a, leaves_b, strict=True)]
+  diffs = [
+    jnp.max(jnp.abs(x.astype(jnp.float32) - y.astype(jnp.float32)))
+    for x, y in zip(leaves_a, leaves_b, strict=True)
+  ]
   return float(max(diffs))
 
 
@@ -257,9 +326,10 @@ def run_group(cases: list[Case], indices: list[int], ctx: Context) -> list[list[
       ready.append(e)
 
   # The output check, per case: the first implementation to run is the reference.
-  references = {}
-  empty_rows = {case: bool((_masks.visible_per_query(case.T, case.S, case.mask) == 0).any())
-                for case in cases}
+  references: dict[Case, tuple[str, Any]] = {}  # case -> (label, output) of its reference
+  empty_rows = {
+    case: bool((_masks.visible_per_query(case.T, case.S, case.mask) == 0).any()) for case in cases
+  }
 
   def checked_call(e, timed):
     elapsed, out = e.runner.call(keep=True)
@@ -285,7 +355,7 @@ def run_group(cases: list[Case], indices: list[int], ctx: Context) -> list[list[
       for _ in range(e.case.warmup - 1):
         e.runner.call(keep=False)
       active.append(e)
-    except Exception as error:  # noqa: BLE001 - recorded in the row; the sweep goes on
+    except Exception as error:
       fail(e, error)
 
   rounds = max((e.case.repeats for e in active), default=0)
@@ -303,15 +373,22 @@ def run_group(cases: list[Case], indices: list[int], ctx: Context) -> list[list[
         else:
           e.times.append(e.runner.call(keep=False)[0])
         still.append(e)
-      except Exception as error:  # noqa: BLE001
+      except Exception as error:
         fail(e, error)
     active = still
   for e in active:
     e.row.update(status="ok", **_stats(e.times))
     e.runner.close()
     if empty_rows[e.case]:
-      e.row["note"] = "; ".join(filter(None, [e.row["note"], "no output check: some queries see "
-                                              "no key (implementations differ there by design)"]))
+      e.row["note"] = "; ".join(
+        filter(
+          None,
+          [
+            e.row["note"],
+            "no output check: some queries see no key (implementations differ there by design)",
+          ],
+        )
+      )
     e.row["flops_per_s"] = e.row["flops"] / e.row["time_median_s"]
     peak = ctx.peak_flops.get(e.case.dtype)
     e.row["peak_fraction"] = None if not peak else e.row["flops_per_s"] / peak
@@ -333,25 +410,36 @@ def _prepare(e: _Entry, args: tuple, ctx: Context) -> bool:
   if impl.dense_memory:
     row["memory_estimate_bytes"] = case.dense_memory_estimate
     if case.dense_memory_estimate > ctx.max_memory_bytes:
-      row.update(status="skipped", reason=(
+      row.update(
+        status="skipped",
+        reason=(
           f"dense score estimate {case.dense_memory_estimate / GIB:.2f} GiB > max-memory "
-          f"{ctx.max_memory_bytes / GIB:.2f} GiB"))
+          f"{ctx.max_memory_bytes / GIB:.2f} GiB"
+        ),
+      )
       return False
   if impl.name == "torch":
+    if ctx.torch_peer is None:  # the CLI makes one whenever a case has a torch implementation
+      row["status"], row["reason"] = "error", "no torch peer: the Context has torch_peer=None"
+      return False
     e.runner = _TorchRunner(ctx.torch_peer, case, ctx.seed, ctx.backend, row)
   else:
     e.runner = _JaxRunner(impl, case, args, row, ctx.platform)
   ctx.progress(f"compiling {impl.label}")
   try:
     e.runner.prepare()
-  except Exception as error:  # noqa: BLE001 - recorded in the row; the sweep goes on
+  except Exception as error:
     row["status"], row["reason"] = classify(error)
     return False
   measured = e.runner.measured_bytes()
   if measured is not None and measured > ctx.max_memory_bytes:
-    row.update(status="skipped", reason=(
+    row.update(
+      status="skipped",
+      reason=(
         f"compiled memory {measured / GIB:.2f} GiB > max-memory "
-        f"{ctx.max_memory_bytes / GIB:.2f} GiB"))
+        f"{ctx.max_memory_bytes / GIB:.2f} GiB"
+      ),
+    )
     e.runner.close()
     return False
   if ctx.compile_only:
@@ -364,9 +452,15 @@ def _prepare(e: _Entry, args: tuple, ctx: Context) -> bool:
 def _stats(samples: list[float]) -> dict[str, Any]:
   median = statistics.median(samples)
   p25, p75 = np.percentile(samples, [25, 75])
-  return {"time_median_s": median, "time_min_s": min(samples), "time_max_s": max(samples),
-          "time_p25_s": float(p25), "time_p75_s": float(p75),
-          "spread_pct": 100.0 * (max(samples) - min(samples)) / median, "times_s": samples}
+  return {
+    "time_median_s": median,
+    "time_min_s": min(samples),
+    "time_max_s": max(samples),
+    "time_p25_s": float(p25),
+    "time_p75_s": float(p75),
+    "spread_pct": 100.0 * (max(samples) - min(samples)) / median,
+    "times_s": samples,
+  }
 
 
 def _ratios(rows: list[dict], base: dict | None):

@@ -33,6 +33,7 @@ PASSES = ("forward", "forward+backward")
 def _spec(where):
   """The (query, key/value) PartitionSpecs of a sharding."""
   from jax.sharding import PartitionSpec as P
+
   if where == "keys":
     return P(), P(None, "x")
   spec = {"batch": P("x"), "heads": P(None, None, "x"), "sequence": P(None, "x")}[where]
@@ -53,6 +54,7 @@ def _runs(impl, axis_type, where) -> bool:
 
 def _fn(impl, causal, mesh, spec):
   import jax
+
   import jattn
 
   kw = dict(is_causal=causal)
@@ -77,11 +79,13 @@ def _pass(fn, pss):
   can be read in both passes."""
   import jax
   import jax.numpy as jnp
+
   if pss == "forward":
     return lambda q, k, v: (fn(q, k, v), None)
+
   def loss(q, k, v):
     out = fn(q, k, v)
-    return jnp.sum(out ** 2), out
+    return jnp.sum(out**2), out
 
   grad = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)
   return lambda q, k, v: grad(q, k, v)[::-1]
@@ -107,8 +111,10 @@ def child(cfg):
       spec = _spec(where)
       # The query of a "keys" row is one decoding step's: its first row.
       query = q[:, :1] if where == "keys" else q
-      args = [jax.device_put(x, NamedSharding(mesh, sp))
-              for x, sp in zip((query, k, v), (spec[0], spec[1], spec[1]))]
+      args = [
+        jax.device_put(x, NamedSharding(mesh, sp))
+        for x, sp in zip((query, k, v), (spec[0], spec[1], spec[1]))
+      ]
       for impl in cfg["impls"]:
         if not _runs(impl, axis_type, where):
           continue
@@ -119,20 +125,32 @@ def child(cfg):
             with jax.set_mesh(mesh):
               compiled = fn.lower(*args).compile()
               out = compiled(*args)
-          except Exception as e:  # noqa: BLE001 -- a refusal is a result of the table
+          except Exception as e:
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
             rows.append(row)
             continue
-          colls = structure.collectives(compiled.as_text())
+          hlo = compiled.as_text()
+          assert hlo is not None  # the host CPU backend always prints its executables
+          colls = structure.collectives(hlo)
           mem = compiled.memory_analysis()
           row.update(
-              out_spec=str(tuple(out[0].sharding.spec)),
-              temp_mib=(mem.temp_size_in_bytes / 2 ** 20) if mem is not None else None,
-              collectives=[dict(kind=c.kind, shapes=[list(s) for s in c.shapes], bytes=c.bytes,
-                                runs=c.runs, bytes_per_call=c.bytes_per_call) for c in colls],
-              # A "keys" row reduces its (B, 1, N, H) partial outputs by design: not asked.
-              query_sized=(None if where == "keys"
-                           else bool(structure.query_sized(colls, B, T, N, H))))
+            out_spec=str(tuple(out[0].sharding.spec)),
+            temp_mib=(mem.temp_size_in_bytes / 2**20) if mem is not None else None,
+            collectives=[
+              dict(
+                kind=c.kind,
+                shapes=[list(s) for s in c.shapes],
+                bytes=c.bytes,
+                runs=c.runs,
+                bytes_per_call=c.bytes_per_call,
+              )
+              for c in colls
+            ],
+            # A "keys" row reduces its (B, 1, N, H) partial outputs by design: not asked.
+            query_sized=(
+              None if where == "keys" else bool(structure.query_sized(colls, B, T, N, H))
+            ),
+          )
           rows.append(row)
   return rows
 
@@ -141,23 +159,32 @@ def _summary(colls):
   """Per kind: how many run in one call (loop bodies once per step) and the bytes they move."""
   if not colls:
     return "none"
-  kinds = {}
+  # kind -> (runs, bytes per call); None once one of them is in a loop of run-time length.
+  kinds: dict[str, tuple[int, int] | None] = {}
   for c in colls:
-    n, b = kinds.get(c["kind"], (0, 0))
-    if n is None or c["runs"] is None:
-      kinds[c["kind"]] = (None, None)
+    prev = kinds.get(c["kind"], (0, 0))
+    if prev is None or c["runs"] is None:
+      kinds[c["kind"]] = None
     else:
-      kinds[c["kind"]] = (n + c["runs"], b + c["bytes_per_call"])
-  return ", ".join(f"{k} x{n} ({b / 2 ** 20:.2f} MiB)" if n is not None else f"{k} (in a loop of "
-                   f"run-time length)" for k, (n, b) in sorted(kinds.items()))
+      kinds[c["kind"]] = (prev[0] + c["runs"], prev[1] + c["bytes_per_call"])
+  return ", ".join(
+    f"{k} x{nb[0]} ({nb[1] / 2**20:.2f} MiB)"
+    if nb is not None
+    else f"{k} (in a loop of run-time length)"
+    for k, nb in sorted(kinds.items())
+  )
 
 
 def print_table(rows, cfg):
-  print(f"{cfg['devices']} host CPU devices; B={cfg['batch']} T=S={cfg['T']} N={cfg['heads']} "
-        f"K={cfg['kv_heads']} H={cfg['head_dim']} float32, causal={cfg['causal']}; per device and "
-        f"call, from the compiled program (collectives in loops counted once per step)")
-  print(f"{'mesh':8} {'sharding':9} {'impl':21} {'pass':16} {'out spec':26} {'temp MiB':>8}  "
-        f"{'Q/O-sized':9} collectives")
+  print(
+    f"{cfg['devices']} host CPU devices; B={cfg['batch']} T=S={cfg['T']} N={cfg['heads']} "
+    f"K={cfg['kv_heads']} H={cfg['head_dim']} float32, causal={cfg['causal']}; per device and "
+    f"call, from the compiled program (collectives in loops counted once per step)"
+  )
+  print(
+    f"{'mesh':8} {'sharding':9} {'impl':21} {'pass':16} {'out spec':26} {'temp MiB':>8}  "
+    f"{'Q/O-sized':9} collectives"
+  )
   for r in rows:
     head = f"{r['mesh']:8} {r['sharding']:9} {r['impl']:21} {r['passes']:16}"
     if "error" in r:
@@ -165,8 +192,7 @@ def print_table(rows, cfg):
       continue
     temp = "-" if r["temp_mib"] is None else f"{r['temp_mib']:.1f}"
     moved = {None: "-", True: "YES", False: "no"}[r["query_sized"]]
-    print(f"{head} {r['out_spec']:26} {temp:>8}  {moved:9} "
-          f"{_summary(r['collectives'])}")
+    print(f"{head} {r['out_spec']:26} {temp:>8}  {moved:9} {_summary(r['collectives'])}")
 
 
 def main(argv=None):
@@ -178,23 +204,45 @@ def main(argv=None):
   p.add_argument("--kv-heads", type=int, default=4)
   p.add_argument("--head-dim", type=int, default=64)
   p.add_argument("--no-causal", action="store_true", help="unmasked instead of causal")
-  p.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS), metavar="IMPL",
-                 help=f"implementations to compile (default: all of {', '.join(IMPLS)})")
+  p.add_argument(
+    "--impls",
+    nargs="+",
+    choices=IMPLS,
+    default=list(IMPLS),
+    metavar="IMPL",
+    help=f"implementations to compile (default: all of {', '.join(IMPLS)})",
+  )
   p.add_argument("--json", help="also write the rows to this JSON file")
   p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
   a = p.parse_args(argv)
-  cfg = dict(devices=a.devices, T=a.T, batch=a.batch, heads=a.heads, kv_heads=a.kv_heads,
-             head_dim=a.head_dim, causal=not a.no_causal, impls=a.impls)
+  cfg = dict(
+    devices=a.devices,
+    T=a.T,
+    batch=a.batch,
+    heads=a.heads,
+    kv_heads=a.kv_heads,
+    head_dim=a.head_dim,
+    causal=not a.no_causal,
+    impls=a.impls,
+  )
   for name in ("devices", "T", "batch", "heads", "kv_heads", "head_dim"):
     if cfg[name] < 1:
       p.error(f"--{name.replace('_', '-')} must be >= 1, got {cfg[name]}")
   for name in ("T", "batch", "heads", "kv_heads"):
     if cfg[name] % cfg["devices"]:
-      p.error(f"--{name.replace('_', '-')}={cfg[name]} must be a multiple of "
-              f"--devices={cfg['devices']} (each sharding splits it evenly)")
-  return host_devices.main("sharding_bench", argv, cfg, child=child,
-                           report=lambda rows: print_table(rows, cfg), json_path=a.json,
-                           is_child=a.child)
+      p.error(
+        f"--{name.replace('_', '-')}={cfg[name]} must be a multiple of "
+        f"--devices={cfg['devices']} (each sharding splits it evenly)"
+      )
+  return host_devices.main(
+    "sharding_bench",
+    argv,
+    cfg,
+    child=child,
+    report=lambda rows: print_table(rows, cfg),
+    json_path=a.json,
+    is_child=a.child,
+  )
 
 
 if __name__ == "__main__":

@@ -38,8 +38,16 @@ _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _CALLS = re.compile(r"(?:to_apply|calls)=%?([\w.\-]+)")
 # The last component of a while's op_name metadata when XLA expanded one op into a loop.
 _EXPANDED = re.compile(r'op_name="(?:[^"]*/)?(?:scatter|gather|sort)[\w\-]*"')
-_FREE = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "copy-start",
-         "copy-done", "opt-barrier"}
+_FREE = {
+  "parameter",
+  "constant",
+  "tuple",
+  "get-tuple-element",
+  "bitcast",
+  "copy-start",
+  "copy-done",
+  "opt-barrier",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +96,9 @@ def _runs_computations(line: str):
     if _EXPANDED.search(line):
       return None
     trip = _TRIP.search(line)
-    return op, [_BODY.search(line).group(1)], None if trip is None else int(trip.group(1))
+    body = _BODY.search(line)
+    assert body is not None, line  # HLO prints every while with its body=
+    return op, [body.group(1)], None if trip is None else int(trip.group(1))
   if op == "conditional":
     m = _BRANCHES.search(line)
     return op, [c.strip().lstrip("%") for c in m.group(1).split(",")] if m else [], None
@@ -119,7 +129,7 @@ def loop_structure(hlo: str) -> LoopStructure:
       results = [walk(c) for c in callees]
       if op == "while":
         loops += 1
-        (steps, ops), = results
+        ((steps, ops),) = results
         body_ops = ops if steps else _count_ops(comps.get(callees[0], ()))
         if trip is None or steps is None or total is None:
           total = None
@@ -128,10 +138,11 @@ def loop_structure(hlo: str) -> LoopStructure:
         inner_ops = max(inner_ops, body_ops)
         continue
       # A conditional counts its most expensive branch; a call its callee.
-      if any(r[0] is None for r in results):
+      branch_steps = [r[0] for r in results if r[0] is not None]
+      if len(branch_steps) < len(results):
         total = None
-      elif total is not None and results:
-        total += max(r[0] for r in results)
+      elif total is not None and branch_steps:
+        total += max(branch_steps)
       inner_ops = max([inner_ops] + [r[1] for r in results])
     memo[name] = (total, inner_ops)
     return memo[name]
@@ -139,8 +150,12 @@ def loop_structure(hlo: str) -> LoopStructure:
   steps, ops_per_step = walk(entry)
   # The program's own instructions: the entry and every computation it runs as such (loop
   # bodies, branches, calls), not fusion bodies or reducers (parts of one instruction).
-  return LoopStructure(steps=steps, loops=loops, ops_per_step=ops_per_step,
-                       ops=sum(_count_ops(comps.get(n, ())) for n in memo))
+  return LoopStructure(
+    steps=steps,
+    loops=loops,
+    ops_per_step=ops_per_step,
+    ops=sum(_count_ops(comps.get(n, ())) for n in memo),
+  )
 
 
 def _count_ops(lines) -> int:
@@ -156,18 +171,34 @@ def lowered_for(fn, args, platform: str | None = None):
 
   if platform is None:
     return jax.jit(fn).lower(*args).compile().as_text()
-  exp = export.export(jax.jit(fn), platforms=[platform],
-                      disabled_checks=[export.DisabledSafetyCheck.platform()])(*args)
+  exp = export.export(
+    jax.jit(fn), platforms=[platform], disabled_checks=[export.DisabledSafetyCheck.platform()]
+  )(*args)
   return jax.jit(exp.call).lower(*args).compile().as_text()
 
 
 # One collective of a compiled SPMD program: "%x = f32[2,1024,2,32]{...} all-gather(...)", or a
 # tuple of shapes (several arrays combined into one op, or an async "-start" pair).
-_COLLECTIVE = re.compile(r"=\s*(.+?)\s(all-gather|all-reduce|reduce-scatter|all-to-all|"
-                         r"collective-permute)(-start)?\(")
+_COLLECTIVE = re.compile(
+  r"=\s*(.+?)\s(all-gather|all-reduce|reduce-scatter|all-to-all|"
+  r"collective-permute)(-start)?\("
+)
 _SHAPE = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
-_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
-             "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+_ITEMSIZE = {
+  "pred": 1,
+  "s8": 1,
+  "u8": 1,
+  "s16": 2,
+  "u16": 2,
+  "f16": 2,
+  "bf16": 2,
+  "s32": 4,
+  "u32": 4,
+  "f32": 4,
+  "s64": 8,
+  "u64": 8,
+  "f64": 8,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,13 +279,22 @@ def matmul_flops(hlo: str) -> int | None:
       m = _DOT.search(line)
       if not m or _opcode(line) != "dot":
         continue
-      out = shapes[_DEF.match(line).group(1)]
+      out_def = _DEF.match(line)
+      dims = _LHS_CONTRACTING.search(line)
+      # A dot defines one array and HLO prints its lhs_contracting_dims (even when empty).
+      assert out_def is not None and dims is not None, line
+      out = shapes[out_def.group(1)]
       lhs = shapes[m.group(1)]
-      contracting = [int(x) for x in _LHS_CONTRACTING.search(line).group(1).split(",") if x]
-      if runs[name] is None:
+      contracting = [int(x) for x in dims.group(1).split(",") if x]
+      times = runs[name]
+      if times is None:
         return None
-      total += (2 * int(np.prod(out, dtype=np.int64))
-                * int(np.prod([lhs[a] for a in contracting], dtype=np.int64)) * runs[name])
+      total += (
+        2
+        * int(np.prod(out, dtype=np.int64))
+        * int(np.prod([lhs[a] for a in contracting], dtype=np.int64))
+        * times
+      )
   return total
 
 
@@ -272,13 +312,21 @@ def collectives(hlo: str) -> list[Collective]:
       m = _COLLECTIVE.search(line)
       if not m:
         continue
-      parts = [(dtype, tuple(int(d) for d in dims.split(",") if d))
-               for dtype, dims in _SHAPE.findall(m.group(1))]
+      parts = [
+        (dtype, tuple(int(d) for d in dims.split(",") if d))
+        for dtype, dims in _SHAPE.findall(m.group(1))
+      ]
       if m.group(3):
         # An async "-start" returns (operand, result[, scratch]): the result is what moved.
         parts = parts[1:2]
-      found.append(Collective(m.group(2), tuple(shape for _, shape in parts),
-                              sum(size(d, sh) for d, sh in parts), runs[name]))
+      found.append(
+        Collective(
+          m.group(2),
+          tuple(shape for _, shape in parts),
+          sum(size(d, sh) for d, sh in parts),
+          runs[name],
+        )
+      )
   return found
 
 
@@ -290,6 +338,10 @@ def query_sized(colls, B: int, T: int, N: int, H: int) -> list[Collective]:
   whole call's work. (Ambiguous when K = N: a gathered K or V is as large
   as the query; use GQA inputs to tell them apart.)"""
   sizes = {B * T * N * H, B * T * N}
-  return [c for c in colls
-          if any(int(np.prod(s, dtype=np.int64)) in sizes and any(d % T == 0 for d in s if d)
-                 for s in c.shapes)]
+  return [
+    c
+    for c in colls
+    if any(
+      int(np.prod(s, dtype=np.int64)) in sizes and any(d % T == 0 for d in s if d) for s in c.shapes
+    )
+  ]

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import IO, Any
 
 
 def available() -> bool:
@@ -37,22 +38,29 @@ class TorchPeer:
 
   def __init__(self, threads: int):
     self.threads = threads
-    self.info = None
-    self.broken = None  # why the worker could not start; not retried for every case
-    self._proc = None
-    self._stderr = None
+    self.info: dict[str, Any] | None = None
+    self.broken: str | None = None  # why the worker could not start; not retried for every case
+    self._proc: subprocess.Popen[str] | None = None
+    self._stderr: IO[str] | None = None
 
   def _start(self):
     env = dict(os.environ)
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     env["JATTN_BENCH_TORCH_THREADS"] = str(self.threads)
     self._stderr = tempfile.TemporaryFile(mode="w+")
-    self._proc = subprocess.Popen([sys.executable, os.path.abspath(__file__)],
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                  stderr=self._stderr, text=True, env=env)
+    self._proc = subprocess.Popen(
+      [sys.executable, os.path.abspath(__file__)],
+      stdin=subprocess.PIPE,
+      stdout=subprocess.PIPE,
+      stderr=self._stderr,
+      text=True,
+      env=env,
+    )
     self.info = self._receive()
 
-  def _receive(self):
+  def _receive(self) -> dict[str, Any]:
+    # Only called while the worker runs: _start sets _proc (with PIPE stdout) and _stderr first.
+    assert self._proc is not None and self._proc.stdout is not None and self._stderr is not None
     line = self._proc.stdout.readline()
     if not line:
       self._stderr.seek(0)
@@ -74,6 +82,7 @@ class TorchPeer:
       except PeerError as e:
         self.broken = f"torch worker could not start: {e}"
         raise PeerError(self.broken) from None
+    assert self._proc is not None and self._proc.stdin is not None  # _start set it, with PIPE stdin
     try:
       self._proc.stdin.write(json.dumps(msg) + "\n")
       self._proc.stdin.flush()
@@ -91,6 +100,7 @@ class TorchPeer:
 
   def close(self):
     if self._proc is not None:
+      assert self._proc.stdin is not None  # started with stdin=PIPE
       try:
         self._proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
         self._proc.stdin.close()
@@ -105,6 +115,7 @@ class TorchPeer:
 
 
 # ---------------------------------------------------------------- the worker (torch imported here)
+
 
 def _send(msg):
   sys.stdout.write(json.dumps(msg) + "\n")
@@ -191,12 +202,18 @@ def _serve():
   try:
     import torch
     import torch.nn.functional as F
-  except Exception as e:  # noqa: BLE001 - any import failure is reported to the parent
+  except Exception as e:
     _send({"ok": False, "error": f"import torch failed: {type(e).__name__}: {e}"})
     return
   torch.set_num_threads(int(os.environ.get("JATTN_BENCH_TORCH_THREADS", os.cpu_count() or 1)))
-  _send({"ok": True, "torch": torch.__version__, "threads": torch.get_num_threads(),
-         "cuda": torch.cuda.is_available()})
+  _send(
+    {
+      "ok": True,
+      "torch": torch.__version__,
+      "threads": torch.get_num_threads(),
+      "cuda": torch.cuda.is_available(),
+    }
+  )
   case = None
   for line in sys.stdin:
     msg = json.loads(line)
@@ -213,10 +230,15 @@ def _serve():
         _send({"ok": True, "time_s": case.run()})
       else:
         raise ValueError(f"unknown op {msg['op']!r}")
-    except Exception as e:  # noqa: BLE001 - every failure goes back to the parent as a row error
+    except Exception as e:
       text = f"{type(e).__name__}: {e}"
-      _send({"ok": False, "error": text[:1000],
-             "oom": isinstance(e, MemoryError) or "out of memory" in text.lower()})
+      _send(
+        {
+          "ok": False,
+          "error": text[:1000],
+          "oom": isinstance(e, MemoryError) or "out of memory" in text.lower(),
+        }
+      )
 
 
 if __name__ == "__main__":

@@ -21,6 +21,11 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, cast
+
+if TYPE_CHECKING:  # jax (which jattn imports) is imported only when tuning runs
+  from jattn._types import Implementation
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,23 +36,43 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--kv-heads", type=int, help="K (default: heads)")
   p.add_argument("--head-dim", type=int, default=64)
   p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-  p.add_argument("--mask", nargs="+", default=["full"],
-                 help="mask specs as in the configs: full, causal, window:W, causal+window:W")
-  p.add_argument("--blocks", nargs="+", default=["512x256", "512x512", "256x256", "1024x256"],
-                 help="block sizes to try, BQxBK")
-  p.add_argument("--schedules", nargs="+", default=["serial", "parallel"],
-                 choices=("serial", "parallel"))
-  p.add_argument("--widths", type=int, nargs="+", default=[64],
-                 help="step widths to try with the parallel schedule")
-  p.add_argument("--pass", dest="pass_", default="forward+backward",
-                 choices=("forward", "forward+backward"))
-  p.add_argument("--fused", default="auto", choices=("auto", "none", "cudnn", "splash"),
-                 help="the fused kernel to time against jattn's: auto = cuDNN on a GPU for "
-                      "bfloat16/float16, splash on a TPU, none elsewhere")
+  p.add_argument(
+    "--mask",
+    nargs="+",
+    default=["full"],
+    help="mask specs as in the configs: full, causal, window:W, causal+window:W",
+  )
+  p.add_argument(
+    "--blocks",
+    nargs="+",
+    default=["512x256", "512x512", "256x256", "1024x256"],
+    help="block sizes to try, BQxBK",
+  )
+  p.add_argument(
+    "--schedules", nargs="+", default=["serial", "parallel"], choices=("serial", "parallel")
+  )
+  p.add_argument(
+    "--widths",
+    type=int,
+    nargs="+",
+    default=[64],
+    help="step widths to try with the parallel schedule",
+  )
+  p.add_argument(
+    "--pass", dest="pass_", default="forward+backward", choices=("forward", "forward+backward")
+  )
+  p.add_argument(
+    "--fused",
+    default="auto",
+    choices=("auto", "none", "cudnn", "splash"),
+    help="the fused kernel to time against jattn's: auto = cuDNN on a GPU for "
+    "bfloat16/float16, splash on a TPU, none elsewhere",
+  )
   p.add_argument("--repeats", type=int, default=3, help="timed rounds")
   p.add_argument("--out", required=True, help="the JSON table to write")
-  p.add_argument("--update", action="store_true",
-                 help="add to the table in --out instead of replacing it")
+  p.add_argument(
+    "--update", action="store_true", help="add to the table in --out instead of replacing it"
+  )
   return p
 
 
@@ -65,15 +90,16 @@ def candidates(blocks, schedules, widths):
   """Every option dict to time: block sizes x schedule (x step width for parallel)."""
   out = []
   for (bq, bk), schedule in itertools.product(blocks, schedules):
-    for width in (widths if schedule == "parallel" else [None]):
+    for width in widths if schedule == "parallel" else [None]:
       out.append(dict(block_q=bq, block_kv=bk, schedule=schedule, step_width=width))
   return out
 
 
-def fused_kernel(choice: str, backend: str, dtype) -> str | None:
+def fused_kernel(choice: str, backend: str, dtype) -> Implementation | None:
   """The fused implementation ``--fused`` asks to time on ``backend`` for ``dtype``."""
   if choice != "auto":
-    return None if choice == "none" else choice
+    # argparse's choices for --fused are "auto", "none" and implementation names.
+    return None if choice == "none" else cast("Implementation", choice)
   if backend == "gpu" and str(dtype) in ("bfloat16", "float16"):
     return "cudnn"
   return "splash" if backend == "tpu" else None
@@ -85,6 +111,7 @@ def fused_blocks(name: str, block_q: int, block_kv: int):
   `jattn._tuning.splash_block`); cuDNN has none."""
   if name == "splash":
     from jattn import _tuning
+
     return _tuning.splash_block(None, block_q), _tuning.splash_block(None, block_kv)
   return None, None
 
@@ -119,14 +146,17 @@ def main(argv=None) -> int:
   blocks = [_blocks(b) for b in args.blocks]
   specs = [_masks.parse(m) for m in args.mask]
   device_kind = jax.devices()[0].device_kind
-  table = (_tuning.load(args.out) if args.update and os.path.exists(args.out)
-           else _tuning.TuningTable())
+  table = (
+    _tuning.load(args.out) if args.update and os.path.exists(args.out) else _tuning.TuningTable()
+  )
   dtype = jnp.dtype(args.dtype)
   fused = fused_kernel(args.fused, jax.default_backend(), dtype)
   K = args.kv_heads or args.heads
-  print(f"jattn-bench tune on {device_kind!r} ({jax.default_backend()}), {args.dtype}, "
-        f"B={args.batch} N={args.heads} K={K} H={args.head_dim}, {args.pass_}"
-        + (f", against {fused}" if fused else ""))
+  print(
+    f"jattn-bench tune on {device_kind!r} ({jax.default_backend()}), {args.dtype}, "
+    f"B={args.batch} N={args.heads} K={K} H={args.head_dim}, {args.pass_}"
+    + (f", against {fused}" if fused else "")
+  )
   for T, spec in itertools.product(args.T, specs):
     if spec.segments is not None:
       raise SystemExit("jattn-bench tune: segment masks are not tuned (mask kind 'masked')")
@@ -134,22 +164,35 @@ def main(argv=None) -> int:
     q = jax.random.normal(keys[0], (args.batch, T, args.heads, args.head_dim)).astype(dtype)
     k = jax.random.normal(keys[1], (args.batch, T, K, args.head_dim)).astype(dtype)
     v = jax.random.normal(keys[2], (args.batch, T, K, args.head_dim)).astype(dtype)
-    kw = dict(is_causal=spec.causal or False, local_window_size=spec.window)
-    compiled = []
+    kw: dict[str, Any] = dict(is_causal=spec.causal or False, local_window_size=spec.window)
+    # (options dict, or (fused name, its blocks); compiled function; timings)
+    compiled: list[
+      tuple[
+        dict[str, Any] | tuple[Implementation, tuple[int | None, int | None]],
+        Callable[..., Any],
+        list[float],
+      ]
+    ] = []
     for opts in candidates(blocks, args.schedules, args.widths):
       if opts["block_q"] > T or opts["block_kv"] > T:
         continue
-      g = lambda q, k, v, o=opts: jattn.dot_product_attention(q, k, v, implementation="chunked",
-                                                              **kw, **o)
+      g = lambda q, k, v, o=opts: jattn.dot_product_attention(
+        q, k, v, implementation="chunked", **kw, **o
+      )
       compiled.append((opts, _compile(g, args.pass_, q, k, v), []))
     if not compiled:
       continue
     if fused is not None:
-      # The fused kernel at each block sizes an entry of these candidates would give it.
-      for blocks in dict.fromkeys(fused_blocks(fused, o["block_q"], o["block_kv"])
-                                  for o, _, _ in compiled):
+      # The fused kernel at each block sizes an entry of these candidates would give it (all
+      # of them chunked so far: the isinstance only tells the type checker).
+      for blocks in dict.fromkeys(
+        fused_blocks(fused, o["block_q"], o["block_kv"])
+        for o, _, _ in compiled
+        if isinstance(o, dict)
+      ):
         f = lambda q, k, v, b=blocks: jattn.dot_product_attention(
-            q, k, v, implementation=fused, block_q=b[0], block_kv=b[1], **kw)
+          q, k, v, implementation=fused, block_q=b[0], block_kv=b[1], **kw
+        )
         try:
           compiled.append(((fused, blocks), _compile(f, args.pass_, q, k, v), []))
         except NotImplementedError as e:  # the kernel cannot take this call: not a candidate
@@ -160,20 +203,22 @@ def main(argv=None) -> int:
         start = time.perf_counter()
         jax.block_until_ready(fn(q, k, v))
         times.append(time.perf_counter() - start)
-    results = sorted(((statistics.median(t), o) for o, _, t in compiled),
-                     key=lambda r: r[0])
-    best = entry([r for r in results if isinstance(r[1], dict)],
-                 {o[1]: (t, o[0]) for t, o in results if isinstance(o, tuple)})
+    results = sorted(((statistics.median(t), o) for o, _, t in compiled), key=lambda r: r[0])
+    best = entry(
+      [r for r in results if isinstance(r[1], dict)],
+      {o[1]: (t, o[0]) for t, o in results if isinstance(o, tuple)},
+    )
     kind = _tuning.mask_kind(spec.causal, spec.window, False)
-    table.add(device_kind, str(dtype), args.head_dim, kind, _tuning.length_bucket(T, T),
-              **best)
+    table.add(device_kind, str(dtype), args.head_dim, kind, _tuning.length_bucket(T, T), **best)
     label = lambda o: (
-        f"{o[0]}" + ("" if o[1] == (None, None) else f" {o[1][0]}x{o[1][1]}")
-        if isinstance(o, tuple) else
-        f"{o['block_q']}x{o['block_kv']} {o['schedule']}"
-        f"{'' if o['step_width'] is None else '/' + str(o['step_width'])}")
-    print(f"T={T} {spec.name}: entry {best}; "
-          + ", ".join(f"{label(o)} {t:.3g} s" for t, o in results))
+      f"{o[0]}" + ("" if o[1] == (None, None) else f" {o[1][0]}x{o[1][1]}")
+      if isinstance(o, tuple)
+      else f"{o['block_q']}x{o['block_kv']} {o['schedule']}"
+      f"{'' if o['step_width'] is None else '/' + str(o['step_width'])}"
+    )
+    print(
+      f"T={T} {spec.name}: entry {best}; " + ", ".join(f"{label(o)} {t:.3g} s" for t, o in results)
+    )
   table.save(args.out)
   print(f"wrote {args.out} ({len(table.entries)} entries)")
   return 0
@@ -183,6 +228,7 @@ def _compile(f, pass_, q, k, v):
   """``f`` (or its forward+backward) compiled for these inputs and run once (warm-up)."""
   import jax
   import jax.numpy as jnp
+
   if pass_ == "forward+backward":
     f = jax.grad(lambda q, k, v, f=f: f(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))
   fn = jax.jit(f).lower(q, k, v).compile()
