@@ -1,5 +1,5 @@
-"""Issue #30's five mutations (realistic single bugs), put into the library one at a time: runs the
-tests meant to catch each and reports which fail, then restores the file. Not collected by
+"""Issue #30's and #41's mutations (realistic single bugs), put into the library one at a time: runs
+the tests meant to catch each and reports which fail, then restores the file. Not collected by
 pytest; run `python tests/_mutations.py [PYTHON] [INDEX...]` from a checkout."""
 import pathlib
 import subprocess
@@ -32,6 +32,11 @@ MUTATIONS = [
    "  x = _mix(x ^ u(h) + seed[1])",
    "  x = _mix(x ^ u(0 * h) + seed[1])",
    ["tests/test_attention.py", "tests/test_matrix.py", "tests/test_flax_modules.py"]),
+  # Issue #41: guarded by the tests named (node ids: only those run).
+  ("paged/quantised cache: fill level clamped to capacity - 1 (_mha)", "jattn/_mha.py",
+   "page_table, jnp.minimum(index + T, capacity),",
+   "page_table, jnp.minimum(index + T, capacity - 1),",
+   ["tests/test_flax_modules.py::test_cache_decoded_token_by_token_to_its_last_slot"]),
 ]
 only = sys.argv[2:]
 for i, (name, path, old, new, tests) in enumerate(MUTATIONS):

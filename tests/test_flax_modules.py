@@ -2,7 +2,8 @@
 layer of tests/reference_modules.py built from the same weights (projections, RoPE, GQA, masks,
 scale, padding, cross-attention, dropout with jattn's keep mask, bf16 by the FlashAttention rule),
 and KV-cache decoding against the reference's decoding loop and the full forward pass at every
-position; the errors of the decoding path."""
+position; paged and quantised caches decoded token by token to their last slot against the
+float64 layer; the errors of the decoding path."""
 
 import dropout_reference
 import jax
@@ -10,6 +11,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+import reference
 import reference_modules as rm
 from flax import linen as nn
 from flax import nnx
@@ -767,3 +769,101 @@ def test_paged_cache_decode_equals_the_uncached_pass(dtype):
   np.testing.assert_allclose(_linen_steps(dec, params, cache, x)[0], got, atol=1e-6)
   with pytest.raises(NotImplementedError, match="paged or quantised cache.*a mask"):
     mod(x[:, :1], decode=True, mask=jnp.ones((B, 1, 1, 12), bool))
+
+
+# ---- a paged or quantised cache decoded to its last slot -----------------------------------
+
+S_FULL = 8  # the caches below hold exactly 8 positions: paged ones 2 pages of 4 or 4 of 2
+FULL_CACHES = {
+    "paged": dict(page_size=4),
+    "int8": dict(dtype=jnp.int8),
+    "float8_e4m3fn-paged": dict(dtype=jnp.float8_e4m3fn, page_size=2),
+    "float8_e5m2": dict(dtype=jnp.float8_e5m2),
+}
+
+
+def _stored(cache, table):
+  """A module's cache as float64 (B, S_FULL, K, H|Hv) keys and values, in position order:
+  paged pools read through the table, quantised ones times their scales."""
+  keys, values = (np.asarray(cache[n], np.float64) for n in ("cached_key", "cached_value"))
+  if "cached_key_scale" in cache:
+    keys = keys * np.asarray(cache["cached_key_scale"], np.float64)[..., None]
+    values = values * np.asarray(cache["cached_value_scale"], np.float64)[..., None]
+  if table is not None:
+    keys, values = (x[table].reshape((B, S_FULL) + x.shape[2:]) for x in (keys, values))
+  return keys, values
+
+
+def _nnx_cache(mod):
+  names = ("cached_key", "cached_value", "cached_key_scale", "cached_value_scale")
+  return {n: getattr(mod, n)[...] for n in names if getattr(mod, n) is not None}
+
+
+def _rounding_bound(dtype, x, amax):
+  """How far quantize() may move x (float64, (..., H)) whose token and head have the largest
+  magnitude amax (..., 1): half a step of the dtype's grid at x / scale, times the scale, and a
+  float32 computation's slack."""
+  dtype = jnp.dtype(dtype)
+  if dtype == jnp.int8:
+    half = np.broadcast_to(amax / 127 / 2, x.shape)
+  else:
+    fi = ml_dtypes.finfo(dtype)
+    scale = amax / float(fi.max)
+    half = np.maximum(np.abs(x) * float(fi.eps) / 2, float(fi.smallest_subnormal) / 2 * scale)
+  return half * (1 + 1e-3) + 1e-5 * amax
+
+
+@pytest.mark.parametrize("cache_kw", FULL_CACHES.values(), ids=FULL_CACHES.keys())
+def test_cache_decoded_token_by_token_to_its_last_slot(cache_kw):
+  """nnx and linen modules decode one token at a time until the cache's last slot is filled;
+  each step equals the float64 layer's causal attention of that token over every key so far
+  (quantised: over the keys and values as stored, dequantised, which are in turn within half a
+  step of the dtype's grid of the float64 ones). A fill level one short of the capacity at the
+  last step (its own key dropped) fails: the check is far tighter than that key's weight."""
+  dtype, ps = cache_kw.get("dtype"), cache_kw.get("page_size")
+  lin, params, mod = _linen_pair(41, is_causal=True, rope=True)
+  p64 = rm.params_from_linen(params)
+  x = _x(42, (B, S_FULL, D))
+  q, k, v = rm.project_qkv(p64, x, x)
+  pos = np.broadcast_to(np.arange(S_FULL), (B, S_FULL))
+  q, k = rm.rope(q, pos), rm.rope(k, pos)
+  table = None
+  if ps is not None:  # a shuffled table: example b's positions live in the pages it names
+    table = np.random.default_rng(3).permutation(B * S_FULL // ps).reshape(B, -1).astype(np.int32)
+
+  mod.init_cache(B, S_FULL, **cache_kw)
+  if table is not None:
+    mod.page_table[...] = jnp.asarray(table)
+  nstep = nnx.jit(lambda m, xt: m(xt, decode=True))
+  dec = lin.clone(decode=True, cache_dtype=dtype, cache_page_size=ps)
+  cache = dec.init(jax.random.key(0), jnp.zeros((B, S_FULL, D)))["cache"]
+  if table is not None:
+    cache = dict(cache, page_table=jnp.asarray(table))
+  lstep = jax.jit(lambda c, xt: dec.apply({"params": params, "cache": c}, xt, mutable=["cache"]))
+
+  def want(keys, values, i, n):
+    """The out projection of query i over keys 0 .. n - 1 (all visible to it), float64."""
+    o, _, _ = reference.attention(q[:, i:i + 1], keys[:, :n], values[:, :n])
+    return rm.project_out(p64, o)[:, 0]
+
+  for i in range(S_FULL):
+    got_nnx = nstep(mod, x[:, i:i + 1])
+    got_lin, upd = lstep(cache, x[:, i:i + 1])
+    cache = upd["cache"]
+    for name, got, stored in (("nnx", got_nnx, _nnx_cache(mod)), ("linen", got_lin, cache)):
+      keys, values = (k, v) if dtype is None else _stored(stored, table)
+      np.testing.assert_allclose(got[:, 0], want(keys, values, i, i + 1), atol=2e-5, rtol=0,
+                                 err_msg=f"{name} step {i}")
+  for name, idx in (("nnx", mod.cache_index[...]), ("linen", cache["cache_index"])):
+    np.testing.assert_array_equal(idx, [S_FULL] * B, err_msg=name)
+  if dtype is not None:
+    # The stored keys and values are the float64 ones rounded once, per token and head.
+    for name, stored in (("nnx", _nnx_cache(mod)), ("linen", cache)):
+      for what, x64, x_st in zip(("keys", "values"), (k, v), _stored(stored, table)):
+        amax = np.abs(x64).max(-1, keepdims=True)
+        assert np.all(np.abs(x_st - x64) <= _rounding_bound(dtype, x64, amax)), (name, what)
+  # What the tolerance guards: the last key's weight is visible at the last step.
+  keys, values = (k, v) if dtype is None else _stored(cache, table)
+  last = want(keys, values, S_FULL - 1, S_FULL)
+  short = want(keys, values, S_FULL - 1, S_FULL - 1)
+  assert np.abs(last - short).max() > 100 * 2e-5
