@@ -37,6 +37,11 @@ MUTATIONS = [
    "page_table, jnp.minimum(index + T, capacity),",
    "page_table, jnp.minimum(index + T, capacity - 1),",
    ["tests/test_flax_modules.py::test_cache_decoded_token_by_token_to_its_last_slot"]),
+  ("make_attention_fn: output shaped with the query's head size, not value's (_flax_fn)",
+   "jattn/_flax_fn.py",
+   "    return out.reshape(query.shape[:-1] + (value.shape[-1],))",
+   "    return out.reshape(query.shape)",
+   ["tests/test_flax_attention_fn.py::test_value_head_size_of_its_own_against_reference"]),
 ]
 only = sys.argv[2:]
 for i, (name, path, old, new, tests) in enumerate(MUTATIONS):

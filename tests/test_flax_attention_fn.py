@@ -1,4 +1,5 @@
-"""jattn.make_attention_fn inside flax's own attention layers, against flax's default attention."""
+"""jattn.make_attention_fn inside flax's own attention layers, against flax's default attention;
+called directly with a value head size of its own, against the float64 reference."""
 
 import jax
 import jax.numpy as jnp
@@ -8,6 +9,7 @@ from flax import linen as nn
 from flax import nnx
 
 import jattn
+import reference
 
 B, T, D, N = 2, 6, 16, 4
 IMPLS = [dict(implementation="dense"),
@@ -248,3 +250,63 @@ def test_broadcast_dropout_gradients_dense_equal_chunked():
   g_chunk = jax.grad(loss, argnums=(1, 2, 3))(IMPLS[1], q, k, v)
   for a, b in zip(g_dense, g_chunk):
     np.testing.assert_allclose(b, a, atol=2e-5, rtol=1e-5)
+
+
+# ---- a value head size of its own (called directly: flax's layers give value H) ---------------
+
+
+def _value_head_case(case):
+  """(query, key, value, bias, call keywords, make_attention_fn keywords, (B', N, T, S)
+  visibility) for a value head size Hv = 6 of its own, H = 4, GQA (N = 4, K = 2)."""
+  ks = jax.random.split(jax.random.key(7), 4)
+  if case == "batch-dims-padding":
+    # Two batch dims, cross-attention shapes (T = 5, S = 7), flax's 0/1 float padding mask
+    # (batch..., 1, T, S) (query 4 of example (0, 1) and key 6 of example (1, 2) are padding),
+    # a bias broadcast over the first batch dim, bottom-right causality as the fn's option.
+    lead, T_, S_ = (2, 3), 5, 7
+    q_ok = np.ones(lead + (T_,), np.float32)
+    q_ok[0, 1, 4] = 0
+    kv_ok = np.ones(lead + (S_,), np.float32)
+    kv_ok[1, 2, 6] = 0
+    mask = nn.make_attention_mask(jnp.asarray(q_ok), jnp.asarray(kv_ok))
+    bias = jax.random.normal(ks[3], (1, 3, 4, T_, S_))
+    vis = np.broadcast_to(np.asarray(mask) != 0, lead + (4, T_, S_)).reshape(6, 4, T_, S_)
+    vis = vis & (np.arange(S_)[None, :] <= np.arange(T_)[:, None] + S_ - T_)
+    call, make = dict(mask=mask), dict(is_causal="bottom_right")
+  else:  # "call-time-causal": one batch dim, flax's is_causal=True at the call (top-left)
+    lead, T_, S_ = (2,), 6, 6
+    bias = jax.random.normal(ks[3], (2, 4, T_, S_))
+    vis = np.broadcast_to(np.arange(S_)[None, :] <= np.arange(T_)[:, None], (2, 4, T_, S_))
+    call, make = dict(is_causal=True), dict()
+  q = jax.random.normal(ks[0], lead + (T_, 4, 4))
+  k = jax.random.normal(ks[1], lead + (S_, 2, 4))
+  v = jax.random.normal(ks[2], lead + (S_, 2, 6))
+  return q, k, v, bias, call, make, vis
+
+
+@pytest.mark.parametrize("case", ["batch-dims-padding", "call-time-causal"])
+@pytest.mark.parametrize("impl", IMPLS, ids=IMPL_IDS)
+def test_value_head_size_of_its_own_against_reference(impl, case):
+  """attention_fn called as flax calls it, but with value [batch..., S, K, Hv], Hv = 6 != H = 4
+  (no flax layer does: their value heads are the query's size): the output is
+  [batch..., T, N, Hv] and it and the gradients of query, key, value and bias equal the float64
+  reference's."""
+  q, k, v, bias, call, make, vis = _value_head_case(case)
+  fn = jattn.make_attention_fn(**impl, **make)
+  out, pull = jax.vjp(lambda q, k, v, bias: fn(q, k, v, bias=bias, **call), q, k, v, bias)
+  lead, Hv = q.shape[:-3], v.shape[-1]
+  assert out.shape == q.shape[:-1] + (Hv,) and Hv != q.shape[-1]
+  do = jax.random.normal(jax.random.key(8), out.shape)
+  got = (out,) + pull(do)
+  flat = lambda x: np.asarray(x, np.float64).reshape((-1,) + x.shape[-3:])
+  full_bias = np.broadcast_to(np.asarray(bias, np.float64), lead + bias.shape[-3:])
+  want_out, _, cache = reference.attention(flat(q), flat(k), flat(v), visible=vis,
+                                           bias=flat(full_bias))
+  dq, dk, dv, dbias, _ = reference.grads(cache, flat(do), bias_shape=flat(full_bias).shape)
+  dbias = dbias.reshape(full_bias.shape)
+  dbias = dbias.sum(axis=tuple(a for a in range(bias.ndim) if bias.shape[a] == 1),
+                    keepdims=True)
+  want = (want_out, dq, dk, dv, dbias)
+  for name, a, b in zip(("out", "dq", "dk", "dv", "dbias"), got, want):
+    b = np.asarray(b).reshape(np.shape(a))
+    np.testing.assert_allclose(a, b, atol=2e-5, rtol=2e-5, err_msg=f"{name} {case}")
