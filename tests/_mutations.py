@@ -42,6 +42,17 @@ MUTATIONS = [
    "    return out.reshape(query.shape[:-1] + (value.shape[-1],))",
    "    return out.reshape(query.shape)",
    ["tests/test_flax_attention_fn.py::test_value_head_size_of_its_own_against_reference"]),
+  ("positions mask: a block's first position taken as its min (masks._Positions)",
+   "jattn/masks.py",
+   "    kmin, kmax = _block_min_max(self.kv_positions.astype(jnp.int32), *grid.kv_blocks())\n",
+   "    kmin, kmax = _block_min_max(self.kv_positions.astype(jnp.int32), *grid.kv_blocks())\n"
+   "    # positions rise within a block: its first entry is its min\n"
+   "    qmin = jnp.take(self.q_positions.astype(jnp.int32), jnp.asarray(grid.q_ranges()[0]),\n"
+   "                    axis=1)\n"
+   "    kmin = jnp.take(self.kv_positions.astype(jnp.int32), jnp.asarray(grid.kv_ranges()[0]),\n"
+   "                    axis=1)\n",
+   ["tests/test_positions.py::test_every_example_at_positions_of_its_own",
+    "tests/test_positions.py::test_block_states_of_every_example_are_sound"]),
 ]
 only = sys.argv[2:]
 for i, (name, path, old, new, tests) in enumerate(MUTATIONS):

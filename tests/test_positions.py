@@ -3,7 +3,9 @@
 
 Checked against a float64 reference that builds the visibility from the positions, index by
 index, for every jattn kernel (dense, chunked in both schedules), with gradients; and block
-skipping from per-block position ranges: no block the positions hide is computed.
+skipping from per-block position ranges: no block the positions hide is computed. A batch in
+which every example has positions of its own (restarting inside a block, offset with a gap,
+repeated), and each example's block summary checked pair by pair before the batch reduces it.
 """
 
 from __future__ import annotations
@@ -38,8 +40,8 @@ def _packed():
 
 
 def _visible(q_pos, kv_pos, causal, window, kv_valid=None, q_seg=None, kv_seg=None):
-  vis = np.zeros((B, N, q_pos.shape[1], kv_pos.shape[1]), bool)
-  for b in range(B):
+  vis = np.zeros((q_pos.shape[0], N, q_pos.shape[1], kv_pos.shape[1]), bool)
+  for b in range(q_pos.shape[0]):
     for t in range(q_pos.shape[1]):
       for s in range(kv_pos.shape[1]):
         q, k = q_pos[b, t], kv_pos[b, s]
@@ -120,6 +122,68 @@ def test_blocks_hidden_by_positions_are_never_computed():
           if vis[8 * i:8 * i + 8, 8 * j:8 * j + 8].any()}
   assert computed == want, sorted(computed ^ want)
   assert len(want) < 100 // 2
+
+
+# ---- every example at positions of its own ---------------------------------------------------
+# The chunked kernels skip a block only if every example's summary calls it EMPTY, and drop its
+# mask only if every one calls it FULL (the map is reduced over the batch): a wrong summary of
+# one example is hidden wherever another's is right -- an example whose positions are its
+# indices runs every block below the diagonal for all -- and a segment mask ANDed in hides
+# more. Here no example's positions are its indices, each differs, positions fall back inside
+# a block with no segments to cover it, and each example's own summary is checked as well.
+
+S3 = 40
+
+
+def _shifted():
+  """(3, S3) positions: a packed pair of sequences restarting inside a block (index 20); an
+  offset with a gap (9.., jumping by 7 at index 22); two drafts at the same positions after a
+  prefix (28.. twice, the second from index 34)."""
+  i = np.arange(S3)
+  return np.stack([np.where(i < 20, i, i - 20), 9 + i + 6 * (i >= 22),
+                   np.where(i < 34, i, i - 6)]).astype(np.int32)
+
+
+SCHEDULES = {s: dict(implementation="chunked", block_q=8, block_kv=8, schedule=s)
+             for s in ("serial", "parallel")}
+
+
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+@pytest.mark.parametrize("window", [None, (5, 0)])
+def test_every_example_at_positions_of_its_own(schedule, window):
+  # Self-attention over the positions of `_shifted` in blocks of 8, causal and a causal window:
+  # output and gradients equal the float64 reference's.
+  pos = _shifted()
+  assert not (pos == np.arange(S3)).all(axis=1).any()
+  ks = jax.random.split(jax.random.key(2), 4)
+  q, do = (jax.random.normal(kk, (3, S3, N, H)) for kk in ks[:2])
+  k, v = (jax.random.normal(kk, (3, S3, K, H)) for kk in ks[2:])
+  f = lambda q, k, v: jattn.dot_product_attention(
+      q, k, v, is_causal=True, local_window_size=window, q_positions=jnp.asarray(pos),
+      kv_positions=jnp.asarray(pos), **SCHEDULES[schedule])
+  out, pull = jax.vjp(f, q, k, v)
+  _compare((out,) + pull(do), q, k, v, do, _visible(pos, pos, True, window))
+
+
+@pytest.mark.parametrize("positions", ["shifted", "sorted-repeats"])
+@pytest.mark.parametrize("window", [None, (5, 0), (3, 2)])
+def test_block_states_of_every_example_are_sound(window, positions):
+  # Each example's own summary, before any reduction over the batch: a block called EMPTY holds
+  # no visible pair, one called FULL no hidden one (from the positions, pair by pair), in grids
+  # of 8 x 8 and 6 x 8 (ragged). Positions: `_shifted`'s, and rising ones that repeat (a
+  # position shared across a block edge: the edge cases of every inequality).
+  pos = (_shifted() if positions == "shifted" else
+         np.sort(np.random.default_rng(1).integers(0, 25, (3, S3)), axis=1).astype(np.int32))
+  vis = _visible(pos, pos, True, window)[:, 0]
+  m = jattn.masks.positions(jnp.asarray(pos), jnp.asarray(pos), window=window)
+  for bq, bk in ((8, 8), (6, 8)):
+    grid = jattn.masks.BlockGrid(S3, S3, bq, bk)
+    states = np.asarray(m.block_states(grid, (3, N, S3, S3)))[:, 0]
+    for b, i, j in np.ndindex(states.shape):
+      block = vis[b, i * bq:(i + 1) * bq, j * bk:(j + 1) * bk]
+      where = f"example {b} block ({i}, {j}) of {bq} x {bk}"
+      assert states[b, i, j] != jattn.masks.EMPTY or not block.any(), where
+      assert states[b, i, j] != jattn.masks.FULL or block.all(), where
 
 
 def test_positions_errors_name_the_argument():
