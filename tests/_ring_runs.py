@@ -47,9 +47,19 @@ def start(devices: int, root: str) -> None:
     return
   os.close(fd)
   # The launcher outlives nothing: it runs the worker, writes its result file, and exits.
-  subprocess.Popen([sys.executable, os.path.join(HERE, "_ring_worker.py"), "--devices",
-                    str(devices), "--out", os.path.join(root, f"results-{devices}.json")],
-                   env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  subprocess.Popen(
+    [
+      sys.executable,
+      os.path.join(HERE, "_ring_worker.py"),
+      "--devices",
+      str(devices),
+      "--out",
+      os.path.join(root, f"results-{devices}.json"),
+    ],
+    env=env(),
+    stdout=subprocess.DEVNULL,
+    stderr=subprocess.DEVNULL,
+  )
 
 
 def results(devices: int, root: str, timeout: float = 900.0) -> dict:
@@ -64,5 +74,6 @@ def results(devices: int, root: str, timeout: float = 900.0) -> dict:
   with open(path) as f:
     run = json.load(f)
   assert run["rc"] == 0 and run["results"] is not None, (
-      f"worker with {devices} devices failed (rc={run['rc']}):\n{run['stderr'][-4000:]}")
+    f"worker with {devices} devices failed (rc={run['rc']}):\n{run['stderr'][-4000:]}"
+  )
   return run["results"]

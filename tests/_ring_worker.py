@@ -39,8 +39,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _setup(devices):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                             f" --xla_force_host_platform_device_count={devices}")
+  os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}"
+  )
   os.environ["JAX_PLATFORMS"] = "cpu"
   sys.path.insert(0, os.path.dirname(HERE))
   sys.path.insert(0, HERE)
@@ -50,81 +51,251 @@ def _setup(devices):
 # "direct" calls ring_attention inside a hand-written jax.shard_map instead of the wrapper;
 # "explicit" builds the mesh with Explicit axis types (jax.make_mesh's default).
 CASES = {
-    # ---- 8 devices ----
-    "p8_contiguous_full_gqa_lengths_softcap": dict(
-        devices=8, mesh=(8,), names=("seq",), seq="seq", T=64, S=64, N=4, K=2,
-        layout="contiguous", block_q=4, block_kv=4,
-        kw=dict(logits_soft_cap=3.0, scale=0.7), q_lengths=(60, 21), kv_lengths=(64, 35)),
-    "p8_zigzag_causal_gqa_segments": dict(
-        devices=8, mesh=(8,), names=("seq",), seq="seq", T=64, S=64, N=4, K=2,
-        layout="zigzag", block_q=4, block_kv=4, kw=dict(is_causal=True),
-        segments=((0, 13, 30, 47), (0, 5, 50, 61))),
-    # A ring of 4 inside a (data, seq) mesh; T != S, MQA, blocks that do not divide the shards.
-    "p8_data2_seq4_bottom_right_mqa_ragged_lengths": dict(
-        devices=8, mesh=(2, 4), names=("data", "seq"), seq="seq", batch="data", T=32, S=48,
-        N=4, K=1, layout="contiguous", block_q=3, block_kv=5,
-        kw=dict(is_causal="bottom_right"), q_lengths=(32, 19), kv_lengths=(41, 48)),
-    # Bottom-right causal in the zigzag layout, T < S (offset S - T = 32 in global positions;
-    # the chunk lengths of queries (2) and keys (4) differ).
-    "p8_zigzag_bottom_right_T_lt_S_gqa": dict(
-        devices=8, mesh=(8,), names=("seq",), seq="seq", T=32, S=64, N=4, K=2,
-        layout="zigzag", block_q=2, block_kv=3, kw=dict(is_causal="bottom_right")),
-    # A window in the contiguous layout, measured from the bottom-right diagonal, T < S, with
-    # blocks that do not divide the shards.
-    "p8_contiguous_bottom_right_window_lengths": dict(
-        devices=8, mesh=(8,), names=("seq",), seq="seq", T=32, S=64, N=4, K=2,
-        layout="contiguous", block_q=3, block_kv=5,
-        kw=dict(is_causal="bottom_right", local_window_size=(13, 2)), kv_lengths=(64, 45)),
-    # bfloat16 over 8 ring steps that all compute (no causal mask): the running output and lse
-    # of the merge must stay float32.
-    "p8_contiguous_full_gqa_bf16": dict(
-        devices=8, mesh=(8,), names=("seq",), seq="seq", T=64, S=64, N=4, K=2,
-        layout="contiguous", block_q=4, block_kv=4, kw=dict(), dtype="bfloat16"),
-    "p8_seq4_heads2_zigzag_causal_segments": dict(
-        devices=8, mesh=(4, 2), names=("seq", "heads"), seq="seq", head="heads", T=32, S=32,
-        N=4, K=2, layout="zigzag", kw=dict(is_causal=True), segments=((0, 9, 20), (0, 16))),
-    # ---- 4 devices ----
-    "p4_direct_contiguous_causal_residual": dict(
-        devices=4, mesh=(4,), names=("seq",), seq="seq", T=32, S=32, N=4, K=2,
-        layout="contiguous", block_q=4, block_kv=4, kw=dict(is_causal=True), direct=True,
-        single=True),
-    "p4_explicit_zigzag_causal_lengths": dict(
-        devices=4, mesh=(4,), names=("seq",), seq="seq", T=32, S=32, N=4, K=2,
-        layout="zigzag", kw=dict(is_causal=True), q_lengths=(32, 11), explicit=True,
-        single=True),
-    "p4_contiguous_full_segments": dict(
-        devices=4, mesh=(4,), names=("seq",), seq="seq", T=32, S=32, N=4, K=2,
-        layout="contiguous", kw=dict(), segments=((0, 3, 17), (0, 30))),
-    "p4_zigzag_full_gqa_window_lengths": dict(
-        devices=4, mesh=(4,), names=("seq",), seq="seq", T=32, S=32, N=4, K=2,
-        layout="zigzag", block_q=2, block_kv=4, kw=dict(local_window_size=(9, 4)),
-        kv_lengths=(32, 27)),
-    # The same window, contiguous layout (window edges cross shard boundaries).
-    "p4_contiguous_full_gqa_window_lengths": dict(
-        devices=4, mesh=(4,), names=("seq",), seq="seq", T=32, S=32, N=4, K=2,
-        layout="contiguous", block_q=2, block_kv=4, kw=dict(local_window_size=(9, 4)),
-        q_lengths=(29, 32), kv_lengths=(32, 27)),
-    # Bottom-right causal, zigzag, T > S: the first T - S = 32 queries see no key at all.
-    "p4_zigzag_bottom_right_T_gt_S_lengths": dict(
-        devices=4, mesh=(4,), names=("seq",), seq="seq", T=64, S=32, N=4, K=2,
-        layout="zigzag", block_q=4, block_kv=2, kw=dict(is_causal="bottom_right"),
-        q_lengths=(64, 50), kv_lengths=(32, 21)),
-    # implementation="dense" per shard pair (one tile per pair of zigzag chunks), reached
-    # through a sequence whose first name (splash) cannot serve a ring.
-    "p4_dense_zigzag_causal_segments_lengths": dict(
-        devices=4, mesh=(4,), names=("seq",), seq="seq", T=32, S=32, N=4, K=2,
-        layout="zigzag", kw=dict(is_causal=True, implementation=("splash", "dense")),
-        segments=((0, 7, 19), (0, 25)), kv_lengths=(32, 29)),
-    "p4_zigzag_bottom_right_window_softcap_bf16": dict(
-        devices=4, mesh=(4,), names=("seq",), seq="seq", T=32, S=48, N=4, K=1,
-        layout="zigzag", block_q=2, block_kv=3,
-        kw=dict(is_causal="bottom_right", local_window_size=(20, 0), logits_soft_cap=5.0),
-        dtype="bfloat16"),
+  # ---- 8 devices ----
+  "p8_contiguous_full_gqa_lengths_softcap": dict(
+    devices=8,
+    mesh=(8,),
+    names=("seq",),
+    seq="seq",
+    T=64,
+    S=64,
+    N=4,
+    K=2,
+    layout="contiguous",
+    block_q=4,
+    block_kv=4,
+    kw=dict(logits_soft_cap=3.0, scale=0.7),
+    q_lengths=(60, 21),
+    kv_lengths=(64, 35),
+  ),
+  "p8_zigzag_causal_gqa_segments": dict(
+    devices=8,
+    mesh=(8,),
+    names=("seq",),
+    seq="seq",
+    T=64,
+    S=64,
+    N=4,
+    K=2,
+    layout="zigzag",
+    block_q=4,
+    block_kv=4,
+    kw=dict(is_causal=True),
+    segments=((0, 13, 30, 47), (0, 5, 50, 61)),
+  ),
+  # A ring of 4 inside a (data, seq) mesh; T != S, MQA, blocks that do not divide the shards.
+  "p8_data2_seq4_bottom_right_mqa_ragged_lengths": dict(
+    devices=8,
+    mesh=(2, 4),
+    names=("data", "seq"),
+    seq="seq",
+    batch="data",
+    T=32,
+    S=48,
+    N=4,
+    K=1,
+    layout="contiguous",
+    block_q=3,
+    block_kv=5,
+    kw=dict(is_causal="bottom_right"),
+    q_lengths=(32, 19),
+    kv_lengths=(41, 48),
+  ),
+  # Bottom-right causal in the zigzag layout, T < S (offset S - T = 32 in global positions;
+  # the chunk lengths of queries (2) and keys (4) differ).
+  "p8_zigzag_bottom_right_T_lt_S_gqa": dict(
+    devices=8,
+    mesh=(8,),
+    names=("seq",),
+    seq="seq",
+    T=32,
+    S=64,
+    N=4,
+    K=2,
+    layout="zigzag",
+    block_q=2,
+    block_kv=3,
+    kw=dict(is_causal="bottom_right"),
+  ),
+  # A window in the contiguous layout, measured from the bottom-right diagonal, T < S, with
+  # blocks that do not divide the shards.
+  "p8_contiguous_bottom_right_window_lengths": dict(
+    devices=8,
+    mesh=(8,),
+    names=("seq",),
+    seq="seq",
+    T=32,
+    S=64,
+    N=4,
+    K=2,
+    layout="contiguous",
+    block_q=3,
+    block_kv=5,
+    kw=dict(is_causal="bottom_right", local_window_size=(13, 2)),
+    kv_lengths=(64, 45),
+  ),
+  # bfloat16 over 8 ring steps that all compute (no causal mask): the running output and lse
+  # of the merge must stay float32.
+  "p8_contiguous_full_gqa_bf16": dict(
+    devices=8,
+    mesh=(8,),
+    names=("seq",),
+    seq="seq",
+    T=64,
+    S=64,
+    N=4,
+    K=2,
+    layout="contiguous",
+    block_q=4,
+    block_kv=4,
+    kw=dict(),
+    dtype="bfloat16",
+  ),
+  "p8_seq4_heads2_zigzag_causal_segments": dict(
+    devices=8,
+    mesh=(4, 2),
+    names=("seq", "heads"),
+    seq="seq",
+    head="heads",
+    T=32,
+    S=32,
+    N=4,
+    K=2,
+    layout="zigzag",
+    kw=dict(is_causal=True),
+    segments=((0, 9, 20), (0, 16)),
+  ),
+  # ---- 4 devices ----
+  "p4_direct_contiguous_causal_residual": dict(
+    devices=4,
+    mesh=(4,),
+    names=("seq",),
+    seq="seq",
+    T=32,
+    S=32,
+    N=4,
+    K=2,
+    layout="contiguous",
+    block_q=4,
+    block_kv=4,
+    kw=dict(is_causal=True),
+    direct=True,
+    single=True,
+  ),
+  "p4_explicit_zigzag_causal_lengths": dict(
+    devices=4,
+    mesh=(4,),
+    names=("seq",),
+    seq="seq",
+    T=32,
+    S=32,
+    N=4,
+    K=2,
+    layout="zigzag",
+    kw=dict(is_causal=True),
+    q_lengths=(32, 11),
+    explicit=True,
+    single=True,
+  ),
+  "p4_contiguous_full_segments": dict(
+    devices=4,
+    mesh=(4,),
+    names=("seq",),
+    seq="seq",
+    T=32,
+    S=32,
+    N=4,
+    K=2,
+    layout="contiguous",
+    kw=dict(),
+    segments=((0, 3, 17), (0, 30)),
+  ),
+  "p4_zigzag_full_gqa_window_lengths": dict(
+    devices=4,
+    mesh=(4,),
+    names=("seq",),
+    seq="seq",
+    T=32,
+    S=32,
+    N=4,
+    K=2,
+    layout="zigzag",
+    block_q=2,
+    block_kv=4,
+    kw=dict(local_window_size=(9, 4)),
+    kv_lengths=(32, 27),
+  ),
+  # The same window, contiguous layout (window edges cross shard boundaries).
+  "p4_contiguous_full_gqa_window_lengths": dict(
+    devices=4,
+    mesh=(4,),
+    names=("seq",),
+    seq="seq",
+    T=32,
+    S=32,
+    N=4,
+    K=2,
+    layout="contiguous",
+    block_q=2,
+    block_kv=4,
+    kw=dict(local_window_size=(9, 4)),
+    q_lengths=(29, 32),
+    kv_lengths=(32, 27),
+  ),
+  # Bottom-right causal, zigzag, T > S: the first T - S = 32 queries see no key at all.
+  "p4_zigzag_bottom_right_T_gt_S_lengths": dict(
+    devices=4,
+    mesh=(4,),
+    names=("seq",),
+    seq="seq",
+    T=64,
+    S=32,
+    N=4,
+    K=2,
+    layout="zigzag",
+    block_q=4,
+    block_kv=2,
+    kw=dict(is_causal="bottom_right"),
+    q_lengths=(64, 50),
+    kv_lengths=(32, 21),
+  ),
+  # implementation="dense" per shard pair (one tile per pair of zigzag chunks), reached
+  # through a sequence whose first name (splash) cannot serve a ring.
+  "p4_dense_zigzag_causal_segments_lengths": dict(
+    devices=4,
+    mesh=(4,),
+    names=("seq",),
+    seq="seq",
+    T=32,
+    S=32,
+    N=4,
+    K=2,
+    layout="zigzag",
+    kw=dict(is_causal=True, implementation=("splash", "dense")),
+    segments=((0, 7, 19), (0, 25)),
+    kv_lengths=(32, 29),
+  ),
+  "p4_zigzag_bottom_right_window_softcap_bf16": dict(
+    devices=4,
+    mesh=(4,),
+    names=("seq",),
+    seq="seq",
+    T=32,
+    S=48,
+    N=4,
+    K=1,
+    layout="zigzag",
+    block_q=2,
+    block_kv=3,
+    kw=dict(is_causal="bottom_right", local_window_size=(20, 0), logits_soft_cap=5.0),
+    dtype="bfloat16",
+  ),
 }
 
 
 def _segment_ids(starts_per_batch, L):
   import numpy as np
+
   ids = np.zeros((len(starts_per_batch), L), np.int32)
   for b, starts in enumerate(starts_per_batch):
     for i, s in enumerate(starts):
@@ -134,6 +305,7 @@ def _segment_ids(starts_per_batch, L):
 
 def _inputs(c, seed=0):
   import numpy as np
+
   rng = np.random.default_rng(seed)
   B, H = 2, 8
   q = rng.standard_normal((B, c["T"], c["N"], H)).astype(np.float32)
@@ -142,6 +314,7 @@ def _inputs(c, seed=0):
   do = rng.standard_normal((B, c["T"], c["N"], H)).astype(np.float32)
   if c.get("dtype", "float32") != "float32":
     import jax.numpy as jnp
+
     # The reference sees the same rounded values, upcast.
     q, k, v, do = (x.astype(jnp.dtype(c["dtype"])) for x in (q, k, v, do))
   extra = {}
@@ -157,18 +330,28 @@ def _inputs(c, seed=0):
 
 def _reference(c, q, k, v, do, extra):
   import reference as ref
+
   B, T, N, _ = q.shape
   S = k.shape[1]
   kw = c["kw"]
   causal = kw.get("is_causal", False)
   causal = None if causal is False else ("top_left" if causal is True else causal)
   window = kw.get("local_window_size")
-  vis = ref.visible_mask(B, N, T, S, causal=causal, window=window,
-                         q_lengths=extra.get("query_seq_lengths"),
-                         kv_lengths=extra.get("key_value_seq_lengths"),
-                         q_seg=extra.get("q_segment_ids"), kv_seg=extra.get("kv_segment_ids"))
-  out, lse, cache = ref.attention(q, k, v, visible=vis, scale=kw.get("scale"),
-                                  soft_cap=kw.get("logits_soft_cap"))
+  vis = ref.visible_mask(
+    B,
+    N,
+    T,
+    S,
+    causal=causal,
+    window=window,
+    q_lengths=extra.get("query_seq_lengths"),
+    kv_lengths=extra.get("key_value_seq_lengths"),
+    q_seg=extra.get("q_segment_ids"),
+    kv_seg=extra.get("kv_segment_ids"),
+  )
+  out, lse, cache = ref.attention(
+    q, k, v, visible=vis, scale=kw.get("scale"), soft_cap=kw.get("logits_soft_cap")
+  )
   dq, dk, dv, _, _ = ref.grads(cache, do)
   return dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv), vis
 
@@ -181,6 +364,7 @@ def _plain_fn(c, vis):
   softmax is one op, like torch.softmax, and so is its backward). Empty rows: out 0, lse -inf."""
   import jax
   import jax.numpy as jnp
+
   kw = c["kw"]
   G = c["N"] // c["K"]
   cap = kw.get("logits_soft_cap")
@@ -212,6 +396,7 @@ def _plain_fn(c, vis):
 
 def _err(got, want):
   import numpy as np
+
   got = np.asarray(got, np.float64)
   return float(np.max(np.abs(got - want)) / max(1.0, float(np.max(np.abs(want)))))
 
@@ -219,6 +404,7 @@ def _err(got, want):
 def _lse_err(got, want):
   """Error on rows that attend to something; rows that attend to nothing must be very negative."""
   import numpy as np
+
   got = np.asarray(got, np.float64)
   live = np.isfinite(want)
   err = float(np.max(np.abs(got[live] - want[live])) / max(1.0, np.max(np.abs(want[live]))))
@@ -230,7 +416,8 @@ def _lse_err(got, want):
 def _mesh(c):
   import jax
   import numpy as np
-  devices = np.asarray(jax.devices()[:int(np.prod(c["mesh"]))]).reshape(c["mesh"])
+
+  devices = np.asarray(jax.devices()[: int(np.prod(c["mesh"]))]).reshape(c["mesh"])
   if c.get("explicit"):
     return jax.make_mesh(c["mesh"], c["names"], devices=devices.reshape(-1))
   return jax.sharding.Mesh(devices, c["names"])
@@ -241,6 +428,7 @@ def _ring_fn(c, mesh, extra):
   import jax
 
   import jattn
+
   P = mesh.shape[c["seq"]]
   zig = c["layout"] == "zigzag"
   blocks = {n: c[n] for n in ("block_q", "block_kv") if n in c}
@@ -253,18 +441,38 @@ def _ring_fn(c, mesh, extra):
     spec = PS(None, c["seq"])
 
     def body(q, k, v, ex):
-      return jattn.ring_attention(q, k, v, axis_name=c["seq"], layout=c["layout"],
-                                  return_residual=True, **blocks, **ex, **c["kw"])
+      return jattn.ring_attention(
+        q,
+        k,
+        v,
+        axis_name=c["seq"],
+        layout=c["layout"],
+        return_residual=True,
+        **blocks,
+        **ex,
+        **c["kw"],
+      )
 
     ex_specs = {n: (spec if "segment" in n else PS()) for n in seq_extra}
-    sm = jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec, ex_specs),
-                       out_specs=(spec, spec))
+    sm = jax.shard_map(
+      body, mesh=mesh, in_specs=(spec, spec, spec, ex_specs), out_specs=(spec, spec)
+    )
     run = lambda q, k, v: sm(q, k, v, seq_extra)
   else:
     run = lambda q, k, v: jattn.ring_attention_sharded(
-        q, k, v, mesh=mesh, seq_axis=c["seq"], batch_axis=c.get("batch"),
-        head_axis=c.get("head"), layout=c["layout"], return_residual=True, **blocks,
-        **seq_extra, **c["kw"])
+      q,
+      k,
+      v,
+      mesh=mesh,
+      seq_axis=c["seq"],
+      batch_axis=c.get("batch"),
+      head_axis=c.get("head"),
+      layout=c["layout"],
+      return_residual=True,
+      **blocks,
+      **seq_extra,
+      **c["kw"],
+    )
 
   def f(q, k, v):
     out, lse = run(perm(q), perm(k), perm(v))
@@ -281,13 +489,15 @@ def _value_and_grads(f, q, k, v, do):
     out, lse = f(q, k, v)
     return jnp.sum(out * do), (out, lse)
 
-  (_, (out, lse)), (dq, dk, dv) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2),
-                                                             has_aux=True))(q, k, v)
+  (_, (out, lse)), (dq, dk, dv) = jax.jit(
+    jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)
+  )(q, k, v)
   return dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv)
 
 
 def run_case(name):
   import jattn
+
   c = CASES[name]
   q, k, v, do, extra = _inputs(c)
   want, vis = _reference(c, q, k, v, do, extra)
@@ -301,7 +511,8 @@ def run_case(name):
   if c.get("single"):
     blocks = {n: c[n] for n in ("block_q", "block_kv") if n in c}
     single = lambda q, k, v: jattn.dot_product_attention(
-        q, k, v, implementation="chunked", return_residual=True, **blocks, **extra, **c["kw"])
+      q, k, v, implementation="chunked", return_residual=True, **blocks, **extra, **c["kw"]
+    )
     one = _value_and_grads(single, q, k, v, do)
     for key in ("out", "dq", "dk", "dv"):
       res["single_" + key] = _err(got[key], one[key])
@@ -316,6 +527,7 @@ def memory_by_ring_size(Ts=16, sizes=(4, 8)):
   import numpy as np
 
   import jattn
+
   res = {}
   for P in sizes:
     mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:P]), ("seq",))
@@ -324,8 +536,9 @@ def memory_by_ring_size(Ts=16, sizes=(4, 8)):
     kv = jax.ShapeDtypeStruct((1, T, 2, 8), jnp.float32)
 
     def loss(q, k, v):
-      out = jattn.ring_attention_sharded(q, k, v, mesh=mesh, seq_axis="seq", is_causal=True,
-                                         layout="zigzag", block_q=4, block_kv=4)
+      out = jattn.ring_attention_sharded(
+        q, k, v, mesh=mesh, seq_axis="seq", is_causal=True, layout="zigzag", block_q=4, block_kv=4
+      )
       return out.sum()
 
     compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv).compile()
@@ -336,6 +549,7 @@ def memory_by_ring_size(Ts=16, sizes=(4, 8)):
 def _doc_code_block(path, marker):
   """The ```python block of a Markdown page that contains ``marker``."""
   import re
+
   with open(path) as f:
     blocks = re.findall(r"```python\n(.*?)```", f.read(), flags=re.S)
   found = [b for b in blocks if marker in b]
@@ -354,6 +568,7 @@ def split_kv_recipe(P=4):
   import reference as ref
 
   import jattn
+
   B, S, N, K, H = 5, 32, 4, 2, 8
   L = S // P
   rng = np.random.default_rng(1)
@@ -373,9 +588,12 @@ def split_kv_recipe(P=4):
   out, lse = namespace["decode"](q, k_cache, v_cache, lengths)
   vis = ref.visible_mask(B, N, 1, S, kv_lengths=lengths)
   want, want_lse, _ = ref.attention(q, k, v, visible=vis)
-  return dict(out=_err(out, want), lse=_lse_err(lse, want_lse),
-              empty_row_zero=bool(np.all(np.asarray(out)[3] == 0.0)),
-              finite=bool(np.isfinite(np.asarray(out)).all()))
+  return dict(
+    out=_err(out, want),
+    lse=_lse_err(lse, want_lse),
+    empty_row_zero=bool(np.all(np.asarray(out)[3] == 0.0)),
+    finite=bool(np.isfinite(np.asarray(out)).all()),
+  )
 
 
 # Ring attention against the single-device call on the same global inputs, for what ring
@@ -384,21 +602,27 @@ def split_kv_recipe(P=4):
 # would differ). Each feature set runs in both layouts; on 8 devices the batch is sharded too,
 # so batch indices must be global for the mask function, score_mod and the dropout hash.
 SINGLE_FEATURES = {
-    "chunked_local_causal_sinks_dropout": lambda M, T, tbl: dict(
-        mask=M.chunked_local(12) & M.causal(), sinks=True, dropout_rate=0.25),
-    # prefix_lm or a function of batch and head, a window, dropout and a score_mod with a table.
-    "prefix_lm_from_function_window_dropout_score_mod_table": lambda M, T, tbl: dict(
-        mask=M.prefix_lm(11) | M.from_function(
-            lambda b, h, q, k: ((k <= q) & ((q - k) % 5 != 2)) | ((b == 1) & (h == 3))),
-        local_window_size=(20, 20), dropout_rate=0.2,
-        score_mod=lambda s, b, h, q, k: (
-            s + tbl[k - q + T] * (h + 1).astype(s.dtype)
-            - 0.1 * ((b + 1) * jnp_abs(q - k)).astype(s.dtype) * tbl[h])),
+  "chunked_local_causal_sinks_dropout": lambda M, T, tbl: dict(
+    mask=M.chunked_local(12) & M.causal(), sinks=True, dropout_rate=0.25
+  ),
+  # prefix_lm or a function of batch and head, a window, dropout and a score_mod with a table.
+  "prefix_lm_from_function_window_dropout_score_mod_table": lambda M, T, tbl: dict(
+    mask=M.prefix_lm(11)
+    | M.from_function(lambda b, h, q, k: ((k <= q) & ((q - k) % 5 != 2)) | ((b == 1) & (h == 3))),
+    local_window_size=(20, 20),
+    dropout_rate=0.2,
+    score_mod=lambda s, b, h, q, k: (
+      s
+      + tbl[k - q + T] * (h + 1).astype(s.dtype)
+      - 0.1 * ((b + 1) * jnp_abs(q - k)).astype(s.dtype) * tbl[h]
+    ),
+  ),
 }
 
 
 def jnp_abs(x):
   import jax.numpy as jnp
+
   return jnp.abs(x)
 
 
@@ -410,6 +634,7 @@ def vs_single(devices):
 
   import jattn
   from jattn import masks as M
+
   # A value head size of its own (Hv != H, as MLA's) rides along with every feature.
   B, T, N, K, H, Hv = 2, 32, 4, 2, 8, 12
   keys = jax.random.split(jax.random.key(3), 6)
@@ -420,8 +645,9 @@ def vs_single(devices):
   table = jax.random.normal(keys[4], (2 * T,), jnp.float32)
   sinks = jnp.linspace(-0.5, 1.0, N, dtype=jnp.float32)
   rng = jax.random.key(11)
-  shape, names, batch = ((2, 4), ("data", "seq"), "data") if devices == 8 else ((4,), ("seq",),
-                                                                              None)
+  shape, names, batch = (
+    ((2, 4), ("data", "seq"), "data") if devices == 8 else ((4,), ("seq",), None)
+  )
   mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:devices]).reshape(shape), names)
   P = mesh.shape["seq"]
   out = {}
@@ -436,8 +662,9 @@ def vs_single(devices):
       return kw
 
     def single(q, k, v, snk, tbl):
-      return jattn.dot_product_attention(q, k, v, implementation="chunked", block_q=8,
-                                         block_kv=8, **kwargs(snk, tbl))
+      return jattn.dot_product_attention(
+        q, k, v, implementation="chunked", block_q=8, block_kv=8, **kwargs(snk, tbl)
+      )
 
     # One single-device answer per feature serves both layouts.
     want = _out_and_grads(single, do, q, k, v, sinks, table)
@@ -448,15 +675,26 @@ def vs_single(devices):
       unperm = (lambda x: jattn.zigzag_unpermute(x, P)) if layout == "zigzag" else (lambda x: x)
 
       def ring(q, k, v, snk, tbl, perm=perm, unperm=unperm, layout=layout):
-        o = jattn.ring_attention_sharded(perm(q), perm(k), perm(v), mesh=mesh, seq_axis="seq",
-                                         batch_axis=batch, layout=layout, block_q=4, block_kv=4,
-                                         **kwargs(snk, tbl))
+        o = jattn.ring_attention_sharded(
+          perm(q),
+          perm(k),
+          perm(v),
+          mesh=mesh,
+          seq_axis="seq",
+          batch_axis=batch,
+          layout=layout,
+          block_q=4,
+          block_kv=4,
+          **kwargs(snk, tbl),
+        )
         return unperm(o)
 
       got = _out_and_grads(ring, do, q, k, v, sinks, table)
       out[f"{feature}/{layout}"] = dict(
-          {key: _err(got[key], want[key]) for key in got},
-          used_sinks=used["dsinks"], used_table=used["dtable"])
+        {key: _err(got[key], want[key]) for key in got},
+        used_sinks=used["dsinks"],
+        used_table=used["dtable"],
+      )
   if devices == 4:
     out["typed_shard_map_score_mod_sinks"] = _typed_vs_single(mesh, q, k, v, do, sinks, table)
   return out
@@ -471,8 +709,9 @@ def _out_and_grads(f, do, *args):
     o = f(*a)
     return jnp.sum(o * do), o
 
-  (_, val), grads = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(len(args))),
-                                               has_aux=True))(*args)
+  (_, val), grads = jax.jit(
+    jax.value_and_grad(loss, argnums=tuple(range(len(args))), has_aux=True)
+  )(*args)
   return dict(zip(("out", "dq", "dk", "dv", "dsinks", "dtable"), (val,) + tuple(grads)))
 
 
@@ -483,20 +722,23 @@ def _typed_vs_single(mesh, q, k, v, do, sinks, table):
   import jax
 
   import jattn
+
   PS = jax.sharding.PartitionSpec
   T = q.shape[1]
-  mod = lambda tbl: (lambda s, b, h, qi, ki: s + tbl[ki - qi + T])
+  mod = lambda tbl: lambda s, b, h, qi, ki: s + tbl[ki - qi + T]
 
   def ring(q, k, v, snk, tbl):
     body = lambda q, k, v, snk, tbl: jattn.ring_attention(
-        q, k, v, axis_name="seq", is_causal=True, sinks=snk, score_mod=mod(tbl), block_q=4,
-        block_kv=4)
+      q, k, v, axis_name="seq", is_causal=True, sinks=snk, score_mod=mod(tbl), block_q=4, block_kv=4
+    )
     sp = PS(None, "seq")
-    return jax.shard_map(body, mesh=mesh, in_specs=(sp, sp, sp, PS(), PS()), out_specs=sp,
-                         check_vma=True)(q, k, v, snk, tbl)
+    return jax.shard_map(
+      body, mesh=mesh, in_specs=(sp, sp, sp, PS(), PS()), out_specs=sp, check_vma=True
+    )(q, k, v, snk, tbl)
 
   single = lambda q, k, v, snk, tbl: jattn.dot_product_attention(
-      q, k, v, is_causal=True, sinks=snk, score_mod=mod(tbl))
+    q, k, v, is_causal=True, sinks=snk, score_mod=mod(tbl)
+  )
   got = {}
   for name, f in (("ring", ring), ("single", single)):
     got[name] = _out_and_grads(f, do, q, k, v, sinks, table)
@@ -506,6 +748,7 @@ def _typed_vs_single(mesh, q, k, v, do, sinks, table):
 def main_cases(devices, names):
   _setup(devices)
   import jax
+
   jax.config.update("jax_numpy_dtype_promotion", "strict")
   jax.config.update("jax_numpy_rank_promotion", "raise")
   assert jax.device_count() == devices, jax.devices()
@@ -539,12 +782,17 @@ def write_run(devices, names, out):
   """Run the cases in a child process and write {"rc", "results", "stderr"} to ``out``, whole
   (written beside it, then renamed): tests/_ring_runs.py's workers poll for the file."""
   import subprocess
-  proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--devices", str(devices),
-                         *names], capture_output=True, text=True, timeout=900)
+
+  proc = subprocess.run(
+    [sys.executable, os.path.abspath(__file__), "--devices", str(devices), *names],
+    capture_output=True,
+    text=True,
+    timeout=900,
+  )
   results = None
   for line in proc.stdout.splitlines():
     if line.startswith("RESULTS "):
-      results = json.loads(line[len("RESULTS "):])
+      results = json.loads(line[len("RESULTS ") :])
   with open(out + ".part", "w") as f:
     json.dump({"rc": proc.returncode, "results": results, "stderr": proc.stderr[-8000:]}, f)
   os.replace(out + ".part", out)
@@ -555,21 +803,29 @@ def main_distributed(process_id, address):
   _setup(2)
   import jax
   import numpy as np
+
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.config.update("jax_numpy_dtype_promotion", "strict")
   jax.config.update("jax_numpy_rank_promotion", "raise")
   # The coordinator (process 0) listens on ADDRESS itself, not on jax's default "[::]:port".
-  jax.distributed.initialize(coordinator_address=address, coordinator_bind_address=address,
-                             num_processes=2, process_id=process_id, initialization_timeout=60)
+  jax.distributed.initialize(
+    coordinator_address=address,
+    coordinator_bind_address=address,
+    num_processes=2,
+    process_id=process_id,
+    initialization_timeout=60,
+  )
   try:
     import jattn
+
     c = dict(T=32, S=32, N=4, K=2, kw=dict(is_causal=True), segments=((0, 7, 20), (0, 25)))
     q, k, v, do, extra = _inputs(c)
     want, _ = _reference(c, q, k, v, do, extra)
     mesh = jax.sharding.Mesh(np.asarray(jax.devices()), ("seq",))
     PS = jax.sharding.PartitionSpec
     glob = lambda x, spec: jax.make_array_from_callback(
-        x.shape, jax.sharding.NamedSharding(mesh, spec), lambda idx: x[idx])
+      x.shape, jax.sharding.NamedSharding(mesh, spec), lambda idx: x[idx]
+    )
     seq = PS(None, "seq")
     P = 4
     perm = lambda x: np.asarray(jattn.zigzag_permute(x, P))
@@ -578,12 +834,22 @@ def main_distributed(process_id, address):
 
     # Arrays spanning both processes must be arguments, not closed-over constants.
     def loss(q, k, v, seg, do):
-      out = jattn.ring_attention_sharded(q, k, v, mesh=mesh, seq_axis="seq", layout="zigzag",
-                                         q_segment_ids=seg, kv_segment_ids=seg, **c["kw"])
+      out = jattn.ring_attention_sharded(
+        q,
+        k,
+        v,
+        mesh=mesh,
+        seq_axis="seq",
+        layout="zigzag",
+        q_segment_ids=seg,
+        kv_segment_ids=seg,
+        **c["kw"],
+      )
       return (out * do).sum(), out
 
     (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(
-        gq, gk, gv, gseg, gdo)
+      gq, gk, gv, gseg, gdo
+    )
     res = {}
     for key, arr in zip(("out", "dq", "dk", "dv"), (out,) + tuple(grads)):
       full = perm(want[key])  # the global arrays are in zigzag order

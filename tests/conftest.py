@@ -37,7 +37,8 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 
 def pytest_configure(config):
   config.addinivalue_line(
-      "markers", "long: one of the few tests that run for a minute or more; started first")
+    "markers", "long: one of the few tests that run for a minute or more; started first"
+  )
 
 
 def pytest_collection_modifyitems(config, items):
@@ -51,6 +52,7 @@ def _start_ring_runs(request, tmp_path_factory):
   # The multi-device ring runs compile for about a minute each in subprocesses: start them with
   # the session, beside the rest of the suite, rather than when the first ring test asks.
   import _ring_runs
+
   root = _ring_runs.session_dir(tmp_path_factory)
   items = request.session.items
   for devices in (4, 8):
@@ -66,5 +68,6 @@ def _release_compiled_programs():
   # after each module frees them (test_paged alone: 15380 mappings -> 609).
   yield
   import gc
+
   jax.clear_caches()
   gc.collect()

@@ -38,12 +38,13 @@ def keep(dropout_rng, rate, b, n, t, s):
   x = _mix(x ^ ((u(n) + s1) & _M32))
   x = _mix(x ^ _mul(u(t), 0x85EBCA6B))
   x = _mix(x ^ _mul(u(s), 0xC2B2AE35))
-  threshold = min(int(round(rate * 2.0 ** 32)), 2 ** 32 - 1)  # noqa: RUF046
+  threshold = min(int(round(rate * 2.0**32)), 2**32 - 1)  # noqa: RUF046
   return x >= np.uint64(threshold)
 
 
 def keep_mask(dropout_rng, rate, B, N, T, S, broadcast=False):
   """The (B, N, T, S) keep-mask ((1, 1, T, S) when broadcast over examples and heads)."""
-  b, n, t, s = np.ix_(np.arange(1 if broadcast else B), np.arange(1 if broadcast else N),
-                      np.arange(T), np.arange(S))
+  b, n, t, s = np.ix_(
+    np.arange(1 if broadcast else B), np.arange(1 if broadcast else N), np.arange(T), np.arange(S)
+  )
   return keep(dropout_rng, rate, b, n, t, s)

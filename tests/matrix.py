@@ -31,6 +31,7 @@ BLOCKS = dict(block_q=8, block_kv=8)
 def implementations() -> dict[str, dict]:
   """name -> dot_product_attention keywords, from jattn's registry of implementations."""
   from jattn import _plan, _registry
+
   out = {"None": dict(implementation=None)}
   for name in _registry.REGISTRY:
     if name == "chunked":
@@ -44,6 +45,7 @@ def implementations() -> dict[str, dict]:
 def platform_of(impl: str):
   """The platforms an implementation lowers for (None: every one)."""
   from jattn import _registry
+
   return None if impl == "None" else _registry.platforms(impl.split("-")[0])
 
 
@@ -82,78 +84,114 @@ _SEG = np.stack([(np.arange(T) >= c).astype(np.int32) for c in (0, 10, 20, 31)])
 _MASK = _rng(4).random((B, 1, T, S)) < 0.7
 # Positions: per example a left-padded cache (its positions start after pad slots, the pads at
 # position 0) or a restart (two packed sequences); the queries are the last T keys' positions.
-_KV_POS = np.stack([np.concatenate([np.zeros(p), np.arange(S - p)]) if p >= 0
-                    else np.concatenate([np.arange(-p), np.arange(S + p)])
-                    for p in (0, 6, 13, -11)]).astype(np.int32)
-_Q_POS = _KV_POS[:, S - T:]
-_POS_VIS = ((_KV_POS[:, None, None, :] <= _Q_POS[:, None, :, None])
-            & (_KV_POS[:, None, None, :] >= _Q_POS[:, None, :, None] - 7))
+_KV_POS = np.stack(
+  [
+    np.concatenate([np.zeros(p), np.arange(S - p)])
+    if p >= 0
+    else np.concatenate([np.arange(-p), np.arange(S + p)])
+    for p in (0, 6, 13, -11)
+  ]
+).astype(np.int32)
+_Q_POS = _KV_POS[:, S - T :]
+_POS_VIS = (_KV_POS[:, None, None, :] <= _Q_POS[:, None, :, None]) & (
+  _KV_POS[:, None, None, :] >= _Q_POS[:, None, :, None] - 7
+)
 _RATE = 0.25
 
 OPTIONS: dict[str, Option] = {
-    "plain": Option(call=lambda a: {}),
-    "bias": Option(call=lambda a: dict(bias=a["bias"]),
-                   arrays={"bias": (_rng(1).standard_normal((B, N, T, S)), "BNTS")},
-                   diff=("bias",), ref=lambda a: dict(bias=a["bias"])),
-    "bias-broadcast": Option(call=lambda a: dict(bias=a["bias"]),
-                             arrays={"bias": (_rng(2).standard_normal((1, N, 1, S)), "_N_S")},
-                             diff=("bias",), ref=lambda a: dict(bias=a["bias"])),
-    "bias+masks": Option(
-        call=lambda a: dict(bias=a["bias"], is_causal=True, key_value_seq_lengths=a["kv_len"],
-                            q_segment_ids=a["seg"], kv_segment_ids=a["seg"]),
-        arrays={"bias": (_rng(3).standard_normal((B, N, T, S)), "BNTS"),
-                "kv_len": (_KV_LEN, "B"), "seg": (_SEG, "BT")},
-        diff=("bias",), mask_kw=dict(causal="top_left", kv_lengths=_KV_LEN, q_seg=_SEG,
-                                     kv_seg=_SEG),
-        ref=lambda a: dict(bias=a["bias"])),
-    "causal": Option(call=lambda a: dict(is_causal=True), mask_kw=dict(causal="top_left")),
-    "window": Option(call=lambda a: dict(local_window_size=(5, 2)), mask_kw=dict(window=(5, 2))),
-    "causal-window": Option(call=lambda a: dict(is_causal=True, local_window_size=(7, 0)),
-                            mask_kw=dict(causal="top_left", window=(7, 0))),
-    "lengths": Option(
-        call=lambda a: dict(query_seq_lengths=a["q_len"], key_value_seq_lengths=a["kv_len"]),
-        arrays={"q_len": (_Q_LEN, "B"), "kv_len": (_KV_LEN, "B")},
-        mask_kw=dict(q_lengths=_Q_LEN, kv_lengths=_KV_LEN)),
-    "segment-ids": Option(
-        call=lambda a: dict(q_segment_ids=a["seg"], kv_segment_ids=a["seg"]),
-        arrays={"seg": (_SEG, "BT")}, mask_kw=dict(q_seg=_SEG, kv_seg=_SEG)),
-    "mask-array": Option(
-        call=lambda a: dict(mask=a["mask"]),
-        arrays={"mask": (_MASK, "B_TS")}, mask_kw=dict(mask=_MASK)),
-    "positions": Option(
-        call=lambda a: dict(is_causal=True, local_window_size=(7, 0), q_positions=a["q_pos"],
-                            kv_positions=a["kv_pos"]),
-        arrays={"q_pos": (_Q_POS, "BT"), "kv_pos": (_KV_POS, "BS")},
-        mask_kw=dict(mask=_POS_VIS)),
-    "mask-object": Option(
-        call=lambda a: dict(mask=_mask_object()),
-        mask_kw=dict(causal="top_left", window=(5, 5))),
-    "soft-cap": Option(call=lambda a: dict(logits_soft_cap=2.0),
-                       ref=lambda a: dict(soft_cap=2.0)),
-    "sinks": Option(call=lambda a: dict(sinks=a["sinks"], is_causal=True),
-                    arrays={"sinks": (np.linspace(-1.0, 1.0, N), "N")}, diff=("sinks",),
-                    mask_kw=dict(causal="top_left"), ref=lambda a: dict(sinks=a["sinks"])),
-    "dropout": Option(call=lambda a: dict(dropout_rate=_RATE, dropout_rng=jax.random.key(5),
-                                          is_causal=True),
-                      mask_kw=dict(causal="top_left"),
-                      ref=lambda a: dict(dropout_rate=_RATE, keep=dropout_reference.keep_mask(
-                          jax.random.key(5), _RATE, B, N, T, S))),
-    "score-mod": Option(call=lambda a: dict(score_mod=_alibi),
-                        ref=lambda a: dict(make_score_mod=lambda args: _alibi)),
-    "score-mod-table": Option(
-        call=lambda a: dict(score_mod=_table_mod(a["table"]), is_causal=True),
-        # Never sharded ("__"): the score_mod indexes it with the user's own gather, which
-        # under an Explicit mesh cannot read a sharded operand with replicated indices (that
-        # is the user's array and code, as it would be without jattn).
-        arrays={"table": (_rng(6).standard_normal((N, T + S)), "__")}, diff=("table",),
-        mask_kw=dict(causal="top_left"),
-        ref=lambda a: dict(make_score_mod=lambda args: _table_mod(args[0]),
-                           score_args=(a["table"],))),
+  "plain": Option(call=lambda a: {}),
+  "bias": Option(
+    call=lambda a: dict(bias=a["bias"]),
+    arrays={"bias": (_rng(1).standard_normal((B, N, T, S)), "BNTS")},
+    diff=("bias",),
+    ref=lambda a: dict(bias=a["bias"]),
+  ),
+  "bias-broadcast": Option(
+    call=lambda a: dict(bias=a["bias"]),
+    arrays={"bias": (_rng(2).standard_normal((1, N, 1, S)), "_N_S")},
+    diff=("bias",),
+    ref=lambda a: dict(bias=a["bias"]),
+  ),
+  "bias+masks": Option(
+    call=lambda a: dict(
+      bias=a["bias"],
+      is_causal=True,
+      key_value_seq_lengths=a["kv_len"],
+      q_segment_ids=a["seg"],
+      kv_segment_ids=a["seg"],
+    ),
+    arrays={
+      "bias": (_rng(3).standard_normal((B, N, T, S)), "BNTS"),
+      "kv_len": (_KV_LEN, "B"),
+      "seg": (_SEG, "BT"),
+    },
+    diff=("bias",),
+    mask_kw=dict(causal="top_left", kv_lengths=_KV_LEN, q_seg=_SEG, kv_seg=_SEG),
+    ref=lambda a: dict(bias=a["bias"]),
+  ),
+  "causal": Option(call=lambda a: dict(is_causal=True), mask_kw=dict(causal="top_left")),
+  "window": Option(call=lambda a: dict(local_window_size=(5, 2)), mask_kw=dict(window=(5, 2))),
+  "causal-window": Option(
+    call=lambda a: dict(is_causal=True, local_window_size=(7, 0)),
+    mask_kw=dict(causal="top_left", window=(7, 0)),
+  ),
+  "lengths": Option(
+    call=lambda a: dict(query_seq_lengths=a["q_len"], key_value_seq_lengths=a["kv_len"]),
+    arrays={"q_len": (_Q_LEN, "B"), "kv_len": (_KV_LEN, "B")},
+    mask_kw=dict(q_lengths=_Q_LEN, kv_lengths=_KV_LEN),
+  ),
+  "segment-ids": Option(
+    call=lambda a: dict(q_segment_ids=a["seg"], kv_segment_ids=a["seg"]),
+    arrays={"seg": (_SEG, "BT")},
+    mask_kw=dict(q_seg=_SEG, kv_seg=_SEG),
+  ),
+  "mask-array": Option(
+    call=lambda a: dict(mask=a["mask"]), arrays={"mask": (_MASK, "B_TS")}, mask_kw=dict(mask=_MASK)
+  ),
+  "positions": Option(
+    call=lambda a: dict(
+      is_causal=True, local_window_size=(7, 0), q_positions=a["q_pos"], kv_positions=a["kv_pos"]
+    ),
+    arrays={"q_pos": (_Q_POS, "BT"), "kv_pos": (_KV_POS, "BS")},
+    mask_kw=dict(mask=_POS_VIS),
+  ),
+  "mask-object": Option(
+    call=lambda a: dict(mask=_mask_object()), mask_kw=dict(causal="top_left", window=(5, 5))
+  ),
+  "soft-cap": Option(call=lambda a: dict(logits_soft_cap=2.0), ref=lambda a: dict(soft_cap=2.0)),
+  "sinks": Option(
+    call=lambda a: dict(sinks=a["sinks"], is_causal=True),
+    arrays={"sinks": (np.linspace(-1.0, 1.0, N), "N")},
+    diff=("sinks",),
+    mask_kw=dict(causal="top_left"),
+    ref=lambda a: dict(sinks=a["sinks"]),
+  ),
+  "dropout": Option(
+    call=lambda a: dict(dropout_rate=_RATE, dropout_rng=jax.random.key(5), is_causal=True),
+    mask_kw=dict(causal="top_left"),
+    ref=lambda a: dict(
+      dropout_rate=_RATE, keep=dropout_reference.keep_mask(jax.random.key(5), _RATE, B, N, T, S)
+    ),
+  ),
+  "score-mod": Option(
+    call=lambda a: dict(score_mod=_alibi), ref=lambda a: dict(make_score_mod=lambda args: _alibi)
+  ),
+  "score-mod-table": Option(
+    call=lambda a: dict(score_mod=_table_mod(a["table"]), is_causal=True),
+    # Never sharded ("__"): the score_mod indexes it with the user's own gather, which
+    # under an Explicit mesh cannot read a sharded operand with replicated indices (that
+    # is the user's array and code, as it would be without jattn).
+    arrays={"table": (_rng(6).standard_normal((N, T + S)), "__")},
+    diff=("table",),
+    mask_kw=dict(causal="top_left"),
+    ref=lambda a: dict(make_score_mod=lambda args: _table_mod(args[0]), score_args=(a["table"],)),
+  ),
 }
 
 
 def _mask_object():
   from jattn import masks
+
   return masks.causal() & masks.local_window(5)
 
 
@@ -192,6 +230,7 @@ def reference(name):
 def loss_and_grads(impl_kw, name):
   """f(q, k, v, do, arrays) -> (out, grads dict): the call and the VJP of sum(out * do)."""
   import jattn
+
   opt = OPTIONS[name]
 
   def f(q, k, v, do, arrays):

@@ -15,15 +15,28 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def visible_mask(B, N, T, S, *, mask=None, causal=None, window=None, q_lengths=None,
-                 kv_lengths=None, q_seg=None, kv_seg=None):
+def visible_mask(
+  B,
+  N,
+  T,
+  S,
+  *,
+  mask=None,
+  causal=None,
+  window=None,
+  q_lengths=None,
+  kv_lengths=None,
+  q_seg=None,
+  kv_seg=None,
+):
   """The dense (B, N, T, S) boolean mask, built index by index from the definitions."""
   t = np.arange(T)[:, None]
   s = np.arange(S)[None, :]
   vis = np.ones((B, N, T, S), bool)
   if mask is not None:
-    vis &= np.broadcast_to(np.asarray(mask, bool).reshape((1,) * (4 - np.ndim(mask))
-                                                         + np.shape(mask)), vis.shape)
+    vis &= np.broadcast_to(
+      np.asarray(mask, bool).reshape((1,) * (4 - np.ndim(mask)) + np.shape(mask)), vis.shape
+    )
   offset = 0 if causal in (None, "top_left") else S - T
   if causal is not None:
     vis &= (s <= t + offset)[None, None]
@@ -32,16 +45,28 @@ def visible_mask(B, N, T, S, *, mask=None, causal=None, window=None, q_lengths=N
     vis &= ((s >= t + offset - left) & (s <= t + offset + right))[None, None]
   for b in range(B):
     if q_lengths is not None:
-      vis[b, :, q_lengths[b]:, :] = False
+      vis[b, :, q_lengths[b] :, :] = False
     if kv_lengths is not None:
-      vis[b, :, :, kv_lengths[b]:] = False
+      vis[b, :, :, kv_lengths[b] :] = False
     if q_seg is not None:
       vis[b] &= (np.asarray(q_seg)[b][:, None] == np.asarray(kv_seg)[b][None, :])[None]
   return vis
 
 
-def attention(q, k, v, *, visible=None, bias=None, scale=None, soft_cap=None, keep=None,
-              dropout_rate=0.0, sinks=None, score_mod=None):
+def attention(
+  q,
+  k,
+  v,
+  *,
+  visible=None,
+  bias=None,
+  scale=None,
+  soft_cap=None,
+  keep=None,
+  dropout_rate=0.0,
+  sinks=None,
+  score_mod=None,
+):
   """Forward pass. Returns (out (B,T,N,H), lse (B,T,N), and the intermediates for `grads`)."""
   q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
   B, T, N, H = q.shape
@@ -71,15 +96,31 @@ def attention(q, k, v, *, visible=None, bias=None, scale=None, soft_cap=None, ke
   if sinks is not None:
     denom = denom + np.exp(np.asarray(sinks, np.float64)[None, :, None, None] - m)
   p = np.where(denom > 0, e / np.where(denom > 0, denom, 1.0), 0.0)  # empty rows -> 0
-  lse = np.where(denom[..., 0] > 0, np.log(np.where(denom[..., 0] > 0, denom[..., 0], 1.0))
-                 + m[..., 0], -np.inf)
+  lse = np.where(
+    denom[..., 0] > 0, np.log(np.where(denom[..., 0] > 0, denom[..., 0], 1.0)) + m[..., 0], -np.inf
+  )
   pd = p
   if keep is not None and dropout_rate > 0:
     pd = np.where(keep, p, 0.0) / (1.0 - dropout_rate)
   out = np.einsum("bnts,bsnh->btnh", pd, vr)
-  cache = dict(q=q, kr=kr, vr=vr, p=p, pd=pd, tanh=tanh, scale=scale, G=G, K=K, keep=keep,
-               rate=dropout_rate, vis=vis, sinks=sinks, m=m, denom=denom,
-               score_mod=score_mod)
+  cache = dict(
+    q=q,
+    kr=kr,
+    vr=vr,
+    p=p,
+    pd=pd,
+    tanh=tanh,
+    scale=scale,
+    G=G,
+    K=K,
+    keep=keep,
+    rate=dropout_rate,
+    vis=vis,
+    sinks=sinks,
+    m=m,
+    denom=denom,
+    score_mod=score_mod,
+  )
   return out, lse.transpose(0, 2, 1), cache
 
 
@@ -102,8 +143,10 @@ def grads(cache, dout, bias_shape=None):
   dlogits = p * (dp - rowdot)
   dsinks = None
   if cache["sinks"] is not None:
-    p_sink = np.exp(np.asarray(cache["sinks"], np.float64)[None, :, None, None] - cache["m"]) / \
-        cache["denom"]
+    p_sink = (
+      np.exp(np.asarray(cache["sinks"], np.float64)[None, :, None, None] - cache["m"])
+      / cache["denom"]
+    )
     dsinks = -(p_sink * rowdot).sum(axis=(0, 2, 3))
   dbias = None
   if bias_shape is not None:
@@ -119,9 +162,23 @@ def grads(cache, dout, bias_shape=None):
   return dq, dk, dv, dbias, dsinks
 
 
-def attention_vjp(q, k, v, dout, *, visible=None, bias=None, scale=None, soft_cap=None,
-                  keep=None, dropout_rate=0.0, sinks=None, make_score_mod=None, score_args=(),
-                  dlse=None):
+def attention_vjp(
+  q,
+  k,
+  v,
+  dout,
+  *,
+  visible=None,
+  bias=None,
+  scale=None,
+  soft_cap=None,
+  keep=None,
+  dropout_rate=0.0,
+  sinks=None,
+  make_score_mod=None,
+  score_args=(),
+  dlse=None,
+):
   """The definition in float64 jax.numpy, forward and reverse by autodiff.
 
   ``make_score_mod(args)`` returns ``f(score, b, h, q_index, kv_index)`` on the (B,N,T,S) logits
@@ -152,10 +209,12 @@ def attention_vjp(q, k, v, dout, *, visible=None, bias=None, scale=None, soft_ca
       if bias is not None:
         s = s + bias.reshape((1,) * (4 - bias.ndim) + bias.shape)
       if make_score_mod is not None:
-        idx = (jnp.arange(B, dtype=jnp.int32).reshape(B, 1, 1, 1),
-               jnp.arange(N, dtype=jnp.int32).reshape(1, N, 1, 1),
-               jnp.arange(T, dtype=jnp.int32).reshape(1, 1, T, 1),
-               jnp.arange(S, dtype=jnp.int32).reshape(1, 1, 1, S))
+        idx = (
+          jnp.arange(B, dtype=jnp.int32).reshape(B, 1, 1, 1),
+          jnp.arange(N, dtype=jnp.int32).reshape(1, N, 1, 1),
+          jnp.arange(T, dtype=jnp.int32).reshape(1, 1, T, 1),
+          jnp.arange(S, dtype=jnp.int32).reshape(1, 1, 1, S),
+        )
         s = make_score_mod(args)(s, *idx)
       logits = jnp.where(vis, s, -jnp.inf)
       m = logits.max(axis=-1, keepdims=True)
@@ -178,6 +237,12 @@ def attention_vjp(q, k, v, dout, *, visible=None, bias=None, scale=None, soft_ca
     dlse = jnp.zeros_like(lse) if dlse is None else jnp.where(jnp.isfinite(lse), f64(dlse), 0.0)
     dq, dk, dv, dbias, dsinks, dargs = pull((dout, dlse))
     to_np = lambda x: None if x is None else np.asarray(x)
-    grads = dict(dq=to_np(dq), dk=to_np(dk), dv=to_np(dv), dbias=to_np(dbias),
-                 dsinks=to_np(dsinks), dargs=jax.tree.map(to_np, dargs))
+    grads = dict(
+      dq=to_np(dq),
+      dk=to_np(dk),
+      dv=to_np(dv),
+      dbias=to_np(dbias),
+      dsinks=to_np(dsinks),
+      dargs=jax.tree.map(to_np, dargs),
+    )
     return np.asarray(out), np.asarray(lse), grads

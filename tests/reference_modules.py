@@ -24,8 +24,10 @@ NAMES = ("query", "key", "value", "out")
 
 def params_from_linen(params) -> dict:
   """{name: {"kernel", "bias"}} in float64 from a jattn.linen params tree (``["params"]``)."""
-  return {n: {w: np.asarray(params[n][w], np.float64) for w in ("kernel", "bias")
-              if w in params[n]} for n in NAMES}
+  return {
+    n: {w: np.asarray(params[n][w], np.float64) for w in ("kernel", "bias") if w in params[n]}
+    for n in NAMES
+  }
 
 
 def params_from_nnx(module) -> dict:
@@ -80,9 +82,26 @@ def _positions(p, B, L):
   return np.broadcast_to(p if p.ndim == 2 else p[None], (B, L))
 
 
-def mha(params, x_q, x_kv=None, *, causal=None, window=None, mask=None, scale=None,
-        soft_cap=None, rope_base=None, positions=None, kv_positions=None, q_lengths=None,
-        kv_lengths=None, q_seg=None, kv_seg=None, keep=None, dropout_rate=0.0):
+def mha(
+  params,
+  x_q,
+  x_kv=None,
+  *,
+  causal=None,
+  window=None,
+  mask=None,
+  scale=None,
+  soft_cap=None,
+  rope_base=None,
+  positions=None,
+  kv_positions=None,
+  q_lengths=None,
+  kv_lengths=None,
+  q_seg=None,
+  kv_seg=None,
+  keep=None,
+  dropout_rate=0.0,
+):
   """The layer's forward pass without a cache. Returns (B, T, D_out) float64.
 
   x_q (B, T, D); x_kv (B, S, D_kv) for cross-attention (None: self-attention on x_q).
@@ -105,11 +124,22 @@ def mha(params, x_q, x_kv=None, *, causal=None, window=None, mask=None, scale=No
     else:
       kp = _positions(kv_positions, B, S)
     q, k = rope(q, qp, rope_base), rope(k, kp, rope_base)
-  vis = reference.visible_mask(B, N, T, S, mask=mask, causal=causal, window=window,
-                               q_lengths=q_lengths, kv_lengths=kv_lengths, q_seg=q_seg,
-                               kv_seg=kv_seg)
-  o, _, _ = reference.attention(q, k, v, visible=vis, scale=scale, soft_cap=soft_cap, keep=keep,
-                                dropout_rate=dropout_rate)
+  vis = reference.visible_mask(
+    B,
+    N,
+    T,
+    S,
+    mask=mask,
+    causal=causal,
+    window=window,
+    q_lengths=q_lengths,
+    kv_lengths=kv_lengths,
+    q_seg=q_seg,
+    kv_seg=kv_seg,
+  )
+  o, _, _ = reference.attention(
+    q, k, v, visible=vis, scale=scale, soft_cap=soft_cap, keep=keep, dropout_rate=dropout_rate
+  )
   return project_out(params, o)
 
 
@@ -138,7 +168,7 @@ def decode(params, steps, *, window=None, scale=None, soft_cap=None, rope_base=N
       fill = 0 if cache_k[b] is None else cache_k[b].shape[0]
       n = int(n_new[b])
       pos = fill + np.arange(n)[None]
-      qb, kb, vb = q[b:b + 1, :n], k[b:b + 1, :n], v[b:b + 1, :n]
+      qb, kb, vb = q[b : b + 1, :n], k[b : b + 1, :n], v[b : b + 1, :n]
       if rope_base is not None:
         qb, kb = rope(qb, pos, rope_base), rope(kb, pos, rope_base)
       cache_k[b] = kb[0] if cache_k[b] is None else np.concatenate([cache_k[b], kb[0]])
@@ -150,8 +180,13 @@ def decode(params, steps, *, window=None, scale=None, soft_cap=None, rope_base=N
       if window is not None:
         vis &= j >= t - window[0]
       ob, _, _ = reference.attention(
-          qb, cache_k[b][None], cache_v[b][None],
-          visible=np.broadcast_to(vis, (1, N, n, S)), scale=scale, soft_cap=soft_cap)
+        qb,
+        cache_k[b][None],
+        cache_v[b][None],
+        visible=np.broadcast_to(vis, (1, N, n, S)),
+        scale=scale,
+        soft_cap=soft_cap,
+      )
       o[b, :n] = ob[0]
     outs.append(project_out(params, o))
   return outs

@@ -20,10 +20,11 @@ from jattn import _dropout
 # filled with padding lanes whenever the lanes are odd; test_chunked and the property test
 # cover the other widths (1, 3, all).
 IMPLS = {
-    "dense": dict(implementation="dense"),
-    "chunked": dict(implementation="chunked", block_q=16, block_kv=24, schedule="serial"),
-    "parallel": dict(implementation="chunked", block_q=16, block_kv=24, schedule="parallel",
-                     step_width=2),
+  "dense": dict(implementation="dense"),
+  "chunked": dict(implementation="chunked", block_q=16, block_kv=24, schedule="serial"),
+  "parallel": dict(
+    implementation="chunked", block_q=16, block_kv=24, schedule="parallel", step_width=2
+  ),
 }
 
 
@@ -36,9 +37,29 @@ def _inputs(B=2, T=37, S=45, N=4, K=2, H=16, dtype=jnp.float32, seed=0):
   return q, k, v, do
 
 
-def _check(impl, *, B=2, T=37, S=45, N=4, K=2, H=16, mask=None, bias=None, causal=None,
-           window=None, q_lengths=None, kv_lengths=None, segs=None, soft_cap=None, scale=None,
-           sinks=None, score_mod=None, rtol=2e-5, atol=2e-5):
+def _check(
+  impl,
+  *,
+  B=2,
+  T=37,
+  S=45,
+  N=4,
+  K=2,
+  H=16,
+  mask=None,
+  bias=None,
+  causal=None,
+  window=None,
+  q_lengths=None,
+  kv_lengths=None,
+  segs=None,
+  soft_cap=None,
+  scale=None,
+  sinks=None,
+  score_mod=None,
+  rtol=2e-5,
+  atol=2e-5,
+):
   """Forward, lse and all gradients of jattn against the float64 reference.
 
   ``score_mod`` is (make, args): ``make(args)`` is the score function, ``args`` the arrays it
@@ -69,30 +90,56 @@ def _check(impl, *, B=2, T=37, S=45, N=4, K=2, H=16, mask=None, bias=None, causa
   def f(q, k, v, bias, sinks, mod_args):
     if make_mod is not None:
       kwargs["score_mod"] = make_mod(mod_args)
-    return jattn.dot_product_attention(q, k, v, bias, mask, return_residual=True, sinks=sinks,
-                                       **kwargs)
+    return jattn.dot_product_attention(
+      q, k, v, bias, mask, return_residual=True, sinks=sinks, **kwargs
+    )
 
   (out, lse), pull = jax.vjp(f, q, k, v, bias_arr, sinks_arr, mod_args)
   dq, dk, dv, dbias, dsinks, dargs = pull((do, jnp.zeros_like(lse)))
 
-  vis = ref.visible_mask(B, N, T, S, mask=None if mask is None else np.asarray(mask),
-                         causal=(("top_left" if causal is True else causal) or None),
-                         window=(window, window) if isinstance(window, int) else window,
-                         q_lengths=q_lengths, kv_lengths=kv_lengths,
-                         q_seg=None if segs is None else segs[0],
-                         kv_seg=None if segs is None else segs[1])
+  vis = ref.visible_mask(
+    B,
+    N,
+    T,
+    S,
+    mask=None if mask is None else np.asarray(mask),
+    causal=(("top_left" if causal is True else causal) or None),
+    window=(window, window) if isinstance(window, int) else window,
+    q_lengths=q_lengths,
+    kv_lengths=kv_lengths,
+    q_seg=None if segs is None else segs[0],
+    kv_seg=None if segs is None else segs[1],
+  )
   r_dargs = None
   if make_mod is None:
-    r_out, r_lse, cache = ref.attention(q, k, v, visible=vis, bias=bias, scale=scale,
-                                        soft_cap=soft_cap, sinks=sinks)
+    r_out, r_lse, cache = ref.attention(
+      q, k, v, visible=vis, bias=bias, scale=scale, soft_cap=soft_cap, sinks=sinks
+    )
     r_dq, r_dk, r_dv, r_dbias, r_dsinks = ref.grads(
-        cache, do, None if bias is None else np.shape(bias))
+      cache, do, None if bias is None else np.shape(bias)
+    )
   else:
-    r_out, r_lse, g = ref.attention_vjp(q, k, v, do, visible=vis, bias=bias, scale=scale,
-                                        soft_cap=soft_cap, sinks=sinks, make_score_mod=make_mod,
-                                        score_args=mod_args)
+    r_out, r_lse, g = ref.attention_vjp(
+      q,
+      k,
+      v,
+      do,
+      visible=vis,
+      bias=bias,
+      scale=scale,
+      soft_cap=soft_cap,
+      sinks=sinks,
+      make_score_mod=make_mod,
+      score_args=mod_args,
+    )
     r_dq, r_dk, r_dv, r_dbias, r_dsinks, r_dargs = (
-        g["dq"], g["dk"], g["dv"], g["dbias"], g["dsinks"], g["dargs"])
+      g["dq"],
+      g["dk"],
+      g["dv"],
+      g["dbias"],
+      g["dsinks"],
+      g["dargs"],
+    )
   np.testing.assert_allclose(out, r_out, rtol=rtol, atol=atol)
   # Rows with something to attend to (B, T, N); with sinks every row has (the sink), and a row
   # that sees no key has lse = its sink logit.
@@ -111,7 +158,6 @@ def _check(impl, *, B=2, T=37, S=45, N=4, K=2, H=16, mask=None, bias=None, causa
 
 @pytest.mark.parametrize("impl", IMPLS)
 class TestAgainstReference:
-
   def test_plain_gqa(self, impl):
     _check(impl)
 
@@ -148,8 +194,9 @@ class TestAgainstReference:
     kv_seg = rng.integers(0, 3, (2, 45))
     _check(impl, segs=(q_seg, kv_seg))
 
-  @pytest.mark.parametrize("shape", [(2, 4, 37, 45), (1, 4, 37, 45), (2, 1, 1, 45), (37, 45),
-                                     (2, 4, 37, 1), (1, 1, 1, 1)])
+  @pytest.mark.parametrize(
+    "shape", [(2, 4, 37, 45), (1, 4, 37, 45), (2, 1, 1, 45), (37, 45), (2, 4, 37, 1), (1, 1, 1, 1)]
+  )
   def test_bias_broadcast_with_grad(self, impl, shape):
     bias = np.random.default_rng(1).normal(size=shape)
     _check(impl, bias=bias)
@@ -167,8 +214,13 @@ class TestAgainstReference:
 
   def test_sinks_with_empty_rows(self, impl):
     # Rows that see no key: the sink takes all the mass, the output is 0, lse is the sink logit.
-    _check(impl, sinks=[0.5, -1.0, 2.0, 0.0], kv_lengths=[0, 20], q_lengths=[37, 11],
-           bias=np.random.default_rng(4).normal(size=(1, 4, 37, 45)))
+    _check(
+      impl,
+      sinks=[0.5, -1.0, 2.0, 0.0],
+      kv_lengths=[0, 20],
+      q_lengths=[37, 11],
+      bias=np.random.default_rng(4).normal(size=(1, 4, 37, 45)),
+    )
 
   # score_mod: non-additive functions (derivative != 1), closed-over arrays with gradients, and
   # composition with soft cap, bias, masks and sinks; the chunked path differentiates it tile by
@@ -176,8 +228,8 @@ class TestAgainstReference:
   def test_score_mod_alibi_and_temperature_gradients(self, impl):
     def make(a):
       slopes, temp = a
-      return lambda s, b, h, qi, ki: (s / temp[h] - slopes[h]
-                                      * jnp.abs(qi - ki).astype(s.dtype))
+      return lambda s, b, h, qi, ki: s / temp[h] - slopes[h] * jnp.abs(qi - ki).astype(s.dtype)
+
     args = (jnp.asarray([0.5, 0.25, 0.125, 0.0625]), jnp.asarray([1.0, 2.0, 0.5, 1.5]))
     _check(impl, score_mod=(make, args), causal=True)
 
@@ -186,24 +238,44 @@ class TestAgainstReference:
     # the score_mod VJP (or applies it in the wrong order with the soft cap) is caught.
     def make(w):
       return lambda s, b, h, qi, ki: s + w[b, h] * s * s / 8.0
+
     w = jnp.asarray(np.random.default_rng(5).uniform(0.1, 0.5, (2, 4)), jnp.float32)
     rng = np.random.default_rng(6)
-    _check(impl, score_mod=(make, w), soft_cap=3.0, bias=rng.normal(size=(2, 1, 37, 45)),
-           sinks=[0.0, 1.0, -1.0, 0.5], window=(9, 4), kv_lengths=[45, 30])
+    _check(
+      impl,
+      score_mod=(make, w),
+      soft_cap=3.0,
+      bias=rng.normal(size=(2, 1, 37, 45)),
+      sinks=[0.0, 1.0, -1.0, 0.5],
+      window=(9, 4),
+      kv_lengths=[45, 30],
+    )
 
   def test_score_mod_relative_table_with_mask(self, impl):
     def make(table):
       return lambda s, b, h, qi, ki: s * 1.5 + table[h, qi - ki + 45]
+
     table = jnp.asarray(np.random.default_rng(7).normal(size=(4, 37 + 45)), jnp.float32)
-    _check(impl, score_mod=(make, table), mask=jnp.asarray(
-        np.random.default_rng(8).random((2, 4, 37, 45)) > 0.3), causal="bottom_right")
+    _check(
+      impl,
+      score_mod=(make, table),
+      mask=jnp.asarray(np.random.default_rng(8).random((2, 4, 37, 45)) > 0.3),
+      causal="bottom_right",
+    )
 
   def test_everything_together(self, impl):
     rng = np.random.default_rng(3)
-    _check(impl, causal="bottom_right", window=(30, 0), kv_lengths=[40, 45], q_lengths=[37, 30],
-           segs=(np.sort(rng.integers(0, 3, (2, 37))), np.sort(rng.integers(0, 3, (2, 45)))),
-           bias=rng.normal(size=(1, 4, 37, 45)), soft_cap=5.0,
-           mask=jnp.asarray(rng.random((2, 1, 37, 45)) > 0.2))
+    _check(
+      impl,
+      causal="bottom_right",
+      window=(30, 0),
+      kv_lengths=[40, 45],
+      q_lengths=[37, 30],
+      segs=(np.sort(rng.integers(0, 3, (2, 37))), np.sort(rng.integers(0, 3, (2, 45)))),
+      bias=rng.normal(size=(1, 4, 37, 45)),
+      soft_cap=5.0,
+      mask=jnp.asarray(rng.random((2, 1, 37, 45)) > 0.2),
+    )
 
 
 def test_closed_form_two_keys():
@@ -212,8 +284,7 @@ def test_closed_form_two_keys():
   k = jnp.array([0.0, 1.0]).reshape(1, 2, 1, 1)
   v = jnp.array([1.0, 0.0]).reshape(1, 2, 1, 1)
   for impl in IMPLS:
-    out, lse = jattn.dot_product_attention(q, k, v, scale=1.0, return_residual=True,
-                                           **IMPLS[impl])
+    out, lse = jattn.dot_product_attention(q, k, v, scale=1.0, return_residual=True, **IMPLS[impl])
     np.testing.assert_allclose(out.ravel(), [1 / (1 + np.e)], rtol=1e-6)
     np.testing.assert_allclose(lse.ravel(), [np.log(1 + np.e)], rtol=1e-6)
 
@@ -223,19 +294,22 @@ def test_closed_form_two_keys():
 # --------------------------------------------------------------------------------------------
 
 JAX_CASES = {
-    "plain": {},
-    "causal": dict(is_causal=True),
-    "window": dict(local_window_size=(4, 2)),
-    "window_int": dict(local_window_size=3),
-    "kv_lengths": dict(key_value_seq_lengths=np.array([30, 45], np.int32)),
-    "q_lengths": dict(query_seq_lengths=np.array([20, 37], np.int32)),
-    "bias": dict(bias=np.random.default_rng(0).normal(size=(2, 4, 37, 45)).astype(np.float32)),
-    "bias_bcast": dict(bias=np.random.default_rng(0).normal(size=(1, 1, 37, 45))
-                       .astype(np.float32)),
-    "mask": dict(mask=np.random.default_rng(1).random((2, 1, 37, 45)) > 0.3),
-    "scale": dict(scale=0.3),
-    "all": dict(is_causal=True, local_window_size=(10, 0), bias=np.ones((1, 4, 37, 45),
-                np.float32), key_value_seq_lengths=np.array([40, 45], np.int32)),
+  "plain": {},
+  "causal": dict(is_causal=True),
+  "window": dict(local_window_size=(4, 2)),
+  "window_int": dict(local_window_size=3),
+  "kv_lengths": dict(key_value_seq_lengths=np.array([30, 45], np.int32)),
+  "q_lengths": dict(query_seq_lengths=np.array([20, 37], np.int32)),
+  "bias": dict(bias=np.random.default_rng(0).normal(size=(2, 4, 37, 45)).astype(np.float32)),
+  "bias_bcast": dict(bias=np.random.default_rng(0).normal(size=(1, 1, 37, 45)).astype(np.float32)),
+  "mask": dict(mask=np.random.default_rng(1).random((2, 1, 37, 45)) > 0.3),
+  "scale": dict(scale=0.3),
+  "all": dict(
+    is_causal=True,
+    local_window_size=(10, 0),
+    bias=np.ones((1, 4, 37, 45), np.float32),
+    key_value_seq_lengths=np.array([40, 45], np.int32),
+  ),
 }
 
 
@@ -247,35 +321,47 @@ JAX_PARAMS = [(c, 2) for c in JAX_CASES] + [(c, K) for c in ("plain", "all") for
 @pytest.mark.parametrize("case,K", JAX_PARAMS)
 def test_matches_jax_nn(impl, case, K):
   q, k, v, do = _inputs(K=K)
-  kw = {name: (jnp.asarray(x) if isinstance(x, np.ndarray) else x)
-        for name, x in JAX_CASES[case].items()}
+  kw = {
+    name: (jnp.asarray(x) if isinstance(x, np.ndarray) else x)
+    for name, x in JAX_CASES[case].items()
+  }
   bias = kw.pop("bias", None)
   mask = kw.pop("mask", None)
   # jax.nn returns the mean of V on rows with nothing visible: compare on defined rows.
   # One call each gives output, residual and pullback (a second call for return_residual
   # would trace and compile the whole attention again).
-  f_jax = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, bias, mask, return_residual=True,
-                                                        **kw)
-  f_us = lambda q, k, v: jattn.dot_product_attention(q, k, v, bias, mask, return_residual=True,
-                                                     **kw, **IMPLS[impl])
+  f_jax = lambda q, k, v: jax.nn.dot_product_attention(
+    q, k, v, bias, mask, return_residual=True, **kw
+  )
+  f_us = lambda q, k, v: jattn.dot_product_attention(
+    q, k, v, bias, mask, return_residual=True, **kw, **IMPLS[impl]
+  )
   o_jax, pull_jax, lse_jax = jax.vjp(f_jax, q, k, v, has_aux=True)
   o_us, pull_us, lse_us = jax.vjp(f_us, q, k, v, has_aux=True)
   B, T, N, _H = q.shape
-  vis = ref.visible_mask(B, N, T, 45, mask=None if mask is None else np.asarray(mask),
-                         causal="top_left" if kw.get("is_causal") else None,
-                         window=_pair(kw.get("local_window_size")),
-                         q_lengths=kw.get("query_seq_lengths"),
-                         kv_lengths=kw.get("key_value_seq_lengths"))
+  vis = ref.visible_mask(
+    B,
+    N,
+    T,
+    45,
+    mask=None if mask is None else np.asarray(mask),
+    causal="top_left" if kw.get("is_causal") else None,
+    window=_pair(kw.get("local_window_size")),
+    q_lengths=kw.get("query_seq_lengths"),
+    kv_lengths=kw.get("key_value_seq_lengths"),
+  )
   defined = vis.any(-1).transpose(0, 2, 1)[..., None]  # (B, T, N, 1)
-  chex.assert_trees_all_close(jnp.where(defined, o_us, 0.0), jnp.where(defined, o_jax, 0.0),
-                              rtol=2e-5, atol=2e-5)
+  chex.assert_trees_all_close(
+    jnp.where(defined, o_us, 0.0), jnp.where(defined, o_jax, 0.0), rtol=2e-5, atol=2e-5
+  )
   # Gradients through defined rows only (a cotangent of 0 on undefined rows).
   do = jnp.where(defined, do, 0.0)
   chex.assert_trees_all_close(pull_us(do), pull_jax(do), rtol=2e-4, atol=2e-5)
   # return_residual: same shape, same values on defined rows.
   assert lse_us.shape == lse_jax.shape and lse_us.dtype == lse_jax.dtype
-  np.testing.assert_allclose(lse_us[defined[..., 0]], lse_jax[defined[..., 0]], rtol=1e-5,
-                             atol=1e-5)
+  np.testing.assert_allclose(
+    lse_us[defined[..., 0]], lse_jax[defined[..., 0]], rtol=1e-5, atol=1e-5
+  )
 
 
 def keep_mask(rng, rate, B, N, T, S, broadcast=False):
@@ -288,11 +374,23 @@ def test_dropout_hash_matches_its_specification():
   """jattn's keep-mask equals the hash written from docs/dropout.md at scattered (b, n, t, s)
   points, large indices included (a dropped or swapped index shows)."""
   rng = jax.random.key(11)
-  pts = np.array([[0, 0, 0, 0], [1, 0, 0, 0], [0, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1],
-                  [3, 7, 100, 5], [2, 5, 4095, 65535], [1000, 63, 123456, 7]], np.int32)
+  pts = np.array(
+    [
+      [0, 0, 0, 0],
+      [1, 0, 0, 0],
+      [0, 1, 0, 0],
+      [0, 0, 1, 0],
+      [0, 0, 0, 1],
+      [3, 7, 100, 5],
+      [2, 5, 4095, 65535],
+      [1000, 63, 123456, 7],
+    ],
+    np.int32,
+  )
   for rate in (0.1, 0.5, 0.9):
-    got = _dropout.keep_mask(_dropout.seed_words(rng), rate, *(jnp.asarray(pts[:, i])
-                                                                for i in range(4)))
+    got = _dropout.keep_mask(
+      _dropout.seed_words(rng), rate, *(jnp.asarray(pts[:, i]) for i in range(4))
+    )
     want = dropout_reference.keep(rng, rate, *(pts[:, i] for i in range(4)))
     np.testing.assert_array_equal(np.asarray(got), want)
   # Each index changes the mask: over a grid, varying one index alone flips some entries.
@@ -310,8 +408,9 @@ def test_rank3_inputs_match_jax_nn(impl):
   q, k, v, _ = _inputs(B=1)
   q, k, v = q[0], k[0], v[0]
   out = jattn.dot_product_attention(q, k, v, is_causal=True, **IMPLS[impl])
-  chex.assert_trees_all_close(out, jax.nn.dot_product_attention(q, k, v, is_causal=True),
-                              rtol=2e-5, atol=2e-5)
+  chex.assert_trees_all_close(
+    out, jax.nn.dot_product_attention(q, k, v, is_causal=True), rtol=2e-5, atol=2e-5
+  )
   out, lse = jattn.dot_product_attention(q, k, v, return_residual=True, **IMPLS[impl])
   assert out.shape == q.shape and lse.shape == q.shape[:-1]
 
@@ -322,8 +421,9 @@ def test_vmap_and_jit(impl):
   f = functools.partial(jattn.dot_product_attention, is_causal=True, **IMPLS[impl])
   # vmap over the batch with rank-3 per-example inputs, against jax.nn's batched answer.
   got = jax.jit(jax.vmap(f))(q, k, v)
-  chex.assert_trees_all_close(got, jax.nn.dot_product_attention(q, k, v, is_causal=True),
-                              rtol=2e-5, atol=2e-5)
+  chex.assert_trees_all_close(
+    got, jax.nn.dot_product_attention(q, k, v, is_causal=True), rtol=2e-5, atol=2e-5
+  )
   # vmap of the gradient too.
   g = jax.vmap(jax.grad(lambda q, k, v: f(q, k, v).sum()))(q, k, v)
   g_ref = jax.grad(lambda q: jax.nn.dot_product_attention(q, k, v, is_causal=True).sum())(q)
@@ -341,8 +441,7 @@ def test_fully_masked_rows_give_zero_and_zero_grads(impl):
   mask = np.ones((2, 1, 37, 45), bool)
   mask[0, :, 5] = False
   mask[1, :, 30:] = False
-  f = lambda q, k, v: jattn.dot_product_attention(q, k, v, mask=jnp.asarray(mask),
-                                                  **IMPLS[impl])
+  f = lambda q, k, v: jattn.dot_product_attention(q, k, v, mask=jnp.asarray(mask), **IMPLS[impl])
   out, pull = jax.vjp(f, q, k, v)
   assert np.all(np.asarray(out)[0, 5] == 0) and np.all(np.asarray(out)[1, 30:] == 0)
   # jax.nn silently returns the mean of V on those rows.
@@ -363,14 +462,16 @@ def test_garbage_in_masked_positions_does_not_leak(impl):
   v = v.at[0, 30:].set(jnp.inf).at[0, 40].set(jnp.nan)
   q = q.at[1, 20:].set(jnp.nan)
   f = lambda q, k, v: jattn.dot_product_attention(
-      q, k, v, key_value_seq_lengths=lens, query_seq_lengths=qlens, **IMPLS[impl])
+    q, k, v, key_value_seq_lengths=lens, query_seq_lengths=qlens, **IMPLS[impl]
+  )
   out, pull = jax.vjp(f, q, k, v)
   assert np.all(np.isfinite(out))
   for g in pull(do):
     assert np.all(np.isfinite(g))
   clean_q, clean_k, clean_v, _ = _inputs()
-  want = jattn.dot_product_attention(clean_q, clean_k, clean_v, key_value_seq_lengths=lens,
-                                     query_seq_lengths=qlens, **IMPLS[impl])
+  want = jattn.dot_product_attention(
+    clean_q, clean_k, clean_v, key_value_seq_lengths=lens, query_seq_lengths=qlens, **IMPLS[impl]
+  )
   np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6)
 
 
@@ -383,8 +484,13 @@ def test_huge_logits_stay_finite_and_correct(impl, dtype):
   assert out.dtype == dtype
   assert np.all(np.isfinite(np.asarray(out, np.float32)))
   vis = ref.visible_mask(2, 4, 8, 12, causal="top_left")
-  want, _, _ = ref.attention(np.asarray(q, np.float64), np.asarray(k, np.float64),
-                             np.asarray(v, np.float64), visible=vis, scale=1e4 / 4)
+  want, _, _ = ref.attention(
+    np.asarray(q, np.float64),
+    np.asarray(k, np.float64),
+    np.asarray(v, np.float64),
+    visible=vis,
+    scale=1e4 / 4,
+  )
   # At this scale softmax is (nearly) a hard argmax. Logits and statistics are float32, so every
   # entry is the float64 answer on the same rounded inputs, rounded once to the output dtype.
   err = np.abs(np.asarray(out, np.float64) - want)
@@ -404,8 +510,7 @@ def _plain_low_precision(q, k, v, causal):
   s = jnp.einsum("btnh,bsnh->bnts", q, kr) * jnp.asarray(1 / np.sqrt(H), q.dtype)
   if causal:
     T, S = s.shape[-2:]
-    s = jnp.where(jnp.tril(jnp.ones((T, S), bool))[None, None], s,
-                  jnp.asarray(-1e4, q.dtype))
+    s = jnp.where(jnp.tril(jnp.ones((T, S), bool))[None, None], s, jnp.asarray(-1e4, q.dtype))
   p = jax.nn.softmax(s, axis=-1)
   return jnp.einsum("bnts,bsnh->btnh", p, vr)
 
@@ -440,16 +545,30 @@ def test_low_precision_rule(impl, dtype, causal):
 def test_dropout_same_entries_for_every_implementation_and_block():
   q, k, v, _do = _inputs()
   rng = jax.random.key(7)
-  runs = [jattn.dot_product_attention(q, k, v, dropout_rate=0.3, dropout_rng=rng,
-                                      is_causal=True, implementation="dense")]
+  runs = [
+    jattn.dot_product_attention(
+      q, k, v, dropout_rate=0.3, dropout_rng=rng, is_causal=True, implementation="dense"
+    )
+  ]
   for bq, bk in ((16, 24), (37, 45), (8, 5)):
-    runs.append(jattn.dot_product_attention(q, k, v, dropout_rate=0.3, dropout_rng=rng,
-                                            is_causal=True, implementation="chunked",
-                                            block_q=bq, block_kv=bk))
+    runs.append(
+      jattn.dot_product_attention(
+        q,
+        k,
+        v,
+        dropout_rate=0.3,
+        dropout_rng=rng,
+        is_causal=True,
+        implementation="chunked",
+        block_q=bq,
+        block_kv=bk,
+      )
+    )
   for r in runs[1:]:
     np.testing.assert_allclose(r, runs[0], rtol=2e-5, atol=2e-5)
-  other = jattn.dot_product_attention(q, k, v, dropout_rate=0.3, dropout_rng=jax.random.key(8),
-                                      is_causal=True)
+  other = jattn.dot_product_attention(
+    q, k, v, dropout_rate=0.3, dropout_rng=jax.random.key(8), is_causal=True
+  )
   assert not np.allclose(other, runs[0])
 
 
@@ -459,8 +578,9 @@ def test_dropout_against_reference_with_grads(impl):
   q, k, v, do = _inputs()
   rate, rng = 0.25, jax.random.key(3)
   keep = keep_mask(rng, rate, B, N, T, S)
-  f = lambda q, k, v: jattn.dot_product_attention(q, k, v, dropout_rate=rate, dropout_rng=rng,
-                                                  is_causal=True, **IMPLS[impl])
+  f = lambda q, k, v: jattn.dot_product_attention(
+    q, k, v, dropout_rate=rate, dropout_rng=rng, is_causal=True, **IMPLS[impl]
+  )
   out, pull = jax.vjp(f, q, k, v)
   vis = ref.visible_mask(B, N, T, S, causal="top_left")
   want, _, cache = ref.attention(q, k, v, visible=vis, keep=keep, dropout_rate=rate)
@@ -471,8 +591,12 @@ def test_dropout_against_reference_with_grads(impl):
 
 def test_dropout_mask_statistics():
   seed = _dropout.seed_words(jax.random.key(0))
-  shape_idx = (jnp.arange(4).reshape(4, 1, 1, 1), jnp.arange(8).reshape(1, 8, 1, 1),
-               jnp.arange(128).reshape(1, 1, 128, 1), jnp.arange(128).reshape(1, 1, 1, 128))
+  shape_idx = (
+    jnp.arange(4).reshape(4, 1, 1, 1),
+    jnp.arange(8).reshape(1, 8, 1, 1),
+    jnp.arange(128).reshape(1, 1, 128, 1),
+    jnp.arange(128).reshape(1, 1, 1, 128),
+  )
   for rate in (0.1, 0.5, 0.9):
     keep = np.asarray(_dropout.keep_mask(seed, rate, *shape_idx))
     n = keep.size

@@ -19,44 +19,55 @@ import jattn
 B, T, S, N, K, H = 4, 40, 150, 4, 2, 16
 
 _IMPLS = {
-    "dense": dict(implementation="dense"),
-    "serial": dict(implementation="chunked", block_q=16, block_kv=32),
-    # The parallel schedule, all lanes in one step, one at a time, and three at a time.
-    "parallel": dict(implementation="chunked", schedule="parallel", block_q=16, block_kv=32),
-    "parallel-w1": dict(implementation="chunked", schedule="parallel", block_q=16, block_kv=32,
-                        step_width=1),
-    "parallel-w3": dict(implementation="chunked", schedule="parallel", block_q=16, block_kv=32,
-                        step_width=3),
+  "dense": dict(implementation="dense"),
+  "serial": dict(implementation="chunked", block_q=16, block_kv=32),
+  # The parallel schedule, all lanes in one step, one at a time, and three at a time.
+  "parallel": dict(implementation="chunked", schedule="parallel", block_q=16, block_kv=32),
+  "parallel-w1": dict(
+    implementation="chunked", schedule="parallel", block_q=16, block_kv=32, step_width=1
+  ),
+  "parallel-w3": dict(
+    implementation="chunked", schedule="parallel", block_q=16, block_kv=32, step_width=3
+  ),
 }
 
 
 def _arrays(dtype, T=T):
   ks = jax.random.split(jax.random.key(0), 3)
-  return (jax.random.normal(ks[0], (B, T, N, H), dtype),
-          jax.random.normal(ks[1], (B, S, K, H), dtype),
-          jax.random.normal(ks[2], (B, S, K, H), dtype))
+  return (
+    jax.random.normal(ks[0], (B, T, N, H), dtype),
+    jax.random.normal(ks[1], (B, S, K, H), dtype),
+    jax.random.normal(ks[2], (B, S, K, H), dtype),
+  )
 
 
 _OPTIONS = {
-    "lengths, causal": dict(key_value_seq_lengths=np.array([37, 150, 5, 101]),
-                            query_seq_lengths=np.array([40, 11, 3, 0]),
-                            is_causal="bottom_right"),
-    "segments, sinks": dict(
-        q_segment_ids=np.repeat(np.array([[0, 1], [0, 0], [2, 3], [1, 1]]), T // 2, axis=1),
-        kv_segment_ids=np.sort(np.random.default_rng(1).integers(0, 4, (B, S)), axis=1),
-        sinks=np.linspace(-1.0, 1.0, N)),
-    "lengths, cap": dict(key_value_seq_lengths=np.array([37, 150, 5, 101]),
-                         logits_soft_cap=5.0),
-    "window, bias": dict(local_window_size=(20, 5), is_causal=True,
-                         bias=np.random.default_rng(2).normal(size=(B, 1, T, S))),
+  "lengths, causal": dict(
+    key_value_seq_lengths=np.array([37, 150, 5, 101]),
+    query_seq_lengths=np.array([40, 11, 3, 0]),
+    is_causal="bottom_right",
+  ),
+  "segments, sinks": dict(
+    q_segment_ids=np.repeat(np.array([[0, 1], [0, 0], [2, 3], [1, 1]]), T // 2, axis=1),
+    kv_segment_ids=np.sort(np.random.default_rng(1).integers(0, 4, (B, S)), axis=1),
+    sinks=np.linspace(-1.0, 1.0, N),
+  ),
+  "lengths, cap": dict(key_value_seq_lengths=np.array([37, 150, 5, 101]), logits_soft_cap=5.0),
+  "window, bias": dict(
+    local_window_size=(20, 5),
+    is_causal=True,
+    bias=np.random.default_rng(2).normal(size=(B, 1, T, S)),
+  ),
 }
 
 
 def _alone_and_batched(call, arrays, per_example):
   """The call on the whole batch, and on each example alone (per-example arguments sliced)."""
+
   def run(sel):
     kw = {k: (jnp.asarray(v)[sel] if k in per_example else v) for k, v in per_example.items()}
     return call(*(x[sel] for x in arrays), **kw)
+
   batched = run(slice(None))
   return batched, [run(slice(b, b + 1)) for b in range(B)]
 
@@ -64,8 +75,9 @@ def _alone_and_batched(call, arrays, per_example):
 def _assert_same_bits(batched, alone):
   for b, one in enumerate(alone):
     for got, want in zip(one, batched):
-      np.testing.assert_array_equal(np.asarray(got), np.asarray(want[b:b + 1]),
-                                    err_msg=f"example {b}")
+      np.testing.assert_array_equal(
+        np.asarray(got), np.asarray(want[b : b + 1]), err_msg=f"example {b}"
+      )
 
 
 # Known gap: the serial schedule with a soft cap and a run-time mask. A block one sequence alone
@@ -74,18 +86,25 @@ def _assert_same_bits(batched, alone):
 # optimization barrier after the cap does not change it). The parallel schedule masks every tile
 # of a run-time map and holds.
 _GAP = pytest.mark.xfail(strict=True, reason="serial schedule, soft cap, per-example mask")
-_CASES = [pytest.param(impl, option, marks=_GAP if impl == "serial" and "cap" in option else ())
-          for impl in _IMPLS for option in _OPTIONS]
+_CASES = [
+  pytest.param(impl, option, marks=_GAP if impl == "serial" and "cap" in option else ())
+  for impl in _IMPLS
+  for option in _OPTIONS
+]
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("impl, option", _CASES)
 def test_dot_product_attention_alone_equals_in_batch(impl, option, dtype):
   kw = dict(_OPTIONS[option])
-  per_example = {k: kw.pop(k) for k in list(kw) if k not in ("is_causal", "local_window_size",
-                                                             "sinks", "logits_soft_cap")}
+  per_example = {
+    k: kw.pop(k)
+    for k in list(kw)
+    if k not in ("is_causal", "local_window_size", "sinks", "logits_soft_cap")
+  }
   call = lambda q, k, v, **more: jattn.dot_product_attention(
-      q, k, v, return_residual=True, **_IMPLS[impl], **kw, **more)
+    q, k, v, return_residual=True, **_IMPLS[impl], **kw, **more
+  )
   batched, alone = _alone_and_batched(call, _arrays(dtype), per_example)
   _assert_same_bits(batched, alone)
   # Not a test that cannot fail: the batch's rows do differ from one another.
@@ -101,7 +120,8 @@ def test_a_static_mask_of_each_example_alone_equals_in_batch(impl):
   mask[1, :, :, 100:] = False
   mask[2, :, 5:9, :] = False
   call = lambda q, k, v, mask: jattn.dot_product_attention(
-      q, k, v, mask=np.asarray(mask), logits_soft_cap=5.0, return_residual=True, **_IMPLS[impl])
+    q, k, v, mask=np.asarray(mask), logits_soft_cap=5.0, return_residual=True, **_IMPLS[impl]
+  )
   batched, alone = _alone_and_batched(call, _arrays(jnp.float32), dict(mask=mask))
   _assert_same_bits(batched, alone)
 
@@ -112,10 +132,20 @@ def test_decoding_split_over_lanes_alone_equals_in_batch():
   # batch's. B = 1 and B = 4 give the step different widths and shapes.
   q, k, v = _arrays(jnp.float32, T=1)
   call = lambda q, k, v, **more: jattn.dot_product_attention(
-      q, k, v, implementation="chunked", schedule="parallel", block_q=1, block_kv=8,
-      is_causal="bottom_right", return_residual=True, **more)
+    q,
+    k,
+    v,
+    implementation="chunked",
+    schedule="parallel",
+    block_q=1,
+    block_kv=8,
+    is_causal="bottom_right",
+    return_residual=True,
+    **more,
+  )
   batched, alone = _alone_and_batched(
-      call, (q, k, v), dict(key_value_seq_lengths=np.array([37, 150, 5, 101])))
+    call, (q, k, v), dict(key_value_seq_lengths=np.array([37, 150, 5, 101]))
+  )
   _assert_same_bits(batched, alone)
 
 
@@ -123,7 +153,7 @@ def _pool(dtype, lengths, rows, page_size=16, pages=40):
   """A shuffled page pool holding each sequence's keys, and the page table."""
   rng = np.random.default_rng(3)
   max_pages = -(-max(lengths) // page_size)
-  table = rng.permutation(pages)[:B * max_pages].reshape(B, max_pages).astype(np.int32)
+  table = rng.permutation(pages)[: B * max_pages].reshape(B, max_pages).astype(np.int32)
   kp = jnp.asarray(rng.normal(size=(pages, page_size, K, H)), dtype)
   vp = jnp.asarray(rng.normal(size=(pages, page_size, K, H)), dtype)
   q = jnp.asarray(rng.normal(size=(sum(rows), N, H)), dtype)
@@ -136,19 +166,32 @@ def test_paged_attention_alone_equals_in_batch(rows):
   lengths = np.array([37, 150, 12, 101])
   q, kp, vp, table = _pool(jnp.float32, lengths, rows)
   start = np.concatenate([[0], np.cumsum(rows)]).astype(np.int32)
-  kw = dict(sinks=jnp.linspace(-1.0, 1.0, N), logits_soft_cap=20.0, local_window_size=(60, 0),
-            return_residual=True)
+  kw = dict(
+    sinks=jnp.linspace(-1.0, 1.0, N),
+    logits_soft_cap=20.0,
+    local_window_size=(60, 0),
+    return_residual=True,
+  )
   batched = jattn.paged_attention(q, kp, vp, table, lengths, query_start=start, **kw)
   for b in range(B):
     mine = slice(start[b], start[b + 1])
-    one = jattn.paged_attention(q[mine], kp, vp, table[b:b + 1], lengths[b:b + 1],
-                                query_start=np.array([0, rows[b]], np.int32), **kw)
+    one = jattn.paged_attention(
+      q[mine],
+      kp,
+      vp,
+      table[b : b + 1],
+      lengths[b : b + 1],
+      query_start=np.array([0, rows[b]], np.int32),
+      **kw,
+    )
     for got, want in zip(one, batched):
       np.testing.assert_array_equal(np.asarray(got), np.asarray(want[mine]), err_msg=f"seq {b}")
   # Padded queries (B, T, N, H): the last T of each sequence.
   qp = q[:4].reshape(1, 4, N, H).repeat(B, axis=0) if sum(rows) >= 4 else q[None].repeat(B, 0)
   batched = jattn.paged_attention(qp, kp, vp, table, lengths, **kw)
   for b in range(B):
-    one = jattn.paged_attention(qp[b:b + 1], kp, vp, table[b:b + 1], lengths[b:b + 1], **kw)
+    one = jattn.paged_attention(qp[b : b + 1], kp, vp, table[b : b + 1], lengths[b : b + 1], **kw)
     for got, want in zip(one, batched):
-      np.testing.assert_array_equal(np.asarray(got), np.asarray(want[b:b + 1]), err_msg=f"seq {b}")
+      np.testing.assert_array_equal(
+        np.asarray(got), np.asarray(want[b : b + 1]), err_msg=f"seq {b}"
+      )

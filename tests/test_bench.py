@@ -42,6 +42,7 @@ def _write_config(tmp_path, text):
 
 # ------------------------------------------------------------------------------ the quick sweep
 
+
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
   tmp = tmp_path_factory.mktemp("quick")
@@ -54,8 +55,11 @@ def test_quick_rows_have_every_field_with_sane_values(quick):
   rows = result["rows"]
   # configs/quick.toml: forward T = 64, 128 and forward+backward T = 64, four JAX implementations
   # on the CPU (cuDNN needs a GPU; torch is dropped when it is not importable).
-  assert {(r["pass"], r["T"]) for r in rows} == {("forward", 64), ("forward", 128),
-                                                 ("forward+backward", 64)}
+  assert {(r["pass"], r["T"]) for r in rows} == {
+    ("forward", 64),
+    ("forward", 128),
+    ("forward+backward", 64),
+  }
   for r in rows:
     assert tuple(r) == runner.ROW_FIELDS
     assert r["status"] == "ok", r
@@ -63,8 +67,9 @@ def test_quick_rows_have_every_field_with_sane_values(quick):
     assert (isinstance(r["compile_s"], float) and r["compile_s"] > 0) or r["impl"] == "torch"
     times = r["times_s"]
     assert len(times) == r["repeats"] == 2 and all(t > 0 for t in times)
-    assert r["time_min_s"] <= r["time_p25_s"] <= r["time_median_s"] <= r["time_p75_s"] \
-        <= r["time_max_s"]
+    assert (
+      r["time_min_s"] <= r["time_p25_s"] <= r["time_median_s"] <= r["time_p75_s"] <= r["time_max_s"]
+    )
     assert r["time_median_s"] == pytest.approx(float(np.median(times)))
     # Hand count: B=1, N=4 query heads (not K=2), H=16, causal T=S: T(T+1)/2 pairs, 2 matmuls of
     # 2 FLOPs per multiply-add forward; 3.5x that forward+backward.
@@ -73,7 +78,8 @@ def test_quick_rows_have_every_field_with_sane_values(quick):
     assert r["flops"] == (forward if r["pass"] == "forward" else 3.5 * forward)
     assert r["flops_per_s"] == pytest.approx(r["flops"] / r["time_median_s"])
     assert r["peak_fraction"] == pytest.approx(
-        r["flops_per_s"] / result["peak"]["float32"]["flops_per_s"])
+      r["flops_per_s"] / result["peak"]["float32"]["flops_per_s"]
+    )
     assert r["speedup_vs_baseline"] > 0 and r["baseline"] == "jax-nn"
     if r["impl"] in _JAX_IMPLS:
       for key in ("temp_bytes", "argument_bytes", "output_bytes"):
@@ -108,8 +114,17 @@ def test_quick_rows_have_every_field_with_sane_values(quick):
 def test_quick_result_describes_the_machine(quick):
   result, _, _ = quick
   m = result["machine"]
-  for key in ("jax", "jaxlib", "backend", "devices", "cpu_count", "platform", "timestamp_utc",
-              "env", "python"):
+  for key in (
+    "jax",
+    "jaxlib",
+    "backend",
+    "devices",
+    "cpu_count",
+    "platform",
+    "timestamp_utc",
+    "env",
+    "python",
+  ):
     assert m[key], key
   assert m["backend"] == "cpu" and isinstance(m["env"], dict)
   assert result["peak"]["float32"]["flops_per_s"] > 0
@@ -124,8 +139,9 @@ def test_torch_peer_that_cannot_start_is_recorded():
   # Forced past the CLI's check: the worker process reports its failed import over the protocol.
   (case,) = config.parse({"T": [8], "implementations": ["torch"], "passes": ["forward"]}).cases
   peer = torch_peer.TorchPeer(threads=1)
-  ctx = runner.Context(max_memory_bytes=2 ** 30, baseline="jax-nn", seed=0, backend="cpu",
-                       peak_flops={}, torch_peer=peer)
+  ctx = runner.Context(
+    max_memory_bytes=2**30, baseline="jax-nn", seed=0, backend="cpu", peak_flops={}, torch_peer=peer
+  )
   try:
     (row,) = runner.run_case(case, 0, ctx)
   finally:
@@ -196,7 +212,8 @@ def test_quick_writes_csv_markdown_and_plots(quick):
     table = list(reader)
   assert len(table) == len(result["rows"])
   assert [float(x) for x in table[0]["times_s"].split(";")] == pytest.approx(
-      result["rows"][0]["times_s"], rel=1e-5)
+    result["rows"][0]["times_s"], rel=1e-5
+  )
   (md,) = out.glob("*.md")
   assert md.read_text().count("\n| forward") == len(result["rows"])
   pngs = sorted(plots.glob("*.png"))
@@ -206,8 +223,21 @@ def test_quick_writes_csv_markdown_and_plots(quick):
 
 # The report's table columns and the JSON row field each shows (with the rounding it prints).
 _MD_CASE_COLUMNS = ["pass", "mask", "dtype", "B", "N", "K", "H", "T", "S"]
-_TABLE_COLUMNS = ["impl", "compile_s", "median_s", "min..max_s", "temp_MiB", "GFLOP/s", "%peak",
-                  "vs jax-nn", "max abs diff", "steps", "ops/step", "work", "status"]
+_TABLE_COLUMNS = [
+  "impl",
+  "compile_s",
+  "median_s",
+  "min..max_s",
+  "temp_MiB",
+  "GFLOP/s",
+  "%peak",
+  "vs jax-nn",
+  "max abs diff",
+  "steps",
+  "ops/step",
+  "work",
+  "status",
+]
 
 
 def _check_cell(column, cell, row):
@@ -220,7 +250,7 @@ def _check_cell(column, cell, row):
   if column in _MD_CASE_COLUMNS or column == "impl":
     assert cell == str(row[column]), (column, cell)
   elif column == "compile_s":
-    number(row["compile_s"], rel=6e-3)                                  # .3g
+    number(row["compile_s"], rel=6e-3)  # .3g
   elif column == "median_s":
     number(row["time_median_s"], rel=6e-3)
   elif column == "min..max_s":
@@ -228,24 +258,29 @@ def _check_cell(column, cell, row):
     assert float(lo) == pytest.approx(row["time_min_s"], rel=6e-3), (cell, row)
     assert float(hi) == pytest.approx(row["time_max_s"], rel=6e-3), (cell, row)
   elif column == "temp_MiB":
-    number(None if row["temp_bytes"] is None else row["temp_bytes"] / 2 ** 20, rel=6e-4)  # .4g
+    number(None if row["temp_bytes"] is None else row["temp_bytes"] / 2**20, rel=6e-4)  # .4g
   elif column == "GFLOP/s":
     number(row["flops_per_s"] / 1e9, rel=6e-3)
   elif column == "%peak":
-    number(100 * row["peak_fraction"], abs_=0.51)                       # .0f
+    number(100 * row["peak_fraction"], abs_=0.51)  # .0f
   elif column in ("vs jax-nn", "vs_jax-nn"):
     assert cell.endswith("x"), cell
     assert float(cell[:-1]) == pytest.approx(row["speedup_vs_baseline"], abs=0.0051), (cell, row)
   elif column in ("max abs diff", "max|diff|"):
-    number(row["max_abs_diff"], rel=0.051)                              # .1e
+    number(row["max_abs_diff"], rel=0.051)  # .1e
   elif column == "steps":
-    want = ("-" if row["loops"] is None
-            else "run-time" if row["loop_steps"] is None else str(row["loop_steps"]))
+    want = (
+      "-"
+      if row["loops"] is None
+      else "run-time"
+      if row["loop_steps"] is None
+      else str(row["loop_steps"])
+    )
     assert cell == want, (cell, row)
   elif column == "ops/step":
     assert cell == ("-" if not row["loops"] else str(row["ops_per_step"])), (cell, row)
   elif column == "work":
-    number(row["work_vs_ideal"], abs_=0.0051)                           # .2f
+    number(row["work_vs_ideal"], abs_=0.0051)  # .2f
   elif column == "status":
     assert cell == row["status"], (cell, row)
   else:
@@ -276,8 +311,21 @@ def test_quick_terminal_table_matches_the_json_rows(quick):
   assert text[0] == report.case_header(rows[0])
   assert "T=128 S=128" in text[0] and f"({rows[0]['flops'] / 1e9:.4g} GFLOP per call)" in text[0]
   header = text[1].split()
-  assert header == ["impl", "compile_s", "median_s", "min..max_s", "temp_MiB", "GFLOP/s", "%peak",
-                    "vs_jax-nn", "max|diff|", "steps", "ops/step", "work", "status"]
+  assert header == [
+    "impl",
+    "compile_s",
+    "median_s",
+    "min..max_s",
+    "temp_MiB",
+    "GFLOP/s",
+    "%peak",
+    "vs_jax-nn",
+    "max|diff|",
+    "steps",
+    "ops/step",
+    "work",
+    "status",
+  ]
   for line, row in zip(text[2:], rows, strict=True):
     cells = line.split()
     assert len(cells) == len(header), line
@@ -306,10 +354,18 @@ def test_quick_csv_matches_the_json_rows(quick):
 
 # ------------------------------------------------------------ speed-up and temp ratios, synthetic
 
+
 def _row(impl, status="ok", time_s=None, temp=None):
   row = dict.fromkeys(runner.ROW_FIELDS)
-  row.update(impl=impl, status=status, time_median_s=time_s, time_min_s=time_s,
-             time_max_s=time_s, temp_bytes=temp, baseline="jax-nn")
+  row.update(
+    impl=impl,
+    status=status,
+    time_median_s=time_s,
+    time_min_s=time_s,
+    time_max_s=time_s,
+    temp_bytes=temp,
+    baseline="jax-nn",
+  )
   return row
 
 
@@ -337,21 +393,33 @@ def test_speedup_is_baseline_time_over_row_time():
 
 def test_a_chunked_baseline_is_found_by_name():
   # Rows are labelled "jattn-chunked-8x8"; a config's baseline names "jattn-chunked".
-  (case,) = config.parse({"T": [16], "heads": [1], "head_dim": [8], "passes": ["forward"],
-                          "implementations": ["jattn-dense", "jattn-chunked"],
-                          "block_sizes": [[8, 8]], "repeats": 1, "warmup": 0,
-                          "baseline": "jattn-chunked"}).cases
-  ctx = runner.Context(max_memory_bytes=2 ** 30, baseline="jattn-chunked", seed=0, backend="cpu",
-                       peak_flops={})
+  (case,) = config.parse(
+    {
+      "T": [16],
+      "heads": [1],
+      "head_dim": [8],
+      "passes": ["forward"],
+      "implementations": ["jattn-dense", "jattn-chunked"],
+      "block_sizes": [[8, 8]],
+      "repeats": 1,
+      "warmup": 0,
+      "baseline": "jattn-chunked",
+    }
+  ).cases
+  ctx = runner.Context(
+    max_memory_bytes=2**30, baseline="jattn-chunked", seed=0, backend="cpu", peak_flops={}
+  )
   dense, chunked = runner.run_case(case, 0, ctx)
   assert dense["status"] == chunked["status"] == "ok"
   assert chunked["impl"] == "jattn-chunked-8x8" and chunked["speedup_vs_baseline"] == 1.0
   assert dense["speedup_vs_baseline"] == pytest.approx(
-      chunked["time_median_s"] / dense["time_median_s"])
+    chunked["time_median_s"] / dense["time_median_s"]
+  )
   assert dense["diff_reference"] == "jattn-chunked-8x8"  # the baseline runs first: the reference
 
 
 # ------------------------------------------------------------------------------ compiled memory
+
 
 def test_compiled_memory_reads_temp_of_a_known_program():
   # Sorting a (n, n) outer product needs all of it at once: n*n float32 temporaries that XLA
@@ -359,7 +427,7 @@ def test_compiled_memory_reads_temp_of_a_known_program():
   n = 512
 
   def f(x):
-    return jnp.sort(jnp.outer(x, x).ravel())[::4 * n]
+    return jnp.sort(jnp.outer(x, x).ravel())[:: 4 * n]
 
   x = jnp.ones((n,), jnp.float32)
   memory = runner.compiled_memory(jax.jit(f).lower(x).compile())
@@ -376,8 +444,10 @@ def test_compiled_memory_reads_temp_of_a_known_program():
 
 # ------------------------------------------------------------------------------ --compile-only
 
+
 def _forbid_runs(monkeypatch, flag):
   """Make any call of a compiled function fail the test: ``flag`` promises to run nothing."""
+
   def no_call(self, keep):
     raise AssertionError(f"{flag} called a compiled function")
 
@@ -386,7 +456,9 @@ def _forbid_runs(monkeypatch, flag):
 
 def test_compile_only_records_compile_time_and_memory_and_runs_nothing(tmp_path, monkeypatch):
   _forbid_runs(monkeypatch, "--compile-only")
-  path = _write_config(tmp_path, """
+  path = _write_config(
+    tmp_path,
+    """
 repeats = 3
 peak_matmul_size = 64
 implementations = ["jattn-dense", "jattn-chunked", "jax-nn"]
@@ -396,7 +468,8 @@ heads = [2]
 head_dim = [8]
 T = [32]
 masks = ["causal"]
-""")
+""",
+  )
   result, out = _run(tmp_path, path, "--compile-only")
   assert result["compile_only"] is True and "--compile-only" in result["argv"]
   rows = result["rows"]
@@ -409,9 +482,20 @@ masks = ["causal"]
     assert isinstance(r["temp_bytes"], int) and r["temp_bytes"] >= 0
     assert r["temp_vs_baseline"] == pytest.approx(r["temp_bytes"] / base["temp_bytes"])
     assert r["flops"] == 4 * 2 * 8 * (32 * 33 // 2)  # the case's, whether it runs or not
-    for key in ("time_median_s", "time_min_s", "time_max_s", "time_p25_s", "time_p75_s",
-                "spread_pct", "times_s", "flops_per_s", "peak_fraction", "speedup_vs_baseline",
-                "max_abs_diff", "diff_reference"):
+    for key in (
+      "time_median_s",
+      "time_min_s",
+      "time_max_s",
+      "time_p25_s",
+      "time_p75_s",
+      "spread_pct",
+      "times_s",
+      "flops_per_s",
+      "peak_fraction",
+      "speedup_vs_baseline",
+      "max_abs_diff",
+      "diff_reference",
+    ):
       assert r[key] is None, (key, r)
   (md,) = out.glob("*.md")
   body = md.read_text().splitlines()[3:]
@@ -431,7 +515,9 @@ def test_platform_reports_the_accelerator_programs_structure(tmp_path, monkeypat
   # default (parallel) schedule takes one step per key block, 4 forward and 4 + 4 + 4 forward+
   # backward; the serial one walks the 4 x 4 = 16 tiles; dense and jax.nn have no loop.
   _forbid_runs(monkeypatch, "--platform")
-  path = _write_config(tmp_path, """
+  path = _write_config(
+    tmp_path,
+    """
 peak_matmul_size = 64
 implementations = ["jattn-dense", "jattn-chunked", "jattn-serial", "jax-nn"]
 block_sizes = [[16, 16]]
@@ -440,7 +526,8 @@ heads = [2]
 head_dim = [8]
 T = [64]
 masks = ["full"]
-""")
+""",
+  )
   result, _out = _run(tmp_path, path, "--platform", "cuda")
   assert result["platform"] == "cuda" and result["compile_only"] is True
   rows = {(r["pass"], r["impl"]): r for r in result["rows"]}
@@ -462,10 +549,13 @@ masks = ["full"]
 
 # ------------------------------------------------------------------------------ the ring benchmark
 
+
 def test_ring_bench_runs_on_four_host_devices(tmp_path, capsys):
   # T = 64 over P = 4 devices: shards of Ts = 16; block 16 is one block per contiguous shard and
   # is clipped to a zigzag chunk (8). GQA (N=2, K=1) so the step bytes count K, the FLOPs N.
-  path = _write_config(tmp_path, """
+  path = _write_config(
+    tmp_path,
+    """
 name = "tiny-ring"
 description = "a test"
 devices = 4
@@ -480,7 +570,8 @@ block = 16
 layouts = ["contiguous", "zigzag"]
 masks = ["causal"]
 passes = ["forward", "forward+backward"]
-""")
+""",
+  )
   assert cli._is_ring_config(path)  # `jattn-bench <ring config>` hands it to ring_bench
   out = tmp_path / "ring.json"
   assert ring_bench.main([path, "--json", str(out)]) == 0
@@ -489,8 +580,11 @@ passes = ["forward", "forward+backward"]
   assert result["config"]["devices"] == 4
   rows = result["rows"]
   assert [(r["layout"], r["passes"]) for r in rows] == [
-      ("contiguous", "forward"), ("zigzag", "forward"),
-      ("contiguous", "forward+backward"), ("zigzag", "forward+backward")]
+    ("contiguous", "forward"),
+    ("zigzag", "forward"),
+    ("contiguous", "forward+backward"),
+    ("zigzag", "forward+backward"),
+  ]
   # Tiles per device (causal, by hand): contiguous, one 16-block per shard: device d computes
   # d full tiles and its diagonal one. Zigzag, 8-blocks: the 8 x 8 global grid's 36 lower
   # tiles, 9 per device.
@@ -501,8 +595,8 @@ passes = ["forward", "forward+backward"]
     for key in ("one_s", "ring_s", "compile_one_s", "compile_ring_s"):
       assert isinstance(r[key], float) and 0 < r[key] < 120, (key, r)
     assert r["ratio"] == pytest.approx(r["ring_s"] / r["one_s"])
-    assert r["step_bytes"] == 2 * 1 * 16 * 1 * 8 * 4     # K and V shards, float32
-    assert r["step_flops"] == 4 * 1 * 2 * 16 * 16 * 8    # one (query, key) shard pair, forward
+    assert r["step_bytes"] == 2 * 1 * 16 * 1 * 8 * 4  # K and V shards, float32
+    assert r["step_flops"] == 4 * 1 * 2 * 16 * 16 * 8  # one (query, key) shard pair, forward
   table = [ln for ln in printed.splitlines() if ln.startswith("T=64")]
   assert len(table) == 4 and "tiny-ring: a test" in printed
   for line, r in zip(table, rows, strict=True):
@@ -515,21 +609,45 @@ def test_sharding_bench_reads_collectives_of_each_sharding(tmp_path, capsys):
   # K = 4, so their gathers are not query-sized) and keeps the query's sharding; ring attention
   # only permutes K/V shards.
   out = tmp_path / "sharding.json"
-  argv = ["sharding", "--T", "64", "--batch", "4", "--heads", "8", "--kv-heads", "4",
-          "--head-dim", "8", "--impls", "dense", "ring", "--json", str(out)]
+  argv = [
+    "sharding",
+    "--T",
+    "64",
+    "--batch",
+    "4",
+    "--heads",
+    "8",
+    "--kv-heads",
+    "4",
+    "--head-dim",
+    "8",
+    "--impls",
+    "dense",
+    "ring",
+    "--json",
+    str(out),
+  ]
   assert cli.main(argv) == 0
   printed = capsys.readouterr().out
   rows = json.loads(out.read_text())["rows"]
   key = lambda r: (r["mesh"], r["sharding"], r["impl"], r["passes"])
   assert sorted(map(key, rows)) == sorted(
-      [(m, w, "dense", p) for m in ("Auto", "Explicit") for w in sharding_bench.SHARDINGS
-       for p in sharding_bench.PASSES]
-      + [(m, "sequence", "ring", p) for m in ("Auto", "Explicit") for p in sharding_bench.PASSES])
+    [
+      (m, w, "dense", p)
+      for m in ("Auto", "Explicit")
+      for w in sharding_bench.SHARDINGS
+      for p in sharding_bench.PASSES
+    ]
+    + [(m, "sequence", "ring", p) for m in ("Auto", "Explicit") for p in sharding_bench.PASSES]
+  )
   for r in rows:
     assert "error" not in r, r
     assert not r["query_sized"], r
-    assert r["out_spec"].startswith({"batch": "('x'", "heads": "(None, None, 'x'",
-                                     "sequence": "(None, 'x'", "keys": "("}[r["sharding"]]), r
+    assert r["out_spec"].startswith(
+      {"batch": "('x'", "heads": "(None, None, 'x'", "sequence": "(None, 'x'", "keys": "("}[
+        r["sharding"]
+      ]
+    ), r
     kinds = sorted({c["kind"] for c in r["collectives"]})
     if r["sharding"] == "keys":
       # One query row against K and V sharded along S. Under an Auto mesh the partitioner
@@ -552,8 +670,9 @@ def test_sharding_bench_reads_collectives_of_each_sharding(tmp_path, capsys):
       # K and V, each whole on every device: (B, K, S, H) float32 in the dense kernel's layout.
       assert [c["bytes"] for c in gathers] == [4 * 4 * 64 * 8 * 4] * 2, r
       assert [c["runs"] for c in gathers] == [1, 1], r
-      assert kinds == (["all-gather"] if r["passes"] == "forward"
-                       else ["all-gather", "all-reduce"]), r
+      assert kinds == (
+        ["all-gather"] if r["passes"] == "forward" else ["all-gather", "all-reduce"]
+      ), r
     assert r["temp_mib"] is not None and r["temp_mib"] >= 0
   assert printed.count("\n") == len(rows) + 2
   # Malformed: T not divisible by the devices is refused before any child runs.
@@ -563,11 +682,14 @@ def test_sharding_bench_reads_collectives_of_each_sharding(tmp_path, capsys):
 
 # ------------------------------------------------- masks through every implementation, compared
 
+
 def test_masks_reach_every_implementation_alike(tmp_path):
   # T != S, bottom-right causal, an asymmetric window, packed segments and MQA: the forms that go
   # to jax.nn and flax as boolean arrays; a symmetric window goes to jax.nn natively.
   combined = "causal:bottom_right+window:8,4+segments:2"
-  path = _write_config(tmp_path, f"""
+  path = _write_config(
+    tmp_path,
+    f"""
 repeats = 1
 peak_matmul_size = 64
 implementations = ["jattn-dense", "jattn-chunked", "jax-nn", "flax"]
@@ -583,7 +705,8 @@ masks = ["window:6", "{combined}"]
 [[compare]]
 field = "mask"
 values = ["window:6", "{combined}"]
-""")
+""",
+  )
   result, _ = _run(tmp_path, path)
   rows = result["rows"]
   assert len(rows) == 8
@@ -601,11 +724,14 @@ values = ["window:6", "{combined}"]
 
 # ------------------------------------------------------------------------------ the memory guard
 
+
 def test_max_memory_guard_records_skips_and_goes_on(tmp_path):
   # Dense estimate at T = 256: 256 * 256 * 4 bytes * 3 copies = 786432 bytes > 0.0005 GiB (~537
   # kB); chunked fits at T = 256 (~80 kB compiled) and not at T = 4096 (~690 kB: inputs alone
   # are 393 kB), which only its compiled memory can tell.
-  path = _write_config(tmp_path, """
+  path = _write_config(
+    tmp_path,
+    """
 repeats = 1
 peak_matmul_size = 64
 implementations = ["jattn-dense", "jax-nn", "jattn-chunked"]
@@ -614,7 +740,8 @@ passes = ["forward"]
 heads = [1]
 head_dim = [8]
 T = [256, 4096]
-""")
+""",
+  )
   result, _ = _run(tmp_path, path, "--max-memory", "0.0005")
   by = {(r["impl"], r["T"]): r for r in result["rows"]}
   for impl in ("jattn-dense", "jax-nn"):
@@ -632,28 +759,37 @@ T = [256, 4096]
 
 # --------------------------------------------------------------------------------- FLOP counting
 
-@pytest.mark.parametrize("T,S,spec,pairs", [
+
+@pytest.mark.parametrize(
+  "T,S,spec,pairs",
+  [
     (8, 8, "full", 64),
-    (8, 8, "causal", 36),                            # 1 + 2 + ... + 8
-    (4, 6, "causal", 10),                            # top-left: rows see 1, 2, 3, 4
-    (6, 4, "causal", 4 * 6 - 6),                     # rows see 1, 2, 3, 4, 4, 4
-    (4, 6, "causal:bottom_right", 18),               # rows see 3, 4, 5, 6
-    (6, 4, "causal:bottom_right", 10),               # rows 0, 1 see nothing; then 1, 2, 3, 4
-    (6, 6, "causal+window:2", 15),                   # rows see 1, 2, 3, 3, 3, 3
-    (5, 5, "window:1", 13),                          # rows see 2, 3, 3, 3, 2
-    (6, 6, "window:2,0", 15),                        # the same as causal+window:2
-    (4, 4, "segments:2", 8),                         # two 2 x 2 blocks
-    (4, 4, "causal+segments:2", 6),                  # two 2 x 2 lower triangles
-    (4, 8, "segments:2", 16),                        # 2 queries x 4 keys, twice
-])
+    (8, 8, "causal", 36),  # 1 + 2 + ... + 8
+    (4, 6, "causal", 10),  # top-left: rows see 1, 2, 3, 4
+    (6, 4, "causal", 4 * 6 - 6),  # rows see 1, 2, 3, 4, 4, 4
+    (4, 6, "causal:bottom_right", 18),  # rows see 3, 4, 5, 6
+    (6, 4, "causal:bottom_right", 10),  # rows 0, 1 see nothing; then 1, 2, 3, 4
+    (6, 6, "causal+window:2", 15),  # rows see 1, 2, 3, 3, 3, 3
+    (5, 5, "window:1", 13),  # rows see 2, 3, 3, 3, 2
+    (6, 6, "window:2,0", 15),  # the same as causal+window:2
+    (4, 4, "segments:2", 8),  # two 2 x 2 blocks
+    (4, 4, "causal+segments:2", 6),  # two 2 x 2 lower triangles
+    (4, 8, "segments:2", 16),  # 2 queries x 4 keys, twice
+  ],
+)
 def test_visible_pairs_hand_counts(T, S, spec, pairs):
   assert masks.visible_pairs(T, S, masks.parse(spec)) == pairs
 
 
-@pytest.mark.parametrize("T,S,spec", [
-    (37, 53, "causal+window:5,3"), (53, 37, "causal:bottom_right+window:4"),
-    (40, 40, "segments:3+window:6"), (29, 64, "causal:bottom_right+segments:5"),
-])
+@pytest.mark.parametrize(
+  "T,S,spec",
+  [
+    (37, 53, "causal+window:5,3"),
+    (53, 37, "causal:bottom_right+window:4"),
+    (40, 40, "segments:3+window:6"),
+    (29, 64, "causal:bottom_right+segments:5"),
+  ],
+)
 def test_visible_pairs_equal_the_mask_array(T, S, spec):
   m = masks.parse(spec)
   q_seg = jnp.asarray(masks.segment_ids(T, m.segments or 1))[None]
@@ -667,30 +803,47 @@ def test_attention_flops_convention():
   B, N, T, S, H = 2, 3, 16, 24, 8
   full = flops.attention_flops(B, N, T, S, H, masks.parse("full"), "forward")
   assert full == 4 * B * N * T * S * H  # two matmuls, 2 FLOPs per multiply-add
-  assert flops.attention_flops(B, N, T, S, H, masks.parse("full"), "forward+backward") \
-      == 3.5 * full  # seven matmuls with the recomputed P
+  assert (
+    flops.attention_flops(B, N, T, S, H, masks.parse("full"), "forward+backward") == 3.5 * full
+  )  # seven matmuls with the recomputed P
   causal = flops.attention_flops(B, N, 16, 16, H, masks.parse("causal"), "forward")
   assert causal == 4 * B * N * H * (16 * 17 // 2)
-  assert flops.attention_flops(B, N, 16, 16, H, masks.parse("causal"), "forward+backward") \
-      == 3.5 * causal
+  assert (
+    flops.attention_flops(B, N, 16, 16, H, masks.parse("causal"), "forward+backward")
+    == 3.5 * causal
+  )
   # T != S: top-left, query i sees keys 0..i; bottom-right, keys 0..i + S - T.
-  assert flops.attention_flops(B, N, 4, 6, H, masks.parse("causal"), "forward") \
-      == 4 * B * N * H * (1 + 2 + 3 + 4)
-  assert flops.attention_flops(B, N, 6, 4, H, masks.parse("causal"), "forward") \
-      == 4 * B * N * H * (1 + 2 + 3 + 4 + 4 + 4)
-  assert flops.attention_flops(B, N, 4, 6, H, masks.parse("causal:bottom_right"), "forward") \
-      == 4 * B * N * H * (3 + 4 + 5 + 6)
-  assert flops.attention_flops(B, N, 6, 4, H, masks.parse("causal:bottom_right"), "forward") \
-      == 4 * B * N * H * (0 + 0 + 1 + 2 + 3 + 4)
+  assert flops.attention_flops(B, N, 4, 6, H, masks.parse("causal"), "forward") == 4 * B * N * H * (
+    1 + 2 + 3 + 4
+  )
+  assert flops.attention_flops(B, N, 6, 4, H, masks.parse("causal"), "forward") == 4 * B * N * H * (
+    1 + 2 + 3 + 4 + 4 + 4
+  )
+  assert flops.attention_flops(
+    B, N, 4, 6, H, masks.parse("causal:bottom_right"), "forward"
+  ) == 4 * B * N * H * (3 + 4 + 5 + 6)
+  assert flops.attention_flops(
+    B, N, 6, 4, H, masks.parse("causal:bottom_right"), "forward"
+  ) == 4 * B * N * H * (0 + 0 + 1 + 2 + 3 + 4)
   # A causal window of 3 (the query and 3 keys back): rows see 1, 2, 3, then 4 keys.
-  assert flops.attention_flops(B, N, 16, 16, H, masks.parse("causal+window:3"), "forward") \
-      == 4 * B * N * H * (1 + 2 + 3 + 4 * 13)
+  assert flops.attention_flops(
+    B, N, 16, 16, H, masks.parse("causal+window:3"), "forward"
+  ) == 4 * B * N * H * (1 + 2 + 3 + 4 * 13)
   # value head dim Hv != H: Q K^T costs 2 H, P V costs 2 Hv per pair.
-  assert flops.attention_flops(B, N, T, S, H, masks.parse("full"), "forward", Hv=4) \
-      == 2 * B * N * T * S * (H + 4)
+  assert flops.attention_flops(
+    B, N, T, S, H, masks.parse("full"), "forward", Hv=4
+  ) == 2 * B * N * T * S * (H + 4)
   # GQA: the query heads N count, not the key/value heads K (keys are shared, not arithmetic).
-  gqa = config.parse({"T": [16], "heads": [8], "kv_heads": [2], "head_dim": [8],
-                      "masks": ["causal"], "passes": ["forward"]}).cases[0]
+  gqa = config.parse(
+    {
+      "T": [16],
+      "heads": [8],
+      "kv_heads": [2],
+      "head_dim": [8],
+      "masks": ["causal"],
+      "passes": ["forward"],
+    }
+  ).cases[0]
   assert gqa.flops == 4 * 1 * 8 * 8 * (16 * 17 // 2)
   assert flops.dense_memory_estimate(B, N, T, S, "forward+backward") == B * N * T * S * 4 * 4
   with pytest.raises(ValueError, match="pass must be one of"):
@@ -699,7 +852,10 @@ def test_attention_flops_convention():
 
 # ------------------------------------------------------------------------- configs and arguments
 
-@pytest.mark.parametrize("text,message", [
+
+@pytest.mark.parametrize(
+  "text,message",
+  [
     ("T = [8]\nrepeat = 3", "unknown key"),
     ("T = [8]\nmasks = ['causal+windw:4']", "unknown part 'windw:4'"),
     ("T = [8]\nheads = [4]\nkv_heads = [3]", "kv_heads=3 does not divide heads=4"),
@@ -709,7 +865,8 @@ def test_attention_flops_convention():
     ("T = 8", "must be a list"),
     ("T = [8]\nwarmup = 'two'", "'warmup' must be an int"),
     ("T = [8]\nwarmup = -1", "'warmup' must be an int"),
-])
+  ],
+)
 def test_bad_configs_name_the_key(tmp_path, text, message):
   with pytest.raises(config.ConfigError, match=message) as info:
     config.load(_write_config(tmp_path, text))
@@ -731,27 +888,40 @@ def test_cli_errors_and_dry_run(tmp_path, capsys):
   assert cli.main(["quick", "--dry-run", "--impl", "jattn-chunked"]) == 0
   lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("[")]
   assert len(lines) == 3 and all(ln.endswith("jattn-chunked-32x32") for ln in lines)
-  assert math.isclose(float(lines[0].split(": ")[1].split()[0]),
-                      flops.attention_flops(1, 4, 64, 64, 16, masks.parse("causal"),
-                                            "forward") / 1e9, rel_tol=1e-3)
+  assert math.isclose(
+    float(lines[0].split(": ")[1].split()[0]),
+    flops.attention_flops(1, 4, 64, 64, 16, masks.parse("causal"), "forward") / 1e9,
+    rel_tol=1e-3,
+  )
 
 
 def test_compared_cases_are_grouped_to_run_together():
-  cfg = config.parse({"T": [8, 16], "masks": ["full", "causal"], "passes": ["forward"],
-                      "compare": [{"field": "mask", "values": ["causal", "full"]}]})
+  cfg = config.parse(
+    {
+      "T": [8, 16],
+      "masks": ["full", "causal"],
+      "passes": ["forward"],
+      "compare": [{"field": "mask", "values": ["causal", "full"]}],
+    }
+  )
   groups = cli._groups(list(cfg.cases), cfg.compare)
   assert [[(c.T, c.mask.name) for _, c in g] for g in groups] == [
-      [(8, "full"), (8, "causal")], [(16, "full"), (16, "causal")]]
+    [(8, "full"), (8, "causal")],
+    [(16, "full"), (16, "causal")],
+  ]
   assert [len(g) for g in cli._groups(list(cfg.cases), ())] == [1, 1, 1, 1]
 
 
 # ---------------------------------------------------------------------------- the decode benchmark
 
+
 def test_decode_bench_times_a_step_against_the_floor(tmp_path, capsys):
   # `jattn-bench decode` on a tiny cache: every implementation agrees with jattn dense, ratios
   # are computed from the medians, and a case that needs more than max_memory_gib is skipped
   # with the reason; a bad config is an error naming the problem.
-  path = _write_config(tmp_path, """
+  path = _write_config(
+    tmp_path,
+    """
 name = "tiny-decode"
 repeats = 2
 warmup = 0
@@ -763,7 +933,8 @@ T = 1
 S = [600, 1000000000]
 dtypes = ["float32"]
 max_memory_gib = 1.0
-""")
+""",
+  )
   out = tmp_path / "decode.json"
   assert cli.main(["decode", path, "--json", str(out)]) == 0
   printed = capsys.readouterr().out
@@ -785,7 +956,9 @@ def test_decode_bench_times_the_paged_call_against_its_floor(tmp_path, capsys):
   # With page_sizes, `jattn-bench decode` times jattn.paged_attention for each page dtype
   # against the floor of reading its pool once; its output equals jattn's chunked kernels on
   # the same (dequantised) cache laid out contiguously, and the ratios come from the medians.
-  path = _write_config(tmp_path, """
+  path = _write_config(
+    tmp_path,
+    """
 name = "tiny-paged"
 repeats = 2
 warmup = 0
@@ -799,21 +972,27 @@ dtypes = ["float32"]
 page_sizes = [16]
 page_dtypes = ["float32", "int8", "float8_e5m2"]
 max_memory_gib = 1.0
-""")
+""",
+  )
   out = tmp_path / "paged.json"
   assert cli.main(["decode", path, "--paged-only", "--json", str(out)]) == 0
   printed = capsys.readouterr().out
   rows = {(r["page_dtype"], r["layout"]): r for r in json.loads(out.read_text())["rows"]}
-  assert set(rows) == {(d, layout) for d in ("float32", "int8", "float8_e5m2")
-                       for layout in ("NHD", "HND")}
+  assert set(rows) == {
+    (d, layout) for d in ("float32", "int8", "float8_e5m2") for layout in ("NHD", "HND")
+  }
   for (_dtype, layout), r in rows.items():
     assert r["status"] == "ok" and r["max_abs_diff"] < 1e-5, r
     assert r["ms"]["floor"] == min(r["ms"]["floor-sum"], r["ms"]["floor-max"])
     assert r["vs_floor"] == pytest.approx(r["ms"]["paged"] / r["ms"]["floor"])
     f32 = rows["float32", layout]["ms"]["paged"]
     assert r["vs_float32"] == pytest.approx(r["ms"]["paged"] / f32)
-  assert sum(ln.startswith("| int8 | HND | chunked (XLA walk) | 16 | 300")
-             for ln in printed.splitlines()) == 1
+  assert (
+    sum(
+      ln.startswith("| int8 | HND | chunked (XLA walk) | 16 | 300") for ln in printed.splitlines()
+    )
+    == 1
+  )
   assert {r["implementation"] for r in rows.values()} == {"chunked (XLA walk)"}  # on a CPU
   bad = _write_config(tmp_path, 'page_dtypes = ["int4"]\n')
   assert decode_bench.main([bad]) == 2 and "page_dtypes" in capsys.readouterr().err

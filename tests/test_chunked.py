@@ -24,16 +24,17 @@ def _shapes(T, N=2, H=16):
 def test_memory_grows_linearly(backward):
   def make(impl):
     def f(q, k, v):
-      return jattn.dot_product_attention(q, k, v, implementation=impl, block_q=128,
-                                         block_kv=128)
+      return jattn.dot_product_attention(q, k, v, implementation=impl, block_q=128, block_kv=128)
+
     if backward:
-      return lambda q, k, v: jax.grad(lambda q, k, v: f(q, k, v).sum(), argnums=(0, 1, 2))(
-          q, k, v)
+      return lambda q, k, v: jax.grad(lambda q, k, v: f(q, k, v).sum(), argnums=(0, 1, 2))(q, k, v)
     return f
 
   # From T = 2048: below it XLA's buffer reuse shifts the constant and hides the slope.
-  temps = {impl: [_compiled_temp_bytes(make(impl), *_shapes(T)) for T in (2048, 4096, 8192)]
-           for impl in ("chunked", "dense")}
+  temps = {
+    impl: [_compiled_temp_bytes(make(impl), *_shapes(T)) for T in (2048, 4096, 8192)]
+    for impl in ("chunked", "dense")
+  }
   ch, de = temps["chunked"], temps["dense"]
   # Doubling T doubles chunked memory (plus a constant), and quadruples dense's.
   assert ch[2] - ch[1] <= 2.2 * (ch[1] - ch[0]) + 4096, ch
@@ -69,8 +70,9 @@ def _run_recorded(T, S, bq, bk, **kwargs):
   try:
     q = jax.random.normal(jax.random.key(0), (2, T, 2, 8))
     k = jax.random.normal(jax.random.key(1), (2, S, 2, 8))
-    f = lambda q, k: jattn.dot_product_attention(q, k, k, implementation="chunked", block_q=bq,
-                                                 block_kv=bk, **kwargs).sum()
+    f = lambda q, k: jattn.dot_product_attention(
+      q, k, k, implementation="chunked", block_q=bq, block_kv=bk, **kwargs
+    ).sum()
     jax.block_until_ready(jax.grad(f, argnums=(0, 1))(q, k))
     jax.effects_barrier()
   finally:
@@ -86,7 +88,7 @@ def _expected_blocks(vis, bq, bk):
   out = {}
   for i in range(-(-T // bq)):
     for j in range(-(-S // bk)):
-      blk = vis[..., i * bq:(i + 1) * bq, j * bk:(j + 1) * bk]
+      blk = vis[..., i * bq : (i + 1) * bq, j * bk : (j + 1) * bk]
       if blk.any():
         ragged = (j + 1) * bk > S
         out[(i, j)] = M.FULL if blk.all() and not ragged else M.PARTIAL
@@ -95,14 +97,20 @@ def _expected_blocks(vis, bq, bk):
 
 def _dense_vis(T, S, **kwargs):
   import reference as ref
+
   return ref.visible_mask(2, 2, T, S, **kwargs)
 
 
-@pytest.mark.parametrize("T,S,bq,bk,schedule", [(64, 64, 16, 16, "serial"),
-                                                 (50, 70, 16, 8, "serial"),
-                                                 (70, 50, 8, 16, "serial"),
-                                                 (64, 64, 16, 16, "parallel"),
-                                                 (70, 50, 8, 16, "parallel")])
+@pytest.mark.parametrize(
+  "T,S,bq,bk,schedule",
+  [
+    (64, 64, 16, 16, "serial"),
+    (50, 70, 16, 8, "serial"),
+    (70, 50, 8, 16, "serial"),
+    (64, 64, 16, 16, "parallel"),
+    (70, 50, 8, 16, "parallel"),
+  ],
+)
 def test_causal_blocks_skipped_exactly(T, S, bq, bk, schedule):
   # Every pass computes each non-empty block once and no other block (the parallel schedule's
   # padding steps are fully masked EMPTY tiles, not counted). The state is the branch the serial
@@ -110,8 +118,15 @@ def test_causal_blocks_skipped_exactly(T, S, bq, bk, schedule):
   # of a call that has a PARTIAL block or padding lanes). The parallel backward is two passes
   # (dK/dV by key blocks, dQ by query blocks), each over the whole map; its lanes run 3 per step
   # here (groups, padding lanes).
-  blocks = _run_recorded(T, S, bq, bk, is_causal=True, schedule=schedule,
-                         step_width=3 if schedule == "parallel" else None)
+  blocks = _run_recorded(
+    T,
+    S,
+    bq,
+    bk,
+    is_causal=True,
+    schedule=schedule,
+    step_width=3 if schedule == "parallel" else None,
+  )
   want = _expected_blocks(_dense_vis(T, S, causal="top_left"), bq, bk)
   assert blocks["fwd"] == want
   assert blocks["bwd"] == want
@@ -128,9 +143,15 @@ def test_diagnostics_walk_the_kernels_blocks():
   try:
     q = jax.random.normal(jax.random.key(0), (2, 50, 2, 8))
     k = jax.random.normal(jax.random.key(1), (2, 70, 2, 8))
-    st = jattn.diagnostics.attention_stats(q, k, is_causal="bottom_right",
-                                           local_window_size=(30, 0), implementation="chunked",
-                                           block_q=16, block_kv=8)
+    st = jattn.diagnostics.attention_stats(
+      q,
+      k,
+      is_causal="bottom_right",
+      local_window_size=(30, 0),
+      implementation="chunked",
+      block_q=16,
+      block_kv=8,
+    )
     jax.block_until_ready(st)
     jax.effects_barrier()
   finally:
@@ -159,8 +180,14 @@ def test_lengths_blocks_skipped():
 
 def test_packed_segments_blocks_skipped():
   q_seg = np.repeat(np.arange(4), 16)[None].repeat(2, 0)  # four 16-token documents
-  blocks = _run_recorded(64, 64, 16, 16, q_segment_ids=jnp.asarray(q_seg, jnp.int32),
-                         kv_segment_ids=jnp.asarray(q_seg, jnp.int32))
+  blocks = _run_recorded(
+    64,
+    64,
+    16,
+    16,
+    q_segment_ids=jnp.asarray(q_seg, jnp.int32),
+    kv_segment_ids=jnp.asarray(q_seg, jnp.int32),
+  )
   assert blocks["fwd"] == {(i, i): M.FULL for i in range(4)}
   assert blocks["bwd"] == blocks["fwd"]
 
@@ -179,8 +206,9 @@ def test_loop_bounds_static_and_run_time_equal_a_hand_count():
   # them in the program. Both must be each row's first and last non-empty block, empty rows
   # (and a map with no non-empty block at all) included.
   rng = np.random.default_rng(0)
-  maps = [rng.choice([M.EMPTY, M.PARTIAL, M.FULL], size=(5, 7), p=[0.6, 0.2, 0.2])
-          for _ in range(20)]
+  maps = [
+    rng.choice([M.EMPTY, M.PARTIAL, M.FULL], size=(5, 7), p=[0.6, 0.2, 0.2]) for _ in range(20)
+  ]
   maps += [np.full((3, 4), M.EMPTY), np.full((1, 1), M.FULL), np.eye(4) * M.FULL]
   for states in maps:
     states = np.asarray(states, np.int8)
@@ -194,8 +222,9 @@ def test_block_lists_static_and_run_time_equal_a_hand_count():
   # Each row's non-empty blocks in order, padded with its last one (state EMPTY): static maps
   # give NumPy lists as long as the longest row, run-time maps jax lists of the full width.
   rng = np.random.default_rng(1)
-  maps = [rng.choice([M.EMPTY, M.PARTIAL, M.FULL], size=(5, 7), p=[0.5, 0.25, 0.25])
-          for _ in range(20)]
+  maps = [
+    rng.choice([M.EMPTY, M.PARTIAL, M.FULL], size=(5, 7), p=[0.5, 0.25, 0.25]) for _ in range(20)
+  ]
   maps += [np.full((3, 4), M.EMPTY), np.full((1, 1), M.FULL), np.tril(np.full((4, 4), M.FULL))]
   for states in maps:
     states = np.asarray(states, np.int8)
@@ -218,8 +247,7 @@ def test_unsorted_segments_against_reference_and_blocks():
   q = jax.random.normal(jax.random.key(0), (2, 40, 2, 8))
   kw = dict(q_segment_ids=jnp.asarray(ids, jnp.int32), kv_segment_ids=jnp.asarray(ids, jnp.int32))
   got = jattn.dot_product_attention(q, q, q, implementation="chunked", block_q=8, block_kv=8, **kw)
-  want, _, _ = ref.attention(q, q, q, visible=ref.visible_mask(2, 2, 40, 40, q_seg=ids,
-                                                               kv_seg=ids))
+  want, _, _ = ref.attention(q, q, q, visible=ref.visible_mask(2, 2, 40, 40, q_seg=ids, kv_seg=ids))
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
   # Unsorted ids make every block PARTIAL (never FULL, never skipped): no block is run as FULL.
   blocks = _run_recorded(40, 40, 8, 8, **kw)
@@ -231,8 +259,11 @@ def test_cost_analysis_has_no_dense_score_matrix():
   # the dense count. It would be equal if the kernel formed the (T, S) scores.
   T = 2048
   dense = jax.jit(lambda q, k, v: jattn.dot_product_attention(q, k, v, implementation="dense"))
-  chunk = jax.jit(lambda q, k, v: jattn.dot_product_attention(q, k, v, implementation="chunked",
-                                                              block_q=256, block_kv=256))
+  chunk = jax.jit(
+    lambda q, k, v: jattn.dot_product_attention(
+      q, k, v, implementation="chunked", block_q=256, block_kv=256
+    )
+  )
   args = _shapes(T)
   fd = dense.lower(*args).compile().cost_analysis()["flops"]
   fc = chunk.lower(*args).compile().cost_analysis()["flops"]
@@ -256,9 +287,18 @@ def test_memory_at_16k_is_a_few_inputs_and_a_tenth_of_dense():
   assert chunked < dense / 10, (chunked, dense)
 
 
-@pytest.mark.parametrize("width,causal,lengths", [
-    (1, False, True), (2, True, True), (3, False, True), (None, True, True),
-    (1, True, False), (3, True, False), (None, True, False)])
+@pytest.mark.parametrize(
+  "width,causal,lengths",
+  [
+    (1, False, True),
+    (2, True, True),
+    (3, False, True),
+    (None, True, True),
+    (1, True, False),
+    (3, True, False),
+    (None, True, False),
+  ],
+)
 def test_parallel_schedule_step_widths_against_reference(width, causal, lengths):
   # The parallel schedule with 1, 2, 3 or all lanes per step (7 query blocks, 9 key blocks:
   # groups that do not divide the lanes leave padding lanes) equals the float64 reference:
@@ -266,6 +306,7 @@ def test_parallel_schedule_step_widths_against_reference(width, causal, lengths)
   # one part per lane) or without (a static map: lanes that run several rows' parts one after
   # another, and rows cut over lanes), a window, soft cap and dropout.
   from test_attention import keep_mask
+
   B, T, S, N, K, H = 2, 50, 70, 4, 2, 8
   keys = jax.random.split(jax.random.key(0), 5)
   q = jax.random.normal(keys[0], (B, T, N, H))
@@ -286,24 +327,57 @@ def test_parallel_schedule_step_widths_against_reference(width, causal, lengths)
     vis_kw.update(causal="bottom_right", window=(25, 0))
 
   def f(q, k, v, bias, sinks):
-    return jattn.dot_product_attention(q, k, v, bias, implementation="chunked",
-                                       schedule="parallel", step_width=width, block_q=8,
-                                       block_kv=8, sinks=sinks, **kw)
+    return jattn.dot_product_attention(
+      q,
+      k,
+      v,
+      bias,
+      implementation="chunked",
+      schedule="parallel",
+      step_width=width,
+      block_q=8,
+      block_kv=8,
+      sinks=sinks,
+      **kw,
+    )
 
   out, pull = jax.vjp(f, q, k, v, bias, sinks)
   got = (out,) + pull(do)
-  want_out, _, cache = ref.attention(q, k, v, visible=ref.visible_mask(B, N, T, S, **vis_kw),
-                                     bias=bias, soft_cap=5.0, sinks=sinks,
-                                     keep=keep_mask(rng, rate, B, N, T, S), dropout_rate=rate)
+  want_out, _, cache = ref.attention(
+    q,
+    k,
+    v,
+    visible=ref.visible_mask(B, N, T, S, **vis_kw),
+    bias=bias,
+    soft_cap=5.0,
+    sinks=sinks,
+    keep=keep_mask(rng, rate, B, N, T, S),
+    dropout_rate=rate,
+  )
   want = (want_out,) + tuple(ref.grads(cache, do, bias_shape=bias.shape))
   for name, a, b in zip(("out", "dq", "dk", "dv", "dbias", "dsinks"), got, want):
     scale = max(1.0, float(np.abs(b).max()))
-    np.testing.assert_allclose(np.asarray(a) / scale, np.asarray(b) / scale, atol=2e-5,
-                               err_msg=f"{name} width={width} causal={causal} {lengths=}")
+    np.testing.assert_allclose(
+      np.asarray(a) / scale,
+      np.asarray(b) / scale,
+      atol=2e-5,
+      err_msg=f"{name} width={width} causal={causal} {lengths=}",
+    )
 
 
-@pytest.mark.parametrize("name", ["causal", "bottom_right", "window", "chunked_local",
-                                  "prefix_lm", "random", "empty_rows", "nothing"])
+@pytest.mark.parametrize(
+  "name",
+  [
+    "causal",
+    "bottom_right",
+    "window",
+    "chunked_local",
+    "prefix_lm",
+    "random",
+    "empty_rows",
+    "nothing",
+  ],
+)
 @pytest.mark.parametrize("min_lanes", [1, 4])
 def test_lanes_cover_every_nonempty_block_once_at_the_depth(name, min_lanes):
   # The parallel schedule's lanes (`_plan.lanes`) over a static block map: every non-empty
@@ -313,10 +387,16 @@ def test_lanes_cover_every_nonempty_block_once_at_the_depth(name, min_lanes):
   R, C = 12, 20
   r, c = np.arange(R)[:, None], np.arange(C)[None, :]
   rng = np.random.default_rng(0)
-  vis = {"causal": c <= 2 * r + 1, "bottom_right": c <= 2 * r + 8,
-         "window": (c <= 2 * r + 1) & (c >= 2 * r - 4), "chunked_local": (c // 5) == (r // 3),
-         "prefix_lm": (c <= 2 * r + 1) | (c < 6), "random": rng.random((R, C)) < 0.3,
-         "empty_rows": (r % 3 == 0) & (c < 7), "nothing": np.zeros((R, C), bool)}[name]
+  vis = {
+    "causal": c <= 2 * r + 1,
+    "bottom_right": c <= 2 * r + 8,
+    "window": (c <= 2 * r + 1) & (c >= 2 * r - 4),
+    "chunked_local": (c // 5) == (r // 3),
+    "prefix_lm": (c <= 2 * r + 1) | (c < 6),
+    "random": rng.random((R, C)) < 0.3,
+    "empty_rows": (r % 3 == 0) & (c < 7),
+    "nothing": np.zeros((R, C), bool),
+  }[name]
   states = np.where(vis, M.FULL, M.EMPTY).astype(np.int8)
   ln = _plan.lanes(states, min_lanes)
   total = int(vis.sum())
@@ -331,8 +411,9 @@ def test_lanes_cover_every_nonempty_block_once_at_the_depth(name, min_lanes):
   # (and the lane's end) merges the part into its row.
   ends = np.zeros((V, L), bool)
   ends[:, :-1] = ln.starts[:, 1:]
-  assert (ln.starts == np.concatenate([np.zeros((V, 1), bool),
-                                       ln.rows[:, 1:] != ln.rows[:, :-1]], axis=1)).all()
+  assert (
+    ln.starts == np.concatenate([np.zeros((V, 1), bool), ln.rows[:, 1:] != ln.rows[:, :-1]], axis=1)
+  ).all()
   np.testing.assert_array_equal(ln.emit, np.where(ends, ln.rows, R))
   np.testing.assert_array_equal(ln.final, ln.rows[:, -1] if total else np.full(V, R))
   for v in range(V):
@@ -346,6 +427,7 @@ def test_parallel_causal_at_a_size_that_crashed_jaxlib_0_10():
   # B >= 2, N = 8 (the merge is a scatter-add now); the result must equal the serial schedule.
   keys = jax.random.split(jax.random.key(0), 3)
   q, k, v = (jax.random.normal(key, (4, 1024, 8, 64)) for key in keys)
-  run = lambda s: jattn.dot_product_attention(q, k, v, implementation="chunked", is_causal=True,
-                                              schedule=s)
+  run = lambda s: jattn.dot_product_attention(
+    q, k, v, implementation="chunked", is_causal=True, schedule=s
+  )
   np.testing.assert_allclose(run("parallel"), run("serial"), rtol=2e-5, atol=2e-5)

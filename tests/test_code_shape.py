@@ -13,8 +13,11 @@ import re
 import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "jattn"
-LIBRARY = sorted(p for p in PACKAGE.rglob("*.py")
-                 if p.name != "demo.py" and "bench" not in p.relative_to(PACKAGE).parts)
+LIBRARY = sorted(
+  p
+  for p in PACKAGE.rglob("*.py")
+  if p.name != "demo.py" and "bench" not in p.relative_to(PACKAGE).parts
+)
 
 
 def _name(path: pathlib.Path) -> str:
@@ -47,7 +50,7 @@ def test_no_import_cycle():
 
   def visit(m):
     if m in path:
-      pytest.fail("import cycle: " + " -> ".join(path[path.index(m):] + [m]))
+      pytest.fail("import cycle: " + " -> ".join(path[path.index(m) :] + [m]))
     if m in done:
       return
     path.append(m)
@@ -63,13 +66,20 @@ def test_no_import_cycle():
 def _code_lines(node, src) -> int:
   body = node.body
   doc = set()
-  if (body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
-      and isinstance(body[0].value.value, str)):
+  if (
+    body
+    and isinstance(body[0], ast.Expr)
+    and isinstance(body[0].value, ast.Constant)
+    and isinstance(body[0].value.value, str)
+  ):
     doc = set(range(body[0].lineno, body[0].end_lineno + 1))
   # From the body: the formatter writes a long signature one parameter per line, and a public
   # signature spells out every keyword the user may pass; the limit is on what a function does.
-  return sum(1 for i in range(body[0].lineno, node.end_lineno + 1)
-             if i not in doc and src[i - 1].strip() and not src[i - 1].strip().startswith("#"))
+  return sum(
+    1
+    for i in range(body[0].lineno, node.end_lineno + 1)
+    if i not in doc and src[i - 1].strip() and not src[i - 1].strip().startswith("#")
+  )
 
 
 def test_no_function_over_80_lines():
@@ -87,6 +97,20 @@ def test_no_function_over_80_lines():
 
 def test_private_mask_classes_stay_in_masks():
   private = re.compile(r"masks\._[A-Z]\w*")
-  uses = [f"{p.name}: {m.group(0)}" for p in LIBRARY if p.name != "masks.py"
-          for m in private.finditer(p.read_text())]
+  uses = [
+    f"{p.name}: {m.group(0)}"
+    for p in LIBRARY
+    if p.name != "masks.py"
+    for m in private.finditer(p.read_text())
+  ]
   assert not uses, uses
+
+
+def test_every_planted_mutation_still_finds_its_line():
+  """tests/_mutations.py plants bugs by exact text; a reformatted or moved line would make a
+  mutation silently impossible (its runner asserts the same, but only when someone runs it)."""
+  src = (PACKAGE.parent / "tests" / "_mutations.py").read_text()
+  namespace = {"__file__": str(PACKAGE.parent / "tests" / "_mutations.py")}
+  exec(src.split("only = sys.argv")[0], namespace)
+  for name, path, old, _new, _tests in namespace["MUTATIONS"]:
+    assert (PACKAGE.parent / path).read_text().count(old) == 1, name

@@ -25,13 +25,14 @@ N = K * G
 BLOCK_KV = 32  # 10 key blocks (the last ragged): the split schedule deals them over 10 lanes
 
 IMPLEMENTATIONS = {
-    "dense": dict(implementation="dense"),
-    "serial": dict(implementation="chunked", schedule="serial", block_kv=BLOCK_KV),
-    "split": dict(implementation="chunked", schedule="parallel", block_kv=BLOCK_KV),
-    # At most 3 lanes per step: the row is split over 3 lanes, dealt unevenly (static lanes of
-    # 4, 4 and 2 blocks; at run time 4 steps, the last partly padding).
-    "split_width3": dict(implementation="chunked", schedule="parallel", block_kv=BLOCK_KV,
-                         step_width=3),
+  "dense": dict(implementation="dense"),
+  "serial": dict(implementation="chunked", schedule="serial", block_kv=BLOCK_KV),
+  "split": dict(implementation="chunked", schedule="parallel", block_kv=BLOCK_KV),
+  # At most 3 lanes per step: the row is split over 3 lanes, dealt unevenly (static lanes of
+  # 4, 4 and 2 blocks; at run time 4 steps, the last partly padding).
+  "split_width3": dict(
+    implementation="chunked", schedule="parallel", block_kv=BLOCK_KV, step_width=3
+  ),
 }
 
 
@@ -58,13 +59,18 @@ def _cases(T):
     fill_vis[b] = (s <= t + fill[b]) & (s < valid[b])
   window_vis = ref.visible_mask(B, N, T, S, causal="bottom_right", window=(50, 0))
   return {
-      "fill_levels": (dict(mask=masks.causal(offset=jnp.asarray(fill))
-                           & masks.lengths(None, jnp.asarray(valid))), fill_vis),
-      "lengths_sinks": (dict(key_value_seq_lengths=jnp.asarray(valid),
-                             sinks=jnp.linspace(-1.0, 1.0, N)),
-                        ref.visible_mask(B, N, T, S, kv_lengths=valid)),
-      "bottom_right_window_softcap": (dict(is_causal="bottom_right", local_window_size=(50, 0),
-                                           logits_soft_cap=2.0), window_vis),
+    "fill_levels": (
+      dict(mask=masks.causal(offset=jnp.asarray(fill)) & masks.lengths(None, jnp.asarray(valid))),
+      fill_vis,
+    ),
+    "lengths_sinks": (
+      dict(key_value_seq_lengths=jnp.asarray(valid), sinks=jnp.linspace(-1.0, 1.0, N)),
+      ref.visible_mask(B, N, T, S, kv_lengths=valid),
+    ),
+    "bottom_right_window_softcap": (
+      dict(is_causal="bottom_right", local_window_size=(50, 0), logits_soft_cap=2.0),
+      window_vis,
+    ),
   }
 
 
@@ -73,8 +79,14 @@ def test_decoding_steps_match_reference(T):
   q, k, v, do = _problem(T)
   for case, (kw, vis) in _cases(T).items():
     sinks = kw.get("sinks")
-    want, want_lse, cache = ref.attention(q, k, v, visible=vis, soft_cap=kw.get("logits_soft_cap"),
-                                          sinks=None if sinks is None else np.asarray(sinks))
+    want, want_lse, cache = ref.attention(
+      q,
+      k,
+      v,
+      visible=vis,
+      soft_cap=kw.get("logits_soft_cap"),
+      sinks=None if sinks is None else np.asarray(sinks),
+    )
     dq_w, dk_w, dv_w, _, ds_w = ref.grads(cache, do)
     rows = np.isfinite(want_lse)
     for impl, ikw in IMPLEMENTATIONS.items():
@@ -94,8 +106,9 @@ def test_decoding_steps_match_reference(T):
       out, lse, (dq, dk, dv, ds) = forward_and_grads(*args)
       msg = f"T={T} {case} {impl}"
       np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5, err_msg=msg)
-      np.testing.assert_allclose(np.asarray(lse)[rows], want_lse[rows], rtol=2e-5, atol=2e-5,
-                                 err_msg=msg)
+      np.testing.assert_allclose(
+        np.asarray(lse)[rows], want_lse[rows], rtol=2e-5, atol=2e-5, err_msg=msg
+      )
       assert np.all(np.asarray(out)[~rows.any(axis=(1, 2))] == 0), msg  # empty cache: 0
       for name, got, w in (("dq", dq, dq_w), ("dk", dk, dk_w), ("dv", dv, dv_w)):
         np.testing.assert_allclose(got, w, rtol=2e-4, atol=2e-5, err_msg=f"{name} {msg}")
@@ -107,8 +120,9 @@ def test_split_kv_lanes_of_a_decoding_step():
   # One row of 10 key blocks is dealt over min(SPLIT_KV_LANES, blocks) lanes; a prefill-sized
   # call (T x G rows above DECODE_MAX_ROWS) or one with several query blocks keeps one lane per
   # row.
-  cfg = lambda T: jattn._tile.Config(B=B, T=T, S=S, K=K, G=G, H=H, scale=1.0,
-                                     logits_soft_cap=None, dropout_rate=0.0)
+  cfg = lambda T: jattn._tile.Config(
+    B=B, T=T, S=S, K=K, G=G, H=H, scale=1.0, logits_soft_cap=None, dropout_rate=0.0
+  )
   plan, _ = _plan.make_plan(cfg(1), None, 1, BLOCK_KV, "parallel")
   ln = _plan.lanes_of(plan.row_lanes)
   assert plan.row_split == 10 and ln.columns.shape == (10, 1)

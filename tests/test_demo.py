@@ -58,8 +58,9 @@ def overflow_rows():
 
 
 def _row(rows, dtype, pattern, M, method):
-  (r,) = [r for r in rows if (r.dtype, r.pattern, r.magnitude, r.method)
-          == (dtype, pattern, M, method)]
+  (r,) = [
+    r for r in rows if (r.dtype, r.pattern, r.magnitude, r.method) == (dtype, pattern, M, method)
+  ]
   return r
 
 
@@ -114,14 +115,30 @@ def test_precision_claims(precision_rows):
       # float32 statistics: jattn in bfloat16 is within 2x of rounding the exact answer.
       assert by[T, f"jattn {impl} bf16"].rel_error < 2 * floor
       assert by[T, "plain bf16"].rel_error > by[T, f"jattn {impl} bf16"].rel_error
-    assert (abs(by[T, "jattn dense bf16"].rel_error - by[T, "jattn chunked bf16"].rel_error)
-            < 0.5 * floor)
+    assert (
+      abs(by[T, "jattn dense bf16"].rel_error - by[T, "jattn chunked bf16"].rel_error) < 0.5 * floor
+    )
 
 
 def test_cli_end_to_end_with_plots(tmp_path, capsys):
-  args = ["--seeds", "64", "--dims", "32,128,512", "--magnitudes", "10,100,1e5",
-          "--lengths", "256", "--heads", "1", "--head-dim", "32", "--block", "32",
-          "--plot", str(tmp_path)]
+  args = [
+    "--seeds",
+    "64",
+    "--dims",
+    "32,128,512",
+    "--magnitudes",
+    "10,100,1e5",
+    "--lengths",
+    "256",
+    "--heads",
+    "1",
+    "--head-dim",
+    "32",
+    "--block",
+    "32",
+    "--plot",
+    str(tmp_path),
+  ]
   assert demo.main(args) == 0
   out = capsys.readouterr().out
   for title in ("1. Softmax sharpness", "2. Naive", "3. A query row", "4. Relative error"):

@@ -54,16 +54,20 @@ def test_smoke_mode_runs_every_section(tmp_path):
   assert all(r["status"] == "ok" and r["bitwise_rerun"] for r in decode)
   assert decode[-1]["max_abs_diff_vs_chunked"] == 0.0
   md = (tmp_path / "dc.md").read_text()
-  for heading in ("## correctness", "## determinism", "## batch_invariance", "## speed",
-                  "## decode"):
+  for heading in (
+    "## correctness",
+    "## determinism",
+    "## batch_invariance",
+    "## speed",
+    "## decode",
+  ):
     assert heading in md
 
 
 def test_a_failing_section_is_recorded_and_the_rest_run(tmp_path, monkeypatch):
   dc = _load()
   monkeypatch.setattr(dc, "speed", lambda smoke: 1 / 0)
-  assert dc.main(["--smoke", "--out", str(tmp_path / "dc"), "--sections", "speed",
-                  "decode"]) == 0
+  assert dc.main(["--smoke", "--out", str(tmp_path / "dc"), "--sections", "speed", "decode"]) == 0
   report = json.loads((tmp_path / "dc.json").read_text())
   assert "ZeroDivisionError" in report["sections"]["speed"]["error"]
   assert report["sections"]["decode"][0]["status"] == "ok"

@@ -11,9 +11,9 @@ import jattn
 from jattn import diagnostics, masks
 
 IMPLS = {
-    "dense": dict(implementation="dense"),
-    # Small non-dividing blocks: ragged edges, many blocks, skipped (EMPTY) blocks.
-    "chunked": dict(implementation="chunked", block_q=8, block_kv=7),
+  "dense": dict(implementation="dense"),
+  # Small non-dividing blocks: ragged edges, many blocks, skipped (EMPTY) blocks.
+  "chunked": dict(implementation="chunked", block_q=8, block_kv=7),
 }
 FIELDS = diagnostics.AttentionStats._fields
 
@@ -71,8 +71,9 @@ def test_overflow_flag_matches_naive_float16_softmax(impl):
 # --------------------------------------------------------------------------------------------
 
 
-def _reference(q, k, *, vis, bias=None, scale=None, soft_cap=None, sinks=None, threshold=0.99,
-               score_mod=None):
+def _reference(
+  q, k, *, vis, bias=None, scale=None, soft_cap=None, sinks=None, threshold=0.99, score_mod=None
+):
   """Per-query statistics (B, N, T) from the definitions, in float64."""
   q, k = np.asarray(q, np.float64), np.asarray(k, np.float64)
   B, T, N, H = q.shape
@@ -102,7 +103,7 @@ def _reference(q, k, *, vis, bias=None, scale=None, soft_cap=None, sinks=None, t
     out["entropy"][b, n, t] = ent
     if x.size:
       out["max_logit"][b, n, t], out["min_logit"][b, n, t] = x.max(), x.min()
-      out["max_prob"][b, n, t] = p[:x.size].max()
+      out["max_prob"][b, n, t] = p[: x.size].max()
     if c.size >= 2:
       out["entropy_fraction"][b, n, t] = ent / np.log(c.size)
       out["saturated_fraction"][b, n, t] = out["max_prob"][b, n, t] > threshold
@@ -119,10 +120,12 @@ def _per_head(ref, vis, has_sink):
   for f in ("max_prob", "entropy", "entropy_fraction", "saturated_fraction"):
     cnt = choice.sum(-1)
     out[f] = np.where(cnt > 0, (ref[f] * choice).sum(-1) / np.maximum(cnt, 1), 0.0)
-  out["max_logit"] = np.where(has_key.any(-1), np.where(has_key, ref["max_logit"], -np.inf)
-                              .max(-1), 0.0)
-  out["min_logit"] = np.where(has_key.any(-1), np.where(has_key, ref["min_logit"], np.inf)
-                              .min(-1), 0.0)
+  out["max_logit"] = np.where(
+    has_key.any(-1), np.where(has_key, ref["max_logit"], -np.inf).max(-1), 0.0
+  )
+  out["min_logit"] = np.where(
+    has_key.any(-1), np.where(has_key, ref["min_logit"], np.inf).min(-1), 0.0
+  )
   out["masked_rows"] = ref["masked_rows"].sum(-1)
   out["overflow"] = ref["overflow"].any(-1)
   return out
@@ -137,9 +140,9 @@ def _visible(B, N, T, S, *, causal=False, q_len=None, kv_len=None, window=None, 
     vis &= ((s >= t - window[0]) & (s <= t + window[1]))[None, None]
   for b in range(B):
     if q_len is not None:
-      vis[b, :, q_len[b]:] = False
+      vis[b, :, q_len[b] :] = False
     if kv_len is not None:
-      vis[b, :, :, kv_len[b]:] = False
+      vis[b, :, :, kv_len[b] :] = False
   if array is not None:
     vis &= array
   return vis
@@ -158,19 +161,28 @@ def _case(name):
   rng = np.random.default_rng(1)
   if name == "causal+lengths":
     q_len, kv_len = np.array([19, 11]), np.array([23, 9])
-    return (dict(is_causal=True, query_seq_lengths=jnp.asarray(q_len, jnp.int32),
-                 key_value_seq_lengths=jnp.asarray(kv_len, jnp.int32)),
-            dict(vis=_visible(B, N, T, S, causal=True, q_len=q_len, kv_len=kv_len)))
+    return (
+      dict(
+        is_causal=True,
+        query_seq_lengths=jnp.asarray(q_len, jnp.int32),
+        key_value_seq_lengths=jnp.asarray(kv_len, jnp.int32),
+      ),
+      dict(vis=_visible(B, N, T, S, causal=True, q_len=q_len, kv_len=kv_len)),
+    )
   if name == "array mask+bias+softcap":
     arr = rng.random((B, 1, T, S)) < 0.6
     arr[0, 0, 3] = False  # a fully masked row
     bias = rng.standard_normal((1, N, T, S)).astype(np.float32)
-    return (dict(mask=jnp.asarray(arr), bias=jnp.asarray(bias), logits_soft_cap=3.0),
-            dict(vis=_visible(B, N, T, S, array=arr), bias=bias, soft_cap=3.0))
+    return (
+      dict(mask=jnp.asarray(arr), bias=jnp.asarray(bias), logits_soft_cap=3.0),
+      dict(vis=_visible(B, N, T, S, array=arr), bias=bias, soft_cap=3.0),
+    )
   if name == "window+mask object+sinks":
     sinks = np.array([0.5, -1.0, 2.0, 0.0], np.float32)
-    return (dict(mask=masks.local_window(4, 2), sinks=jnp.asarray(sinks), scale=0.7),
-            dict(vis=_visible(B, N, T, S, window=(4, 2)), sinks=sinks, scale=0.7))
+    return (
+      dict(mask=masks.local_window(4, 2), sinks=jnp.asarray(sinks), scale=0.7),
+      dict(vis=_visible(B, N, T, S, window=(4, 2)), sinks=sinks, scale=0.7),
+    )
   if name == "score_mod+causal":
     # ALiBi-like slopes per head and a relative-position table gathered by (t - s): statistics
     # are of the modified logits.
@@ -178,19 +190,24 @@ def _case(name):
     jt = jnp.asarray(table)
 
     def score_mod(x, b, h, t, s):
-      return (x - 0.25 * (h + 1).astype(x.dtype) * jnp.abs(t - s).astype(x.dtype)
-              + jt[h, t - s + S])
+      return x - 0.25 * (h + 1).astype(x.dtype) * jnp.abs(t - s).astype(x.dtype) + jt[h, t - s + S]
 
     def reference_mod(x, b, h, t, s):
       return x - 0.25 * (h + 1) * np.abs(t - s) + table.astype(np.float64)[h, t - s + S]
 
-    return (dict(is_causal=True, score_mod=score_mod),
-            dict(vis=_visible(B, N, T, S, causal=True), score_mod=reference_mod))
+    return (
+      dict(is_causal=True, score_mod=score_mod),
+      dict(vis=_visible(B, N, T, S, causal=True), score_mod=reference_mod),
+    )
   raise AssertionError(name)
 
 
-CASES = ("causal+lengths", "array mask+bias+softcap", "window+mask object+sinks",
-         "score_mod+causal")
+CASES = (
+  "causal+lengths",
+  "array mask+bias+softcap",
+  "window+mask object+sinks",
+  "score_mod+causal",
+)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -200,34 +217,50 @@ def test_against_float64_reference(case, impl):
   kw, rkw = _case(case)
   ref, vis = _reference(q, k, **rkw)
   assert ref["masked_rows"].sum() > 0 or case.startswith(("window", "score_mod"))
-  checks = [(diagnostics.attention_stats(q, k, per_query=True, **kw, **IMPLS[impl]), ref,
-             (2, 4, 19))]
+  checks = [
+    (diagnostics.attention_stats(q, k, per_query=True, **kw, **IMPLS[impl]), ref, (2, 4, 19))
+  ]
   if impl == "dense":
     # The reduction over rows is shared code after the per-row pass; checking it once suffices.
-    checks.append((diagnostics.attention_stats(q, k, **kw, **IMPLS[impl]),
-                   _per_head(ref, vis, rkw.get("sinks") is not None), (2, 4)))
+    checks.append(
+      (
+        diagnostics.attention_stats(q, k, **kw, **IMPLS[impl]),
+        _per_head(ref, vis, rkw.get("sinks") is not None),
+        (2, 4),
+      )
+    )
   for got, want, shape in checks:
     for f in FIELDS:
       g = np.asarray(getattr(got, f))
       assert g.shape == shape, (f, g.shape)
-      np.testing.assert_allclose(g.astype(np.float64), want[f], rtol=2e-5, atol=2e-5,
-                                 err_msg=f"{f} ({case}, {impl})")
+      np.testing.assert_allclose(
+        g.astype(np.float64), want[f], rtol=2e-5, atol=2e-5, err_msg=f"{f} ({case}, {impl})"
+      )
 
 
 def test_chunked_equals_dense():
   # Bottom-right causal (T > S: the first T - S queries see nothing) with kv lengths and sinks:
   # skipped, partial and full blocks, ragged edges on both axes, a fully masked example.
   q, k = _inputs(T=40, S=33, seed=3)
-  kw = dict(is_causal="bottom_right", key_value_seq_lengths=jnp.asarray([30, 5], jnp.int32),
-            sinks=jnp.asarray([0.5, -1.0, 2.0, 0.0], jnp.float32), per_query=True)
+  kw = dict(
+    is_causal="bottom_right",
+    key_value_seq_lengths=jnp.asarray([30, 5], jnp.int32),
+    sinks=jnp.asarray([0.5, -1.0, 2.0, 0.0], jnp.float32),
+    per_query=True,
+  )
   dense = diagnostics.attention_stats(q, k, implementation="dense", **kw)
-  chunked = diagnostics.attention_stats(q, k, implementation="chunked", block_q=16, block_kv=7,
-                                        **kw)
+  chunked = diagnostics.attention_stats(
+    q, k, implementation="chunked", block_q=16, block_kv=7, **kw
+  )
   assert int(dense.masked_rows.sum()) > 0 and float(dense.saturated_fraction.sum()) > 0
   for f in FIELDS:
-    np.testing.assert_allclose(np.asarray(getattr(chunked, f)).astype(np.float64),
-                               np.asarray(getattr(dense, f)).astype(np.float64),
-                               rtol=1e-5, atol=1e-5, err_msg=f)
+    np.testing.assert_allclose(
+      np.asarray(getattr(chunked, f)).astype(np.float64),
+      np.asarray(getattr(dense, f)).astype(np.float64),
+      rtol=1e-5,
+      atol=1e-5,
+      err_msg=f,
+    )
 
 
 def test_masked_rows_agree_with_attention_output():
@@ -250,8 +283,11 @@ def test_minus_inf_bias_is_a_mask_and_gives_no_nan():
   st = diagnostics.attention_stats(q, k, bias, scale=1.0)
   ref = diagnostics.attention_stats(q[:, :, :, :], k[:, ::2], scale=1.0)
   for f in FIELDS:
-    np.testing.assert_allclose(np.asarray(getattr(st, f)).astype(np.float64),
-                               np.asarray(getattr(ref, f)).astype(np.float64), rtol=1e-6)
+    np.testing.assert_allclose(
+      np.asarray(getattr(st, f)).astype(np.float64),
+      np.asarray(getattr(ref, f)).astype(np.float64),
+      rtol=1e-6,
+    )
   all_inf = jnp.full((1, 1, 1, 3), -jnp.inf, jnp.float32)
   st = diagnostics.attention_stats(q, k, all_inf, scale=1.0, per_query=True)
   assert int(st.masked_rows[0, 0, 0]) == 1
@@ -262,8 +298,9 @@ def test_bfloat16_inputs_use_float32_statistics():
   q, k = _inputs(dtype=jnp.bfloat16)
   st = diagnostics.attention_stats(q, k, is_causal=True)
   assert st.entropy.dtype == jnp.float32 and st.masked_rows.dtype == jnp.int32
-  ref, vis = _reference(q.astype(jnp.float32), k.astype(jnp.float32),
-                        vis=_visible(2, 4, 19, 23, causal=True))
+  ref, vis = _reference(
+    q.astype(jnp.float32), k.astype(jnp.float32), vis=_visible(2, 4, 19, 23, causal=True)
+  )
   np.testing.assert_allclose(st.entropy, _per_head(ref, vis, False)["entropy"], rtol=1e-5)
 
 
@@ -283,8 +320,11 @@ def test_unbatched_and_jit_without_retracing():
   unbatched = diagnostics.attention_stats(q[0], k[0])
   assert unbatched.entropy.shape == (4,)
   for f_ in FIELDS:
-    np.testing.assert_allclose(np.asarray(getattr(unbatched, f_)).astype(np.float64),
-                               np.asarray(getattr(a, f_))[0].astype(np.float64), rtol=1e-6)
+    np.testing.assert_allclose(
+      np.asarray(getattr(unbatched, f_)).astype(np.float64),
+      np.asarray(getattr(a, f_))[0].astype(np.float64),
+      rtol=1e-6,
+    )
 
 
 def test_bad_arguments():
@@ -360,14 +400,14 @@ def test_modules_collect_stats_of_their_own_attention():
   kw = dict(num_heads=4, num_kv_heads=2, is_causal=True, logits_soft_cap=30.0)
   lin = jattn.linen.MultiHeadAttention(**kw, collect_stats=True)
   params = lin.init(jax.random.key(1), x)
-  _, state = lin.apply(params, x, q_segment_ids=seg, kv_segment_ids=seg,
-                       mutable=["intermediates"])
+  _, state = lin.apply(params, x, q_segment_ids=seg, kv_segment_ids=seg, mutable=["intermediates"])
   (got,) = state["intermediates"][diagnostics.COLLECTION_NAME]
   p = params["params"]
   q = jnp.einsum("btd,dnh->btnh", x, p["query"]["kernel"]) + p["query"]["bias"][None, None]
   k = jnp.einsum("btd,dnh->btnh", x, p["key"]["kernel"]) + p["key"]["bias"][None, None]
-  want = diagnostics.attention_stats(q, k, is_causal=True, logits_soft_cap=30.0,
-                                     q_segment_ids=seg, kv_segment_ids=seg)
+  want = diagnostics.attention_stats(
+    q, k, is_causal=True, logits_soft_cap=30.0, q_segment_ids=seg, kv_segment_ids=seg
+  )
   for a, b in zip(got, want):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
   # Off: no collection is created even when 'intermediates' is mutable.
@@ -375,9 +415,15 @@ def test_modules_collect_stats_of_their_own_attention():
   _, state = off.apply(params, x, mutable=["intermediates"])
   assert not state.get("intermediates")
 
-  mod = jattn.nnx.MultiHeadAttention(num_heads=4, in_features=16, num_kv_heads=2,
-                                     is_causal=True, logits_soft_cap=30.0, collect_stats=True,
-                                     rngs=nnx.Rngs(0))
+  mod = jattn.nnx.MultiHeadAttention(
+    num_heads=4,
+    in_features=16,
+    num_kv_heads=2,
+    is_causal=True,
+    logits_soft_cap=30.0,
+    collect_stats=True,
+    rngs=nnx.Rngs(0),
+  )
   forward = nnx.capture(nnx.Intermediate)(lambda m, x: m(x))
   _, inter = forward(mod, x)
   (got,) = inter[diagnostics.COLLECTION_NAME]

@@ -26,8 +26,12 @@ def test_the_guide_has_its_examples():
   # vLLM (float and fp8 pages), FlashAttention (kvcache and varlen), the checks.
   assert len(BLOCKS) == 3
   code = "".join(c for _, c in BLOCKS)
-  for needed in ("ref_ragged_paged_attention", "checkify", "return_residual",
-                 "dot_product_attention"):
+  for needed in (
+    "ref_ragged_paged_attention",
+    "checkify",
+    "return_residual",
+    "dot_product_attention",
+  ):
     assert needed in code
 
 

@@ -31,7 +31,8 @@ def _inputs(T, S, K, H, Hv=None, seed=0, dtype=jnp.float32):
   cast = lambda x: np.asarray(jnp.asarray(x, dtype).astype(jnp.float32), np.float64)
   # The 16-bit inputs' exact values, for the reference.
   return [jnp.asarray(x, dtype) for x in (q, k, v, dout)] + [jnp.asarray(dlse, jnp.float32)], [
-      cast(x) for x in (q, k, v, dout)] + [dlse]
+    cast(x) for x in (q, k, v, dout)
+  ] + [dlse]
 
 
 def _kernel(args, sinks, kw):
@@ -39,8 +40,9 @@ def _kernel(args, sinks, kw):
   q, k, v, dout, dlse = args
 
   def f(q, k, v, sinks):
-    return jattn.dot_product_attention(q, k, v, sinks=sinks, implementation="pallas_gpu",
-                                       return_residual=True, **BLOCKS, **kw)
+    return jattn.dot_product_attention(
+      q, k, v, sinks=sinks, implementation="pallas_gpu", return_residual=True, **BLOCKS, **kw
+    )
 
   with _paged_gpu.interpret_mode():
     (out, lse), pull = jax.vjp(f, q, k, v, sinks)
@@ -50,15 +52,29 @@ def _kernel(args, sinks, kw):
 
 def _reference(exact, T, S, K, sinks, kw):
   q, k, v, dout, dlse = exact
-  mask_kw = dict(causal=kw.get("is_causal") if kw.get("is_causal") is not True else "top_left",
-                 window=kw.get("local_window_size"), q_lengths=kw.get("query_seq_lengths"),
-                 kv_lengths=kw.get("key_value_seq_lengths"), q_seg=kw.get("q_segment_ids"),
-                 kv_seg=kw.get("kv_segment_ids"))
-  mask_kw = {n: None if x is None else (np.asarray(x) if n != "causal" and n != "window" else x)
-             for n, x in mask_kw.items()}
+  mask_kw = dict(
+    causal=kw.get("is_causal") if kw.get("is_causal") is not True else "top_left",
+    window=kw.get("local_window_size"),
+    q_lengths=kw.get("query_seq_lengths"),
+    kv_lengths=kw.get("key_value_seq_lengths"),
+    q_seg=kw.get("q_segment_ids"),
+    kv_seg=kw.get("kv_segment_ids"),
+  )
+  mask_kw = {
+    n: None if x is None else (np.asarray(x) if n != "causal" and n != "window" else x)
+    for n, x in mask_kw.items()
+  }
   vis = ref.visible_mask(B, N, T, S, **mask_kw)
-  out, lse, g = ref.attention_vjp(q, k, v, dout, visible=vis, soft_cap=kw.get("logits_soft_cap"),
-                                  sinks=None if sinks is None else np.asarray(sinks), dlse=dlse)
+  out, lse, g = ref.attention_vjp(
+    q,
+    k,
+    v,
+    dout,
+    visible=vis,
+    soft_cap=kw.get("logits_soft_cap"),
+    sinks=None if sinks is None else np.asarray(sinks),
+    dlse=dlse,
+  )
   return out, lse, g
 
 
@@ -72,21 +88,34 @@ def _close(got, want, tol, what):
 # a loop bound one block short would drop keys there. The window is wide enough for blocks
 # inside it (unmasked) between the blocks its edges cross.
 CASES = {
-    "causal-top-left": (72, 72, 2, dict(is_causal=True)),
-    "causal-bottom-right": (40, 57, 2, dict(is_causal="bottom_right")),
-    "window-both-sides": (72, 72, 2, dict(local_window_size=(33, 20))),
-    "causal-window-mqa": (72, 72, 1, dict(is_causal=True, local_window_size=(20, 0))),
-    "lengths-empty-rows": (72, 72, 2, dict(query_seq_lengths=np.array([72, 30], np.int32),
-                                           key_value_seq_lengths=np.array([50, 0], np.int32))),
-    "segment-ids": (72, 72, 2, dict(
-        q_segment_ids=np.repeat(np.array([[0, 1, 2], [0, 0, 5]]), 24, axis=1).astype(np.int32),
-        kv_segment_ids=np.repeat(np.array([[0, 1, 3], [0, 0, 5]]), 24, axis=1).astype(np.int32),
-        sinks=True)),  # document 2 has no keys: rows with only the sink (output 0, lse = sink)
-    "soft-cap-sinks": (72, 72, 2, dict(is_causal=True, logits_soft_cap=2.0, sinks=True)),
-    # S a multiple of the key block and no lengths or segment ids: the tiles compare no ids, and
-    # those inside the band are not masked at all; the first five rows see nothing.
-    "unpadded-keys-band": (72, 64, 2, dict(is_causal="bottom_right", local_window_size=(17, 3))),
-    "unpadded-keys-mqa": (40, 64, 1, dict()),
+  "causal-top-left": (72, 72, 2, dict(is_causal=True)),
+  "causal-bottom-right": (40, 57, 2, dict(is_causal="bottom_right")),
+  "window-both-sides": (72, 72, 2, dict(local_window_size=(33, 20))),
+  "causal-window-mqa": (72, 72, 1, dict(is_causal=True, local_window_size=(20, 0))),
+  "lengths-empty-rows": (
+    72,
+    72,
+    2,
+    dict(
+      query_seq_lengths=np.array([72, 30], np.int32),
+      key_value_seq_lengths=np.array([50, 0], np.int32),
+    ),
+  ),
+  "segment-ids": (
+    72,
+    72,
+    2,
+    dict(
+      q_segment_ids=np.repeat(np.array([[0, 1, 2], [0, 0, 5]]), 24, axis=1).astype(np.int32),
+      kv_segment_ids=np.repeat(np.array([[0, 1, 3], [0, 0, 5]]), 24, axis=1).astype(np.int32),
+      sinks=True,
+    ),
+  ),  # document 2 has no keys: rows with only the sink (output 0, lse = sink)
+  "soft-cap-sinks": (72, 72, 2, dict(is_causal=True, logits_soft_cap=2.0, sinks=True)),
+  # S a multiple of the key block and no lengths or segment ids: the tiles compare no ids, and
+  # those inside the band are not masked at all; the first five rows see nothing.
+  "unpadded-keys-band": (72, 64, 2, dict(is_causal="bottom_right", local_window_size=(17, 3))),
+  "unpadded-keys-mqa": (40, 64, 1, dict()),
 }
 
 
@@ -116,8 +145,11 @@ def test_garbage_past_the_lengths_stays_out():
   # are those of clean inputs (hidden positions are zeroed before the matmuls), with zero
   # gradients there.
   T = S = 40
-  kw = dict(query_seq_lengths=np.array([33, 40], np.int32),
-            key_value_seq_lengths=np.array([21, 40], np.int32), is_causal=True)
+  kw = dict(
+    query_seq_lengths=np.array([33, 40], np.int32),
+    key_value_seq_lengths=np.array([21, 40], np.int32),
+    is_causal=True,
+  )
   args, _ = _inputs(T, S, 2, 16, seed=5)
   clean = _kernel(args, None, kw)
   q, k, v = (np.array(x) for x in args[:3])
@@ -135,8 +167,9 @@ def test_under_vmap_equals_dense():
   q = jnp.asarray(np.random.default_rng(2).standard_normal((3, B, 20, 2, 16)), jnp.float32)
 
   def loss(impl):
-    f = lambda q: jattn.dot_product_attention(q, q, q, is_causal=True, logits_soft_cap=3.0,
-                                              implementation=impl)
+    f = lambda q: jattn.dot_product_attention(
+      q, q, q, is_causal=True, logits_soft_cap=3.0, implementation=impl
+    )
     return lambda q: (jax.vmap(f)(q) ** 2).sum()
 
   with _paged_gpu.interpret_mode():
@@ -170,21 +203,29 @@ def test_16_bit_within_rounding_of_the_exact_answer(dtype):
   out, _, (dq, dk, dv, _) = _kernel(args, sinks, kw)
   assert out.dtype == dq.dtype == dk.dtype == dtype
   want, _, g = _reference(exact, T, S, 2, sinks, kw)
-  for name, got, exact_value, factor in (("out", out, want, 2), ("dq", dq, g["dq"], 4),
-                                         ("dk", dk, g["dk"], 4), ("dv", dv, g["dv"], 4)):
+  for name, got, exact_value, factor in (
+    ("out", out, want, 2),
+    ("dq", dq, g["dq"], 4),
+    ("dk", dk, g["dk"], 4),
+    ("dv", dv, g["dv"], 4),
+  ):
     err = np.abs(np.asarray(got.astype(jnp.float32), np.float64) - exact_value).max()
-    rounding = np.abs(np.asarray(jnp.asarray(exact_value, dtype).astype(jnp.float32),
-                                 np.float64) - exact_value).max()
+    rounding = np.abs(
+      np.asarray(jnp.asarray(exact_value, dtype).astype(jnp.float32), np.float64) - exact_value
+    ).max()
     assert err <= factor * rounding, (name, err, rounding)
 
 
-@pytest.mark.parametrize("kw,words", [
+@pytest.mark.parametrize(
+  "kw,words",
+  [
     (dict(bias=np.zeros((1, N, 40, 40), np.float32)), "pallas_gpu.*bias"),
     (dict(mask=np.tril(np.ones((40, 40), bool))), "pallas_gpu.*mask"),
     (dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), "pallas_gpu.*dropout"),
     (dict(H=24), "pallas_gpu.*H=24"),
     (dict(block_q=24), "pallas_gpu.*block_q=24"),
-])
+  ],
+)
 def test_what_it_cannot_take_is_refused_by_name(kw, words):
   kw = dict(kw)
   H = kw.pop("H", 16)
@@ -197,8 +238,10 @@ def test_what_it_cannot_take_is_refused_by_name(kw, words):
 def test_a_gradient_of_the_gradient_is_refused_by_name():
   q = jnp.ones((1, 16, 2, 16))
   f = lambda q: jattn.dot_product_attention(q, q, q, implementation="pallas_gpu").sum()
-  with _paged_gpu.interpret_mode(), pytest.raises(NotImplementedError,
-                                                  match="higher-order AD.*pallas_gpu"):
+  with (
+    _paged_gpu.interpret_mode(),
+    pytest.raises(NotImplementedError, match="higher-order AD.*pallas_gpu"),
+  ):
     jax.grad(lambda q: (jax.grad(f)(q) ** 2).sum())(q)
 
 
@@ -211,15 +254,30 @@ def test_lowered_for_cuda_it_is_three_triton_kernels():
 
   def loss(q, k, v, sinks):
     out, lse = jattn.dot_product_attention(
-        q, k, v, is_causal="bottom_right", local_window_size=(20, 0), logits_soft_cap=3.0,
-        sinks=sinks, q_segment_ids=jnp.zeros((B, T), jnp.int32),
-        kv_segment_ids=jnp.zeros((B, S), jnp.int32), key_value_seq_lengths=jnp.array([3, 50]),
-        implementation="pallas_gpu", return_residual=True, block_q=16, block_kv=16)
+      q,
+      k,
+      v,
+      is_causal="bottom_right",
+      local_window_size=(20, 0),
+      logits_soft_cap=3.0,
+      sinks=sinks,
+      q_segment_ids=jnp.zeros((B, T), jnp.int32),
+      kv_segment_ids=jnp.zeros((B, S), jnp.int32),
+      key_value_seq_lengths=jnp.array([3, 50]),
+      implementation="pallas_gpu",
+      return_residual=True,
+      block_q=16,
+      block_kv=16,
+    )
     return out.astype(jnp.float32).sum() + lse.astype(jnp.float32).sum()
 
   for dtype in (jnp.bfloat16, jnp.float16, jnp.float32):
-    args = (sds((B, T, N3, 32), dtype), sds((B, S, K, 32), dtype), sds((B, S, K, 16), dtype),
-            sds((N3,), jnp.float32))
+    args = (
+      sds((B, T, N3, 32), dtype),
+      sds((B, S, K, 32), dtype),
+      sds((B, S, K, 16), dtype),
+      sds((N3,), jnp.float32),
+    )
     grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
     with _abstract_gpu():  # jax 0.12's Triton lowering asks which GPU, even from a CPU
       text = grad.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
@@ -228,8 +286,9 @@ def test_lowered_for_cuda_it_is_three_triton_kernels():
   with pytest.raises(NotImplementedError, match="pallas_gpu.*interpret_mode"):
     jax.jit(loss).trace(*args).lower(lowering_platforms=("cpu",))
   # A sequence falls through to the next implementation where it lowers for another platform.
-  f = lambda q, k, v: jattn.dot_product_attention(q, k, v, is_causal=True,
-                                                  implementation=("pallas_gpu", "chunked"))
+  f = lambda q, k, v: jattn.dot_product_attention(
+    q, k, v, is_causal=True, implementation=("pallas_gpu", "chunked")
+  )
   args = args[:2] + (sds((B, S, K, 32), jnp.float32),)
   assert TRITON not in jax.jit(f).trace(*args).lower(lowering_platforms=("cpu",)).as_text()
   with _abstract_gpu():

@@ -5,15 +5,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import reference
 from flax import linen as nn
 from flax import nnx
 
 import jattn
-import reference
 
 B, T, D, N = 2, 6, 16, 4
-IMPLS = [dict(implementation="dense"),
-         dict(implementation="chunked", block_q=4, block_kv=4)]  # ragged blocks: T = 6
+IMPLS = [
+  dict(implementation="dense"),
+  dict(implementation="chunked", block_q=4, block_kv=4),
+]  # ragged blocks: T = 6
 IMPL_IDS = ["dense", "chunked"]
 # Example 0 has two padding tokens at the end, example 1 none.
 VALID = jnp.array([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]], jnp.int32)
@@ -27,11 +29,11 @@ def _flax_masks():
   causal = nn.make_causal_mask(VALID)
   padding = nn.make_attention_mask(VALID, VALID)
   return {
-      "none": None,
-      "causal": causal,
-      "padding": padding,
-      "combined": nn.combine_masks(causal, padding),
-      "bool_causal": nn.make_causal_mask(VALID, dtype=jnp.bool_),
+    "none": None,
+    "causal": causal,
+    "padding": padding,
+    "combined": nn.combine_masks(causal, padding),
+    "bool_causal": nn.make_causal_mask(VALID, dtype=jnp.bool_),
   }
 
 
@@ -65,8 +67,9 @@ def test_linen_layer_matches_flax(impl):
 @pytest.mark.parametrize("impl", IMPLS, ids=IMPL_IDS)
 def test_nnx_layer_matches_flax_gqa(impl):
   x = _inputs(1)
-  layer = nnx.MultiHeadAttention(num_heads=N, in_features=D, num_kv_heads=2, decode=False,
-                                 rngs=nnx.Rngs(0))
+  layer = nnx.MultiHeadAttention(
+    num_heads=N, in_features=D, num_kv_heads=2, decode=False, rngs=nnx.Rngs(0)
+  )
   fn = jattn.make_attention_fn(**impl)
   for name, mask in _flax_masks().items():
     layer.attention_fn = nnx.dot_product_attention
@@ -93,27 +96,29 @@ def test_linen_decode_path_matches_flax(impl):
   step_r = jax.jit(lambda c, t: ref.apply({"params": params, "cache": c}, t, mutable=["cache"]))
   step_m = jax.jit(lambda c, t: mine.apply({"params": params, "cache": c}, t, mutable=["cache"]))
   for t in range(T):
-    out_r, upd = step_r(cache_r, x[:, t:t + 1])
+    out_r, upd = step_r(cache_r, x[:, t : t + 1])
     cache_r = upd["cache"]
-    out_m, upd = step_m(cache_m, x[:, t:t + 1])
+    out_m, upd = step_m(cache_m, x[:, t : t + 1])
     cache_m = upd["cache"]
     np.testing.assert_allclose(out_m, out_r, atol=2e-6, rtol=0)
   # ... and decoding equals the causal forward pass.
-  full = nn.MultiHeadDotProductAttention(num_heads=N).apply({"params": params}, x,
-                                                            mask=nn.make_causal_mask(x[..., 0]))
+  full = nn.MultiHeadDotProductAttention(num_heads=N).apply(
+    {"params": params}, x, mask=nn.make_causal_mask(x[..., 0])
+  )
   np.testing.assert_allclose(out_m[:, 0], full[:, -1], atol=2e-6, rtol=0)
 
 
 @pytest.mark.parametrize("impl", IMPLS, ids=IMPL_IDS)
 def test_nnx_decode_path_matches_flax(impl):
   x = _inputs(3)
-  layer = nnx.MultiHeadAttention(num_heads=N, in_features=D, num_kv_heads=2, decode=True,
-                                 rngs=nnx.Rngs(0))
+  layer = nnx.MultiHeadAttention(
+    num_heads=N, in_features=D, num_kv_heads=2, decode=True, rngs=nnx.Rngs(0)
+  )
   outs = {}
   for name, fn in (("flax", nnx.dot_product_attention), ("jattn", jattn.make_attention_fn(**impl))):
     layer.attention_fn = fn
     layer.init_cache((B, T, D))
-    outs[name] = jnp.concatenate([layer(x[:, t:t + 1]) for t in range(T)], axis=1)
+    outs[name] = jnp.concatenate([layer(x[:, t : t + 1]) for t in range(T)], axis=1)
   np.testing.assert_allclose(outs["jattn"], outs["flax"], atol=2e-6, rtol=0)
 
 
@@ -125,8 +130,9 @@ def test_deterministic_dropout_equals_flax():
   mine = nn.MultiHeadDotProductAttention(**kw, attention_fn=jattn.make_attention_fn())
   params = ref.init(jax.random.key(1), x)
   mask = nn.make_causal_mask(VALID)
-  np.testing.assert_allclose(mine.apply(params, x, mask=mask), ref.apply(params, x, mask=mask),
-                             atol=2e-6, rtol=0)
+  np.testing.assert_allclose(
+    mine.apply(params, x, mask=mask), ref.apply(params, x, mask=mask), atol=2e-6, rtol=0
+  )
 
 
 def _keep_mask(impl, broadcast, rate, rng, b=2, n=4, s=64):
@@ -135,8 +141,9 @@ def _keep_mask(impl, broadcast, rate, rng, b=2, n=4, s=64):
   q = jnp.zeros((b, s, n, s), jnp.float32)
   v = jnp.broadcast_to(jnp.eye(s, dtype=jnp.float32)[None, :, None, :], (b, s, n, s))
   fn = jattn.make_attention_fn(**impl)
-  out = fn(q, q, v, dropout_rng=rng, dropout_rate=rate, deterministic=False,
-           broadcast_dropout=broadcast)
+  out = fn(
+    q, q, v, dropout_rng=rng, dropout_rate=rate, deterministic=False, broadcast_dropout=broadcast
+  )
   scaled = np.asarray(out, np.float64) * (1.0 - rate) * s  # (b, t, n, s): 0 or 1
   return scaled
 
@@ -163,8 +170,11 @@ def test_dropout_statistics(impl, broadcast):
   q = jnp.zeros((1, 8, 2, 8), jnp.float32)
   fn = jattn.make_attention_fn(**impl)
   np.testing.assert_allclose(
-      fn(q, q, q + 1.0, dropout_rate=rate, dropout_rng=jax.random.key(0), deterministic=True),
-      1.0, rtol=0, atol=0)
+    fn(q, q, q + 1.0, dropout_rate=rate, dropout_rng=jax.random.key(0), deterministic=True),
+    1.0,
+    rtol=0,
+    atol=0,
+  )
 
 
 def test_dropout_in_layers_is_applied_and_reproducible():
@@ -200,13 +210,15 @@ def test_extra_batch_dims_bias_and_dtype():
   k = jax.random.normal(ks[1], (2, 3, 7, 2, 8), jnp.float32)
   v = jax.random.normal(ks[2], (2, 3, 7, 2, 8), jnp.float32)
   bias = jax.random.normal(ks[3], (1, 3, 1, 5, 7), jnp.float32)  # broadcast: batch 0, heads
-  mask = nn.make_attention_mask(jnp.ones((2, 3, 5)),
-                                 (jnp.arange(7)[None, None] < 6).astype(jnp.float32))
+  mask = nn.make_attention_mask(
+    jnp.ones((2, 3, 5)), (jnp.arange(7)[None, None] < 6).astype(jnp.float32)
+  )
   fn = jattn.make_attention_fn(implementation="chunked", block_q=2, block_kv=4)
   ref = nn.dot_product_attention(q, k, v, bias=bias, mask=mask)
   np.testing.assert_allclose(fn(q, k, v, bias=bias, mask=mask), ref, atol=2e-6)
-  np.testing.assert_allclose(fn(q, k, v, bias, mask, precision=jax.lax.Precision.HIGHEST), ref,
-                             atol=2e-6)
+  np.testing.assert_allclose(
+    fn(q, k, v, bias, mask, precision=jax.lax.Precision.HIGHEST), ref, atol=2e-6
+  )
   out16 = fn(q, k, v, bias=bias, mask=mask, dtype=jnp.bfloat16)
   assert out16.dtype == jnp.bfloat16
   np.testing.assert_allclose(np.asarray(out16, np.float32), ref, atol=5e-2)
@@ -216,10 +228,14 @@ def test_is_causal_option_and_unsupported_arguments():
   ks = jax.random.split(jax.random.key(2), 3)
   q, k, v = (jax.random.normal(kk, (1, 5, 2, 4), jnp.float32) for kk in ks)
   causal = jattn.make_attention_fn(is_causal=True)
-  np.testing.assert_allclose(causal(q, k, v), nn.dot_product_attention(
-      q, k, v, mask=nn.make_causal_mask(jnp.ones((1, 5)))), atol=2e-6)
-  np.testing.assert_allclose(jattn.make_attention_fn()(q, k, v, mask=jattn.masks.causal()),
-                             causal(q, k, v), atol=0, rtol=0)  # a jattn mask passes through
+  np.testing.assert_allclose(
+    causal(q, k, v),
+    nn.dot_product_attention(q, k, v, mask=nn.make_causal_mask(jnp.ones((1, 5)))),
+    atol=2e-6,
+  )
+  np.testing.assert_allclose(
+    jattn.make_attention_fn()(q, k, v, mask=jattn.masks.causal()), causal(q, k, v), atol=0, rtol=0
+  )  # a jattn mask passes through
   with pytest.raises(ValueError, match="conflicts"):
     jattn.make_attention_fn(is_causal="bottom_right")(q, k[:, :4], v[:, :4], is_causal=True)
   with pytest.raises(TypeError, match="module .* must be the flax linen or nnx Module"):
@@ -300,12 +316,12 @@ def test_value_head_size_of_its_own_against_reference(impl, case):
   got = (out,) + pull(do)
   flat = lambda x: np.asarray(x, np.float64).reshape((-1,) + x.shape[-3:])
   full_bias = np.broadcast_to(np.asarray(bias, np.float64), lead + bias.shape[-3:])
-  want_out, _, cache = reference.attention(flat(q), flat(k), flat(v), visible=vis,
-                                           bias=flat(full_bias))
+  want_out, _, cache = reference.attention(
+    flat(q), flat(k), flat(v), visible=vis, bias=flat(full_bias)
+  )
   dq, dk, dv, dbias, _ = reference.grads(cache, flat(do), bias_shape=flat(full_bias).shape)
   dbias = dbias.reshape(full_bias.shape)
-  dbias = dbias.sum(axis=tuple(a for a in range(bias.ndim) if bias.shape[a] == 1),
-                    keepdims=True)
+  dbias = dbias.sum(axis=tuple(a for a in range(bias.ndim) if bias.shape[a] == 1), keepdims=True)
   want = (want_out, dq, dk, dv, dbias)
   for name, a, b in zip(("out", "dq", "dk", "dv", "dbias"), got, want):
     b = np.asarray(b).reshape(np.shape(a))

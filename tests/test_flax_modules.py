@@ -21,8 +21,7 @@ from jattn import masks
 
 B, T, D, N, K = 2, 8, 16, 4, 2
 H = D // N
-IMPLS = [dict(implementation="dense"),
-         dict(implementation="chunked", block_q=4, block_kv=4)]
+IMPLS = [dict(implementation="dense"), dict(implementation="chunked", block_q=4, block_kv=4)]
 IMPL_IDS = ["dense", "chunked"]
 NAMES = ("query", "key", "value", "out")
 
@@ -36,8 +35,10 @@ def _linen_pair(seed=0, **kw):
   lin = jattn.linen.MultiHeadAttention(num_heads=N, num_kv_heads=K, **kw)
   params = lin.init(jax.random.key(seed), _x())["params"]
   keys = jax.random.split(jax.random.key(seed + 100), len(NAMES))
-  params = {n: dict(params[n], bias=0.1 * jax.random.normal(kk, params[n]["bias"].shape))
-            for n, kk in zip(NAMES, keys)}
+  params = {
+    n: dict(params[n], bias=0.1 * jax.random.normal(kk, params[n]["bias"].shape))
+    for n, kk in zip(NAMES, keys)
+  }
   mod = jattn.nnx.MultiHeadAttention(N, D, num_kv_heads=K, rngs=nnx.Rngs(0), **kw)
   for n in NAMES:
     getattr(mod, n).kernel[...] = params[n]["kernel"]
@@ -51,21 +52,27 @@ def test_linen_nnx_and_reference_agree(impl):
   seg = np.array([[0, 0, 0, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0, 2, 2]], np.int32)
   kv_len = np.array([8, 5], np.int32)
   cases = [
-      (dict(), dict(), dict()),
-      (dict(is_causal=True, rope=True), dict(), dict(causal="top_left", rope_base=10000.0)),
-      (dict(is_causal=True, local_window_size=(2, 0), logits_soft_cap=2.0), dict(),
-       dict(causal="top_left", window=(2, 0), soft_cap=2.0)),
-      (dict(rope=True), dict(q_segment_ids=seg, kv_segment_ids=seg, key_value_seq_lengths=kv_len),
-       dict(rope_base=10000.0, q_seg=seg, kv_seg=seg, kv_lengths=kv_len)),
+    (dict(), dict(), dict()),
+    (dict(is_causal=True, rope=True), dict(), dict(causal="top_left", rope_base=10000.0)),
+    (
+      dict(is_causal=True, local_window_size=(2, 0), logits_soft_cap=2.0),
+      dict(),
+      dict(causal="top_left", window=(2, 0), soft_cap=2.0),
+    ),
+    (
+      dict(rope=True),
+      dict(q_segment_ids=seg, kv_segment_ids=seg, key_value_seq_lengths=kv_len),
+      dict(rope_base=10000.0, q_seg=seg, kv_seg=seg, kv_lengths=kv_len),
+    ),
   ]
   for ctor, call, ref in cases:
     lin, params, mod = _linen_pair(**ctor, **impl)
     a = lin.apply({"params": params}, x, **call)
     b = mod(x, **call)
     np.testing.assert_array_equal(a, b)  # same weights, same numbers
-    np.testing.assert_allclose(a, rm.mha(rm.params_from_linen(params), x, **ref),
-                               atol=2e-5, rtol=0,
-                               err_msg=str(ctor))
+    np.testing.assert_allclose(
+      a, rm.mha(rm.params_from_linen(params), x, **ref), atol=2e-5, rtol=0, err_msg=str(ctor)
+    )
 
 
 def test_mask_object_cross_attention_and_bf16():
@@ -77,8 +84,9 @@ def test_mask_object_cross_attention_and_bf16():
   lin16 = jattn.linen.MultiHeadAttention(num_heads=N, num_kv_heads=K, dtype=jnp.bfloat16)
   out16 = lin16.apply({"params": params}, x)
   assert out16.dtype == jnp.bfloat16
-  np.testing.assert_allclose(np.asarray(out16, np.float32), lin.apply({"params": params}, x),
-                             atol=6e-2)
+  np.testing.assert_allclose(
+    np.asarray(out16, np.float32), lin.apply({"params": params}, x), atol=6e-2
+  )
 
 
 # ---- decoding ------------------------------------------------------------------------------
@@ -86,8 +94,11 @@ def test_mask_object_cross_attention_and_bf16():
 STEPS = [(0, 3), (3, 4), (4, 5), (5, 7), (7, 8)]  # prefill 3, then 1, 1, 2, 1 tokens
 
 
-@pytest.mark.parametrize("impl,window", [(IMPLS[0], None), (IMPLS[1], None), (IMPLS[0], (2, 0))],
-                         ids=["dense", "chunked", "dense-window"])
+@pytest.mark.parametrize(
+  "impl,window",
+  [(IMPLS[0], None), (IMPLS[1], None), (IMPLS[0], (2, 0))],
+  ids=["dense", "chunked", "dense-window"],
+)
 def test_decode_reproduces_full_forward(impl, window):
   kw = dict(is_causal=True, rope=True, local_window_size=window, **impl)
   lin, params, mod = _linen_pair(5, **kw)
@@ -129,16 +140,15 @@ def test_decode_padded_batch_of_prompts():
   mod.init_cache(B, 10)
   pre = mod(prompt, decode=True, query_seq_lengths=jnp.asarray(lengths))
   np.testing.assert_array_equal(mod.cache_index[...], lengths)
-  steps = [mod(gen[:, t:t + 1], decode=True) for t in range(3)]
+  steps = [mod(gen[:, t : t + 1], decode=True) for t in range(3)]
   for b in range(B):
-    seq = jnp.concatenate([prompt[b:b + 1, :lengths[b]], gen[b:b + 1]], axis=1)
+    seq = jnp.concatenate([prompt[b : b + 1, : lengths[b]], gen[b : b + 1]], axis=1)
     full = lin.apply({"params": params}, seq)[0]
-    np.testing.assert_allclose(pre[b, :lengths[b]], full[:lengths[b]], atol=2e-6, rtol=0)
+    np.testing.assert_allclose(pre[b, : lengths[b]], full[: lengths[b]], atol=2e-6, rtol=0)
     for t in range(3):
       np.testing.assert_allclose(steps[t][b, 0], full[lengths[b] + t], atol=2e-6, rtol=0)
   # The padded prompt rows attended to nothing: the output projection of 0 is its bias.
-  np.testing.assert_allclose(pre[1, 3:], np.broadcast_to(params["out"]["bias"], (2, D)),
-                             atol=1e-6)
+  np.testing.assert_allclose(pre[1, 3:], np.broadcast_to(params["out"]["bias"], (2, D)), atol=1e-6)
 
 
 def test_module_errors():
@@ -166,10 +176,12 @@ def test_module_errors():
 def test_flax_layer_weights_load_unchanged():
   """flax's own MultiHeadDotProductAttention parameters drive jattn.linen's module as they are."""
   import flax.linen as nn
+
   x = _x(10)
   params = nn.MultiHeadDotProductAttention(num_heads=N).init(jax.random.key(0), x)
-  ref = nn.MultiHeadDotProductAttention(num_heads=N).apply(params, x,
-                                                            mask=nn.make_causal_mask(x[..., 0]))
+  ref = nn.MultiHeadDotProductAttention(num_heads=N).apply(
+    params, x, mask=nn.make_causal_mask(x[..., 0])
+  )
   got = jattn.linen.MultiHeadAttention(num_heads=N, is_causal=True).apply(params, x)
   np.testing.assert_allclose(got, ref, atol=2e-6, rtol=0)
 
@@ -194,10 +206,13 @@ def _pair(seed, *, kv_features=None, **kw):
   lin = jattn.linen.MultiHeadAttention(num_heads=N, num_kv_heads=K, **kw)
   params = lin.init(jax.random.key(seed), x, kv, deterministic=True)["params"]
   keys = jax.random.split(jax.random.key(seed + 100), len(NAMES))
-  params = {n: dict(params[n], bias=0.1 * jax.random.normal(kk, params[n]["bias"].shape))
-            for n, kk in zip(NAMES, keys)}
-  mod = jattn.nnx.MultiHeadAttention(N, D2, num_kv_heads=K, in_kv_features=kv_features,
-                                     rngs=nnx.Rngs(params=0, dropout=7), **kw)
+  params = {
+    n: dict(params[n], bias=0.1 * jax.random.normal(kk, params[n]["bias"].shape))
+    for n, kk in zip(NAMES, keys)
+  }
+  mod = jattn.nnx.MultiHeadAttention(
+    N, D2, num_kv_heads=K, in_kv_features=kv_features, rngs=nnx.Rngs(params=0, dropout=7), **kw
+  )
   for n in NAMES:
     getattr(mod, n).kernel[...] = params[n]["kernel"]
     getattr(mod, n).bias[...] = params[n]["bias"]
@@ -248,16 +263,19 @@ def test_reference_layer_is_self_consistent():
   ang = pos[:, :, None, None] * 10000.0 ** (-2.0 * np.arange(h) / hd)
   x1, x2 = x[..., :h], x[..., h:]
   np.testing.assert_allclose(
-      rm.rope(x, pos), np.concatenate([x1 * np.cos(ang) - x2 * np.sin(ang),
-                                       x2 * np.cos(ang) + x1 * np.sin(ang)], -1), atol=1e-12)
+    rm.rope(x, pos),
+    np.concatenate([x1 * np.cos(ang) - x2 * np.sin(ang), x2 * np.cos(ang) + x1 * np.sin(ang)], -1),
+    atol=1e-12,
+  )
   shapes = [((D2, N, 8), (N, 8)), ((D2, K, 8), (K, 8)), ((D2, K, 8), (K, 8)), ((N, 8, D2), (D2,))]
-  params = {n: {"kernel": rng.normal(size=ks) / 4, "bias": rng.normal(size=bs) / 10}
-            for n, (ks, bs) in zip(NAMES, shapes)}
+  params = {
+    n: {"kernel": rng.normal(size=ks) / 4, "bias": rng.normal(size=bs) / 10}
+    for n, (ks, bs) in zip(NAMES, shapes)
+  }
   xs = rng.normal(size=(B, T2, D2))
   kw = dict(window=(3, 0), scale=0.4, rope_base=500.0)
   full = rm.mha(params, xs, causal="top_left", **kw)
-  outs = rm.decode(params, [(xs[:, a:b], None) for a, b in [(0, 4), (4, 5), (5, 8), (8, 13)]],
-                   **kw)
+  outs = rm.decode(params, [(xs[:, a:b], None) for a, b in [(0, 4), (4, 5), (5, 8), (8, 13)]], **kw)
   np.testing.assert_allclose(np.concatenate(outs, 1), full, atol=1e-12)
 
 
@@ -269,8 +287,14 @@ def test_cross_attention_against_reference(impl):
   lin, params, mod = _pair(20, kv_features=DKV, rope=True, out_features=12, **impl)
   x, kv = _x(21, (B, T2, D2)), _x(22, (B, S2, DKV))
   kv_len = np.array([S2, 6], np.int32)
-  out = _check(lin, params, mod, (x, kv), dict(rope_base=10000.0, kv_lengths=kv_len),
-               call=dict(key_value_seq_lengths=jnp.asarray(kv_len)))
+  out = _check(
+    lin,
+    params,
+    mod,
+    (x, kv),
+    dict(rope_base=10000.0, kv_lengths=kv_len),
+    call=dict(key_value_seq_lengths=jnp.asarray(kv_len)),
+  )
   assert out.shape == (B, T2, 12)
 
 
@@ -284,17 +308,30 @@ def test_mask_objects_against_reference(impl):
   # cross-attention, with &, | and ~: keys k <= q - 2 except q - 5 <= k <= q - 4, or the two
   # keys q + 8 and q + 9
   m = (masks.causal(offset=-2) & ~masks.local_window(1, 0, offset=-4)) | masks.local_window(
-      0, 1, offset=8)
+    0, 1, offset=8
+  )
   want = ((s <= t - 2) & ~((s >= t - 5) & (s <= t - 4))) | ((s >= t + 8) & (s <= t + 9))
   _check(lin, params, mod, (x, kv), dict(mask=want), call=dict(mask=m))
   lin, params, mod = _pair(26, **impl)
   x = _x(27, (B, T2, D2))
   t, s = np.arange(T2)[:, None], np.arange(T2)[None, :]
-  _check(lin, params, mod, (x,), dict(mask=(s <= t) & (s >= t - 3)),
-         call=dict(mask=masks.causal() & masks.local_window(3, 0)))
+  _check(
+    lin,
+    params,
+    mod,
+    (x,),
+    dict(mask=(s <= t) & (s >= t - 3)),
+    call=dict(mask=masks.causal() & masks.local_window(3, 0)),
+  )
   arr = np.random.default_rng(1).random((B, 1, T2, T2)) < 0.6  # a boolean array mask
-  _check(lin, params, mod, (x,), dict(mask=arr & ((s // 4) == (t // 4))),
-         call=dict(mask=masks.from_array(jnp.asarray(arr)) & masks.chunked_local(4)))
+  _check(
+    lin,
+    params,
+    mod,
+    (x,),
+    dict(mask=arr & ((s // 4) == (t // 4))),
+    call=dict(mask=masks.from_array(jnp.asarray(arr)) & masks.chunked_local(4)),
+  )
 
 
 @pytest.mark.parametrize("impl", IMPLS2, ids=IMPL_IDS)
@@ -307,15 +344,27 @@ def test_rope_positions_against_reference(impl):
   pos = rng.integers(0, 40, (B, T2)).astype(np.int32)  # arbitrary, not monotone
   kvp = rng.integers(0, 40, (T2,)).astype(np.int32)
   ref = dict(causal="top_left", rope_base=500.0)
-  _check(lin, params, mod, (x,), dict(ref, positions=pos, kv_positions=kvp),
-         call=dict(positions=jnp.asarray(pos), kv_positions=jnp.asarray(kvp)))
+  _check(
+    lin,
+    params,
+    mod,
+    (x,),
+    dict(ref, positions=pos, kv_positions=kvp),
+    call=dict(positions=jnp.asarray(pos), kv_positions=jnp.asarray(kvp)),
+  )
   p1 = (3 * np.arange(T2) + 7).astype(np.int32)
   _check(lin, params, mod, (x,), dict(ref, positions=p1), call=dict(positions=jnp.asarray(p1)))
   lin, params, mod = _pair(20, kv_features=DKV, rope=True, out_features=12, **impl)
   kv = _x(52, (B, S2, DKV))
   kvp = rng.integers(0, 40, (B, S2)).astype(np.int32)
-  _check(lin, params, mod, (x, kv), dict(rope_base=10000.0, positions=p1, kv_positions=kvp),
-         call=dict(positions=jnp.asarray(p1), kv_positions=jnp.asarray(kvp)))
+  _check(
+    lin,
+    params,
+    mod,
+    (x, kv),
+    dict(rope_base=10000.0, positions=p1, kv_positions=kvp),
+    call=dict(positions=jnp.asarray(p1), kv_positions=jnp.asarray(kvp)),
+  )
 
 
 @pytest.mark.parametrize("impl", IMPLS2, ids=IMPL_IDS)
@@ -325,8 +374,9 @@ def test_scale_bottom_right_cross_attention_against_reference(impl):
   lin, params, mod = _pair(60, kv_features=DKV, scale=0.9, is_causal="bottom_right", **impl)
   x, kv = _x(61, (B, T2, D2)), _x(62, (B, S2, DKV))
   out = _check(lin, params, mod, (x, kv), dict(scale=0.9, causal="bottom_right"))
-  np.testing.assert_allclose(out[:, :2], np.broadcast_to(params["out"]["bias"], (B, 2, D2)),
-                             atol=1e-6)
+  np.testing.assert_allclose(
+    out[:, :2], np.broadcast_to(params["out"]["bias"], (B, 2, D2)), atol=1e-6
+  )
 
 
 @pytest.mark.parametrize("impl", IMPLS2, ids=IMPL_IDS)
@@ -336,11 +386,17 @@ def test_query_seq_lengths_against_reference(impl):
   lin, params, mod = _pair(70, is_causal=True, rope=True, **impl)
   x = _x(71, (B, T2, D2))
   ql, kvl = np.array([T2, 6], np.int32), np.array([12, 9], np.int32)
-  out = _check(lin, params, mod, (x,),
-               dict(causal="top_left", rope_base=10000.0, q_lengths=ql, kv_lengths=kvl),
-               call=dict(query_seq_lengths=jnp.asarray(ql), key_value_seq_lengths=jnp.asarray(kvl)))
-  np.testing.assert_allclose(out[1, 6:], np.broadcast_to(params["out"]["bias"], (T2 - 6, D2)),
-                             atol=1e-6)
+  out = _check(
+    lin,
+    params,
+    mod,
+    (x,),
+    dict(causal="top_left", rope_base=10000.0, q_lengths=ql, kv_lengths=kvl),
+    call=dict(query_seq_lengths=jnp.asarray(ql), key_value_seq_lengths=jnp.asarray(kvl)),
+  )
+  np.testing.assert_allclose(
+    out[1, 6:], np.broadcast_to(params["out"]["bias"], (T2 - 6, D2)), atol=1e-6
+  )
 
 
 def _plain_bf16_mha(params, x, *, rope_base):
@@ -354,10 +410,12 @@ def _plain_bf16_mha(params, x, *, rope_base):
   q, k, v = (proj(n, "btd,dnh->btnh") for n in ("query", "key", "value"))
   Tn, h = x.shape[1], q.shape[-1] // 2
   ang = np.arange(Tn, dtype=np.float32)[:, None, None] * np.float32(rope_base) ** (
-      np.float32(-2.0) * np.arange(h, dtype=np.float32) / np.float32(2 * h))
+    np.float32(-2.0) * np.arange(h, dtype=np.float32) / np.float32(2 * h)
+  )
   cos, sin = r(np.cos(ang)), r(np.sin(ang))
-  rot = lambda z: np.concatenate([r(r(z[..., :h] * cos) - r(z[..., h:] * sin)),
-                                  r(r(z[..., h:] * cos) + r(z[..., :h] * sin))], -1)
+  rot = lambda z: np.concatenate(
+    [r(r(z[..., :h] * cos) - r(z[..., h:] * sin)), r(r(z[..., h:] * cos) + r(z[..., :h] * sin))], -1
+  )
   q, k = rot(q), rot(k)
   k, v = (np.repeat(a, q.shape[2] // a.shape[2], axis=2) for a in (k, v))
   s = r(r(np.einsum("btnh,bsnh->bnts", q, k)) * r(1.0 / np.sqrt(q.shape[-1])))
@@ -379,8 +437,9 @@ def test_bf16_against_reference_flash_attention_rule(impl):
   np.testing.assert_array_equal(a, mod(x))
   want = rm.mha(rm.params_from_linen(params), x, causal="top_left", rope_base=10000.0)
   err = np.abs(np.asarray(a, np.float64) - want).max()
-  err_plain = np.abs(np.asarray(_plain_bf16_mha(params, x, rope_base=10000.0), np.float64)
-                     - want).max()
+  err_plain = np.abs(
+    np.asarray(_plain_bf16_mha(params, x, rope_base=10000.0), np.float64) - want
+  ).max()
   assert 0 < err <= 2 * err_plain + 1e-3, (err, err_plain)
 
 
@@ -395,30 +454,42 @@ def test_dropout_against_reference_with_the_modules_rng(impl):
   x = _x(31, (B, T2, D2))
   shape = (B, N, T2, T2)
   pl, pn = rm.params_from_linen(params), rm.params_from_nnx(mod)
-  ref = lambda key, bc=False: dict(causal="top_left", dropout_rate=rate,
-                                   keep=_keep(key, rate, shape, bc))
+  ref = lambda key, bc=False: dict(
+    causal="top_left", dropout_rate=rate, keep=_keep(key, rate, shape, bc)
+  )
   key = jax.random.key(5)
   out = lin.apply({"params": params}, x, deterministic=False, dropout_rng=key)
   _vs_ref(out, pl, (x,), ref(key))
   # The same key through nnx's call-time rngs: the same numbers.
-  np.testing.assert_array_equal(mod(x, deterministic=False, rngs=nnx.Rngs(dropout=5)),
-                                lin.apply({"params": params}, x, deterministic=False,
-                                          dropout_rng=nnx.Rngs(dropout=5).dropout()))
-  _vs_ref(mod(x, deterministic=False, rngs=nnx.Rngs(dropout=5)), pn, (x,),
-          ref(nnx.Rngs(dropout=5).dropout()))
+  np.testing.assert_array_equal(
+    mod(x, deterministic=False, rngs=nnx.Rngs(dropout=5)),
+    lin.apply(
+      {"params": params}, x, deterministic=False, dropout_rng=nnx.Rngs(dropout=5).dropout()
+    ),
+  )
+  _vs_ref(
+    mod(x, deterministic=False, rngs=nnx.Rngs(dropout=5)),
+    pn,
+    (x,),
+    ref(nnx.Rngs(dropout=5).dropout()),
+  )
 
   class Probe(nn.Module):  # the key a top-level linen module's make_rng('dropout') returns
-
     @nn.compact
     def __call__(self):
       return self.make_rng("dropout")
 
   rngs = {"dropout": jax.random.key(9)}
-  _vs_ref(lin.apply({"params": params}, x, deterministic=False, rngs=rngs), pl, (x,),
-          ref(Probe().apply({}, rngs=rngs)))
+  _vs_ref(
+    lin.apply({"params": params}, x, deterministic=False, rngs=rngs),
+    pl,
+    (x,),
+    ref(Probe().apply({}, rngs=rngs)),
+  )
   # nnx's own stream: Rngs(params=0, dropout=7).dropout.fork() at construction (see _pair).
-  _vs_ref(mod(x, deterministic=False), pn, (x,),
-          ref(nnx.Rngs(params=0, dropout=7).dropout.fork()()))
+  _vs_ref(
+    mod(x, deterministic=False), pn, (x,), ref(nnx.Rngs(params=0, dropout=7).dropout.fork()())
+  )
   # deterministic: no dropout
   _vs_ref(mod(x, deterministic=True), pn, (x,), dict(causal="top_left"))
 
@@ -443,8 +514,13 @@ def test_decode_window_padded_prompts_every_position(impl):
   prompt, gen = _x(81, (B, 3, D2)), _x(82, (B, n_gen, D2))
   bounds = [(0, 1), (1, 4), (4, 5), (5, 8), (8, 9)]
   steps = [(prompt, lengths)] + [(gen[:, a:b], None) for a, b in bounds]
-  want = rm.decode(rm.params_from_linen(params), [(np.asarray(s), n) for s, n in steps],
-                   window=(3, 0), scale=0.5, rope_base=10000.0)
+  want = rm.decode(
+    rm.params_from_linen(params),
+    [(np.asarray(s), n) for s, n in steps],
+    window=(3, 0),
+    scale=0.5,
+    rope_base=10000.0,
+  )
   S_max = T2  # the cache's init pass and the full pass below reuse _pair's compiled attention
   call = lambda n: {} if n is None else dict(query_seq_lengths=jnp.asarray(n))
 
@@ -464,23 +540,27 @@ def test_decode_window_padded_prompts_every_position(impl):
   for i, (a, b, w) in enumerate(zip(lin_outs, nnx_outs, want)):
     np.testing.assert_array_equal(a, b)
     np.testing.assert_allclose(a, w, atol=ATOL, rtol=0, err_msg=f"step {i}")
-  np.testing.assert_allclose(lin_outs[0][1, 1:], np.broadcast_to(params["out"]["bias"], (2, D2)),
-                             atol=1e-6)
+  np.testing.assert_allclose(
+    lin_outs[0][1, 1:], np.broadcast_to(params["out"]["bias"], (2, D2)), atol=1e-6
+  )
   # The full forward pass over each example's own sequence, at every position: one batch, the
   # sequences right-padded with zeros to T2 (causal, so padding after them changes nothing).
-  seqs = [jnp.concatenate([prompt[b, :lengths[b]], gen[b],
-                           jnp.zeros((T2 - n_gen - lengths[b], D2))]) for b in range(B)]
+  seqs = [
+    jnp.concatenate([prompt[b, : lengths[b]], gen[b], jnp.zeros((T2 - n_gen - lengths[b], D2))])
+    for b in range(B)
+  ]
   full = lin.apply({"params": params}, jnp.stack(seqs))
   for b in range(B):
-    got = jnp.concatenate([lin_outs[0][b, :lengths[b]]] + [o[b] for o in lin_outs[1:]])
-    np.testing.assert_allclose(got, full[b, :lengths[b] + n_gen], atol=2e-6, rtol=0)
+    got = jnp.concatenate([lin_outs[0][b, : lengths[b]]] + [o[b] for o in lin_outs[1:]])
+    np.testing.assert_allclose(got, full[b, : lengths[b] + n_gen], atol=2e-6, rtol=0)
 
 
 def test_decode_errors_name_the_argument():
   """What the decoding path validates raises the documented error, naming the argument, and a
   rejected call leaves the cache as it was."""
-  mod = jattn.nnx.MultiHeadAttention(N, D2, num_kv_heads=K, is_causal=True, rope=True,
-                                     implementation="dense", rngs=nnx.Rngs(0))
+  mod = jattn.nnx.MultiHeadAttention(
+    N, D2, num_kv_heads=K, is_causal=True, rope=True, implementation="dense", rngs=nnx.Rngs(0)
+  )
   x = _x(90, (B, 2, D2))
   with pytest.raises(ValueError, match=r"init_cache"):
     mod(x, decode=True)
@@ -489,10 +569,12 @@ def test_decode_errors_name_the_argument():
     mod(_x(91, (B, 5, D2)), decode=True)
   with pytest.raises(NotImplementedError, match=r"inputs_k/inputs_v"):
     mod(x, x, decode=True)
-  for name, val in [("kv_positions", jnp.arange(2)),
-                    ("key_value_seq_lengths", jnp.array([1, 1])),
-                    ("q_segment_ids", jnp.zeros((B, 2), jnp.int32)),
-                    ("kv_segment_ids", jnp.zeros((B, 2), jnp.int32))]:
+  for name, val in [
+    ("kv_positions", jnp.arange(2)),
+    ("key_value_seq_lengths", jnp.array([1, 1])),
+    ("q_segment_ids", jnp.zeros((B, 2), jnp.int32)),
+    ("kv_segment_ids", jnp.zeros((B, 2), jnp.int32)),
+  ]:
     with pytest.raises(ValueError, match=rf"{name} is set by the cache"):
       mod(x, decode=True, **{name: val})
   with pytest.raises(ValueError, match=r"query_seq_lengths must be an int array of shape"):
@@ -515,8 +597,9 @@ def test_decode_errors_name_the_argument():
   with pytest.raises(ValueError, match=r"decode=True needs is_causal"):
     free(x, decode=True)
   # linen: the same checks through its cache collection
-  dec = jattn.linen.MultiHeadAttention(num_heads=N, num_kv_heads=K, is_causal=True, decode=True,
-                                       implementation="dense")
+  dec = jattn.linen.MultiHeadAttention(
+    num_heads=N, num_kv_heads=K, is_causal=True, decode=True, implementation="dense"
+  )
   variables = dec.init(jax.random.key(0), jnp.zeros((B, 4, D2)))
   with pytest.raises(ValueError, match=r"T=5 tokens does not fit the cache of S_max=4"):
     dec.apply(variables, _x(91, (B, 5, D2)), mutable=["cache"])
@@ -539,8 +622,9 @@ def test_decode_past_the_cache_drops_the_writes():
   """Documented: a step past S_max cannot raise under jit; its writes are dropped, never clamped
   onto the last valid slots. Step by step, a cache of 4 holds exactly the first 4 slots of what a
   cache of 8 holds, through a step that crosses the end and one entirely past it."""
-  mod = jattn.nnx.MultiHeadAttention(N, D2, num_kv_heads=K, is_causal=True,
-                                     implementation="dense", rngs=nnx.Rngs(0))
+  mod = jattn.nnx.MultiHeadAttention(
+    N, D2, num_kv_heads=K, is_causal=True, implementation="dense", rngs=nnx.Rngs(0)
+  )
   steps = [_x(93, (B, 3, D2)), _x(94, (B, 2, D2)), _x(95, (B, 1, D2))]  # slots 0-2, 3-4, 5
   caches = {}
   for S_max in (8, 4):
@@ -569,8 +653,11 @@ def test_flax_float_masks_are_taken_as_flax_reads_them():
   lin, params, mod = _linen_pair(32)
   vis = np.asarray(mask, bool)
   want = rm.mha(rm.params_from_linen(params), np.asarray(x), mask=vis)
-  for got in (lin.apply({"params": params}, x, mask=mask), mod(x, mask=mask),
-              lin.apply({"params": params}, x, mask=mask.astype(jnp.int32))):
+  for got in (
+    lin.apply({"params": params}, x, mask=mask),
+    mod(x, mask=mask),
+    lin.apply({"params": params}, x, mask=mask.astype(jnp.int32)),
+  ):
     np.testing.assert_allclose(got, want, atol=ATOL, rtol=0)
     np.testing.assert_array_equal(got, mod(x, mask=np.asarray(mask, bool)))
 
@@ -615,8 +702,9 @@ def test_decode_with_explicit_positions_equals_the_uncached_pass(impl):
   for a, b in STEPS:
     p = jnp.asarray(pos[:, a:b])
     nnx_outs.append(mod(x[:, a:b], decode=True, positions=p))
-    o, upd = dec.apply({"params": params, "cache": cache}, x[:, a:b], positions=p,
-                       mutable=["cache"])
+    o, upd = dec.apply(
+      {"params": params, "cache": cache}, x[:, a:b], positions=p, mutable=["cache"]
+    )
     cache = upd["cache"]
     lin_outs.append(o)
   np.testing.assert_allclose(jnp.concatenate(nnx_outs, 1), full, atol=2e-6, rtol=0)
@@ -644,6 +732,7 @@ def _dequantized_forward(lin, params, x, dtype):
     return real(q, round_trip(k), round_trip(v), *a, **kw)
 
   import jattn._mha as mha_module
+
   saved = mha_module.dot_product_attention
   mha_module.dot_product_attention = rounded
   try:
@@ -699,11 +788,11 @@ def test_quantized_cache_padded_prompts_and_refusals():
   np.testing.assert_array_equal(mod.cache_index[...], lengths)
   # Padded queries attend to nothing, as with a float cache (the projection's bias remains).
   np.testing.assert_allclose(pre[1, 3:], float_pre[1, 3:], atol=1e-6)
-  steps = [mod(gen[:, t:t + 1], decode=True) for t in range(3)]
+  steps = [mod(gen[:, t : t + 1], decode=True) for t in range(3)]
   for b in range(B):
-    seq = jnp.concatenate([prompt[b:b + 1, :lengths[b]], gen[b:b + 1]], axis=1)
+    seq = jnp.concatenate([prompt[b : b + 1, : lengths[b]], gen[b : b + 1]], axis=1)
     full = lin.apply({"params": params}, seq)[0]
-    np.testing.assert_allclose(pre[b, :lengths[b]], full[:lengths[b]], atol=5e-2)
+    np.testing.assert_allclose(pre[b, : lengths[b]], full[: lengths[b]], atol=5e-2)
     for t in range(3):
       np.testing.assert_allclose(steps[t][b, 0], full[lengths[b] + t], atol=5e-2)
   mod.init_cache(B, 10, dtype=jnp.int8)
@@ -746,8 +835,11 @@ def test_paged_cache_decode_equals_the_uncached_pass(dtype):
   kw = dict(is_causal=True, rope=True, local_window_size=(3, 0))
   lin, params, mod = _linen_pair(13, **kw)
   x = _x(14)
-  want = (lin.apply({"params": params}, x) if dtype is None
-          else _dequantized_forward(lin, params, x, dtype))
+  want = (
+    lin.apply({"params": params}, x)
+    if dtype is None
+    else _dequantized_forward(lin, params, x, dtype)
+  )
   mod.init_cache(B, 11, dtype=dtype, page_size=3)
   assert mod.cached_key[...].shape == (B * 4, 3, K, H)
   np.testing.assert_array_equal(mod.page_table[...], np.arange(B * 4).reshape(B, 4))
@@ -775,10 +867,10 @@ def test_paged_cache_decode_equals_the_uncached_pass(dtype):
 
 S_FULL = 8  # the caches below hold exactly 8 positions: paged ones 2 pages of 4 or 4 of 2
 FULL_CACHES = {
-    "paged": dict(page_size=4),
-    "int8": dict(dtype=jnp.int8),
-    "float8_e4m3fn-paged": dict(dtype=jnp.float8_e4m3fn, page_size=2),
-    "float8_e5m2": dict(dtype=jnp.float8_e5m2),
+  "paged": dict(page_size=4),
+  "int8": dict(dtype=jnp.int8),
+  "float8_e4m3fn-paged": dict(dtype=jnp.float8_e4m3fn, page_size=2),
+  "float8_e5m2": dict(dtype=jnp.float8_e5m2),
 }
 
 
@@ -843,17 +935,18 @@ def test_cache_decoded_token_by_token_to_its_last_slot(cache_kw):
 
   def want(keys, values, i, n):
     """The out projection of query i over keys 0 .. n - 1 (all visible to it), float64."""
-    o, _, _ = reference.attention(q[:, i:i + 1], keys[:, :n], values[:, :n])
+    o, _, _ = reference.attention(q[:, i : i + 1], keys[:, :n], values[:, :n])
     return rm.project_out(p64, o)[:, 0]
 
   for i in range(S_FULL):
-    got_nnx = nstep(mod, x[:, i:i + 1])
-    got_lin, upd = lstep(cache, x[:, i:i + 1])
+    got_nnx = nstep(mod, x[:, i : i + 1])
+    got_lin, upd = lstep(cache, x[:, i : i + 1])
     cache = upd["cache"]
     for name, got, stored in (("nnx", got_nnx, _nnx_cache(mod)), ("linen", got_lin, cache)):
       keys, values = (k, v) if dtype is None else _stored(stored, table)
-      np.testing.assert_allclose(got[:, 0], want(keys, values, i, i + 1), atol=2e-5, rtol=0,
-                                 err_msg=f"{name} step {i}")
+      np.testing.assert_allclose(
+        got[:, 0], want(keys, values, i, i + 1), atol=2e-5, rtol=0, err_msg=f"{name} step {i}"
+      )
   for name, idx in (("nnx", mod.cache_index[...]), ("linen", cache["cache_index"])):
     np.testing.assert_array_equal(idx, [S_FULL] * B, err_msg=name)
   if dtype is not None:

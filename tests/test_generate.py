@@ -25,8 +25,7 @@ _ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
 
 def _load(name):
-  spec = importlib.util.spec_from_file_location(name, os.path.join(_ROOT, "examples",
-                                                                   f"{name}.py"))
+  spec = importlib.util.spec_from_file_location(name, os.path.join(_ROOT, "examples", f"{name}.py"))
   module = importlib.util.module_from_spec(spec)
   sys.modules[name] = module  # dataclasses look their module up there
   spec.loader.exec_module(module)
@@ -49,8 +48,9 @@ def _trained():
 def _model(implementation):
   """The trained weights in a model whose attention runs ``implementation``."""
   cfg, trained, task = _trained()
-  shell = train_recall.Transformer(task, cfg["model"], implementation, jnp.float32,
-                                   rngs=nnx.Rngs(0))
+  shell = train_recall.Transformer(
+    task, cfg["model"], implementation, jnp.float32, rngs=nnx.Rngs(0)
+  )
   graphdef, _ = nnx.split(shell)
   return nnx.merge(graphdef, nnx.state(trained)), task
 
@@ -62,18 +62,22 @@ def test_cached_generation_equals_recomputing(monkeypatch):
   for name, module in (("chunked", jattn._chunked), ("dense", jattn._dense)):
     fn = {"chunked": "chunked_attention", "dense": "dense_attention"}[name]
     original = getattr(module, fn)
-    monkeypatch.setattr(module, fn, lambda *a, _f=original, _n=name, **k: (traced.append(_n),
-                                                                           _f(*a, **k))[1])
+    monkeypatch.setattr(
+      module, fn, lambda *a, _f=original, _n=name, **k: (traced.append(_n), _f(*a, **k))[1]
+    )
   # implementation=None with a 640-position cache: decoding-shaped steps, the chunked kernels;
   # with a cache just long enough (33 positions) dense.
-  for implementation, max_length, kernel in (("dense", None, "dense"), ("chunked", None, "chunked"),
-                                             (None, 640, "chunked"), (None, None, "dense")):
+  for implementation, max_length, kernel in (
+    ("dense", None, "dense"),
+    ("chunked", None, "chunked"),
+    (None, 640, "chunked"),
+    (None, None, "dense"),
+  ):
     model, task = _model(implementation)
     seqs, _, _ = task.batch(jax.random.key(3), 4)
-    prompt = seqs[:, :2 * task.num_pairs + 1]
+    prompt = seqs[:, : 2 * task.num_pairs + 1]
     # Sampling differs from greedy decoding only in how a token is drawn: one model is enough.
-    modes = (("greedy", None),) + ((("sampled", jax.random.key(1)),) if max_length == 640
-                                   else ())
+    modes = (("greedy", None),) + ((("sampled", jax.random.key(1)),) if max_length == 640 else ())
     for name, key in modes:
       traced.clear()
       out, logits, _, compiled = generate.generate(model, prompt, 5, key, max_length=max_length)
@@ -90,7 +94,7 @@ def test_cached_generation_equals_recomputing(monkeypatch):
 def test_check_against_recomputing_catches_a_wrong_cache():
   model, task = _model("chunked")
   seqs, _, _ = task.batch(jax.random.key(3), 4)
-  prompt = seqs[:, :2 * task.num_pairs + 1]
+  prompt = seqs[:, : 2 * task.num_pairs + 1]
   out, logits, _, _ = generate.generate(model, prompt, 4)
   with pytest.raises(AssertionError, match="differs from recomputing"):
     generate.check_against_recomputing(model, prompt, out, logits.at[:, 2].add(1e-2), atol=1e-4)

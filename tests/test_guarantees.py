@@ -21,16 +21,18 @@ def _uses_loop(f, *args) -> bool:
   return "while" in str(jax.make_jaxpr(f)(*args))
 
 
-@pytest.mark.parametrize("T,S,chosen", [(1024, 1024, "chunked"), (1023, 1025, "dense"),
-                                        (1000, 1100, "chunked")])
+@pytest.mark.parametrize(
+  "T,S,chosen", [(1024, 1024, "chunked"), (1023, 1025, "dense"), (1000, 1100, "chunked")]
+)
 def test_automatic_choice_at_its_boundary_with_default_blocks(T, S, chosen):
   # implementation=None switches to chunked at T*S >= 2^20 scores per head. These calls run the
   # default 512 x 256 blocks (ragged at 1000 x 1100) against the float64 reference.
   B, N, K, H = 1, 2, 1, 8
   q, k, v, do = _inputs(B=B, T=T, S=S, N=N, K=K, H=H, seed=1)
   lens = jnp.asarray([S - 77], jnp.int32)
-  f = lambda q, k, v: jattn.dot_product_attention(q, k, v, is_causal="bottom_right",
-                                                  key_value_seq_lengths=lens)
+  f = lambda q, k, v: jattn.dot_product_attention(
+    q, k, v, is_causal="bottom_right", key_value_seq_lengths=lens
+  )
   assert _uses_loop(f, q, k, v) == (chosen == "chunked")
   out, pull = jax.vjp(f, q, k, v)
   vis = ref.visible_mask(B, N, T, S, causal="bottom_right", kv_lengths=[S - 77])
@@ -54,9 +56,9 @@ def test_float64_inputs_stay_float64(impl):
   with jax.enable_x64(True):
     q, k, v, do = (jnp.asarray(np.asarray(x, np.float64)) for x in _inputs())
     lens = jnp.asarray([30, 0], jnp.int32)
-    f = lambda q, k, v: jattn.dot_product_attention(q, k, v, is_causal=True,
-                                                    key_value_seq_lengths=lens,
-                                                    return_residual=True, **IMPLS[impl])
+    f = lambda q, k, v: jattn.dot_product_attention(
+      q, k, v, is_causal=True, key_value_seq_lengths=lens, return_residual=True, **IMPLS[impl]
+    )
     (out, lse), pull = jax.vjp(f, q, k, v)
     assert out.dtype == jnp.float64 and lse.dtype == jnp.float64
     grads = pull((do, jnp.zeros_like(lse)))
@@ -75,8 +77,9 @@ def test_float64_inputs_stay_float64(impl):
 def test_float16_lse_of_empty_rows_is_finite(impl):
   q, k, v, _ = _inputs(dtype=jnp.float16)
   lens = jnp.asarray([0, 20], jnp.int32)
-  out, lse = jattn.dot_product_attention(q, k, v, key_value_seq_lengths=lens,
-                                         return_residual=True, **IMPLS[impl])
+  out, lse = jattn.dot_product_attention(
+    q, k, v, key_value_seq_lengths=lens, return_residual=True, **IMPLS[impl]
+  )
   assert lse.dtype == jnp.float16
   lse = np.asarray(lse, np.float64)
   assert np.all(lse[0] == float(jnp.finfo(jnp.float16).min))  # batch 0 sees no key at all
@@ -91,8 +94,9 @@ def test_lse_gradient_is_the_softmax(impl):
   """d lse / d logits = P: the gradient of sum(lse) w.r.t. q is scale * P K and w.r.t. v is 0
   (unlike jax.nn, whose residual lse carries none; tests/test_merge.py checks the merge)."""
   q, k, v, _ = _inputs()
-  f = lambda q, k, v: jattn.dot_product_attention(q, k, v, return_residual=True,
-                                                  **IMPLS[impl])[1].sum()
+  f = lambda q, k, v: jattn.dot_product_attention(q, k, v, return_residual=True, **IMPLS[impl])[
+    1
+  ].sum()
   dq, dk, dv = jax.grad(f, argnums=(0, 1, 2))(q, k, v)
   # scale * P K is the attention output with K as the values.
   want = jattn.dot_product_attention(q, k, k, implementation="dense") / np.sqrt(q.shape[-1])
@@ -154,8 +158,7 @@ def test_garbage_hidden_by_any_mask_never_leaks(impl, case):
 @pytest.mark.parametrize("impl", IMPLS)
 def test_masks_full_is_no_mask(impl):
   q, k, v, do = _inputs()
-  f = lambda q, k, v: jattn.dot_product_attention(q, k, v, mask=jattn.masks.full(),
-                                                  **IMPLS[impl])
+  f = lambda q, k, v: jattn.dot_product_attention(q, k, v, mask=jattn.masks.full(), **IMPLS[impl])
   out, pull = jax.vjp(f, q, k, v)
   want, _, cache = ref.attention(q, k, v)
   np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5)
@@ -171,8 +174,9 @@ def test_broadcast_dropout_against_reference(impl):
   rate, rng = 0.3, jax.random.key(11)
   keep = keep_mask(rng, rate, B, N, T, S, broadcast=True)
   assert keep.shape == (1, 1, T, S)
-  f = lambda q, k, v: jattn.dot_product_attention(q, k, v, dropout_rate=rate, dropout_rng=rng,
-                                                  dropout_broadcast=True, **IMPLS[impl])
+  f = lambda q, k, v: jattn.dot_product_attention(
+    q, k, v, dropout_rate=rate, dropout_rng=rng, dropout_broadcast=True, **IMPLS[impl]
+  )
   out, pull = jax.vjp(f, q, k, v)
   want, _, cache = ref.attention(q, k, v, keep=keep, dropout_rate=rate)
   np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5)
@@ -211,15 +215,24 @@ def test_low_precision_rule_with_bias_mask_sinks_soft_cap(impl, dtype):
   vis = ref.visible_mask(B, N, T, S, mask=mask, causal="top_left")
   cap = 4.0
   f = lambda q, k, v, bias, sinks: jattn.dot_product_attention(
-      q, k, v, bias, jnp.asarray(mask), is_causal=True, sinks=sinks, logits_soft_cap=cap,
-      **IMPLS[impl])
+    q,
+    k,
+    v,
+    bias,
+    jnp.asarray(mask),
+    is_causal=True,
+    sinks=sinks,
+    logits_soft_cap=cap,
+    **IMPLS[impl],
+  )
   g = lambda q, k, v, bias, sinks: _plain_16bit(q, k, v, bias, sinks, jnp.asarray(vis), cap)
   out, pull = jax.vjp(f, q, k, v, bias, sinks)
   base, pull_base = jax.vjp(g, q, k, v, bias, sinks)
   assert out.dtype == dtype
   f64 = lambda x: np.asarray(x, np.float64)
-  want, _, cache = ref.attention(f64(q), f64(k), f64(v), visible=vis, bias=f64(bias),
-                                 soft_cap=cap, sinks=f64(sinks))
+  want, _, cache = ref.attention(
+    f64(q), f64(k), f64(v), visible=vis, bias=f64(bias), soft_cap=cap, sinks=f64(sinks)
+  )
   want_grads = ref.grads(cache, f64(do), bias.shape)
   err = lambda a, b: float(np.max(np.abs(f64(a) - b)))
   assert err(out, want) <= 2 * err(base, want) + 1e-3
@@ -236,10 +249,18 @@ def test_debug_nans_and_infs_stay_quiet(impl):
   B, T, S = 2, 40, 24
   q, k, v, do = _inputs(B=B, T=T, S=S)
   ids = jnp.asarray(np.repeat([[0, 1]], 20, axis=1).reshape(1, 40).repeat(B, 0), jnp.int32)
-  kw = dict(is_causal="bottom_right", local_window_size=(30, 2), logits_soft_cap=4.0,
-            key_value_seq_lengths=jnp.asarray([S, 0], jnp.int32),
-            q_segment_ids=ids, kv_segment_ids=ids[:, :S], sinks=jnp.linspace(-1.0, 1.0, 4),
-            dropout_rate=0.2, dropout_rng=jax.random.key(3), **IMPLS[impl])
+  kw = dict(
+    is_causal="bottom_right",
+    local_window_size=(30, 2),
+    logits_soft_cap=4.0,
+    key_value_seq_lengths=jnp.asarray([S, 0], jnp.int32),
+    q_segment_ids=ids,
+    kv_segment_ids=ids[:, :S],
+    sinks=jnp.linspace(-1.0, 1.0, 4),
+    dropout_rate=0.2,
+    dropout_rng=jax.random.key(3),
+    **IMPLS[impl],
+  )
   loss = lambda q, k, v: (jattn.dot_product_attention(q, k, v, **kw) * do).sum()
   with jax.debug_nans(True), jax.debug_infs(True):
     grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)

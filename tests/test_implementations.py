@@ -21,9 +21,11 @@ B, T, S, N, K, H = 2, 40, 56, 4, 2, 16
 
 def _inputs(dtype=jnp.float32):
   ks = jax.random.split(jax.random.key(0), 3)
-  return (jax.random.normal(ks[0], (B, T, N, H), dtype),
-          jax.random.normal(ks[1], (B, S, K, H), dtype),
-          jax.random.normal(ks[2], (B, S, K, H), dtype))
+  return (
+    jax.random.normal(ks[0], (B, T, N, H), dtype),
+    jax.random.normal(ks[1], (B, S, K, H), dtype),
+    jax.random.normal(ks[2], (B, S, K, H), dtype),
+  )
 
 
 def _tpu_module(f, *args):
@@ -39,8 +41,9 @@ def _has_gpu():
 
 def test_sequence_uses_each_implementation_where_it_lowers():
   q, k, v = _inputs()
-  f = lambda q, k, v: jattn.dot_product_attention(q, k, v, is_causal=True,
-                                                  implementation=("splash", "chunked"))
+  f = lambda q, k, v: jattn.dot_product_attention(
+    q, k, v, is_causal=True, implementation=("splash", "chunked")
+  )
   # On this CPU the program runs jattn's chunked kernels (splash lowers only for a TPU) ...
   vis = ref.visible_mask(B, N, T, S, causal="top_left")
   want, _, _ = ref.attention(q, k, v, visible=vis)
@@ -52,8 +55,7 @@ def test_sequence_uses_each_implementation_where_it_lowers():
 def test_sequence_falls_through_what_an_implementation_cannot_do():
   q, k, v = _inputs()
   bias = jax.random.normal(jax.random.key(5), (1, N, T, S))
-  f = lambda q, k, v, b: jattn.dot_product_attention(q, k, v, b,
-                                                     implementation=("splash", "dense"))
+  f = lambda q, k, v, b: jattn.dot_product_attention(q, k, v, b, implementation=("splash", "dense"))
   assert "tpu_custom_call" not in _tpu_module(f, q, k, v, bias)  # splash takes no bias
   want = jattn.dot_product_attention(q, k, v, bias, implementation="dense")
   np.testing.assert_allclose(f(q, k, v, bias), want, rtol=1e-6, atol=1e-6)
@@ -68,8 +70,9 @@ def test_sequence_falls_through_what_an_implementation_cannot_do():
 def test_a_sequence_of_platform_bound_kernels_serves_each_platform():
   # cuDNN cannot take the call here (no GPU): the TPU program still gets splash.
   q, k, v = _inputs(jnp.bfloat16)
-  f = lambda q, k, v: jattn.dot_product_attention(q, k, v, is_causal=True,
-                                                  implementation=("splash", "cudnn"))
+  f = lambda q, k, v: jattn.dot_product_attention(
+    q, k, v, is_causal=True, implementation=("splash", "cudnn")
+  )
   assert _tpu_module(f, q, k, v).count("tpu_custom_call") == 1
 
 
@@ -93,14 +96,15 @@ def test_implementation_none_keeps_jattn_kernels_where_splash_should_not_run():
   big = (jax.ShapeDtypeStruct((8, 4096, 16, 64), jnp.bfloat16),) * 3
   # A mask splash would evaluate into a (T, S) array per head when traced (a chunked-local
   # one) is not tried: choosing never costs that, on any platform.
-  local = lambda q, k, v: jattn.dot_product_attention(q, k, v,
-                                                      mask=jattn.masks.chunked_local(512))
+  local = lambda q, k, v: jattn.dot_product_attention(q, k, v, mask=jattn.masks.chunked_local(512))
   module = _tpu_module(local, *big)
   assert "tpu_custom_call" not in module and "stablehlo.while" in module
   # Decoding steps keep split-KV (splash would pad the one query row to a block of 128).
   causal = lambda q, k, v: jattn.dot_product_attention(q, k, v, is_causal=True)
-  step = (jax.ShapeDtypeStruct((8, 1, 16, 64), jnp.bfloat16),
-          *(jax.ShapeDtypeStruct((8, 65536, 4, 64), jnp.bfloat16),) * 2)
+  step = (
+    jax.ShapeDtypeStruct((8, 1, 16, 64), jnp.bfloat16),
+    *(jax.ShapeDtypeStruct((8, 65536, 4, 64), jnp.bfloat16),) * 2,
+  )
   assert "tpu_custom_call" not in _tpu_module(causal, *step)
   # Exported for cuda from this CPU, cuDNN cannot be traced (jax.nn checks for a GPU): the
   # program falls through to jattn's kernels.
@@ -111,10 +115,23 @@ def test_implementation_none_keeps_jattn_kernels_where_splash_should_not_run():
 def _order(q, k, v, bias=None, implementation=None, **kw):
   """The implementations implementation=None tries per platform for this call (the decision)."""
   from jattn import _call, _dispatch
-  options = dict(scale=None, is_causal=None, local_window_size=None, logits_soft_cap=None,
-                 dropout_rate=0.0, dropout_rng=None, dropout_broadcast=False,
-                 implementation=implementation, block_q=None, block_kv=None, schedule=None,
-                 step_width=None, return_residual=False, score_mod=None)
+
+  options = dict(
+    scale=None,
+    is_causal=None,
+    local_window_size=None,
+    logits_soft_cap=None,
+    dropout_rate=0.0,
+    dropout_rng=None,
+    dropout_broadcast=False,
+    implementation=implementation,
+    block_q=None,
+    block_kv=None,
+    schedule=None,
+    step_width=None,
+    return_residual=False,
+    score_mod=None,
+  )
   options.update(kw)
   opts, _ = _call.options(**options)
   seen = []
@@ -129,8 +146,10 @@ def _order(q, k, v, bias=None, implementation=None, **kw):
 
 
 def test_gpu_and_tpu_choice_is_the_fused_kernel_first_for_calls_it_takes():
-  bf16 = lambda T, S=None: (jax.ShapeDtypeStruct((2, T, 8, 64), jnp.bfloat16),
-                            *(jax.ShapeDtypeStruct((2, S or T, 4, 64), jnp.bfloat16),) * 2)
+  bf16 = lambda T, S=None: (
+    jax.ShapeDtypeStruct((2, T, 8, 64), jnp.bfloat16),
+    *(jax.ShapeDtypeStruct((2, S or T, 4, 64), jnp.bfloat16),) * 2,
+  )
   for T in (512, 1024, 4096, 16384):  # every size: dense's range and the chunked kernels'
     order = _order(*bf16(T), is_causal=True)
     assert order["cuda"][0] == "cudnn" and order["tpu"][0] == "splash", (T, order)
@@ -140,10 +159,12 @@ def test_gpu_and_tpu_choice_is_the_fused_kernel_first_for_calls_it_takes():
   # bottom-right causality, a one-sided window; splash still goes first on a TPU where it takes
   # the call.
   f32 = tuple(jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in bf16(2048))
-  for args, kw in ((f32, dict(is_causal=True)),
-                   (bf16(2048), dict(is_causal=True, logits_soft_cap=30.0)),
-                   (bf16(2048), dict(is_causal="bottom_right")),
-                   (bf16(2048), dict(local_window_size=(256, None)))):
+  for args, kw in (
+    (f32, dict(is_causal=True)),
+    (bf16(2048), dict(is_causal=True, logits_soft_cap=30.0)),
+    (bf16(2048), dict(is_causal="bottom_right")),
+    (bf16(2048), dict(local_window_size=(256, None))),
+  ):
     order = _order(*args, **kw)
     assert "cudnn" not in order.get("cuda", ()), (kw, order)
     assert order.get("cuda", order["default"]) == order["default"]
@@ -175,26 +196,34 @@ def test_a_tuning_table_overrides_the_fused_default_for_its_case(tmp_path):
   assert order["cuda"][0] == "cudnn"
 
 
-@pytest.mark.parametrize("value, error, words", [
+@pytest.mark.parametrize(
+  "value, error, words",
+  [
     ([], ValueError, "empty"),
     (("dense", "flash"), ValueError, "flash"),
     (("dense", 3), TypeError, "implementation"),
-])
+  ],
+)
 def test_malformed_sequences_are_refused(value, error, words):
   q, k, v = _inputs()
   with pytest.raises(error, match=words):
     jattn.dot_product_attention(q, k, v, implementation=value)
 
 
-@pytest.mark.parametrize("kw, words", [
+@pytest.mark.parametrize(
+  "kw, words",
+  [
     (dict(sinks=jnp.zeros((N,))), "sinks"),
     (dict(logits_soft_cap=3.0), "logits_soft_cap"),
     (dict(is_causal="bottom_right"), "bottom_right"),
-    (dict(q_segment_ids=jnp.zeros((B, T), jnp.int32),
-          kv_segment_ids=jnp.zeros((B, S), jnp.int32)), "q_segment_ids"),
+    (
+      dict(q_segment_ids=jnp.zeros((B, T), jnp.int32), kv_segment_ids=jnp.zeros((B, S), jnp.int32)),
+      "q_segment_ids",
+    ),
     (dict(mask=jattn.masks.causal()), "mask objects"),
     (dict(local_window_size=(None, 0)), "local_window_size"),
-])
+  ],
+)
 def test_cudnn_refuses_what_jax_nn_cannot_express(kw, words):
   q, k, v = _inputs(jnp.bfloat16)
   with pytest.raises(NotImplementedError, match=words):
@@ -219,8 +248,14 @@ def test_cudnn_matches_reference_with_empty_rows():  # pragma: no cover - needs 
   q_len, kv_len = jnp.array([T, 20]), jnp.array([0, 48])
   do = jax.random.normal(jax.random.key(9), (B, T, N, H), jnp.bfloat16)
   f = lambda q, k, v: jattn.dot_product_attention(
-      q, k, v, is_causal=True, query_seq_lengths=q_len, key_value_seq_lengths=kv_len,
-      implementation="cudnn")
+    q,
+    k,
+    v,
+    is_causal=True,
+    query_seq_lengths=q_len,
+    key_value_seq_lengths=kv_len,
+    implementation="cudnn",
+  )
   out, pull = jax.vjp(f, q, k, v)
   vis = ref.visible_mask(B, N, T, S, causal="top_left", q_lengths=[T, 20], kv_lengths=[0, 48])
   want, _, cache = ref.attention(q, k, v, visible=vis)
@@ -234,8 +269,10 @@ def test_cudnn_matches_reference_with_empty_rows():  # pragma: no cover - needs 
 @pytest.mark.skipif(not _has_gpu(), reason="cuDNN runs only on an NVIDIA GPU")
 def test_a_table_preferring_cudnn_makes_none_use_it():  # pragma: no cover - needs a GPU
   T = 1024
-  q, k, v = (jax.random.normal(key, (2, T, 4, 64), jnp.bfloat16)
-             for key in jax.random.split(jax.random.key(4), 3))
+  q, k, v = (
+    jax.random.normal(key, (2, T, 4, 64), jnp.bfloat16)
+    for key in jax.random.split(jax.random.key(4), 3)
+  )
   table = jattn.TuningTable()
   table.add(jax.devices()[0].device_kind, "bfloat16", 64, "causal", T, implementation="cudnn")
   f = lambda: jax.jit(lambda q, k, v: jattn.dot_product_attention(q, k, v, is_causal=True))
@@ -245,14 +282,14 @@ def test_a_table_preferring_cudnn_makes_none_use_it():  # pragma: no cover - nee
     assert "cudnn" in lowered.as_text()
     out = lowered.compile()(q, k, v)
   want = jattn.dot_product_attention(q, k, v, is_causal=True, implementation="dense")
-  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want, np.float32),
-                             atol=3e-2)
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want, np.float32), atol=3e-2)
 
 
 def test_flax_callers_take_the_same_implementation_values():
   """linen's module and flax's attention_fn pass a sequence through: on this CPU
   ("splash", "dense") is dense, so both equal the dense module."""
   import flax.linen as nn
+
   x = jax.random.normal(jax.random.key(1), (B, T, 32))
   outs = []
   for impl in ("dense", ("splash", "dense")):
@@ -260,7 +297,8 @@ def test_flax_callers_take_the_same_implementation_values():
     params = mod.init(jax.random.key(0), x)
     outs.append(mod.apply(params, x))
     layer = nn.MultiHeadDotProductAttention(
-        num_heads=4, attention_fn=jattn.make_attention_fn(implementation=impl))
+      num_heads=4, attention_fn=jattn.make_attention_fn(implementation=impl)
+    )
     outs.append(layer.apply(layer.init(jax.random.key(0), x), x))
   np.testing.assert_allclose(outs[2], outs[0], rtol=1e-6, atol=1e-6)
   np.testing.assert_allclose(outs[3], outs[1], rtol=1e-6, atol=1e-6)
@@ -270,8 +308,9 @@ def test_diagnostics_reads_logits_with_jattn_kernels_only():
   q, k, _v = _inputs()
   with pytest.raises(NotImplementedError, match="fused kernels"):
     jattn.diagnostics.attention_stats(q, k, implementation="splash")
-  got = jattn.diagnostics.attention_stats(q, k, is_causal=True,
-                                          implementation=("splash", "chunked"))
+  got = jattn.diagnostics.attention_stats(
+    q, k, is_causal=True, implementation=("splash", "chunked")
+  )
   want = jattn.diagnostics.attention_stats(q, k, is_causal=True, implementation="chunked")
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_array_equal(a, b)
@@ -280,11 +319,12 @@ def test_diagnostics_reads_logits_with_jattn_kernels_only():
 def test_a_sequence_with_splash_keeps_second_derivatives():
   # ("splash", "chunked") traces splash's branch (for a TPU) on every platform, and a gradient
   # of a gradient differentiates every branch: it must still work where chunked runs.
-  q, k, v = (0.5 * jax.random.normal(key, (1, 1024, 2, 16))
-             for key in jax.random.split(jax.random.key(2), 3))
-  f = lambda impl: lambda q: (jattn.dot_product_attention(
-      q, k, v, implementation=impl) ** 2).sum()
+  q, k, v = (
+    0.5 * jax.random.normal(key, (1, 1024, 2, 16)) for key in jax.random.split(jax.random.key(2), 3)
+  )
+  f = lambda impl: lambda q: (jattn.dot_product_attention(q, k, v, implementation=impl) ** 2).sum()
   gg = lambda impl: jax.grad(lambda q: (jax.grad(f(impl))(q) ** 2).sum())(q)
   want = gg("dense")
-  np.testing.assert_allclose(gg(("splash", "chunked")), want, rtol=1e-3,
-                             atol=1e-4 * float(jnp.abs(want).max()))
+  np.testing.assert_allclose(
+    gg(("splash", "chunked")), want, rtol=1e-3, atol=1e-4 * float(jnp.abs(want).max())
+  )

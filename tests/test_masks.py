@@ -14,15 +14,16 @@ from jattn import masks as M
 B, N = 2, 3
 
 # The chunked kernels in both schedules (the parallel one with 3 lanes per step).
-IMPLS = {"dense": dict(implementation="dense"),
-         "chunked": dict(implementation="chunked", schedule="serial"),
-         "parallel": dict(implementation="chunked", schedule="parallel", step_width=3)}
+IMPLS = {
+  "dense": dict(implementation="dense"),
+  "chunked": dict(implementation="chunked", schedule="serial"),
+  "parallel": dict(implementation="chunked", schedule="parallel", step_width=3),
+}
 
 
 def _dense(mask, T, S):
   """Evaluate a mask object on the whole (T, S) grid: (B, N, T, S)."""
-  out = mask.evaluate(jnp.arange(T, dtype=jnp.int32), jnp.arange(S, dtype=jnp.int32),
-                      (B, N, T, S))
+  out = mask.evaluate(jnp.arange(T, dtype=jnp.int32), jnp.arange(S, dtype=jnp.int32), (B, N, T, S))
   return np.broadcast_to(np.asarray(out), (B, N, T, S))
 
 
@@ -32,24 +33,28 @@ def _by_hand(kind, T, S):
   s = np.arange(S)[None, :]
   full = lambda x: np.broadcast_to(x, (B, N, T, S))
   return {
-      "causal": full(s <= t),
-      "causal bottom-right": full(s <= t + S - T),
-      "causal negative offset": full(s <= t - 5),
-      "window (3, 2)": full((s >= t - 3) & (s <= t + 2)),
-      "window (7, 0) offset 4": full((s >= t + 4 - 7) & (s <= t + 4)),
-      "chunked local 8": full(t // 8 == s // 8),
-      "prefix-lm 10": full((s < 10) | (s <= t)),
-      "lengths": np.stack([full(np.ones((T, S), bool))[0] & (t < 9) & (s < 17),
-                           full(np.ones((T, S), bool))[1] & (t < T) & (s < 4)]),
-      "segments": np.stack([full(_SEG_Q[b][:T, None] == _SEG_K[b][None, :S])[b]
-                            for b in range(B)]),
-      "function": np.fromfunction(lambda b, h, i, j: (i + j + b + h) % 3 != 0,
-                                  (B, N, T, S), dtype=int),
-      "causal & window": full((s <= t) & (s >= t - 6)),
-      "causal | window": full((s <= t) | ((s >= t - 2) & (s <= t + 2))),
-      "~causal": full(~(s <= t)),
-      "dynamic causal": np.stack([full(s <= t + 3)[0], full(s <= t + 11)[1]]),
-      "array": _ARR[:, :, :T, :S] & np.ones((B, N, T, S), bool),
+    "causal": full(s <= t),
+    "causal bottom-right": full(s <= t + S - T),
+    "causal negative offset": full(s <= t - 5),
+    "window (3, 2)": full((s >= t - 3) & (s <= t + 2)),
+    "window (7, 0) offset 4": full((s >= t + 4 - 7) & (s <= t + 4)),
+    "chunked local 8": full(t // 8 == s // 8),
+    "prefix-lm 10": full((s < 10) | (s <= t)),
+    "lengths": np.stack(
+      [
+        full(np.ones((T, S), bool))[0] & (t < 9) & (s < 17),
+        full(np.ones((T, S), bool))[1] & (t < T) & (s < 4),
+      ]
+    ),
+    "segments": np.stack([full(_SEG_Q[b][:T, None] == _SEG_K[b][None, :S])[b] for b in range(B)]),
+    "function": np.fromfunction(
+      lambda b, h, i, j: (i + j + b + h) % 3 != 0, (B, N, T, S), dtype=int
+    ),
+    "causal & window": full((s <= t) & (s >= t - 6)),
+    "causal | window": full((s <= t) | ((s >= t - 2) & (s <= t + 2))),
+    "~causal": full(~(s <= t)),
+    "dynamic causal": np.stack([full(s <= t + 3)[0], full(s <= t + 11)[1]]),
+    "array": _ARR[:, :, :T, :S] & np.ones((B, N, T, S), bool),
   }[kind]
 
 
@@ -61,27 +66,41 @@ _ARR = _rng.random((B, 1, 64, 64)) > 0.3
 
 def _object(kind, T, S):
   return {
-      "causal": M.causal(),
-      "causal bottom-right": M.causal((T, S), alignment="bottom_right"),
-      "causal negative offset": M.causal(offset=-5),
-      "window (3, 2)": M.local_window(3, 2),
-      "window (7, 0) offset 4": M.local_window(7, 0, offset=4),
-      "chunked local 8": M.chunked_local(8),
-      "prefix-lm 10": M.prefix_lm(10),
-      "lengths": M.lengths(jnp.array([9, T]), jnp.array([17, 4])),
-      "segments": M.segments(jnp.asarray(_SEG_Q[:, :T]), jnp.asarray(_SEG_K[:, :S])),
-      "function": M.from_function(lambda b, h, i, j: (i + j + b + h) % 3 != 0),
-      "causal & window": M.causal() & M.local_window(6, None),
-      "causal | window": M.causal() | M.local_window(2, 2),
-      "~causal": ~M.causal(),
-      "dynamic causal": M.causal(offset=jnp.array([3, 11], jnp.int32)),
-      "array": M.from_array(jnp.asarray(_ARR[:, :, :T, :S])),
+    "causal": M.causal(),
+    "causal bottom-right": M.causal((T, S), alignment="bottom_right"),
+    "causal negative offset": M.causal(offset=-5),
+    "window (3, 2)": M.local_window(3, 2),
+    "window (7, 0) offset 4": M.local_window(7, 0, offset=4),
+    "chunked local 8": M.chunked_local(8),
+    "prefix-lm 10": M.prefix_lm(10),
+    "lengths": M.lengths(jnp.array([9, T]), jnp.array([17, 4])),
+    "segments": M.segments(jnp.asarray(_SEG_Q[:, :T]), jnp.asarray(_SEG_K[:, :S])),
+    "function": M.from_function(lambda b, h, i, j: (i + j + b + h) % 3 != 0),
+    "causal & window": M.causal() & M.local_window(6, None),
+    "causal | window": M.causal() | M.local_window(2, 2),
+    "~causal": ~M.causal(),
+    "dynamic causal": M.causal(offset=jnp.array([3, 11], jnp.int32)),
+    "array": M.from_array(jnp.asarray(_ARR[:, :, :T, :S])),
   }[kind]
 
 
-KINDS = ["causal", "causal bottom-right", "causal negative offset", "window (3, 2)",
-         "window (7, 0) offset 4", "chunked local 8", "prefix-lm 10", "lengths", "segments",
-         "function", "causal & window", "causal | window", "~causal", "dynamic causal", "array"]
+KINDS = [
+  "causal",
+  "causal bottom-right",
+  "causal negative offset",
+  "window (3, 2)",
+  "window (7, 0) offset 4",
+  "chunked local 8",
+  "prefix-lm 10",
+  "lengths",
+  "segments",
+  "function",
+  "causal & window",
+  "causal | window",
+  "~causal",
+  "dynamic causal",
+  "array",
+]
 SHAPES = [("square", 40, 40), ("wide rectangle", 24, 61), ("tall rectangle", 61, 24)]
 
 
@@ -98,18 +117,21 @@ def test_mask_equals_dense_construction_and_block_map_is_exact(kind, shape):
   for bq, bk in ((8, 8), (16, 5), (7, 13)):
     grid = M.BlockGrid(T, S, bq, bk)
     # Under jit: one compile, not one per op of a run-time mask's block summary.
-    st = np.broadcast_to(np.asarray(jax.jit(lambda: mask.block_states(grid, (B, N, T, S)))()),
-                         (B, N, grid.num_q_blocks, grid.num_kv_blocks))
+    st = np.broadcast_to(
+      np.asarray(jax.jit(lambda: mask.block_states(grid, (B, N, T, S)))()),
+      (B, N, grid.num_q_blocks, grid.num_kv_blocks),
+    )
     for i, j in itertools.product(range(grid.num_q_blocks), range(grid.num_kv_blocks)):
-      blk = want[:, :, i * bq:(i + 1) * bq, j * bk:(j + 1) * bk]
+      blk = want[:, :, i * bq : (i + 1) * bq, j * bk : (j + 1) * bk]
       # The mask evaluated on just this block equals the dense one there.
       q_pos = np.arange(i * bq, min((i + 1) * bq, T), dtype=np.int32)
       kv_pos = np.arange(j * bk, min((j + 1) * bk, S), dtype=np.int32)
       np.testing.assert_array_equal(
-          np.broadcast_to(np.asarray(evaluate(q_pos, kv_pos)), blk.shape),
-          blk)
-      expect = np.where(~blk.any(axis=(2, 3)), M.EMPTY,
-                        np.where(blk.all(axis=(2, 3)), M.FULL, M.PARTIAL))
+        np.broadcast_to(np.asarray(evaluate(q_pos, kv_pos)), blk.shape), blk
+      )
+      expect = np.where(
+        ~blk.any(axis=(2, 3)), M.EMPTY, np.where(blk.all(axis=(2, 3)), M.FULL, M.PARTIAL)
+      )
       if kind in ("causal | window", "~causal"):
         # OR of two partial blocks may be full: the summary is conservative (PARTIAL), never
         # wrong about emptiness.
@@ -121,8 +143,13 @@ def test_mask_equals_dense_construction_and_block_map_is_exact(kind, shape):
 
 def test_structural_block_maps_are_static():
   grid = M.BlockGrid(1000, 1000, 128, 128)
-  for m in (M.causal(), M.local_window(64, 0), M.chunked_local(100), M.prefix_lm(300),
-            M.causal() & M.local_window(64, 0)):
+  for m in (
+    M.causal(),
+    M.local_window(64, 0),
+    M.chunked_local(100),
+    M.prefix_lm(300),
+    M.causal() & M.local_window(64, 0),
+  ):
     assert isinstance(m.block_states(grid, (1, 1, 1000, 1000)), np.ndarray)
 
 
@@ -138,11 +165,16 @@ def test_mask_objects_in_attention_match_reference(impl):
   T, S = 33, 50
   q = jax.random.normal(jax.random.key(0), (B, T, N, 8))
   k = jax.random.normal(jax.random.key(1), (B, S, N, 8))
-  for kind in ("chunked local 8", "prefix-lm 10", "function", "causal | window", "~causal",
-               "dynamic causal"):
+  for kind in (
+    "chunked local 8",
+    "prefix-lm 10",
+    "function",
+    "causal | window",
+    "~causal",
+    "dynamic causal",
+  ):
     mask = _object(kind, T, S)
-    got = jattn.dot_product_attention(q, k, k, mask=mask, **IMPLS[impl], block_q=8,
-                                      block_kv=16)
+    got = jattn.dot_product_attention(q, k, k, mask=mask, **IMPLS[impl], block_q=8, block_kv=16)
     want, _, _ = ref.attention(q, k, k, visible=_by_hand(kind, T, S))
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5, err_msg=kind)
 
@@ -171,8 +203,10 @@ def test_relative_position_table_gets_its_gradient(impl):
   def f(q, k, v, table):
     def score_mod(s, b, h, qi, ki):
       return s + table[h, qi - ki + S]
-    return jattn.dot_product_attention(q, k, v, score_mod=score_mod, is_causal=True,
-                                       **IMPLS[impl], block_q=8, block_kv=16)
+
+    return jattn.dot_product_attention(
+      q, k, v, score_mod=score_mod, is_causal=True, **IMPLS[impl], block_q=8, block_kv=16
+    )
 
   out, pull = jax.vjp(f, q, k, v, table)
   dq, dk, dv, dtable = pull(do)
@@ -196,11 +230,16 @@ def test_alibi_and_temperature(impl):
   slopes = jnp.asarray([0.5, 0.25, 0.125])
   temp = jnp.asarray([1.0, 2.0, 0.5])
   mod = lambda s, b, h, qi, ki: s / temp[h] - slopes[h] * jnp.abs(qi - ki).astype(s.dtype)
-  got = jattn.dot_product_attention(q, k, v, score_mod=mod, **IMPLS[impl], block_q=8,
-                                    block_kv=16)
+  got = jattn.dot_product_attention(q, k, v, score_mod=mod, **IMPLS[impl], block_q=8, block_kv=16)
   dist = np.abs(np.arange(T)[:, None] - np.arange(S)[None, :])
-  want, _, _ = ref.attention(q, k, v, score_mod=lambda x: x / np.asarray(temp)[None, :, None, None]
-                             - np.asarray(slopes)[None, :, None, None] * dist)
+  want, _, _ = ref.attention(
+    q,
+    k,
+    v,
+    score_mod=lambda x: (
+      x / np.asarray(temp)[None, :, None, None] - np.asarray(slopes)[None, :, None, None] * dist
+    ),
+  )
   np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
 
 
@@ -214,8 +253,9 @@ def test_soft_cap_via_score_mod_against_reference(impl):
   want, _, cache = ref.attention(q, k, v, visible=vis, soft_cap=cap)
   want_grads = ref.grads(cache, do)[:3]
   for kw in (dict(logits_soft_cap=cap), dict(score_mod=lambda s, *_: cap * jnp.tanh(s / cap))):
-    f = lambda q, k, v: jattn.dot_product_attention(q, k, v, is_causal=True, **IMPLS[impl],
-                                                    block_q=8, block_kv=16, **kw)
+    f = lambda q, k, v: jattn.dot_product_attention(
+      q, k, v, is_causal=True, **IMPLS[impl], block_q=8, block_kv=16, **kw
+    )
     out, pull = jax.vjp(f, q, k, v)
     np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5, err_msg=str(kw))
     for got, w in zip(pull(do), want_grads):
@@ -231,26 +271,28 @@ def test_take_part_is_the_slice_of_the_whole_mask():
   seg_kv = np.sort(rng.integers(0, 3, (Bw, S)), axis=1)
   arr = rng.random((Bw, Nw, T, S)) < 0.6
   masks = {
-      "lengths": M.lengths(jnp.asarray([12, 5, 0, 9]), jnp.asarray([10, 2, 7, 0])),
-      "segments": M.segments(seg_q, seg_kv),
-      "causal offset per example": M.causal(offset=jnp.asarray([0, 3, -2, 5])),
-      "array (B, N, T, S)": M.from_array(arr),
-      "array (1, N, T, S)": M.from_array(arr[:1]),
-      "static array": M.static_array(arr),
-      "function": M.from_function(lambda b, h, i, j: (j <= i + b) | (h == 4)),
-      "combined": ~M.lengths(None, jnp.asarray([10, 2, 7, 0]))
-      | (M.causal() & M.from_array(arr[:, :1])),
+    "lengths": M.lengths(jnp.asarray([12, 5, 0, 9]), jnp.asarray([10, 2, 7, 0])),
+    "segments": M.segments(seg_q, seg_kv),
+    "causal offset per example": M.causal(offset=jnp.asarray([0, 3, -2, 5])),
+    "array (B, N, T, S)": M.from_array(arr),
+    "array (1, N, T, S)": M.from_array(arr[:1]),
+    "static array": M.static_array(arr),
+    "function": M.from_function(lambda b, h, i, j: (j <= i + b) | (h == 4)),
+    "combined": ~M.lengths(None, jnp.asarray([10, 2, 7, 0]))
+    | (M.causal() & M.from_array(arr[:, :1])),
   }
   q_pos, kv_pos = jnp.arange(T, dtype=jnp.int32), jnp.arange(S, dtype=jnp.int32)
   for name, mask in masks.items():
     assert M.can_take_part(mask), name
-    whole = np.broadcast_to(np.asarray(mask.evaluate(q_pos, kv_pos, (Bw, Nw, T, S))),
-                            (Bw, Nw, T, S))
+    whole = np.broadcast_to(
+      np.asarray(mask.evaluate(q_pos, kv_pos, (Bw, Nw, T, S))), (Bw, Nw, T, S)
+    )
     for b0, nb, h0, nh in ((2, 2, 0, 6), (0, 4, 3, 3), (1, 1, 2, 2), (0, 4, 0, 6)):
       part = M.take_part(mask, jnp.int32(b0), nb, jnp.int32(h0), nh, (Bw, Nw, T, S))
-      got = np.broadcast_to(np.asarray(part.evaluate(q_pos, kv_pos, (nb, nh, T, S))),
-                            (nb, nh, T, S))
-      np.testing.assert_array_equal(got, whole[b0:b0 + nb, h0:h0 + nh], err_msg=name)
+      got = np.broadcast_to(
+        np.asarray(part.evaluate(q_pos, kv_pos, (nb, nh, T, S))), (nb, nh, T, S)
+      )
+      np.testing.assert_array_equal(got, whole[b0 : b0 + nb, h0 : h0 + nh], err_msg=name)
 
 
 def test_a_mask_kind_defined_elsewhere_is_not_cut():

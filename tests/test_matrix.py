@@ -20,11 +20,11 @@ import pytest
 
 IMPLS = matrix.implementations()
 MODES = {
-    # mode: (input dtype, x64 on, tolerance)
-    "f32": (np.float32, False, 1e-4),
-    "x64-f64": (np.float64, True, 1e-9),
-    "x64-f32": (np.float32, True, 1e-4),
-    "export-symbolic-batch": (np.float32, False, 1e-4),
+  # mode: (input dtype, x64 on, tolerance)
+  "f32": (np.float32, False, 1e-4),
+  "x64-f64": (np.float64, True, 1e-9),
+  "x64-f32": (np.float32, True, 1e-4),
+  "export-symbolic-batch": (np.float32, False, 1e-4),
 }
 
 
@@ -41,6 +41,7 @@ def _context(impl, mode):
     # On a CPU splash runs in Pallas's TPU interpret mode; exported for the CPU without it, it
     # must refuse by name.
     from jax.experimental.pallas import tpu as pltpu
+
     stack.enter_context(pltpu.force_tpu_interpret_mode())
   return stack
 
@@ -77,7 +78,8 @@ def test_matrix(impl, option, mode):
       out, grads = run(impl, option, mode)
     except NotImplementedError as e:
       assert matrix.platform_of(impl) is not None, (
-          f"{impl} must take every option; refused {option} ({mode}): {e}")
+        f"{impl} must take every option; refused {option} ({mode}): {e}"
+      )
       assert impl in str(e), f"the refusal does not name the implementation: {e}"
       return
   matrix.check(f"{impl} {option} {mode}", out, grads, _reference(option), MODES[mode][2])

@@ -23,20 +23,28 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def test_matrix_under_a_mesh(mesh, layout, tmp_path):
   out = tmp_path / "results.json"
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  run = subprocess.run([sys.executable, os.path.join(HERE, "_matrix_worker.py"), mesh, layout,
-                        str(out)], env=env, capture_output=True, text=True, timeout=1200)
+  run = subprocess.run(
+    [sys.executable, os.path.join(HERE, "_matrix_worker.py"), mesh, layout, str(out)],
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=1200,
+  )
   assert run.returncode == 0, run.stderr[-3000:]
   results = json.loads(out.read_text())
-  expected = {f"{impl} {option}" for impl in matrix.implementations() if impl != "splash"
-              for option in matrix.OPTIONS}
+  expected = {
+    f"{impl} {option}"
+    for impl in matrix.implementations()
+    if impl != "splash"
+    for option in matrix.OPTIONS
+  }
   assert set(results) == expected
   bad = []
   for case, result in results.items():
     impl = case.split()[0]
     if result == "ok":
       continue
-    if (result.startswith("refused: ") and matrix.platform_of(impl) is not None
-        and impl in result):
+    if result.startswith("refused: ") and matrix.platform_of(impl) is not None and impl in result:
       continue
     bad.append(f"{case}: {result}")
   assert not bad, f"{mesh} mesh, {layout}-sharded:\n" + "\n".join(bad)

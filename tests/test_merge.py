@@ -28,8 +28,10 @@ TOL = 2e-5  # float32 against float64, relative to max(1, max |reference|)
 
 def _inputs():
   rng = np.random.default_rng(7)
-  q, k, v, do = (rng.standard_normal(shape).astype(np.float32) for shape in
-                 [(B, T, N, H), (B, S, K, H), (B, S, K, H), (B, T, N, H)])
+  q, k, v, do = (
+    rng.standard_normal(shape).astype(np.float32)
+    for shape in [(B, T, N, H), (B, S, K, H), (B, S, K, H), (B, T, N, H)]
+  )
   vis = ref.visible_mask(B, N, T, S, causal="bottom_right")
   vis[1, :, 2, :] = False  # a row that attends to nothing anywhere
   vis[0, 1, 4, 6:] = False  # a row (one head) that sees keys in the first parts only
@@ -119,19 +121,23 @@ def test_merge_gradient_with_respect_to_lse_closed_form():
 # Every implementation that runs here: splash in Pallas's TPU interpret mode (its static NumPy
 # mask), jattn's kernels in both schedules.
 PART_IMPLS = {
-    "dense": dict(implementation="dense"),
-    "chunked": dict(implementation="chunked", schedule="serial", block_q=4, block_kv=2),
-    "parallel": dict(implementation="chunked", schedule="parallel", block_q=4, block_kv=2),
-    "None": dict(implementation=None),
-    "splash": dict(implementation="splash"),
+  "dense": dict(implementation="dense"),
+  "chunked": dict(implementation="chunked", schedule="serial", block_q=4, block_kv=2),
+  "parallel": dict(implementation="chunked", schedule="parallel", block_q=4, block_kv=2),
+  "None": dict(implementation=None),
+  "splash": dict(implementation="splash"),
 }
 
 
 def _jattn_parts(q, k, v, vis, impl):
   kw = PART_IMPLS[impl]
   as_mask = (lambda m: np.asarray(m)) if impl == "splash" else jnp.asarray
-  return [jattn.dot_product_attention(q, k[:, a:b], v[:, a:b], mask=as_mask(vis[..., a:b]),
-                                      return_residual=True, **kw) for a, b in RANGES]
+  return [
+    jattn.dot_product_attention(
+      q, k[:, a:b], v[:, a:b], mask=as_mask(vis[..., a:b]), return_residual=True, **kw
+    )
+    for a, b in RANGES
+  ]
 
 
 def _merged_jattn_parts(q, k, v, vis, impl):
@@ -143,6 +149,7 @@ def _interpret(impl):
   if impl != "splash":
     return contextlib.nullcontext()
   from jax.experimental.pallas import tpu as pltpu
+
   return pltpu.force_tpu_interpret_mode()
 
 
@@ -179,8 +186,9 @@ def test_residual_lse_gradient_equals_reference(impl):
   w = np.random.default_rng(5).standard_normal((B, T, N)).astype(np.float32)
 
   def f(q, k, v, sinks):
-    _, lse = jattn.dot_product_attention(q, k, v, mask=jnp.asarray(vis), sinks=sinks,
-                                         return_residual=True, **PART_IMPLS[impl])
+    _, lse = jattn.dot_product_attention(
+      q, k, v, mask=jnp.asarray(vis), sinks=sinks, return_residual=True, **PART_IMPLS[impl]
+    )
     return jnp.sum(jnp.where(lse > -1e30, lse, 0.0) * w)
 
   got = jax.grad(f, argnums=(0, 1, 2, 3))(q, k, v, jnp.asarray(sinks))
@@ -195,15 +203,26 @@ def test_cudnn_lse_of_the_call_equals_reference():
   returns its lse without one): that lse, with a bias, a mask array, causal, a window and
   lengths, equals the reference's (cuDNN itself needs a GPU)."""
   from jattn import _cudnn
+
   q, k, v, _, _ = _inputs()
   rng = np.random.default_rng(1)
   bias = rng.standard_normal((B, N, T, S)).astype(np.float32)
   mask = rng.random((B, 1, T, S)) < 0.8
   q_len, kv_len = np.array([T, 3]), np.array([S, 9])
-  got = _cudnn._lse(q, k, bias, jnp.asarray(mask), jnp.asarray(q_len), jnp.asarray(kv_len),
-                    scale=0.3, causal="top_left", window=(4, 0))
-  vis = ref.visible_mask(B, N, T, S, mask=mask, causal="top_left", window=(4, 0),
-                         q_lengths=q_len, kv_lengths=kv_len)
+  got = _cudnn._lse(
+    q,
+    k,
+    bias,
+    jnp.asarray(mask),
+    jnp.asarray(q_len),
+    jnp.asarray(kv_len),
+    scale=0.3,
+    causal="top_left",
+    window=(4, 0),
+  )
+  vis = ref.visible_mask(
+    B, N, T, S, mask=mask, causal="top_left", window=(4, 0), q_lengths=q_len, kv_lengths=kv_len
+  )
   _, want, _ = ref.attention(q, k, v, visible=vis, bias=bias, scale=0.3)
   live = np.isfinite(want)
   assert (~live).any() and live.any()

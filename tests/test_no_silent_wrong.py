@@ -26,11 +26,10 @@ def _nan_cases():
   q, k, v, _ = _inputs()
   zero_bias = jnp.zeros((B, N, T, S))
   return {
-      "key": (q, k.at[0, 7, 1, 3].set(jnp.nan), v, None),
-      "query": (q.at[1, 4, 2, 0].set(jnp.nan), k, v, None),
-      "value_inf": (q, k, v.at[0, 9, 0, 1].set(jnp.inf), None),
-      "bias_nan_inf": (q, k, v, zero_bias.at[0, 1, 20, 3].set(jnp.nan)
-                       .at[1, 2, 30, 7].set(jnp.inf)),
+    "key": (q, k.at[0, 7, 1, 3].set(jnp.nan), v, None),
+    "query": (q.at[1, 4, 2, 0].set(jnp.nan), k, v, None),
+    "value_inf": (q, k, v.at[0, 9, 0, 1].set(jnp.inf), None),
+    "bias_nan_inf": (q, k, v, zero_bias.at[0, 1, 20, 3].set(jnp.nan).at[1, 2, 30, 7].set(jnp.inf)),
   }
 
 
@@ -60,8 +59,7 @@ def test_nan_bias_at_hidden_positions_never_leaks(impl):
   bias = np.zeros((B, N, T, S), np.float32)
   bias[np.broadcast_to(~mask, bias.shape)] = np.nan
   bias[..., :5][np.broadcast_to(~mask, bias.shape)[..., :5]] = np.inf
-  f = lambda q, k, v, b: jattn.dot_product_attention(q, k, v, b, jnp.asarray(mask),
-                                                     **IMPLS[impl])
+  f = lambda q, k, v, b: jattn.dot_product_attention(q, k, v, b, jnp.asarray(mask), **IMPLS[impl])
   out, pull = jax.vjp(f, q, k, v, jnp.asarray(bias))
   vis = ref.visible_mask(B, N, T, S, mask=mask)
   want, _, cache = ref.attention(q, k, v, visible=vis)
@@ -77,30 +75,67 @@ def test_nan_bias_at_hidden_positions_never_leaks(impl):
 # --------------------------------------------------------------------------------------------
 
 BAD_MASKS = [
-    ("from_array wrong S", lambda: masks.from_array(jnp.ones((T, S - 1), bool)), ValueError,
-     r"masks.from_array: mask of shape \(1, 1, 37, 44\) is not broadcastable to "
-     r"\(B, N, T, S\)=\(2, 4, 37, 45\)"),
-    ("from_array rank 5", lambda: masks.from_array(jnp.ones((1, 1, 1, T, S), bool)), ValueError,
-     "rank <= 4"),
-    ("segments short q", lambda: masks.segments(jnp.zeros((B, 10), jnp.int32),
-                                                jnp.zeros((B, S), jnp.int32)), ValueError,
-     r"masks.segments: q_segment_ids must have shape \(B, T\)=\(2, 37\), got \(2, 10\)"),
-    ("segments long q", lambda: masks.segments(jnp.zeros((B, T + 3), jnp.int32),
-                                               jnp.zeros((B, S), jnp.int32)), ValueError,
-     r"q_segment_ids must have shape \(B, T\)=\(2, 37\)"),
-    ("segments kv rank 1", lambda: masks.segments(jnp.zeros((B, T), jnp.int32),
-                                                  jnp.zeros((S,), jnp.int32)), ValueError,
-     r"masks.segments: kv_segment_ids must have shape \(B, S\)=\(2, 45\), got \(45,\)"),
-    ("segments float", lambda: masks.segments(jnp.zeros((B, T)), jnp.zeros((B, S))), TypeError,
-     "masks.segments: q_segment_ids must be an integer array, got dtype float32"),
-    ("lengths wrong B", lambda: masks.lengths(None, jnp.asarray([3, 4, 5])), ValueError,
-     r"masks.lengths: kv_lengths must have shape \(B,\)=\(2,\), got \(3,\)"),
-    ("lengths float", lambda: masks.lengths(jnp.asarray([3.7, 4.0])), TypeError,
-     "masks.lengths: q_lengths must be an integer array, got dtype float32"),
-    ("causal offset wrong B", lambda: masks.causal(offset=jnp.asarray([1, 2, 3])), ValueError,
-     r"masks.causal: offset must be .* \(B,\)=\(2,\), got shape \(3,\)"),
-    ("inside a combination", lambda: masks.causal() & ~masks.lengths(jnp.asarray([1]), None),
-     ValueError, r"masks.lengths: q_lengths must have shape \(B,\)=\(2,\), got \(1,\)"),
+  (
+    "from_array wrong S",
+    lambda: masks.from_array(jnp.ones((T, S - 1), bool)),
+    ValueError,
+    r"masks.from_array: mask of shape \(1, 1, 37, 44\) is not broadcastable to "
+    r"\(B, N, T, S\)=\(2, 4, 37, 45\)",
+  ),
+  (
+    "from_array rank 5",
+    lambda: masks.from_array(jnp.ones((1, 1, 1, T, S), bool)),
+    ValueError,
+    "rank <= 4",
+  ),
+  (
+    "segments short q",
+    lambda: masks.segments(jnp.zeros((B, 10), jnp.int32), jnp.zeros((B, S), jnp.int32)),
+    ValueError,
+    r"masks.segments: q_segment_ids must have shape \(B, T\)=\(2, 37\), got \(2, 10\)",
+  ),
+  (
+    "segments long q",
+    lambda: masks.segments(jnp.zeros((B, T + 3), jnp.int32), jnp.zeros((B, S), jnp.int32)),
+    ValueError,
+    r"q_segment_ids must have shape \(B, T\)=\(2, 37\)",
+  ),
+  (
+    "segments kv rank 1",
+    lambda: masks.segments(jnp.zeros((B, T), jnp.int32), jnp.zeros((S,), jnp.int32)),
+    ValueError,
+    r"masks.segments: kv_segment_ids must have shape \(B, S\)=\(2, 45\), got \(45,\)",
+  ),
+  (
+    "segments float",
+    lambda: masks.segments(jnp.zeros((B, T)), jnp.zeros((B, S))),
+    TypeError,
+    "masks.segments: q_segment_ids must be an integer array, got dtype float32",
+  ),
+  (
+    "lengths wrong B",
+    lambda: masks.lengths(None, jnp.asarray([3, 4, 5])),
+    ValueError,
+    r"masks.lengths: kv_lengths must have shape \(B,\)=\(2,\), got \(3,\)",
+  ),
+  (
+    "lengths float",
+    lambda: masks.lengths(jnp.asarray([3.7, 4.0])),
+    TypeError,
+    "masks.lengths: q_lengths must be an integer array, got dtype float32",
+  ),
+  (
+    "causal offset wrong B",
+    lambda: masks.causal(offset=jnp.asarray([1, 2, 3])),
+    ValueError,
+    r"masks.causal: offset must be .* \(B,\)=\(2,\), got shape \(3,\)",
+  ),
+  (
+    "inside a combination",
+    lambda: masks.causal() & ~masks.lengths(jnp.asarray([1]), None),
+    ValueError,
+    r"masks.lengths: q_lengths must have shape \(B,\)=\(2,\), got \(1,\)",
+  ),
 ]
 
 
@@ -115,13 +150,16 @@ def test_malformed_mask_objects_raise_naming_the_argument(impl, name, make, exc,
 def test_mask_object_and_keyword_give_the_same_message():
   q, k, v, _ = _inputs()
   msgs = []
-  for kw in (dict(key_value_seq_lengths=jnp.asarray([3, 4, 5])),
-             dict(mask=masks.lengths(None, jnp.asarray([3, 4, 5])))):
+  for kw in (
+    dict(key_value_seq_lengths=jnp.asarray([3, 4, 5])),
+    dict(mask=masks.lengths(None, jnp.asarray([3, 4, 5]))),
+  ):
     with pytest.raises(ValueError) as e:
       jattn.dot_product_attention(q, k, v, **kw)
     msgs.append(str(e.value))
   assert msgs[0].replace("key_value_seq_lengths", "X") == msgs[1].replace(
-      "masks.lengths: kv_lengths", "X")
+    "masks.lengths: kv_lengths", "X"
+  )
 
 
 # --------------------------------------------------------------------------------------------
@@ -129,13 +167,25 @@ def test_mask_object_and_keyword_give_the_same_message():
 # --------------------------------------------------------------------------------------------
 
 BAD_MODS = [
-    ("broadcast", lambda s, b, h, qi, ki: s[..., :1], ValueError,
-     r"score_mod must return an array of the score's shape \(B, N, tq, tk\)"),
-    ("scalar", lambda s, b, h, qi, ki: jnp.float32(0.0), ValueError, "score_mod must return"),
-    ("booleans", lambda s, b, h, qi, ki: s > 0, TypeError,
-     "score_mod must return floating scores, got dtype bool"),
-    ("ints", lambda s, b, h, qi, ki: (qi - ki) + 0 * b + 0 * h, TypeError,
-     "score_mod must return floating scores"),
+  (
+    "broadcast",
+    lambda s, b, h, qi, ki: s[..., :1],
+    ValueError,
+    r"score_mod must return an array of the score's shape \(B, N, tq, tk\)",
+  ),
+  ("scalar", lambda s, b, h, qi, ki: jnp.float32(0.0), ValueError, "score_mod must return"),
+  (
+    "booleans",
+    lambda s, b, h, qi, ki: s > 0,
+    TypeError,
+    "score_mod must return floating scores, got dtype bool",
+  ),
+  (
+    "ints",
+    lambda s, b, h, qi, ki: (qi - ki) + 0 * b + 0 * h,
+    TypeError,
+    "score_mod must return floating scores",
+  ),
 ]
 
 
@@ -159,16 +209,18 @@ def test_scale_as_array_and_traced_equals_jax_nn(impl):
   for s in (0.3, np.float32(0.3), np.asarray(0.3), jnp.float32(0.3)):
     got = jattn.dot_product_attention(q, k, v, scale=s, is_causal=True, **IMPLS[impl])
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5, err_msg=repr(s))
-  f = jax.jit(lambda q, k, v, s: jattn.dot_product_attention(q, k, v, scale=s, is_causal=True,
-                                                             **IMPLS[impl]))
+  f = jax.jit(
+    lambda q, k, v, s: jattn.dot_product_attention(q, k, v, scale=s, is_causal=True, **IMPLS[impl])
+  )
   g = jax.jit(lambda q, k, v, s: jax.nn.dot_product_attention(q, k, v, scale=s, is_causal=True))
   for s in (0.3, 1.7):
-    np.testing.assert_allclose(f(q, k, v, jnp.float32(s)), g(q, k, v, jnp.float32(s)),
-                               rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(
+      f(q, k, v, jnp.float32(s)), g(q, k, v, jnp.float32(s)), rtol=2e-5, atol=2e-5
+    )
   # A traced scale is an operand: one compilation serves every value.
   assert f._cache_size() == 1
   # Its gradient equals jax.nn's (and d/d scale of the float64 reference, by central difference).
-  loss = lambda fn: (lambda s: jnp.sum(fn(q, k, v, s) * do))
+  loss = lambda fn: lambda s: jnp.sum(fn(q, k, v, s) * do)
   ds = jax.grad(loss(f))(jnp.float32(0.3))
   np.testing.assert_allclose(ds, jax.grad(loss(g))(jnp.float32(0.3)), rtol=1e-3, atol=1e-3)
   vis = ref.visible_mask(B, N, T, S, causal="top_left")
@@ -188,8 +240,13 @@ def test_float16_query_near_its_range_with_a_power_of_two_scale(impl):
   q, k, v = (np.asarray(x, np.float16) for x in (q, k, v))
   assert float(np.abs(q).max()) * 2 > float(np.finfo(np.float16).max)
   out = jattn.dot_product_attention(q, k, v, scale=2.0, is_causal=True, **IMPLS[impl])
-  want, _, _ = ref.attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64),
-                             visible=ref.visible_mask(1, 2, 6, 6, causal="top_left"), scale=2.0)
+  want, _, _ = ref.attention(
+    q.astype(np.float64),
+    k.astype(np.float64),
+    v.astype(np.float64),
+    visible=ref.visible_mask(1, 2, 6, 6, causal="top_left"),
+    scale=2.0,
+  )
   assert np.isfinite(np.asarray(out, np.float32)).all()
   np.testing.assert_allclose(np.asarray(out, np.float32), want, atol=5e-3, rtol=5e-3)
 
@@ -219,9 +276,11 @@ def test_window_spellings_agree_with_reference(impl, w):
   by_mask = jattn.dot_product_attention(q, k, v, mask=masks.local_window(*pair), **IMPLS[impl])
   if isinstance(w, int):
     np.testing.assert_array_equal(
-        by_mask, jattn.dot_product_attention(q, k, v, mask=masks.local_window(w), **IMPLS[impl]))
-    np.testing.assert_allclose(by_kw, jax.nn.dot_product_attention(q, k, v, local_window_size=w),
-                               rtol=2e-5, atol=2e-5)
+      by_mask, jattn.dot_product_attention(q, k, v, mask=masks.local_window(w), **IMPLS[impl])
+    )
+    np.testing.assert_allclose(
+      by_kw, jax.nn.dot_product_attention(q, k, v, local_window_size=w), rtol=2e-5, atol=2e-5
+    )
   t, s = np.arange(T)[:, None], np.arange(S)[None, :]
   vis = np.ones((T, S), bool)
   if left is not None:
@@ -249,8 +308,9 @@ def _flax_weights_case():
 @pytest.mark.parametrize("impl", ["dense", "chunked"])  # weights are formed apart: no schedule
 def test_linen_sow_weights_equal_flax(impl):
   x, mask = _flax_weights_case()
-  ours = nn.MultiHeadDotProductAttention(num_heads=4, attention_fn=jattn.make_attention_fn(
-      implementation=impl, block_q=4, block_kv=4))
+  ours = nn.MultiHeadDotProductAttention(
+    num_heads=4, attention_fn=jattn.make_attention_fn(implementation=impl, block_q=4, block_kv=4)
+  )
   theirs = nn.MultiHeadDotProductAttention(num_heads=4)
   params = theirs.init(jax.random.key(1), x, mask=mask)
   o1, st1 = theirs.apply(params, x, mask=mask, sow_weights=True, mutable=["intermediates"])
@@ -262,9 +322,12 @@ def test_linen_sow_weights_equal_flax(impl):
   full_rows = np.broadcast_to(rows[..., None], w1.shape)
   np.testing.assert_allclose(w2[full_rows], w1[full_rows], rtol=1e-5, atol=1e-5)
   assert np.all(w2[~full_rows] == 0)
-  np.testing.assert_allclose(np.asarray(o2)[np.broadcast_to(rows[:, 0, :, None], o2.shape)],
-                             np.asarray(o1)[np.broadcast_to(rows[:, 0, :, None], o1.shape)],
-                             rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(
+    np.asarray(o2)[np.broadcast_to(rows[:, 0, :, None], o2.shape)],
+    np.asarray(o1)[np.broadcast_to(rows[:, 0, :, None], o1.shape)],
+    rtol=1e-5,
+    atol=1e-5,
+  )
 
 
 def test_nnx_sow_weights_equal_flax():
@@ -294,8 +357,9 @@ def test_jattn_modules_sow_weights_against_reference():
   _, _, cache = ref.attention(q, k, k, visible=vis)
   np.testing.assert_allclose(w, cache["p"], rtol=1e-5, atol=1e-6)
   # nnx: the same weights for the same projections.
-  m = jattn.nnx.MultiHeadAttention(num_heads=4, num_kv_heads=2, in_features=16, is_causal=True,
-                                   rngs=nnx.Rngs(0))
+  m = jattn.nnx.MultiHeadAttention(
+    num_heads=4, num_kv_heads=2, in_features=16, is_causal=True, rngs=nnx.Rngs(0)
+  )
   m(x, sow_weights=True)
   assert np.asarray(m.attention_weights.value[0]).shape == (2, 4, 9, 9)
   np.testing.assert_allclose(np.asarray(m.attention_weights.value[0]).sum(-1), 1.0, rtol=1e-5)

@@ -18,8 +18,22 @@ import pytest
 import jattn
 
 
-def reference(q, kp, vp, table, lens, qs=None, *, scale=None, causal=True, window=None,
-              cap=None, sinks=None, ks=None, vs=None):
+def reference(
+  q,
+  kp,
+  vp,
+  table,
+  lens,
+  qs=None,
+  *,
+  scale=None,
+  causal=True,
+  window=None,
+  cap=None,
+  sinks=None,
+  ks=None,
+  vs=None,
+):
   """Float64 (out, lse), padded (B, T, N, Hv) or ragged (total, N, Hv)."""
   q, kp, vp = (np.asarray(x, np.float64) for x in (q, kp, vp))
   if ks is not None:
@@ -39,10 +53,12 @@ def reference(q, kp, vp, table, lens, qs=None, *, scale=None, causal=True, windo
   lse = np.full(flat.shape[:2], -np.inf)
   for b in range(B):
     L = int(lens[b])
-    keys = np.concatenate([kp[table[b, i]] for i in range(-(-L // ps))] or
-                          [np.zeros((0, K, H))])[:L]
-    vals = np.concatenate([vp[table[b, i]] for i in range(-(-L // ps))] or
-                          [np.zeros((0, K, Hv))])[:L]
+    keys = np.concatenate([kp[table[b, i]] for i in range(-(-L // ps))] or [np.zeros((0, K, H))])[
+      :L
+    ]
+    vals = np.concatenate([vp[table[b, i]] for i in range(-(-L // ps))] or [np.zeros((0, K, Hv))])[
+      :L
+    ]
     n = rows[b + 1] - rows[b]
     for i in range(n):
       r, pos = rows[b] + i, L - n + i
@@ -70,7 +86,7 @@ def reference(q, kp, vp, table, lens, qs=None, *, scale=None, causal=True, windo
         mx = logits.max()
         w = np.exp(logits - mx)
         tot = w.sum()
-        out[r, h] = (w[:vis.sum()] / tot) @ vals[vis][:, h // G]
+        out[r, h] = (w[: vis.sum()] / tot) @ vals[vis][:, h // G]
         lse[r, h] = mx + np.log(tot)
   if qs is None:
     return out.reshape(q.shape[:3] + (Hv,)), lse.reshape(q.shape[:3])
@@ -90,7 +106,7 @@ def pool(key, P, ps, K, H, Hv, B, lens, dtype=jnp.float32, garbage=True):
   table = np.full((B, max_pages), P + 7, np.int32)  # past a sequence's pages: out of range
   at = 0
   for b, n in enumerate(need):
-    table[b, :n] = perm[at:at + n]
+    table[b, :n] = perm[at : at + n]
     at += n
   used = set(perm[:at].tolist())
   if garbage:
@@ -101,8 +117,8 @@ def pool(key, P, ps, K, H, Hv, B, lens, dtype=jnp.float32, garbage=True):
     # The tail of each sequence's last page is garbage too.
     for b, L in enumerate(lens):
       if L % ps:
-        kp[table[b, L // ps], L % ps:] = np.nan
-        vp[table[b, L // ps], L % ps:] = np.inf
+        kp[table[b, L // ps], L % ps :] = np.nan
+        vp[table[b, L // ps], L % ps :] = np.inf
   return jnp.asarray(kp, dtype), jnp.asarray(vp, dtype), jnp.asarray(table)
 
 
@@ -126,9 +142,13 @@ def options(kw, N):
   kw = dict(kw)
   if kw.pop("sinks", None):
     kw["sinks"] = jnp.linspace(-1.0, 2.0, N)
-  return kw, dict(scale=kw.get("scale"), causal=kw.get("is_causal", True),
-                  window=kw.get("local_window_size"), cap=kw.get("logits_soft_cap"),
-                  sinks=None if "sinks" not in kw else np.asarray(kw["sinks"]))
+  return kw, dict(
+    scale=kw.get("scale"),
+    causal=kw.get("is_causal", True),
+    window=kw.get("local_window_size"),
+    cap=kw.get("logits_soft_cap"),
+    sinks=None if "sinks" not in kw else np.asarray(kw["sinks"]),
+  )
 
 
 def _check(got, want, atol=2e-5):
@@ -154,9 +174,17 @@ def test_decode_and_chunked_prefill(ps, T, N, K, layout):
   _check(lse, want_lse)
 
 
-@pytest.mark.parametrize("kw", [
-    dict(local_window_size=(6, 0)), dict(logits_soft_cap=2.0), dict(sinks=True),
-    dict(is_causal=False), dict(is_causal=False, local_window_size=(3, 2)), dict(scale=0.3)])
+@pytest.mark.parametrize(
+  "kw",
+  [
+    dict(local_window_size=(6, 0)),
+    dict(logits_soft_cap=2.0),
+    dict(sinks=True),
+    dict(is_causal=False),
+    dict(is_causal=False, local_window_size=(3, 2)),
+    dict(scale=0.3),
+  ],
+)
 def test_options_against_reference(kw):
   B, N, K, H, Hv, T, ps = 3, 4, 2, 8, 12, 6, 8
   lens = np.array([30, 6, 19])
@@ -179,11 +207,19 @@ def test_ragged_batch_with_empty_sequences_mixes_prefill_and_decode():
   kp, vp, table = pool(jax.random.key(4), 24, ps, K, H, Hv, B, lens)
   q = jax.random.normal(jax.random.key(5), (int(qs[-1]), N, H))
   for kw in ({}, dict(local_window_size=(7, 0), sinks=jnp.ones(N))):
-    out, lse = jattn.paged_attention(q, kp, vp, table, jnp.asarray(lens),
-                                     query_start=jnp.asarray(qs), return_residual=True, **kw)
-    want, want_lse = reference(q, kp, vp, table, lens, qs,
-                               window=kw.get("local_window_size"),
-                               sinks=None if "sinks" not in kw else np.ones(N))
+    out, lse = jattn.paged_attention(
+      q, kp, vp, table, jnp.asarray(lens), query_start=jnp.asarray(qs), return_residual=True, **kw
+    )
+    want, want_lse = reference(
+      q,
+      kp,
+      vp,
+      table,
+      lens,
+      qs,
+      window=kw.get("local_window_size"),
+      sinks=None if "sinks" not in kw else np.ones(N),
+    )
     _check(out, want)
     finite = np.isfinite(want_lse)
     _check(np.where(finite, lse, 0), np.where(finite, want_lse, 0))
@@ -203,13 +239,15 @@ def test_long_pages_in_either_layout(ps, layout):
   q = jax.random.normal(jax.random.key(15), (B, T, N, H))
   for kw in (dict(local_window_size=(100, 0), logits_soft_cap=3.0), {}):
     out = call(layout, q, kp, vp, table, lens, **kw)
-    want, _ = reference(q, kp, vp, table, lens, window=kw.get("local_window_size"),
-                        cap=kw.get("logits_soft_cap"))
+    want, _ = reference(
+      q, kp, vp, table, lens, window=kw.get("local_window_size"), cap=kw.get("logits_soft_cap")
+    )
     _check(out, want)
   if ps == 512:  # the last call's (no window, no cap)
     f = lambda q, kp, vp, t: call(layout, q, kp, vp, t, lens)
-    exp = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[
-        jax.export.DisabledSafetyCheck.platform()])(q, kp, vp, table)
+    exp = jax.export.export(
+      jax.jit(f), platforms=["cuda"], disabled_checks=[jax.export.DisabledSafetyCheck.platform()]
+    )(q, kp, vp, table)
     _check(exp.call(q, kp, vp, table), want)
 
 
@@ -225,11 +263,17 @@ def test_quantized_pages(dtype, kind, layout, ps):
   k_amax = np.abs(np.asarray(kp)).max(axis=-1)
   v_amax = np.abs(np.asarray(vp)).max(axis=-1)
   top = 127.0 if dtype == jnp.int8 else float(jnp.finfo(dtype).max)
-  reduce = {"tensor": lambda a: a.max(), "head": lambda a: a.max(axis=(0, 1)),
-            "token": lambda a: a}[kind]
+  reduce = {
+    "tensor": lambda a: a.max(),
+    "head": lambda a: a.max(axis=(0, 1)),
+    "token": lambda a: a,
+  }[kind]
   ks, vs = reduce(k_amax) / top, reduce(v_amax) / top
-  quant = lambda x, s: (np.round(x / np.broadcast_to(s, x.shape[:3])[..., None])
-                        if dtype == jnp.int8 else x / np.broadcast_to(s, x.shape[:3])[..., None])
+  quant = lambda x, s: (
+    np.round(x / np.broadcast_to(s, x.shape[:3])[..., None])
+    if dtype == jnp.int8
+    else x / np.broadcast_to(s, x.shape[:3])[..., None]
+  )
   kq = jnp.asarray(np.clip(quant(np.asarray(kp), ks), -top, top)).astype(dtype)
   vq = jnp.asarray(np.clip(quant(np.asarray(vp), vs), -top, top)).astype(dtype)
   q = jax.random.normal(jax.random.key(7), (B, T, N, H))
@@ -244,8 +288,15 @@ def test_quantized_pages(dtype, kind, layout, ps):
     ks, vs = (jnp.where(jnp.asarray(used)[..., None], x, jnp.nan) for x in (ks, vs))
   out = call(layout, q, kq, vq, table, lens, k_scale=ks, v_scale=vs)
   # Exactly the attention of the dequantised cache (float32 arithmetic) ...
-  want, _ = reference(q, kq.astype(jnp.float32), vq.astype(jnp.float32), table, lens,
-                      ks=np.asarray(ks), vs=np.asarray(vs))
+  want, _ = reference(
+    q,
+    kq.astype(jnp.float32),
+    vq.astype(jnp.float32),
+    table,
+    lens,
+    ks=np.asarray(ks),
+    vs=np.asarray(vs),
+  )
   _check(out, want)
   # ... which is within the quantisation's own error of the unquantised cache's.
   exact, _ = reference(q, kp, vp, table, lens)
@@ -262,8 +313,9 @@ def test_bf16_queries_keep_float32_statistics():
   bf = lambda x: x.astype(jnp.bfloat16)
   out = jattn.paged_attention(bf(q), bf(kp), bf(vp), table, jnp.asarray(lens))
   assert out.dtype == jnp.bfloat16
-  want, _ = reference(bf(q).astype(jnp.float32), bf(kp).astype(jnp.float32),
-                      bf(vp).astype(jnp.float32), table, lens)
+  want, _ = reference(
+    bf(q).astype(jnp.float32), bf(kp).astype(jnp.float32), bf(vp).astype(jnp.float32), table, lens
+  )
   rounding = np.abs(np.asarray(jnp.asarray(want, jnp.bfloat16), np.float64) - want).max()
   assert np.abs(np.asarray(out, np.float64) - want).max() <= 4 * rounding + 1e-6
 
@@ -274,6 +326,7 @@ def test_split_kv_program_for_accelerators(layout):
   # same result; a decoding step against S = 16384 runs ceil(S / 256 / 16) = 4 sequential steps,
   # with nothing of the cache's size per query.
   from jattn.bench import structure
+
   B, N, K, H, ps = 2, 4, 2, 8, 16
   lens = np.array([200, 57])
   kp, vp, table = pool(jax.random.key(10), 32, ps, K, H, H, B, lens)
@@ -283,56 +336,83 @@ def test_split_kv_program_for_accelerators(layout):
   if layout == "HND":
     kp, vp, _, _ = head_major(kp, vp)
   args = (q, kp, vp, table, jnp.asarray(lens))
-  exp = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[
-      jax.export.DisabledSafetyCheck.platform()])(*args)
+  exp = jax.export.export(
+    jax.jit(f), platforms=["cuda"], disabled_checks=[jax.export.DisabledSafetyCheck.platform()]
+  )(*args)
   _check(exp.call(*args), want)
   _check(f(*args), want)
   S, P = 16384, 16384 // 16 * 4 + 64  # spare pages: a copy of the cache has another size
   page = (16, 8, 128) if layout == "NHD" else (8, 16, 128)
   # float32: compiled here, a bfloat16 program is first rewritten by the CPU compiler to
   # float32 (pools included), which a GPU's or TPU's compiler does not do.
-  shapes = (jax.ShapeDtypeStruct((4, 1, 32, 128), jnp.float32),
-            jax.ShapeDtypeStruct((P,) + page, jnp.float32),
-            jax.ShapeDtypeStruct((P,) + page, jnp.float32),
-            jax.ShapeDtypeStruct((4, S // 16), jnp.int32), jax.ShapeDtypeStruct((4,), jnp.int32))
+  shapes = (
+    jax.ShapeDtypeStruct((4, 1, 32, 128), jnp.float32),
+    jax.ShapeDtypeStruct((P,) + page, jnp.float32),
+    jax.ShapeDtypeStruct((P,) + page, jnp.float32),
+    jax.ShapeDtypeStruct((4, S // 16), jnp.int32),
+    jax.ShapeDtypeStruct((4,), jnp.int32),
+  )
   # The XLA walk's program (on a TPU, None takes the Pallas kernel: tests/test_paged_tpu.py).
-  walk = lambda q, kp, vp, t, l: jattn.paged_attention(q, kp, vp, t, l, kv_layout=layout,
-                                                       implementation="chunked")
+  walk = lambda q, kp, vp, t, l: jattn.paged_attention(
+    q, kp, vp, t, l, kv_layout=layout, implementation="chunked"
+  )
   for platform in ("cuda", "tpu"):
     hlo = structure.lowered_for(walk, shapes, platform)
     assert structure.loop_structure(hlo).steps <= -(-S // 256 // 16) + 2
     # No copy of the cache (every other array is under half a pool: a block of keys per lane)
     # and no array with an axis of all S keys (as the scores (B, N, T, S) would have).
     pool_size = P * 16 * 8 * 128
-    seen = {tuple(int(d) for d in dims.split(",") if d)
-            for dims in re.findall(r"\b[a-z]+\d*\[([\d,]*)\]", hlo)}
+    seen = {
+      tuple(int(d) for d in dims.split(",") if d)
+      for dims in re.findall(r"\b[a-z]+\d*\[([\d,]*)\]", hlo)
+    }
     others = [x for x in seen if np.prod(x) != pool_size]
     assert max(np.prod(x) for x in others) < pool_size // 2, platform
     assert max(max(x, default=0) for x in seen) < S, platform
 
 
-@pytest.mark.parametrize("call, error, words", [
+@pytest.mark.parametrize(
+  "call, error, words",
+  [
     (lambda a: dict(a, query=a["query"][0]), ValueError, r"query must be \(B, T, N, H\)"),
     (lambda a: dict(a, page_table=a["page_table"][0]), ValueError, "page_table must be"),
     (lambda a: dict(a, kv_lengths=a["kv_lengths"][:1]), ValueError, "kv_lengths must be"),
     (lambda a: dict(a, value_pages=a["value_pages"][:, :2]), ValueError, "value_pages must have"),
     (lambda a: dict(a, key_pages=a["key_pages"].astype(jnp.int8)), ValueError, "need k_scale"),
-    (lambda a: dict(a, key_pages=a["key_pages"].astype(jnp.int8), k_scale=jnp.ones(3)),
-     ValueError, "k_scale must be"),
+    (
+      lambda a: dict(a, key_pages=a["key_pages"].astype(jnp.int8), k_scale=jnp.ones(3)),
+      ValueError,
+      "k_scale must be",
+    ),
     (lambda a: dict(a, key_pages=a["key_pages"].astype(jnp.bfloat16)), TypeError, "dtype"),
     (lambda a: dict(a, page_table=a["page_table"].astype(jnp.float32)), TypeError, "page_table"),
     (lambda a: dict(a, sinks=jnp.ones(3)), ValueError, r"sinks must be \(N,\)"),
     (lambda a: dict(a, implementation="splash"), NotImplementedError, "jattn's own kernel"),
     (lambda a: dict(a, kv_layout="BSHD"), ValueError, "kv_layout must be"),
-    (lambda a: dict(a, kv_layout="HND", key_pages=a["key_pages"].astype(jnp.int8),
-                    value_pages=a["value_pages"].astype(jnp.int8), k_scale=jnp.ones((8, 4, 2)),
-                    v_scale=jnp.ones((8, 2, 4))), ValueError, r"v_scale must be .*\(P, K, page_size\)"),
-])
+    (
+      lambda a: dict(
+        a,
+        kv_layout="HND",
+        key_pages=a["key_pages"].astype(jnp.int8),
+        value_pages=a["value_pages"].astype(jnp.int8),
+        k_scale=jnp.ones((8, 4, 2)),
+        v_scale=jnp.ones((8, 2, 4)),
+      ),
+      ValueError,
+      r"v_scale must be .*\(P, K, page_size\)",
+    ),
+  ],
+)
 def test_malformed_calls_name_the_argument(call, error, words):
   lens = np.array([10, 3])
   kp, vp, table = pool(jax.random.key(12), 8, 4, 2, 8, 8, 2, lens)
-  a = dict(query=jnp.ones((2, 1, 4, 8)), key_pages=kp, value_pages=vp, page_table=table,
-           kv_lengths=jnp.asarray(lens))
+  a = dict(
+    query=jnp.ones((2, 1, 4, 8)),
+    key_pages=kp,
+    value_pages=vp,
+    page_table=table,
+    kv_lengths=jnp.asarray(lens),
+  )
   with pytest.raises(error, match=words):
     jattn.paged_attention(**call(a))
 
@@ -350,6 +430,7 @@ def test_symbolic_number_of_sequences_exports_and_runs(ragged):
   # One exported decode step (padded) or engine step (ragged, a fixed row budget) for any number
   # of sequences B, lowered for cpu, cuda and tpu; each program runs here on batches of 1 to 5.
   from jax import export
+
   b = export.symbolic_shape("b")[0]
   P, ps, N, K, H, rows = 40, 8, 4, 2, 8, 12
   lens_all = np.array([37, 5, 64, 1, 20])
@@ -357,15 +438,23 @@ def test_symbolic_number_of_sequences_exports_and_runs(ragged):
   sds = jax.ShapeDtypeStruct
   if ragged:
     f = lambda q, t, l, s: jattn.paged_attention(q, kp, vp, t, l, query_start=s)
-    shapes = (sds((rows, N, H), jnp.float32), sds((b, table_all.shape[1]), jnp.int32),
-              sds((b,), jnp.int32), sds((b + 1,), jnp.int32))
+    shapes = (
+      sds((rows, N, H), jnp.float32),
+      sds((b, table_all.shape[1]), jnp.int32),
+      sds((b,), jnp.int32),
+      sds((b + 1,), jnp.int32),
+    )
   else:
     f = lambda q, t, l: jattn.paged_attention(q, kp, vp, t, l)
-    shapes = (sds((b, 1, N, H), jnp.float32), sds((b, table_all.shape[1]), jnp.int32),
-              sds((b,), jnp.int32))
+    shapes = (
+      sds((b, 1, N, H), jnp.float32),
+      sds((b, table_all.shape[1]), jnp.int32),
+      sds((b,), jnp.int32),
+    )
   for platform in ("cpu", "cuda", "tpu"):
-    exp = export.export(jax.jit(f), platforms=[platform], disabled_checks=[
-        export.DisabledSafetyCheck.platform()])(*shapes)
+    exp = export.export(
+      jax.jit(f), platforms=[platform], disabled_checks=[export.DisabledSafetyCheck.platform()]
+    )(*shapes)
     for B in (1, 3, 5):
       lens, table = lens_all[:B], table_all[:B]
       if ragged:  # one row per sequence, the first sequence a prefill chunk of 2
@@ -375,7 +464,7 @@ def test_symbolic_number_of_sequences_exports_and_runs(ragged):
         q = jax.random.normal(jax.random.key(31), (rows, N, H))
         got = exp.call(q, table, jnp.asarray(lens, jnp.int32), jnp.asarray(qs, jnp.int32))
         want, _ = reference(q, kp, vp, table, lens, qs)
-        _check(np.asarray(got)[:qs[-1]], want[:qs[-1]])
+        _check(np.asarray(got)[: qs[-1]], want[: qs[-1]])
       else:
         q = jax.random.normal(jax.random.key(31), (B, 1, N, H))
         got = exp.call(q, table, jnp.asarray(lens, jnp.int32))
@@ -410,13 +499,23 @@ def test_combined_pool_is_read_where_it_lies(quantized):
     kp32, vp32 = kp.astype(jnp.float32), vp.astype(jnp.float32)
   else:
     kp32, vp32 = kp, vp
-  out = jattn.paged_attention(q, combined(kp, vp), None, table, jnp.asarray(lens),
-                              kv_layout="combined", num_kv_heads=K, page_size=ps, **kw)
+  out = jattn.paged_attention(
+    q,
+    combined(kp, vp),
+    None,
+    table,
+    jnp.asarray(lens),
+    kv_layout="combined",
+    num_kv_heads=K,
+    page_size=ps,
+    **kw,
+  )
   want, _ = reference(q, kp32, vp32, table, lens, qs, **ref)
   _check(out, want)
   with pytest.raises(ValueError, match="value_pages=None"):
-    jattn.paged_attention(q, combined(kp, vp), vp, table, jnp.asarray(lens),
-                          kv_layout="combined", **kw)
+    jattn.paged_attention(
+      q, combined(kp, vp), vp, table, jnp.asarray(lens), kv_layout="combined", **kw
+    )
   with pytest.raises(ValueError, match="kv_layout='combined'"):
     c = combined(kp, vp)
     jattn.paged_attention(q, c, c, table, jnp.asarray(lens), **kw)

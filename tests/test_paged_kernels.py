@@ -38,14 +38,19 @@ def _pallas(kernel, q, kp, vp, table, lens, layout="NHD", **kw):
   elif layout == "combined":
     kp, vp = combined(kp, vp), None
   with KERNELS[kernel]():
-    return jattn.paged_attention(q, kp, vp, table, jnp.asarray(lens), kv_layout=layout,
-                                 implementation="pallas", **kw)
+    return jattn.paged_attention(
+      q, kp, vp, table, jnp.asarray(lens), kv_layout=layout, implementation="pallas", **kw
+    )
 
 
 @pytest.mark.parametrize("layout", ["NHD", "HND", "combined"])
-@pytest.mark.parametrize("kw", [
+@pytest.mark.parametrize(
+  "kw",
+  [
     dict(local_window_size=(6, 0), scale=0.3),
-    dict(logits_soft_cap=2.0, sinks=True, is_causal=False)])
+    dict(logits_soft_cap=2.0, sinks=True, is_causal=False),
+  ],
+)
 def test_options_in_every_layout(kernel, layout, kw):
   B, T, ps = 3, 3, 8
   lens = np.array([30, 6, 19])
@@ -68,8 +73,18 @@ def test_ragged_prefill_and_decode_with_empty_sequences(kernel, layout):
   qs = np.concatenate([[0], np.cumsum(counts)])
   kp, vp, table = pool(jax.random.key(42), 24, ps, K, H, Hv, 5, lens)
   q = jax.random.normal(jax.random.key(43), (int(qs[-1]) + 1, N, H))
-  out, lse = _pallas(kernel, q, kp, vp, table, lens, layout, query_start=jnp.asarray(qs),
-                     local_window_size=(7, 0), return_residual=True)
+  out, lse = _pallas(
+    kernel,
+    q,
+    kp,
+    vp,
+    table,
+    lens,
+    layout,
+    query_start=jnp.asarray(qs),
+    local_window_size=(7, 0),
+    return_residual=True,
+  )
   want, want_lse = reference(q, kp, vp, table, lens, qs, window=(7, 0))
   _check(np.asarray(out)[:-1], want[:-1])
   assert (np.asarray(out)[-1] == 0).all()
@@ -77,28 +92,51 @@ def test_ragged_prefill_and_decode_with_empty_sequences(kernel, layout):
   _check(np.where(finite, lse[:-1], 0), np.where(finite, want_lse[:-1], 0))
 
 
-@pytest.mark.parametrize("dtype, kind, layout", [
-    (jnp.int8, "token", "NHD"), (jnp.int8, "head", "HND"), (jnp.int8, "token", "combined"),
-    (jnp.float8_e4m3fn, "token", "HND"), (jnp.float8_e5m2, "tensor", "NHD")])
+@pytest.mark.parametrize(
+  "dtype, kind, layout",
+  [
+    (jnp.int8, "token", "NHD"),
+    (jnp.int8, "head", "HND"),
+    (jnp.int8, "token", "combined"),
+    (jnp.float8_e4m3fn, "token", "HND"),
+    (jnp.float8_e5m2, "tensor", "NHD"),
+  ],
+)
 def test_quantized_pages(kernel, dtype, kind, layout):
   B, T, ps, P = 2, 2, 8, 12
   lens = np.array([41, 20])
   kp, vp, table = pool(jax.random.key(44), P, ps, K, H, H, B, lens, garbage=False)
   top = 127.0 if dtype == jnp.int8 else float(jnp.finfo(dtype).max)
-  reduce = {"tensor": lambda a: a.max(), "head": lambda a: a.max(axis=(0, 1)),
-            "token": lambda a: a}[kind]
+  reduce = {
+    "tensor": lambda a: a.max(),
+    "head": lambda a: a.max(axis=(0, 1)),
+    "token": lambda a: a,
+  }[kind]
   ks = reduce(np.abs(np.asarray(kp)).max(-1)) / top
   vs = reduce(np.abs(np.asarray(vp)).max(-1)) / top
-  quant = lambda x, s: jnp.asarray(np.clip(
+  quant = lambda x, s: jnp.asarray(
+    np.clip(
       (np.round if dtype == jnp.int8 else np.asarray)(
-          np.asarray(x) / np.broadcast_to(s, x.shape[:3])[..., None]), -top, top)).astype(dtype)
+        np.asarray(x) / np.broadcast_to(s, x.shape[:3])[..., None]
+      ),
+      -top,
+      top,
+    )
+  ).astype(dtype)
   kq, vq = quant(kp, ks), quant(vp, vs)
   q = jax.random.normal(jax.random.key(45), (B, T, N, H))
   ks, vs = jnp.asarray(ks, jnp.float32), jnp.asarray(vs, jnp.float32)
-  out = _pallas(kernel, q, kq, vq, table, lens, layout, k_scale=ks, v_scale=vs,
-                logits_soft_cap=5.0)
-  want, _ = reference(q, kq.astype(jnp.float32), vq.astype(jnp.float32), table, lens,
-                      ks=np.asarray(ks), vs=np.asarray(vs), cap=5.0)
+  out = _pallas(kernel, q, kq, vq, table, lens, layout, k_scale=ks, v_scale=vs, logits_soft_cap=5.0)
+  want, _ = reference(
+    q,
+    kq.astype(jnp.float32),
+    vq.astype(jnp.float32),
+    table,
+    lens,
+    ks=np.asarray(ks),
+    vs=np.asarray(vs),
+    cap=5.0,
+  )
   _check(out, want)
 
 
@@ -128,9 +166,11 @@ def test_long_pages_and_faulty_metadata(kernel):
   bad = np.array(table)
   bad[2, 1] = 9  # sequence 2's second page: past the pool
   with KERNELS[kernel]():
-    f = jax.jit(lambda t: jattn.paged_attention(q, kp, vp, t, jnp.asarray(lens),
-                                                local_window_size=(300, 0),
-                                                implementation="pallas"))
+    f = jax.jit(
+      lambda t: jattn.paged_attention(
+        q, kp, vp, t, jnp.asarray(lens), local_window_size=(300, 0), implementation="pallas"
+      )
+    )
     out = np.asarray(f(jnp.asarray(bad)))
   want, _ = reference(q, kp, vp, table, lens, window=(300, 0))
   assert np.isnan(out[2]).all()
@@ -155,8 +195,11 @@ def _abstract_gpu():
   if not hasattr(jax.sharding, "AbstractDevice"):  # jax 0.10: Triton's lowering asks nothing
     return contextlib.nullcontext()
   gpu = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="cuda")
-  return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh(
-      (1,), ("x",), abstract_device=gpu, axis_types=(jax.sharding.AxisType.Auto,)))
+  return jax.sharding.use_abstract_mesh(
+    jax.sharding.AbstractMesh(
+      (1,), ("x",), abstract_device=gpu, axis_types=(jax.sharding.AxisType.Auto,)
+    )
+  )
 
 
 def test_the_choice_is_made_where_the_program_is_lowered():
@@ -164,10 +207,11 @@ def test_the_choice_is_made_where_the_program_is_lowered():
   kp, vp, table = pool(jax.random.key(50), 16, 8, K, H, H, 2, lens)
   q = jnp.ones((2, 1, N, H))
   args = (q, kp, vp, table, jnp.asarray(lens))
-  call = lambda impl: (lambda *a: jattn.paged_attention(*a, implementation=impl))
+  call = lambda impl: lambda *a: jattn.paged_attention(*a, implementation=impl)
   kernels = lambda impl, platform: {
-      name: _lowered(call(impl), *args, platform=platform).count(name)
-      for name in ("tpu_custom_call", TRITON)}
+    name: _lowered(call(impl), *args, platform=platform).count(name)
+    for name in ("tpu_custom_call", TRITON)
+  }
   # None: the Pallas kernel on a TPU or GPU, the XLA walk elsewhere; "chunked": never a kernel.
   assert kernels(None, "tpu") == {"tpu_custom_call": 1, TRITON: 0}
   assert kernels(None, "cuda") == {"tpu_custom_call": 0, TRITON: 1}
@@ -179,9 +223,11 @@ def test_the_choice_is_made_where_the_program_is_lowered():
       assert kernels(None, platform) == {"tpu_custom_call": 0, TRITON: 0}
   # Exported for cuda, the kernel's custom call must be allowed by name.
   with _abstract_gpu():
-    exp = jax.export.export(jax.jit(call(None)), platforms=["cuda"], disabled_checks=[
-        jax.export.DisabledSafetyCheck.custom_call(TRITON)])(
-            *[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in args])
+    exp = jax.export.export(
+      jax.jit(call(None)),
+      platforms=["cuda"],
+      disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON)],
+    )(*[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in args])
   assert exp.mlir_module().count(TRITON) == 1
   # "pallas" lowered for a CPU outside interpret mode: an error naming the way out.
   with pytest.raises(NotImplementedError, match="implementation='pallas'.*force_tpu_interpret"):
@@ -197,11 +243,18 @@ def test_the_choice_is_made_where_the_program_is_lowered():
   # A symbolic number of sequences: None keeps the XLA walk; "pallas" says why not.
   b = jax.export.symbolic_shape("b")[0]
   sds = jax.ShapeDtypeStruct
-  shapes = (sds((b, 1, N, H), jnp.float32), kp, vp, sds((b, table.shape[1]), jnp.int32),
-            sds((b,), jnp.int32))
+  shapes = (
+    sds((b, 1, N, H), jnp.float32),
+    kp,
+    vp,
+    sds((b, table.shape[1]), jnp.int32),
+    sds((b,), jnp.int32),
+  )
   for platform in ("tpu", "cuda"):
     exp = jax.export.export(jax.jit(call(None)), platforms=[platform])(*shapes)
-    assert "custom_call" not in exp.mlir_module().replace("stablehlo.custom_call @shape_assertion", "")
+    assert "custom_call" not in exp.mlir_module().replace(
+      "stablehlo.custom_call @shape_assertion", ""
+    )
   with pytest.raises(NotImplementedError, match="symbolic number of sequences"):
     _lowered(call("pallas"), *shapes, platform="tpu")
 

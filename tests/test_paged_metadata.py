@@ -38,8 +38,9 @@ def _ragged():
 
 
 def _traced(q, kp, vp, table, lens, qs=None):
-  f = jax.jit(lambda t, l, s: jattn.paged_attention(q, kp, vp, t, l, query_start=s,
-                                                    return_residual=True))
+  f = jax.jit(
+    lambda t, l, s: jattn.paged_attention(q, kp, vp, t, l, query_start=s, return_residual=True)
+  )
   out, lse = f(jnp.asarray(table), jnp.asarray(lens), None if qs is None else jnp.asarray(qs))
   return np.asarray(out), np.asarray(lse)
 
@@ -51,12 +52,16 @@ def _bad_page(table, value):
 
 
 PADDED_FAULTS = {
-    "page id past the pool": (lambda t, l: (_bad_page(t, P), l), r"page_table\[1, 0\]=24"),
-    "negative page id": (lambda t, l: (_bad_page(t, -1), l), r"page_table\[1, 0\]=-1"),
-    "kv_lengths past the table": (lambda t, l: (t, np.array([30, 6, t.shape[1] * PS + 1])),
-                                  r"kv_lengths\[2\]=41 is outside \[0, 40\]"),
-    "negative kv_lengths": (lambda t, l: (t, np.array([30, -3, 19])),
-                            r"kv_lengths\[1\]=-3 is outside"),
+  "page id past the pool": (lambda t, l: (_bad_page(t, P), l), r"page_table\[1, 0\]=24"),
+  "negative page id": (lambda t, l: (_bad_page(t, -1), l), r"page_table\[1, 0\]=-1"),
+  "kv_lengths past the table": (
+    lambda t, l: (t, np.array([30, 6, t.shape[1] * PS + 1])),
+    r"kv_lengths\[2\]=41 is outside \[0, 40\]",
+  ),
+  "negative kv_lengths": (
+    lambda t, l: (t, np.array([30, -3, 19])),
+    r"kv_lengths\[1\]=-3 is outside",
+  ),
 }
 
 
@@ -82,18 +87,22 @@ def test_padded_faults(fault):
 
 
 RAGGED_FAULTS = {
-    # query_start, kv_lengths, the rows that must be NaN, the error's words
-    "starts at 1": ([1, 3, 4, 6], None, [1, 2], r"start at 0.*sequence 0 .*query_start\[0\]=1"),
-    "starts at -1": ([-1, 3, 4, 6], None, [0, 1, 2], r"sequence 0 .*query_start\[0\]=-1"),
-    # Sequence 1 ends before it starts; sequence 2 starts inside sequence 0's rows, which stay
-    # sequence 0's.
-    "decreasing": ([0, 3, 2, 6], None, [3, 4, 5], r"sequence 1 .*query_start\[2\]=2"),
-    "ends past the rows": ([0, 3, 4, 9], None, [4, 5, 6], r"sequence 2 .*query_start\[3\]=9"),
-    # Also FlashAttention's cache_seqlens (the cache before the new tokens) passed as
-    # kv_lengths for a first prefill chunk; elsewhere that mix-up is a valid call of other
-    # positions (docs/serving.md says so).
-    "more rows than cached tokens": (None, [0, 6, 19], [0, 1, 2],
-                                     r"sequence 0 has 3 query rows but kv_lengths\[0\]=0"),
+  # query_start, kv_lengths, the rows that must be NaN, the error's words
+  "starts at 1": ([1, 3, 4, 6], None, [1, 2], r"start at 0.*sequence 0 .*query_start\[0\]=1"),
+  "starts at -1": ([-1, 3, 4, 6], None, [0, 1, 2], r"sequence 0 .*query_start\[0\]=-1"),
+  # Sequence 1 ends before it starts; sequence 2 starts inside sequence 0's rows, which stay
+  # sequence 0's.
+  "decreasing": ([0, 3, 2, 6], None, [3, 4, 5], r"sequence 1 .*query_start\[2\]=2"),
+  "ends past the rows": ([0, 3, 4, 9], None, [4, 5, 6], r"sequence 2 .*query_start\[3\]=9"),
+  # Also FlashAttention's cache_seqlens (the cache before the new tokens) passed as
+  # kv_lengths for a first prefill chunk; elsewhere that mix-up is a valid call of other
+  # positions (docs/serving.md says so).
+  "more rows than cached tokens": (
+    None,
+    [0, 6, 19],
+    [0, 1, 2],
+    r"sequence 0 has 3 query rows but kv_lengths\[0\]=0",
+  ),
 }
 
 
@@ -104,8 +113,9 @@ def test_ragged_faults(fault):
   bad_qs = qs if bad_qs is None else np.array(bad_qs)
   bad_lens = lens if bad_lens is None else np.array(bad_lens)
   with pytest.raises(ValueError, match=words):
-    jattn.paged_attention(q, kp, vp, jnp.asarray(table), jnp.asarray(bad_lens),
-                          query_start=jnp.asarray(bad_qs))
+    jattn.paged_attention(
+      q, kp, vp, jnp.asarray(table), jnp.asarray(bad_lens), query_start=jnp.asarray(bad_qs)
+    )
   clean, clean_lse = _traced(q, kp, vp, table, lens, qs)
   want, _ = reference(q, kp, vp, table, lens, qs)
   _check(clean[:6], want[:6])
@@ -137,8 +147,9 @@ def test_padded_form_keeps_leading_rows_that_see_nothing():
 
 def test_checkify_names_the_faulty_sequence():
   q, kp, vp, table, lens = _padded()
-  f = checkify.checkify(jax.jit(lambda t, l: jattn.paged_attention(
-      q, kp, vp, t, l, on_invalid="checkify")))
+  f = checkify.checkify(
+    jax.jit(lambda t, l: jattn.paged_attention(q, kp, vp, t, l, on_invalid="checkify"))
+  )
   err, out = f(jnp.asarray(_bad_page(table, 99)), jnp.asarray(lens))
   assert "sequence 1 breaks metadata rule 2" in str(err.get())
   assert np.isnan(np.asarray(out)[1]).all()
@@ -161,4 +172,3 @@ def test_layout_mixups_caught_where_they_can_be():
     jattn.paged_attention(q, kp, kp, table, lens)
   with pytest.raises(ValueError, match="on_invalid must be"):
     jattn.paged_attention(q, kp, vp, table, lens, on_invalid="raise")
-

@@ -33,8 +33,9 @@ def _padded_cache():
 
 def _packed():
   """Two packed documents per example whose positions restart: (q_pos, kv_pos, segments)."""
-  pos = np.stack([np.concatenate([np.arange(15), np.arange(25)]),
-                  np.concatenate([np.arange(33), np.arange(7)])]).astype(np.int32)
+  pos = np.stack(
+    [np.concatenate([np.arange(15), np.arange(25)]), np.concatenate([np.arange(33), np.arange(7)])]
+  ).astype(np.int32)
   seg = np.stack([np.repeat([0, 1], [15, 25]), np.repeat([0, 1], [33, 7])]).astype(np.int32)
   return pos, seg
 
@@ -67,14 +68,19 @@ def _compare(got, q, k, v, do, vis):
   want = (want_out,) + tuple(ref.grads(cache, do))[:3]
   for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
     scale = max(1.0, float(np.abs(b).max()))
-    np.testing.assert_allclose(np.asarray(a) / scale, np.asarray(b) / scale, atol=2e-5,
-                               err_msg=name)
+    np.testing.assert_allclose(
+      np.asarray(a) / scale, np.asarray(b) / scale, atol=2e-5, err_msg=name
+    )
 
 
 def _inputs(T_):
   ks = jax.random.split(jax.random.key(0), 4)
-  return (jax.random.normal(ks[0], (B, T_, N, H)), jax.random.normal(ks[1], (B, S, K, H)),
-          jax.random.normal(ks[2], (B, S, K, H)), jax.random.normal(ks[3], (B, T_, N, H)))
+  return (
+    jax.random.normal(ks[0], (B, T_, N, H)),
+    jax.random.normal(ks[1], (B, S, K, H)),
+    jax.random.normal(ks[2], (B, S, K, H)),
+    jax.random.normal(ks[3], (B, T_, N, H)),
+  )
 
 
 @pytest.mark.parametrize("impl", sorted(IMPLS))
@@ -84,9 +90,19 @@ def test_padded_cache_window_counts_positions(impl, window):
   q, k, v, do = _inputs(T)
   # The padding sits at the start of example 0's cache: a segment id marks it.
   seg_q, seg_kv = np.ones((B, T), np.int32), valid.astype(np.int32)
-  got = _run(impl, q, k, v, do, is_causal=True, local_window_size=window,
-             q_positions=jnp.asarray(q_pos), kv_positions=jnp.asarray(kv_pos),
-             q_segment_ids=jnp.asarray(seg_q), kv_segment_ids=jnp.asarray(seg_kv))
+  got = _run(
+    impl,
+    q,
+    k,
+    v,
+    do,
+    is_causal=True,
+    local_window_size=window,
+    q_positions=jnp.asarray(q_pos),
+    kv_positions=jnp.asarray(kv_pos),
+    q_segment_ids=jnp.asarray(seg_q),
+    kv_segment_ids=jnp.asarray(seg_kv),
+  )
   _compare(got, q, k, v, do, _visible(q_pos, kv_pos, True, window, kv_valid=valid))
 
 
@@ -107,9 +123,20 @@ def test_blocks_hidden_by_positions_are_never_computed():
   seen = []
   _chunked._BLOCK_HOOK = lambda name, i, j, state: seen.append((i, j, state))
   try:
-    jax.block_until_ready(jattn.dot_product_attention(
-        q, q, q, implementation="chunked", block_q=8, block_kv=8, is_causal=True,
-        local_window_size=(8, 0), q_positions=jnp.asarray(pos), kv_positions=jnp.asarray(pos)))
+    jax.block_until_ready(
+      jattn.dot_product_attention(
+        q,
+        q,
+        q,
+        implementation="chunked",
+        block_q=8,
+        block_kv=8,
+        is_causal=True,
+        local_window_size=(8, 0),
+        q_positions=jnp.asarray(pos),
+        kv_positions=jnp.asarray(pos),
+      )
+    )
   finally:
     _chunked._BLOCK_HOOK = None
   computed = {(i, j) for i, j, state in seen if state}
@@ -118,8 +145,9 @@ def test_blocks_hidden_by_positions_are_never_computed():
   # documents -- the other document's blocks at the same positions.
   p = pos[0]
   vis = (p[None, :] <= p[:, None]) & (p[None, :] >= p[:, None] - 8)
-  want = {(i, j) for i in range(10) for j in range(10)
-          if vis[8 * i:8 * i + 8, 8 * j:8 * j + 8].any()}
+  want = {
+    (i, j) for i in range(10) for j in range(10) if vis[8 * i : 8 * i + 8, 8 * j : 8 * j + 8].any()
+  }
   assert computed == want, sorted(computed ^ want)
   assert len(want) < 100 // 2
 
@@ -140,12 +168,15 @@ def _shifted():
   offset with a gap (9.., jumping by 7 at index 22); two drafts at the same positions after a
   prefix (28.. twice, the second from index 34)."""
   i = np.arange(S3)
-  return np.stack([np.where(i < 20, i, i - 20), 9 + i + 6 * (i >= 22),
-                   np.where(i < 34, i, i - 6)]).astype(np.int32)
+  return np.stack(
+    [np.where(i < 20, i, i - 20), 9 + i + 6 * (i >= 22), np.where(i < 34, i, i - 6)]
+  ).astype(np.int32)
 
 
-SCHEDULES = {s: dict(implementation="chunked", block_q=8, block_kv=8, schedule=s)
-             for s in ("serial", "parallel")}
+SCHEDULES = {
+  s: dict(implementation="chunked", block_q=8, block_kv=8, schedule=s)
+  for s in ("serial", "parallel")
+}
 
 
 @pytest.mark.parametrize("schedule", sorted(SCHEDULES))
@@ -159,8 +190,15 @@ def test_every_example_at_positions_of_its_own(schedule, window):
   q, do = (jax.random.normal(kk, (3, S3, N, H)) for kk in ks[:2])
   k, v = (jax.random.normal(kk, (3, S3, K, H)) for kk in ks[2:])
   f = lambda q, k, v: jattn.dot_product_attention(
-      q, k, v, is_causal=True, local_window_size=window, q_positions=jnp.asarray(pos),
-      kv_positions=jnp.asarray(pos), **SCHEDULES[schedule])
+    q,
+    k,
+    v,
+    is_causal=True,
+    local_window_size=window,
+    q_positions=jnp.asarray(pos),
+    kv_positions=jnp.asarray(pos),
+    **SCHEDULES[schedule],
+  )
   out, pull = jax.vjp(f, q, k, v)
   _compare((out,) + pull(do), q, k, v, do, _visible(pos, pos, True, window))
 
@@ -172,15 +210,18 @@ def test_block_states_of_every_example_are_sound(window, positions):
   # no visible pair, one called FULL no hidden one (from the positions, pair by pair), in grids
   # of 8 x 8 and 6 x 8 (ragged). Positions: `_shifted`'s, and rising ones that repeat (a
   # position shared across a block edge: the edge cases of every inequality).
-  pos = (_shifted() if positions == "shifted" else
-         np.sort(np.random.default_rng(1).integers(0, 25, (3, S3)), axis=1).astype(np.int32))
+  pos = (
+    _shifted()
+    if positions == "shifted"
+    else np.sort(np.random.default_rng(1).integers(0, 25, (3, S3)), axis=1).astype(np.int32)
+  )
   vis = _visible(pos, pos, True, window)[:, 0]
   m = jattn.masks.positions(jnp.asarray(pos), jnp.asarray(pos), window=window)
   for bq, bk in ((8, 8), (6, 8)):
     grid = jattn.masks.BlockGrid(S3, S3, bq, bk)
     states = np.asarray(m.block_states(grid, (3, N, S3, S3)))[:, 0]
     for b, i, j in np.ndindex(states.shape):
-      block = vis[b, i * bq:(i + 1) * bq, j * bk:(j + 1) * bk]
+      block = vis[b, i * bq : (i + 1) * bq, j * bk : (j + 1) * bk]
       where = f"example {b} block ({i}, {j}) of {bq} x {bk}"
       assert states[b, i, j] != jattn.masks.EMPTY or not block.any(), where
       assert states[b, i, j] != jattn.masks.FULL or block.all(), where
@@ -191,8 +232,14 @@ def test_positions_errors_name_the_argument():
   with pytest.raises(ValueError, match="q_positions and kv_positions must be given together"):
     jattn.dot_product_attention(q, k, v, q_positions=jnp.zeros((B, T), jnp.int32))
   with pytest.raises(ValueError, match=r"masks.positions: kv_positions must have shape \(B, S\)"):
-    jattn.dot_product_attention(q, k, v, q_positions=jnp.zeros((B, T), jnp.int32),
-                                kv_positions=jnp.zeros((B, S + 1), jnp.int32))
+    jattn.dot_product_attention(
+      q,
+      k,
+      v,
+      q_positions=jnp.zeros((B, T), jnp.int32),
+      kv_positions=jnp.zeros((B, S + 1), jnp.int32),
+    )
   with pytest.raises(TypeError, match="q_positions"):
-    jattn.dot_product_attention(q, k, v, q_positions=jnp.zeros((B, T)),
-                                kv_positions=jnp.zeros((B, S), jnp.int32))
+    jattn.dot_product_attention(
+      q, k, v, q_positions=jnp.zeros((B, T)), kv_positions=jnp.zeros((B, S), jnp.int32)
+    )

@@ -29,11 +29,11 @@ FORWARD, GRADIENTS = 1.5, 1.75
 B, T, N, K, H = 1, 2048, 2, 1, 64
 
 IMPLS = {
-    "dense": dict(implementation="dense"),
-    "chunked": dict(implementation="chunked", schedule="serial"),
-    "parallel": dict(implementation="chunked", schedule="parallel"),
-    "None": dict(implementation=None),
-    "splash": dict(implementation="splash"),  # Pallas TPU interpret mode; bfloat16 only
+  "dense": dict(implementation="dense"),
+  "chunked": dict(implementation="chunked", schedule="serial"),
+  "parallel": dict(implementation="chunked", schedule="parallel"),
+  "None": dict(implementation=None),
+  "splash": dict(implementation="splash"),  # Pallas TPU interpret mode; bfloat16 only
 }
 DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16}
 
@@ -48,8 +48,10 @@ def _exact(dtype_name):
   and the relative error of rounding each of them to the dtype."""
   dtype = DTYPES[dtype_name]
   rng = np.random.default_rng(0)
-  q, k, v, do = (_round(rng.standard_normal(s), dtype) for s in
-                 [(B, T, N, H), (B, T, K, H), (B, T, K, H), (B, T, N, H)])
+  q, k, v, do = (
+    _round(rng.standard_normal(s), dtype)
+    for s in [(B, T, N, H), (B, T, K, H), (B, T, K, H), (B, T, N, H)]
+  )
   vis = ref.visible_mask(B, N, T, T, causal="top_left")
   out, _, cache = ref.attention(q, k, v, visible=vis)
   want = (out,) + tuple(ref.grads(cache, do)[:3])
@@ -72,15 +74,20 @@ def test_16bit_error_within_a_factor_of_rounding_the_exact_answer(impl, dtype):
   ctx = contextlib.nullcontext()
   if impl == "splash":
     from jax.experimental.pallas import tpu as pltpu
+
     ctx = pltpu.force_tpu_interpret_mode()
   with ctx:
     out, pull = jax.vjp(
-        lambda q, k, v: jattn.dot_product_attention(q, k, v, is_causal=True, **kw),
-        *(jnp.asarray(x, dt) for x in (q, k, v)))
+      lambda q, k, v: jattn.dot_product_attention(q, k, v, is_causal=True, **kw),
+      *(jnp.asarray(x, dt) for x in (q, k, v)),
+    )
     grads = pull(jnp.asarray(do, dt))
   assert out.dtype == dt and all(g.dtype == dt for g in grads)
-  for name, got, w, r, factor in zip(("out", "dq", "dk", "dv"), (out,) + tuple(grads), want,
-                                     rounding, (FORWARD,) + (GRADIENTS,) * 3):
+  for name, got, w, r, factor in zip(
+    ("out", "dq", "dk", "dv"), (out,) + tuple(grads), want, rounding, (FORWARD,) + (GRADIENTS,) * 3
+  ):
     err = _rel(np.asarray(got, np.float64), w)
-    assert err <= factor * r, (f"{name}: error {err:.3e} is {err / r:.2f}x the {dtype} "
-                               f"rounding of the exact answer ({r:.3e}); the rule is {factor}x")
+    assert err <= factor * r, (
+      f"{name}: error {err:.3e} is {err / r:.2f}x the {dtype} "
+      f"rounding of the exact answer ({r:.3e}); the rule is {factor}x"
+    )

@@ -38,43 +38,99 @@ def problems(draw):
   T = draw(st.integers(1, 40))
   S = draw(st.integers(1, 40))
   return dict(
-      B=B, K=K, G=G, T=T, S=S, H=draw(st.sampled_from([4, 8])),
-      causal=draw(st.sampled_from([None, "top_left", "bottom_right"])),
-      window=draw(st.one_of(st.none(), st.tuples(st.integers(0, 12), st.integers(0, 12)))),
-      q_lengths=draw(st.one_of(st.none(), st.lists(st.integers(0, T), min_size=B, max_size=B))),
-      kv_lengths=draw(st.one_of(st.none(), st.lists(st.integers(0, S), min_size=B, max_size=B))),
-      use_segments=draw(st.booleans()),
-      bias=draw(st.sampled_from([None, "full", "heads"])),
-      bool_mask=draw(st.booleans()),
-      sinks=draw(st.booleans()),
-      dropout=draw(st.sampled_from([0.0, 0.3])),
-      score_mod=draw(st.sampled_from(list(SCORE_MODS))),
-      soft_cap=draw(st.sampled_from([None, 1.5])),
-      block_q=draw(st.integers(1, 24)),
-      block_kv=draw(st.integers(1, 24)),
-      # The chunked kernels' schedule (one per example: both are covered across examples).
-      schedule=draw(st.sampled_from(["serial", "parallel"])),
-      # Lanes per step of the parallel schedule (None: all of them).
-      step_width=draw(st.sampled_from([None, 1, 2, 3])),
-      seed=draw(st.integers(0, 2**16)),
+    B=B,
+    K=K,
+    G=G,
+    T=T,
+    S=S,
+    H=draw(st.sampled_from([4, 8])),
+    causal=draw(st.sampled_from([None, "top_left", "bottom_right"])),
+    window=draw(st.one_of(st.none(), st.tuples(st.integers(0, 12), st.integers(0, 12)))),
+    q_lengths=draw(st.one_of(st.none(), st.lists(st.integers(0, T), min_size=B, max_size=B))),
+    kv_lengths=draw(st.one_of(st.none(), st.lists(st.integers(0, S), min_size=B, max_size=B))),
+    use_segments=draw(st.booleans()),
+    bias=draw(st.sampled_from([None, "full", "heads"])),
+    bool_mask=draw(st.booleans()),
+    sinks=draw(st.booleans()),
+    dropout=draw(st.sampled_from([0.0, 0.3])),
+    score_mod=draw(st.sampled_from(list(SCORE_MODS))),
+    soft_cap=draw(st.sampled_from([None, 1.5])),
+    block_q=draw(st.integers(1, 24)),
+    block_kv=draw(st.integers(1, 24)),
+    # The chunked kernels' schedule (one per example: both are covered across examples).
+    schedule=draw(st.sampled_from(["serial", "parallel"])),
+    # Lanes per step of the parallel schedule (None: all of them).
+    step_width=draw(st.sampled_from([None, 1, 2, 3])),
+    seed=draw(st.integers(0, 2**16)),
   )
 
 
-_ONE = dict(B=1, K=1, G=1, T=1, S=1, H=4, causal=None, window=None, q_lengths=None,
-            kv_lengths=None, use_segments=False, bias=None, bool_mask=False, sinks=False,
-            dropout=0.0, score_mod=None, soft_cap=None, block_q=1, block_kv=1, seed=0)
+_ONE = dict(
+  B=1,
+  K=1,
+  G=1,
+  T=1,
+  S=1,
+  H=4,
+  causal=None,
+  window=None,
+  q_lengths=None,
+  kv_lengths=None,
+  use_segments=False,
+  bias=None,
+  bool_mask=False,
+  sinks=False,
+  dropout=0.0,
+  score_mod=None,
+  soft_cap=None,
+  block_q=1,
+  block_kv=1,
+  seed=0,
+)
 
 
 @pytest.mark.long
-@settings(max_examples=7, deadline=None, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.too_slow])
+@settings(
+  max_examples=7,
+  deadline=None,
+  derandomize=True,
+  database=None,
+  suppress_health_check=[HealthCheck.too_slow],
+)
 @given(problems())
 @example(_ONE)
-@example(dict(_ONE, B=2, K=2, G=2, S=9, causal="bottom_right", sinks=True, bias="full",
-              score_mod="square", dropout=0.3, kv_lengths=[0, 5], block_kv=2,
-              schedule="parallel"))
-@example(dict(_ONE, B=2, T=11, S=1, use_segments=True, bool_mask=True, bias="heads",
-              score_mod="alibi", q_lengths=[4, 11], soft_cap=1.5, block_q=3))
+@example(
+  dict(
+    _ONE,
+    B=2,
+    K=2,
+    G=2,
+    S=9,
+    causal="bottom_right",
+    sinks=True,
+    bias="full",
+    score_mod="square",
+    dropout=0.3,
+    kv_lengths=[0, 5],
+    block_kv=2,
+    schedule="parallel",
+  )
+)
+@example(
+  dict(
+    _ONE,
+    B=2,
+    T=11,
+    S=1,
+    use_segments=True,
+    bool_mask=True,
+    bias="heads",
+    score_mod="alibi",
+    q_lengths=[4, 11],
+    soft_cap=1.5,
+    block_q=3,
+  )
+)
 def test_random_problems_match_reference(p):
   B, K, G, T, S, H = p["B"], p["K"], p["G"], p["T"], p["S"], p["H"]
   N = K * G
@@ -91,8 +147,9 @@ def test_random_problems_match_reference(p):
   kv_seg = np.sort(rng.integers(0, 3, (B, S)), axis=1) if p["use_segments"] else None
   make_mod = SCORE_MODS[p["score_mod"]]
   mod_args = jnp.asarray(rng.uniform(0.1, 0.5, (N,)), jnp.float32)
-  kw = dict(is_causal=p["causal"] or False, local_window_size=p["window"],
-            logits_soft_cap=p["soft_cap"])
+  kw = dict(
+    is_causal=p["causal"] or False, local_window_size=p["window"], logits_soft_cap=p["soft_cap"]
+  )
   if p["q_lengths"] is not None:
     kw["query_seq_lengths"] = jnp.asarray(p["q_lengths"], jnp.int32)
   if p["kv_lengths"] is not None:
@@ -106,39 +163,84 @@ def test_random_problems_match_reference(p):
     kw.update(dropout_rate=p["dropout"], dropout_rng=rng_key)
     keep = keep_mask(rng_key, p["dropout"], B, N, T, S)
 
-  vis = ref.visible_mask(B, N, T, S, mask=mask, causal=p["causal"], window=p["window"],
-                         q_lengths=p["q_lengths"], kv_lengths=p["kv_lengths"], q_seg=q_seg,
-                         kv_seg=kv_seg)
-  common = dict(visible=vis, bias=bias, soft_cap=p["soft_cap"], sinks=sinks, keep=keep,
-                dropout_rate=p["dropout"])
-  if make_mod is None:  # the hand-written NumPy backward: much cheaper than tracing the autodiff one
+  vis = ref.visible_mask(
+    B,
+    N,
+    T,
+    S,
+    mask=mask,
+    causal=p["causal"],
+    window=p["window"],
+    q_lengths=p["q_lengths"],
+    kv_lengths=p["kv_lengths"],
+    q_seg=q_seg,
+    kv_seg=kv_seg,
+  )
+  common = dict(
+    visible=vis,
+    bias=bias,
+    soft_cap=p["soft_cap"],
+    sinks=sinks,
+    keep=keep,
+    dropout_rate=p["dropout"],
+  )
+  if (
+    make_mod is None
+  ):  # the hand-written NumPy backward: much cheaper than tracing the autodiff one
     want, want_lse, cache = ref.attention(q, k, v, **common)
-    g = dict(zip(("dq", "dk", "dv", "dbias", "dsinks"),
-                 ref.grads(cache, do, None if bias is None else bias.shape)))
+    g = dict(
+      zip(
+        ("dq", "dk", "dv", "dbias", "dsinks"),
+        ref.grads(cache, do, None if bias is None else bias.shape),
+      )
+    )
   else:
-    want, want_lse, g = ref.attention_vjp(q, k, v, do, **common, make_score_mod=make_mod,
-                                          score_args=mod_args)
+    want, want_lse, g = ref.attention_vjp(
+      q, k, v, do, **common, make_score_mod=make_mod, score_args=mod_args
+    )
   rows = np.isfinite(want_lse)
 
-  for impl in ({"implementation": "dense"},
-               {"implementation": "chunked", "block_q": p["block_q"], "block_kv": p["block_kv"],
-                "schedule": p.get("schedule", "serial"), "step_width": p.get("step_width")}):
+  for impl in (
+    {"implementation": "dense"},
+    {
+      "implementation": "chunked",
+      "block_q": p["block_q"],
+      "block_kv": p["block_kv"],
+      "schedule": p.get("schedule", "serial"),
+      "step_width": p.get("step_width"),
+    },
+  ):
 
     def f(q, k, v, bias, sinks, mod_args):
       extra = {} if make_mod is None else {"score_mod": make_mod(mod_args)}
       return jattn.dot_product_attention(
-          q, k, v, bias, None if mask is None else jnp.asarray(mask), sinks=sinks,
-          return_residual=True, **kw, **extra, **impl)
+        q,
+        k,
+        v,
+        bias,
+        None if mask is None else jnp.asarray(mask),
+        sinks=sinks,
+        return_residual=True,
+        **kw,
+        **extra,
+        **impl,
+      )
 
-    arrays = (jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
-              None if bias is None else jnp.asarray(bias),
-              None if sinks is None else jnp.asarray(sinks), mod_args)
+    arrays = (
+      jnp.asarray(q),
+      jnp.asarray(k),
+      jnp.asarray(v),
+      None if bias is None else jnp.asarray(bias),
+      None if sinks is None else jnp.asarray(sinks),
+      mod_args,
+    )
     (out, lse), pull = jax.vjp(f, *arrays)
     dq, dk, dv, dbias, dsinks, dargs = pull((jnp.asarray(do), jnp.zeros_like(lse)))
     msg = f"{impl} {p}"
     np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5, err_msg=msg)
-    np.testing.assert_allclose(np.asarray(lse)[rows], want_lse[rows], rtol=2e-5, atol=2e-5,
-                               err_msg=msg)
+    np.testing.assert_allclose(
+      np.asarray(lse)[rows], want_lse[rows], rtol=2e-5, atol=2e-5, err_msg=msg
+    )
     assert np.all(np.asarray(lse)[~rows] < -1e30), msg
     for name, got in (("dq", dq), ("dk", dk), ("dv", dv), ("dbias", dbias), ("dsinks", dsinks)):
       if g[name] is not None:

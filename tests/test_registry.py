@@ -37,9 +37,13 @@ def _host(q, k, v, scale):
 
 
 def _supports(call):
-  given = {"a mask": call.mask is not None, "bias": call.bias is not None,
-           "dropout": call.opts.dropout_rate > 0, "score_mod": call.opts.score_mod is not None,
-           "sinks": call.sink is not None}
+  given = {
+    "a mask": call.mask is not None,
+    "bias": call.bias is not None,
+    "dropout": call.opts.dropout_rate > 0,
+    "score_mod": call.opts.score_mod is not None,
+    "sinks": call.sink is not None,
+  }
   for name, is_given in given.items():
     if is_given:
       return f"{name}: the float64 host backend computes plain softmax attention only"
@@ -49,8 +53,10 @@ def _supports(call):
 def _run(call):
   RUNS.append(call.static.T)
   s = call.static
-  like = (jax.ShapeDtypeStruct((s.B, s.T, s.N, s.Hv), s.dtype),
-          jax.ShapeDtypeStruct((s.B, s.T, s.N), jnp.float32))
+  like = (
+    jax.ShapeDtypeStruct((s.B, s.T, s.N, s.Hv), s.dtype),
+    jax.ShapeDtypeStruct((s.B, s.T, s.N), jnp.float32),
+  )
 
   def host(q, k, v):
     out, lse = _host(q, k, v, s.scale)
@@ -71,8 +77,10 @@ def toy():
 
 def _inputs(T=24, S=40, N=4, K=2, H=8):
   rng = np.random.default_rng(0)
-  return tuple(rng.standard_normal(shape).astype(np.float32)
-               for shape in ((2, T, N, H), (2, S, K, H), (2, S, K, H)))
+  return tuple(
+    rng.standard_normal(shape).astype(np.float32)
+    for shape in ((2, T, N, H), (2, S, K, H), (2, S, K, H))
+  )
 
 
 def test_chosen_by_name(toy):
@@ -89,18 +97,21 @@ def test_chosen_by_name(toy):
 
 def test_refused_with_its_reason(toy):
   q, k, v = _inputs()
-  with pytest.raises(NotImplementedError,
-                     match=f"implementation='{NAME}' does not support a mask: the float64 host"):
+  with pytest.raises(
+    NotImplementedError, match=f"implementation='{NAME}' does not support a mask: the float64 host"
+  ):
     jattn.dot_product_attention(q, k, v, is_causal=True, implementation=NAME)
   assert RUNS == []
 
 
 def test_fallen_through(toy):
   q, k, v = _inputs()
-  out = jattn.dot_product_attention(q, k, v, is_causal=True, implementation=(NAME, "chunked"),
-                                    block_q=8, block_kv=8)
-  want = jattn.dot_product_attention(q, k, v, is_causal=True, implementation="chunked",
-                                     block_q=8, block_kv=8)
+  out = jattn.dot_product_attention(
+    q, k, v, is_causal=True, implementation=(NAME, "chunked"), block_q=8, block_kv=8
+  )
+  want = jattn.dot_product_attention(
+    q, k, v, is_causal=True, implementation="chunked", block_q=8, block_kv=8
+  )
   np.testing.assert_array_equal(out, want)
   assert RUNS == []  # refused by `supports`, never run
 
@@ -109,8 +120,9 @@ def test_named_in_errors_and_refused_by_ring(toy):
   q, k, v = _inputs()
   with pytest.raises(ValueError, match=f"'{NAME}'"):
     jattn.dot_product_attention(q, k, v, implementation="no-such-kernel")
-  with pytest.raises(NotImplementedError,
-                     match=f"cannot run '{NAME}' per shard pair.*not one of jattn's own kernels"):
+  with pytest.raises(
+    NotImplementedError, match=f"cannot run '{NAME}' per shard pair.*not one of jattn's own kernels"
+  ):
     _ring._ring_kernel(NAME)
   assert _ring._ring_kernel((NAME, "dense")) == "dense"
 
@@ -127,16 +139,30 @@ def test_the_bound_call_is_a_pytree():
   # Arrays are its leaves and its static description the tree's metadata, so a bound call
   # crosses jit as an argument and a backend runs on it there.
   from jattn import _call, _dispatch
+
   q, k, v = _inputs()
   opts, _ = _call.options(
-      scale=None, is_causal=True, local_window_size=None, logits_soft_cap=None, dropout_rate=0.0,
-      dropout_rng=None, dropout_broadcast=False, implementation="chunked", block_q=8,
-      block_kv=8, schedule=None, step_width=None, return_residual=False, score_mod=None)
+    scale=None,
+    is_causal=True,
+    local_window_size=None,
+    logits_soft_cap=None,
+    dropout_rate=0.0,
+    dropout_rng=None,
+    dropout_broadcast=False,
+    implementation="chunked",
+    block_q=8,
+    block_kv=8,
+    schedule=None,
+    step_width=None,
+    return_residual=False,
+    score_mod=None,
+  )
   call = _call.bind(q, k, v, None, None, None, None, None, None, None, jnp.zeros(4), None, opts)
   leaves, tree = jax.tree.flatten(call)
   assert all(hasattr(x, "shape") for x in leaves)
   assert jax.tree.unflatten(tree, leaves).static == call.static
   out, _ = jax.jit(_dispatch.run)(call)
-  want = jattn.dot_product_attention(q, k, v, is_causal=True, implementation="chunked",
-                                     block_q=8, block_kv=8, sinks=jnp.zeros(4))
+  want = jattn.dot_product_attention(
+    q, k, v, is_causal=True, implementation="chunked", block_q=8, block_kv=8, sinks=jnp.zeros(4)
+  )
   np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6)

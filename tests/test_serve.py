@@ -23,8 +23,9 @@ def _serve():
   return module
 
 
-@pytest.mark.parametrize("args", [[], ["--slots", "3", "--budget", "6", "--chunk", "4",
-                                       "--requests", "8", "--seed", "1"]])
+@pytest.mark.parametrize(
+  "args", [[], ["--slots", "3", "--budget", "6", "--chunk", "4", "--requests", "8", "--seed", "1"]]
+)
 def test_serve_tokens_equal_uncached_greedy_runs(args, capsys):
   assert _serve().main(["--tiny"] + args) == 0
   out = capsys.readouterr().out

@@ -434,9 +434,20 @@ def test_the_partitioned_operation_unpartitioned_equals_the_kernels(monkeypatch,
 
   def loss(q, k, v, bias, sinks):
     out = jattn.dot_product_attention(
-        q, k, v, bias, sinks=sinks, is_causal=True, key_value_seq_lengths=jnp.array([50, 7]),
-        dropout_rate=0.2, dropout_rng=jax.random.key(1), implementation="chunked",
-        schedule=schedule, block_q=16, block_kv=16)
+      q,
+      k,
+      v,
+      bias,
+      sinks=sinks,
+      is_causal=True,
+      key_value_seq_lengths=jnp.array([50, 7]),
+      dropout_rate=0.2,
+      dropout_rng=jax.random.key(1),
+      implementation="chunked",
+      schedule=schedule,
+      block_q=16,
+      block_kv=16,
+    )
     return (out * jnp.cos(jnp.arange(out.size).reshape(out.shape))).sum()
 
   grad = jax.grad(loss, argnums=(0, 1, 2, 3, 4))

@@ -86,8 +86,10 @@ def test_a_scatter_that_xla_turned_into_a_loop_is_not_a_step():
 
 def _largest_array(hlo):
   """Elements of the largest array any instruction of the program produces."""
-  sizes = [int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
-           for dims in re.findall(r"(?:f32|bf16|f16|s32|pred|u32|s8)\[([\d,]*)\]", hlo)]
+  sizes = [
+    int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
+    for dims in re.findall(r"(?:f32|bf16|f16|s32|pred|u32|s8)\[([\d,]*)\]", hlo)
+  ]
   return max(sizes)
 
 
@@ -101,8 +103,9 @@ def test_chunked_lowered_for_an_accelerator(platform):
   args = (jax.ShapeDtypeStruct((1, T, 4, 64), jnp.bfloat16),) * 3
   steps = {}
   for causal in (False, True):
-    f = lambda q, k, v: jattn.dot_product_attention(q, k, v, implementation="chunked",
-                                                    is_causal=causal)
+    f = lambda q, k, v: jattn.dot_product_attention(
+      q, k, v, implementation="chunked", is_causal=causal
+    )
     g = jax.grad(lambda q, k, v: f(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))
     for name, fn in (("fwd", f), ("fwd+bwd", g)):
       hlo = structure.lowered_for(fn, args, platform)
@@ -121,12 +124,15 @@ def test_exported_program_runs_here_and_equals_jattn():
   # The program exported for cuda, compiled for this CPU with the platform check off, gives
   # jattn's CPU result (the accelerator program is the one tested, not a look-alike).
   from jax import export
+
   keys = jax.random.split(jax.random.key(0), 3)
   q, k, v = (jax.random.normal(key, (1, 1024, 2, 32), jnp.float32) for key in keys)
-  f = lambda q, k, v: jattn.dot_product_attention(q, k, v, implementation="chunked",
-                                                  is_causal=True, block_q=256, block_kv=128)
-  exp = export.export(jax.jit(f), platforms=["cuda"],
-                      disabled_checks=[export.DisabledSafetyCheck.platform()])(q, k, v)
+  f = lambda q, k, v: jattn.dot_product_attention(
+    q, k, v, implementation="chunked", is_causal=True, block_q=256, block_kv=128
+  )
+  exp = export.export(
+    jax.jit(f), platforms=["cuda"], disabled_checks=[export.DisabledSafetyCheck.platform()]
+  )(q, k, v)
   np.testing.assert_allclose(exp.call(q, k, v), f(q, k, v), rtol=1e-6, atol=1e-6)
 
 
@@ -146,8 +152,9 @@ def test_implementation_none_per_platform():
   # holds 8 x 16 (B x N) tiles per lane; the 256 MiB step budget fits one lane, so the 8 rows of
   # blocks run one after another; step_width=8 runs them side by side.
   assert _steps(f, *big, platform="cuda").steps == 8 * (4096 // 256)
-  wide = lambda q, k, v: jattn.dot_product_attention(q, k, v, implementation="chunked",
-                                                     step_width=8)
+  wide = lambda q, k, v: jattn.dot_product_attention(
+    q, k, v, implementation="chunked", step_width=8
+  )
   assert _steps(wide, *big, platform="cuda").steps == 4096 // 256
 
 
@@ -159,14 +166,17 @@ def test_lanes_compute_the_work_the_mask_leaves(platform):
   # and forward+backward (not the 0.8x of lanes padded to the depth), a causal window of 1024
   # within 1.15x of its non-empty tiles, at the depth of before (17 / 43 steps).
   from jattn import _plan
+
   T, N, H = 8192, 4, 64
   args = (jax.ShapeDtypeStruct((1, T, N, H), jnp.bfloat16),) * 3
   got = {}
-  masks = {"full": {}, "causal": dict(is_causal=True),
-           "window": dict(is_causal=True, local_window_size=(1024, 0))}
+  masks = {
+    "full": {},
+    "causal": dict(is_causal=True),
+    "window": dict(is_causal=True, local_window_size=(1024, 0)),
+  }
   for name, kw in masks.items():
-    f = lambda q, k, v, kw=kw: jattn.dot_product_attention(q, k, v, implementation="chunked",
-                                                           **kw)
+    f = lambda q, k, v, kw=kw: jattn.dot_product_attention(q, k, v, implementation="chunked", **kw)
     g = jax.grad(lambda q, k, v: f(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))
     for pass_, fn in (("fwd", f), ("fwd+bwd", g)):
       hlo = structure.lowered_for(fn, args, platform)
@@ -192,19 +202,24 @@ def test_transient_memory_is_bounded_by_the_step_budget():
   # the budget plus arrays of the size of the query in float32 (the output's accumulator, dQ's,
   # and XLA's CPU compile converting the 16-bit q, dO and O to float32), growing linearly in T.
   from jattn import _plan
+
   B, N, K, H = 4, 16, 4, 128
 
   def temp(T):
     q = jax.ShapeDtypeStruct((B, T, N, H), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((B, T, K, H), jnp.bfloat16)
-    f = lambda q, k, v: jattn.dot_product_attention(q, k, v, is_causal=True,
-                                                    implementation="chunked")
+    f = lambda q, k, v: jattn.dot_product_attention(
+      q, k, v, is_causal=True, implementation="chunked"
+    )
 
     def train(q, k, v, dout):
       return jax.vjp(f, q, k, v)[1](dout)
 
-    exp = jax.export.export(jax.jit(train), platforms=["cuda"], disabled_checks=[
-        jax.export.DisabledSafetyCheck.platform()])(q, kv, kv, q)
+    exp = jax.export.export(
+      jax.jit(train),
+      platforms=["cuda"],
+      disabled_checks=[jax.export.DisabledSafetyCheck.platform()],
+    )(q, kv, kv, q)
     return jax.jit(exp.call).lower(q, kv, kv, q).compile().memory_analysis().temp_size_in_bytes
 
   sizes = {T: temp(T) for T in (4096, 8192)}
@@ -224,23 +239,38 @@ def test_no_scatter_over_repeated_indices_in_programs_for_cuda():
   for causal in (False, True):
     for shape in ((1, 4, T, T), (1, 4, 1, T), (1, 4, T, 1), (1, 1, 1, 1)):
       args = (jax.ShapeDtypeStruct((1, T, 4, 64), jnp.bfloat16),) * 3 + (
-          jax.ShapeDtypeStruct(shape, jnp.float32),)
+        jax.ShapeDtypeStruct(shape, jnp.float32),
+      )
       f = lambda q, k, v, b, causal=causal: jattn.dot_product_attention(
-          q, k, v, b, implementation="chunked", is_causal=causal)
+        q, k, v, b, implementation="chunked", is_causal=causal
+      )
       g = jax.grad(lambda *a: f(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2, 3))
-      mods += [jax.export.export(jax.jit(fn), platforms=["cuda"])(*args).mlir_module()
-               for fn in (f, g)]
+      mods += [
+        jax.export.export(jax.jit(fn), platforms=["cuda"])(*args).mlir_module() for fn in (f, g)
+      ]
   dec = (jax.ShapeDtypeStruct((4, 1, 8, 64), jnp.bfloat16),) + (
-      jax.ShapeDtypeStruct((4, 4096, 2, 64), jnp.bfloat16),) * 2
+    jax.ShapeDtypeStruct((4, 4096, 2, 64), jnp.bfloat16),
+  ) * 2
   f = lambda q, k, v: jattn.dot_product_attention(
-      q, k, v, is_causal="bottom_right", implementation="chunked",
-      key_value_seq_lengths=jnp.array([5, 4096, 100, 3000]))
+    q,
+    k,
+    v,
+    is_causal="bottom_right",
+    implementation="chunked",
+    key_value_seq_lengths=jnp.array([5, 4096, 100, 3000]),
+  )
   mods.append(jax.export.export(jax.jit(f), platforms=["cuda"])(*dec).mlir_module())
   pool = jax.ShapeDtypeStruct((64, 16, 2, 64), jnp.float32)
   paged = lambda q, kp, vp, t, n: jattn.paged_attention(q, kp, vp, t, n, implementation="chunked")
-  mods.append(jax.export.export(jax.jit(paged), platforms=["cuda"])(
-      jax.ShapeDtypeStruct((4, 3, 8, 64), jnp.float32), pool, pool,
-      jax.ShapeDtypeStruct((4, 8), jnp.int32), jax.ShapeDtypeStruct((4,), jnp.int32)).mlir_module())
+  mods.append(
+    jax.export.export(jax.jit(paged), platforms=["cuda"])(
+      jax.ShapeDtypeStruct((4, 3, 8, 64), jnp.float32),
+      pool,
+      pool,
+      jax.ShapeDtypeStruct((4, 8), jnp.int32),
+      jax.ShapeDtypeStruct((4,), jnp.int32),
+    ).mlir_module()
+  )
   scatters = [op for mod in mods for op in re.findall(r'"?stablehlo\.scatter"?.*', mod)]
   assert len(scatters) >= 20  # the merges are there, written as scatters
   repeated = [op for op in scatters if "unique_indices = true" not in op]

@@ -9,7 +9,8 @@ import numpy as np
 
 _ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 _spec = importlib.util.spec_from_file_location(
-    "train_recall", os.path.join(_ROOT, "examples", "train_recall.py"))
+  "train_recall", os.path.join(_ROOT, "examples", "train_recall.py")
+)
 train_recall = importlib.util.module_from_spec(_spec)
 sys.modules["train_recall"] = train_recall  # dataclasses look their module up there
 _spec.loader.exec_module(train_recall)
@@ -32,6 +33,7 @@ def test_few_steps_dense_equals_chunked_and_loss_falls():
   first, last = dense["losses"][:3].mean(), dense["losses"][-3:].mean()
   assert last < first - 0.2, dense["losses"]
   # Dropout really acts: without it the very first loss (same initial weights) differs.
-  no_drop = train_recall.train(_config(attention_dropout=0.0), "dense", "float32", steps=1,
-                               log=quiet)
+  no_drop = train_recall.train(
+    _config(attention_dropout=0.0), "dense", "float32", steps=1, log=quiet
+  )
   assert abs(no_drop["losses"][0] - dense["losses"][0]) > 1e-4

@@ -65,8 +65,7 @@ def test_a_table_applies_to_a_function_jitted_before_it(tmp_path):
   is traced again inside it (once per table, not once per call), so the table's blocks apply."""
   path = _table(tmp_path, dict(block_q=16, block_kv=8, schedule="serial", step_width=None))
   (tmp_path / "b").mkdir()
-  other = _table(tmp_path / "b", dict(block_q=32, block_kv=16, schedule="serial",
-                                      step_width=None))
+  other = _table(tmp_path / "b", dict(block_q=32, block_kv=16, schedule="serial", step_width=None))
   traced = []
 
   @jax.jit
@@ -85,18 +84,36 @@ def test_a_table_applies_to_a_function_jitted_before_it(tmp_path):
   assert len(traced) == 3  # outside, the first table, the second: each traced once
 
 
-@pytest.mark.parametrize("content,words", [
+@pytest.mark.parametrize(
+  "content,words",
+  [
     ("not json", "not valid JSON"),
     (json.dumps({"entries": {}}), "format"),
-    (json.dumps({"format": _tuning.FORMAT, "entries": {"cpu|float32|8|full": {}}}),
-     "malformed entry"),
-    (json.dumps({"format": _tuning.FORMAT, "entries": {"cpu|float32|8|full|64": {
-        "block_q": 0}}}), "block_q must be a positive int"),
-    (json.dumps({"format": _tuning.FORMAT, "entries": {"cpu|float32|8|full|64": {
-        "schedule": "fast"}}}), "schedule"),
-    (json.dumps({"format": _tuning.FORMAT, "entries": {"cpu|float32|8|full|64": {
-        "implementation": "flash"}}}), "implementation must be one of .*cudnn.*splash"),
-])
+    (
+      json.dumps({"format": _tuning.FORMAT, "entries": {"cpu|float32|8|full": {}}}),
+      "malformed entry",
+    ),
+    (
+      json.dumps({"format": _tuning.FORMAT, "entries": {"cpu|float32|8|full|64": {"block_q": 0}}}),
+      "block_q must be a positive int",
+    ),
+    (
+      json.dumps(
+        {"format": _tuning.FORMAT, "entries": {"cpu|float32|8|full|64": {"schedule": "fast"}}}
+      ),
+      "schedule",
+    ),
+    (
+      json.dumps(
+        {
+          "format": _tuning.FORMAT,
+          "entries": {"cpu|float32|8|full|64": {"implementation": "flash"}},
+        }
+      ),
+      "implementation must be one of .*cudnn.*splash",
+    ),
+  ],
+)
 def test_bad_tables_are_errors_naming_the_file(tmp_path, content, words):
   path = tmp_path / "bad.json"
   path.write_text(content)
@@ -108,15 +125,19 @@ def test_bad_tables_are_errors_naming_the_file(tmp_path, content, words):
 
 
 def test_stale_or_foreign_tables_warn_naming_the_file(tmp_path):
-  path = _table(tmp_path, dict(block_q=16, block_kv=8, schedule="serial", step_width=None),
-                version="0.0.1")
+  path = _table(
+    tmp_path, dict(block_q=16, block_kv=8, schedule="serial", step_width=None), version="0.0.1"
+  )
   with pytest.warns(UserWarning, match="written by jattn 0.0.1") as rec:
     table = jattn.load_tuning(path)
   assert str(path) in str(rec[0].message)
   with table:
     assert _steps() == (T // 16) * (T // 8)  # still used
-  other = _table(tmp_path, dict(block_q=16, block_kv=8, schedule="serial", step_width=None),
-                 device="some other accelerator")
+  other = _table(
+    tmp_path,
+    dict(block_q=16, block_kv=8, schedule="serial", step_width=None),
+    device="some other accelerator",
+  )
   base = _steps()
   with jattn.tuning(other), pytest.warns(UserWarning, match="no entry for this device"):
     assert _steps() == base
@@ -124,9 +145,30 @@ def test_stale_or_foreign_tables_warn_naming_the_file(tmp_path):
 
 def test_jattn_bench_tune_writes_a_table_that_is_used(tmp_path, capsys):
   out = tmp_path / "tuned.json"
-  assert bench_tune.main(["--T", "64", "--heads", "2", "--head-dim", "8", "--mask", "full",
-                          "causal", "--blocks", "16x16", "--widths", "4", "--repeats", "1",
-                          "--out", str(out)]) == 0
+  assert (
+    bench_tune.main(
+      [
+        "--T",
+        "64",
+        "--heads",
+        "2",
+        "--head-dim",
+        "8",
+        "--mask",
+        "full",
+        "causal",
+        "--blocks",
+        "16x16",
+        "--widths",
+        "4",
+        "--repeats",
+        "1",
+        "--out",
+        str(out),
+      ]
+    )
+    == 0
+  )
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     table = jattn.load_tuning(out)
@@ -136,8 +178,10 @@ def test_jattn_bench_tune_writes_a_table_that_is_used(tmp_path, capsys):
   assert best["schedule"] in ("serial", "parallel")
   with jattn.tuning(out):
     steps = _steps()
-  expect = {"serial": (T // best["block_q"]) * (T // best["block_kv"]),
-            "parallel": T // best["block_kv"]}[best["schedule"]]
+  expect = {
+    "serial": (T // best["block_q"]) * (T // best["block_kv"]),
+    "parallel": T // best["block_kv"],
+  }[best["schedule"]]
   assert steps == expect
   assert "wrote" in capsys.readouterr().out
 
@@ -162,8 +206,7 @@ def test_a_table_preferring_the_fused_kernel_puts_it_first_on_its_platform():
     for kind in ("causal", "full"):
       # The block sizes are the chunked kernels' (splash's must be multiples of 128): splash
       # keeps its own.
-      said[name].add(DEVICE, "float32", H, kind, T, implementation=name, block_q=64,
-                     block_kv=64)
+      said[name].add(DEVICE, "float32", H, kind, T, implementation=name, block_q=64, block_kv=64)
   # Fresh functions for each trace: a table is read when a call is traced.
   assert "tpu_custom_call" in _lowered_for("tpu", lambda q: causal(q), q)
   with jattn.tuning(said["chunked"]):
@@ -207,11 +250,36 @@ def test_jattn_bench_tune_times_the_fused_kernel_in_the_same_rounds(tmp_path, ca
   """--fused splash, here in Pallas's interpret mode: timed beside the chunked candidates; the
   entry names it exactly when its median is the fastest of the printed ones."""
   from jax.experimental.pallas import tpu as pltpu
+
   out = tmp_path / "tuned.json"
   with pltpu.force_tpu_interpret_mode():
-    assert bench_tune.main(["--T", "128", "--heads", "1", "--head-dim", "8", "--mask", "causal",
-                            "--blocks", "64x64", "--schedules", "serial", "--pass", "forward",
-                            "--fused", "splash", "--repeats", "1", "--out", str(out)]) == 0
+    assert (
+      bench_tune.main(
+        [
+          "--T",
+          "128",
+          "--heads",
+          "1",
+          "--head-dim",
+          "8",
+          "--mask",
+          "causal",
+          "--blocks",
+          "64x64",
+          "--schedules",
+          "serial",
+          "--pass",
+          "forward",
+          "--fused",
+          "splash",
+          "--repeats",
+          "1",
+          "--out",
+          str(out),
+        ]
+      )
+      == 0
+    )
   printed = capsys.readouterr().out
   # 64 is no multiple of 128: splash runs (and is timed) with its default blocks.
   times = dict(re.findall(r"(64x64 serial|splash) ([0-9.e+-]+) s", printed))

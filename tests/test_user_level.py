@@ -28,8 +28,11 @@ def _jax_nn(*args, **kwargs):
 # ---- a malformed dropout_rng is reported by name, not from inside jax.random ------------------
 
 
-@pytest.mark.parametrize("rng", [3, jnp.zeros((2,), jnp.float32), "split"],
-                         ids=["python int", "float array", "batch of keys"])
+@pytest.mark.parametrize(
+  "rng",
+  [3, jnp.zeros((2,), jnp.float32), "split"],
+  ids=["python int", "float array", "batch of keys"],
+)
 def test_malformed_dropout_rng_error_names_the_argument(rng):
   rng_ = np.random.default_rng(0)
   q, k, v = _rand(rng_, (B, T, N, H)), _rand(rng_, (B, S, K, H)), _rand(rng_, (B, S, K, H))
@@ -42,33 +45,44 @@ def test_malformed_dropout_rng_error_names_the_argument(rng):
 # ---- pinned behaviour: agreement with jax.nn on the argument combinations users mix -----------
 
 
-@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 2e-6), (jnp.bfloat16, 3e-2),
-                                       (jnp.float16, 3e-3)])
-@pytest.mark.parametrize("impl", [dict(implementation="dense"),
-                                  dict(implementation="chunked", block_q=3, block_kv=4,
-                                       schedule="serial"),
-                                  dict(implementation="chunked", block_q=3, block_kv=4,
-                                       schedule="parallel")],
-                         ids=["dense", "chunked-3x4", "parallel-3x4"])
+@pytest.mark.parametrize(
+  "dtype,tol", [(jnp.float32, 2e-6), (jnp.bfloat16, 3e-2), (jnp.float16, 3e-3)]
+)
+@pytest.mark.parametrize(
+  "impl",
+  [
+    dict(implementation="dense"),
+    dict(implementation="chunked", block_q=3, block_kv=4, schedule="serial"),
+    dict(implementation="chunked", block_q=3, block_kv=4, schedule="parallel"),
+  ],
+  ids=["dense", "chunked-3x4", "parallel-3x4"],
+)
 def test_gqa_bias_mask_causal_matches_jax_nn_in_every_dtype(dtype, tol, impl):
   rng = np.random.default_rng(1)
-  q, k, v = (_rand(rng, (B, T, N, H), dtype), _rand(rng, (B, S, K, H), dtype),
-             _rand(rng, (B, S, K, H), dtype))
+  q, k, v = (
+    _rand(rng, (B, T, N, H), dtype),
+    _rand(rng, (B, S, K, H), dtype),
+    _rand(rng, (B, S, K, H), dtype),
+  )
   bias = _rand(rng, (B, 1, T, S), dtype)
   mask = jnp.asarray(rng.random((1, N, 1, S)) < 0.7).at[..., 0].set(True)  # every row sees key 0
   got = jattn.dot_product_attention(q, k, v, bias, mask, is_causal=True, **impl)
   want = _jax_nn(q, k, v, bias, mask, is_causal=True)
   assert got.dtype == dtype
-  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
-                             atol=tol, rtol=0)
+  np.testing.assert_allclose(
+    np.asarray(got, np.float32), np.asarray(want, np.float32), atol=tol, rtol=0
+  )
 
 
-@pytest.mark.parametrize("impl", [dict(implementation="dense"),
-                                  dict(implementation="chunked", block_q=2, block_kv=3,
-                                       schedule="serial"),
-                                  dict(implementation="chunked", block_q=2, block_kv=3,
-                                       schedule="parallel", step_width=2)],
-                         ids=["dense", "chunked-2x3", "parallel-2x3"])
+@pytest.mark.parametrize(
+  "impl",
+  [
+    dict(implementation="dense"),
+    dict(implementation="chunked", block_q=2, block_kv=3, schedule="serial"),
+    dict(implementation="chunked", block_q=2, block_kv=3, schedule="parallel", step_width=2),
+  ],
+  ids=["dense", "chunked-2x3", "parallel-2x3"],
+)
 def test_nan_and_inf_in_padding_never_leak(impl):
   """Padded keys, values and queries hold garbage (NaN/inf); valid rows match jax.nn on clean
   inputs, padded rows are 0, and every gradient is finite."""
@@ -80,8 +94,9 @@ def test_nan_and_inf_in_padding_never_leak(impl):
   vp = v.at[0, 4:].set(jnp.nan).at[1].set(-jnp.inf)
 
   def f(q, k, v):
-    return jattn.dot_product_attention(q, k, v, query_seq_lengths=q_len,
-                                       key_value_seq_lengths=kv_len, **impl)
+    return jattn.dot_product_attention(
+      q, k, v, query_seq_lengths=q_len, key_value_seq_lengths=kv_len, **impl
+    )
 
   got = f(qp, kp, vp)
   want = _jax_nn(q[:1, :3], k[:1, :4], v[:1, :4])
@@ -99,12 +114,14 @@ def test_flax_linen_float_masks_through_make_attention_fn_match_flax():
   rng = np.random.default_rng(3)
   x = _rand(rng, (B, 6, 16))
   tokens = jnp.array([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]])
-  mask = nn.combine_masks(nn.make_causal_mask(tokens),
-                          nn.make_attention_mask(tokens > 0, tokens > 0))
+  mask = nn.combine_masks(
+    nn.make_causal_mask(tokens), nn.make_attention_mask(tokens > 0, tokens > 0)
+  )
   assert mask.dtype == jnp.float32
   ref_layer = nn.MultiHeadDotProductAttention(num_heads=4, qkv_features=16)
-  layer = ref_layer.clone(attention_fn=jattn.make_attention_fn(implementation="chunked",
-                                                               block_q=4, block_kv=4))
+  layer = ref_layer.clone(
+    attention_fn=jattn.make_attention_fn(implementation="chunked", block_q=4, block_kv=4)
+  )
   params = ref_layer.init(jax.random.key(0), x)
   want = ref_layer.apply(params, x, mask=mask)
   got = layer.apply(params, x, mask=mask)
@@ -129,8 +146,11 @@ def test_import_jattn_does_not_import_flax():
   # jattn.linen / jattn.nnx load on first use, as flax.linen / flax.nnx do.
   import subprocess
   import sys
-  code = ("import sys, jattn; assert 'flax' not in sys.modules, sorted(m for m in sys.modules "
-          "if m.startswith('flax')); jattn.nnx; assert 'flax.nnx' in sys.modules; "
-          "assert 'linen' in dir(jattn)")
+
+  code = (
+    "import sys, jattn; assert 'flax' not in sys.modules, sorted(m for m in sys.modules "
+    "if m.startswith('flax')); jattn.nnx; assert 'flax.nnx' in sys.modules; "
+    "assert 'linen' in dir(jattn)"
+  )
   r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
   assert r.returncode == 0, r.stderr

@@ -21,9 +21,13 @@ B, T, S, N, K, H, HV = 2, 37, 45, 4, 2, 16, 24
 
 def _inputs(Hv=HV):
   ks = jax.random.split(jax.random.key(3), 5)
-  return (jax.random.normal(ks[0], (B, T, N, H)), jax.random.normal(ks[1], (B, S, K, H)),
-          jax.random.normal(ks[2], (B, S, K, Hv)), jax.random.normal(ks[3], (B, T, N, Hv)),
-          jax.random.normal(ks[4], (B, N, T, S)))
+  return (
+    jax.random.normal(ks[0], (B, T, N, H)),
+    jax.random.normal(ks[1], (B, S, K, H)),
+    jax.random.normal(ks[2], (B, S, K, Hv)),
+    jax.random.normal(ks[3], (B, T, N, Hv)),
+    jax.random.normal(ks[4], (B, N, T, S)),
+  )
 
 
 @pytest.mark.parametrize("impl", sorted(IMPLS))
@@ -41,14 +45,19 @@ def test_value_head_size_against_reference(impl, Hv, causal):
   assert out.shape == (B, T, N, Hv) and out.dtype == q.dtype
   got = (out, lse) + pull((do, jnp.zeros_like(lse)))
   vis = ref.visible_mask(B, N, T, S, causal=causal)
-  want_out, want_lse, cache = ref.attention(q, k, v, visible=vis, bias=bias, soft_cap=4.0,
-                                            sinks=sinks)
+  want_out, want_lse, cache = ref.attention(
+    q, k, v, visible=vis, bias=bias, soft_cap=4.0, sinks=sinks
+  )
   want = (want_out, want_lse) + tuple(ref.grads(cache, do, bias_shape=bias.shape))
   for name, a, b in zip(("out", "lse", "dq", "dk", "dv", "dbias", "dsinks"), got, want):
     assert np.shape(a) == np.shape(b), name
     scale = max(1.0, float(np.abs(b).max()))
-    np.testing.assert_allclose(np.asarray(a) / scale, np.asarray(b) / scale, atol=2e-5,
-                               err_msg=f"{name} {impl} Hv={Hv} {causal}")
+    np.testing.assert_allclose(
+      np.asarray(a) / scale,
+      np.asarray(b) / scale,
+      atol=2e-5,
+      err_msg=f"{name} {impl} Hv={Hv} {causal}",
+    )
 
 
 def test_fused_kernels_refuse_it_by_name_and_a_sequence_falls_through():
