@@ -43,7 +43,7 @@ def _setup(devices):
     os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}"
   )
   os.environ["JAX_PLATFORMS"] = "cpu"
-  sys.path.insert(0, os.path.dirname(HERE))
+  # jattn: the one the suite imports (tests/conftest.py passes it on through PYTHONPATH).
   sys.path.insert(0, HERE)
 
 

@@ -31,6 +31,17 @@ else:
 import jax
 import pytest
 
+import jattn
+
+# The suite tests the jattn this process imports: the installed package (CI runs it from tests/,
+# so the checkout is not on the path) or a checkout on PYTHONPATH. Subprocess tests (ring and
+# matrix workers) inherit the same one through PYTHONPATH.
+JATTN_HOME = os.path.dirname(os.path.dirname(os.path.abspath(jattn.__file__)))
+if os.path.basename(JATTN_HOME) not in ("site-packages", "dist-packages"):
+  os.environ["PYTHONPATH"] = os.pathsep.join(
+    [JATTN_HOME] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+  )
+
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
@@ -39,6 +50,10 @@ def pytest_configure(config):
   config.addinivalue_line(
     "markers", "long: one of the few tests that run for a minute or more; started first"
   )
+
+
+def pytest_report_header(config):
+  return f"jattn {jattn.__version__} from {os.path.dirname(jattn.__file__)}"
 
 
 def pytest_collection_modifyitems(config, items):
