@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jattn import _validation
+from jattn import _pool, _validation
 from jattn import masks as _masks
 from jattn._attention import attention_weights, dot_product_attention
 from jattn._types import CausalAlignment, Implementation
@@ -400,25 +400,6 @@ def attend_cached(
 # pools of pages with a page table per example.
 # --------------------------------------------------------------------------------------------
 
-QUANTIZED_CACHE = (jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2)
-
-
-def is_quantized(dtype) -> bool:
-  return any(jnp.dtype(dtype) == jnp.dtype(d) for d in QUANTIZED_CACHE)
-
-
-def quantize(x, dtype):
-  """(x in ``dtype``, scale (..., K) float32): each token and head scaled so its largest
-  magnitude is the dtype's largest value (int8: 127, rounded to the nearest integer)."""
-  dtype = jnp.dtype(dtype)
-  top = 127.0 if dtype == jnp.int8 else float(jnp.finfo(dtype).max)
-  amax = jnp.abs(x.astype(jnp.float32)).max(axis=-1)
-  scale = jnp.where(amax > 0, amax / top, jnp.ones((), jnp.float32))
-  y = x.astype(jnp.float32) / scale[..., None]
-  if dtype == jnp.int8:
-    y = jnp.round(y)
-  return jnp.clip(y, -top, top).astype(dtype), scale
-
 
 def _cache_pages(S_max: int) -> int:
   """A page size dividing S_max (the largest power of two up to 256), so the contiguous cache
@@ -445,7 +426,7 @@ def new_cache(opts: Options, batch_size: int, max_length: int, dtype, page_size=
     jnp.zeros(lead + (K, opts.head_dim), dtype),
     jnp.zeros(lead + (K, opts.value_head_dim), dtype),
   )
-  if is_quantized(dtype):
+  if _pool.is_quantized(dtype):
     arrays += (jnp.ones(lead + (K,), jnp.float32),) * 2
   return arrays, table
 
@@ -485,8 +466,7 @@ def attend_paged(
         f"(it runs jattn.paged_attention), not {what}; use a contiguous float cache for that"
       )
   B, T = q.shape[:2]
-  P, ps = pools[0].shape[:2]
-  capacity = page_table.shape[1] * ps
+  capacity = page_table.shape[1] * pools[0].shape[1]
   quantized = len(pools) == 4
   for name, x, pool in (("keys", k, pools[0]), ("values", v, pools[1])):
     if pool.shape[2:] != x.shape[2:]:
@@ -505,19 +485,7 @@ def attend_paged(
       f"shape {page_table.shape}"
     )
   q, k, index, new, _, slots = _at_fill_level(opts, q, k, cache_index, positions, query_seq_lengths)
-  col = slots // ps
-  page = jnp.take_along_axis(
-    page_table.astype(jnp.int32), jnp.minimum(col, page_table.shape[1] - 1), axis=1
-  )
-  # Past the table (a full cache) the write goes to page P: dropped, not clamped.
-  page, off = jnp.where(col < page_table.shape[1], page, P), slots % ps
-  written: tuple[jax.Array, ...]
-  if quantized:
-    (kq, k_scale), (vq, v_scale) = quantize(k, pools[0].dtype), quantize(v, pools[1].dtype)
-    written = (kq, vq, k_scale, v_scale)
-  else:
-    written = (k, v)
-  pools = tuple(pool.at[page, off].set(x, mode="drop") for pool, x in zip(pools, written))
+  pools = _pool.write(pools, page_table, slots, k, v)
   # Query t sits at position index + t: bottom-right against index + T keys (the new ones,
   # padded or not, written), so padded queries see only real keys; their rows are zeroed.
   out = paged_attention(

@@ -38,6 +38,7 @@ from jattn import (
   _paged_gpu,
   _paged_tpu,
   _plan,
+  _pool,
   _softmax,
   _validation,
 )
@@ -46,26 +47,14 @@ from jattn._types import concrete
 # Keys per step: whole pages adding up to about this many (a page larger than it is one block).
 # On the CPU a block's keys and values, read from the pool, stay in the core's cache until the
 # matmuls use them; 128 keys (measured: 256 was 1.2-1.5x slower a step at B=4 K=8 H=128).
-BLOCK_KEYS = {"cpu": 128, "default": 256}
-# Split-KV lanes on GPU and TPU (reasoned, as for the chunked kernels' decoding split): with
-# B x K tiles per lane, 16 lanes fill a device's cores at B x K >= 8.
-SPLIT_KV = 16
-QUANTIZED = (jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2)
-# Pool layouts (FlashInfer's names): NHD pages are (page_size, K, H), token-major as vLLM and
-# FlashAttention keep them; HND pages are (K, page_size, H), head-major, so that a page's keys
-# of one head are contiguous and reach the matmuls without a relayout. "combined" is one pool
-# of token-major pages (page_size, 2K, H) holding key head k at 2k and its values at 2k + 1, as
-# vLLM's TPU backend stores its cache (read where it lies, never split into two pools).
-LAYOUTS = ("NHD", "HND", "combined")
+BLOCK_KEYS = {"cpu": 128, "default": _plan.DEFAULT_BLOCK_KV}
+# Split-KV lanes on GPU and TPU: as many as the chunked kernels' decoding split (B x K tiles
+# per lane; 16 lanes fill a device's cores at B x K >= 8).
+SPLIT_KV = _plan.SPLIT_KV_LANES
 # None: jattn's Pallas kernel on a TPU or NVIDIA GPU where it takes the call, the XLA walk
 # elsewhere; "chunked": the XLA walk everywhere; "pallas": the kernel (`jattn._paged_tpu`,
 # `jattn._paged_gpu`) or an error naming why not.
 IMPLEMENTATIONS = (None, "chunked", "pallas")
-DIMS = {
-  "NHD": "(P, page_size, K, H)",
-  "HND": "(P, K, page_size, H)",
-  "combined": "(P, page_size, 2K, H)",
-}
 # HND pages at least this long are multiplied page by page; shorter ones are first laid side by
 # side per head (a matmul of a few keys costs more than the copy).
 PAGE_MATMUL_MIN = 64
@@ -206,7 +195,7 @@ def paged_attention(
     (B, T, N, Hv) or (total, N, Hv) in the query's dtype; a sequence with no cached tokens, or a
     query that sees none, gives zeros.
   """
-  _check_layout(key_pages, value_pages, kv_layout, page_size, num_kv_heads)
+  _pool.check_layout(key_pages, value_pages, kv_layout, page_size, num_kv_heads)
   if on_invalid not in _page_metadata.ON_INVALID:
     raise ValueError(
       f"on_invalid must be one of {_page_metadata.ON_INVALID}, got on_invalid={on_invalid!r}"
@@ -633,11 +622,11 @@ def _read(st: _Static, pages, ids, scale, scale_kind, dtype, keep=None, heads=0)
   (0 keys, 1 values) picks the pages' half of a combined pool."""
   if st.upcast and pages.dtype.itemsize < 4 and jnp.issubdtype(pages.dtype, jnp.floating):
     # Gathered as unsigned integers of their width and converted by arithmetic on their bits
-    # (`_float32`): XLA's CPU gather of 16- and 8-bit floats, and its float8 converts, are
+    # (`_pool.float32_from_bits`): XLA's CPU gather of 16- and 8-bit floats, and its float8 converts, are
     # several times slower (measured, a step at S = 16384: bfloat16 pages 210 -> 105 ms,
     # float8_e4m3fn 310 -> 80 ms).
-    raw = jax.lax.bitcast_convert_type(pages, _UINT[pages.dtype.itemsize])
-    x = _float32(_half(st, _take_pages(st, raw, ids), heads), pages.dtype)
+    raw = jax.lax.bitcast_convert_type(pages, _pool.UINT[pages.dtype.itemsize])
+    x = _pool.float32_from_bits(_half(st, _take_pages(st, raw, ids), heads), pages.dtype)
   else:
     x = _half(st, _take_pages(st, pages, ids), heads)  # (M, ppb, ps, K, X) | (M, ppb, K, ps, X)
   x = _as_pieces(st, x)
@@ -661,36 +650,6 @@ def _read(st: _Static, pages, ids, scale, scale_kind, dtype, keep=None, heads=0)
 def _half(st: _Static, x, heads):
   """Gathered pages' key (heads=0) or value (1) heads: a combined pool's 2K heads alternate."""
   return x[..., heads::2, :] if st.layout == "combined" else x
-
-
-# float8 layouts: (mantissa bits, exponent bias); the exponent takes the other bits but the sign.
-_FLOAT8 = {jnp.dtype(jnp.float8_e4m3fn): (3, 7), jnp.dtype(jnp.float8_e5m2): (2, 15)}
-_UINT = {1: jnp.uint8, 2: jnp.uint16}
-
-
-def _float32(u, dtype):
-  """Floats of ``dtype`` given as their bits ``u`` (unsigned ints), as float32, exactly; by
-  integer arithmetic on the bits where XLA's CPU backend would convert element by element in
-  software (float8: about ten times slower)."""
-  dtype = jnp.dtype(dtype)
-  if dtype == jnp.bfloat16:  # the high half of a float32
-    return jax.lax.bitcast_convert_type(u.astype(jnp.uint32) << 16, jnp.float32)
-  if dtype not in _FLOAT8:
-    return jax.lax.bitcast_convert_type(u.astype(jnp.uint16), dtype).astype(jnp.float32)
-  m_bits, bias = _FLOAT8[dtype]
-  u = u.astype(jnp.uint32)
-  em = u & 0x7F  # exponent and mantissa
-  # A normal number's bits moved into float32's fields, its exponent re-biased; a subnormal
-  # one (exponent 0) is its mantissa times the smallest subnormal (float32 subnormals may be
-  # flushed to zero on the CPU, so they are not used).
-  normal = jax.lax.bitcast_convert_type((em << (23 - m_bits)) + ((127 - bias) << 23), jnp.float32)
-  sub = em.astype(jnp.float32) * jnp.float32(2.0 ** (1 - bias - m_bits))
-  v = jnp.where(em < (1 << m_bits), sub, normal)
-  if dtype == jnp.float8_e4m3fn:  # all ones: NaN (no infinities)
-    v = jnp.where(em == 0x7F, jnp.float32(jnp.nan), v)
-  else:  # the top exponent: infinity (mantissa 0) or NaN
-    v = jnp.where(em >= 0x7C, jnp.where(em == 0x7C, jnp.float32(jnp.inf), jnp.float32(jnp.nan)), v)
-  return jnp.where(u >= 0x80, -v, v)
 
 
 def _visible(st: _Static, tiles: _Tiles, kv_len, j):
@@ -729,11 +688,11 @@ def _check(
   """(_Static, arrays) of a call, every argument checked (errors name the argument; concrete
   metadata by its values too)."""
   metadata = (page_table, kv_lengths, query_start)  # as given: NumPy stays concrete under jit
-  if kv_layout not in LAYOUTS:
+  if kv_layout not in _pool.LAYOUTS:
     raise ValueError(
-      f"kv_layout must be one of {LAYOUTS} (pages {DIMS}), got kv_layout={kv_layout!r}"
+      f"kv_layout must be one of {_pool.LAYOUTS} (pages {_pool.DIMS}), got kv_layout={kv_layout!r}"
     )
-  dims = DIMS[kv_layout]
+  dims = _pool.DIMS[kv_layout]
   if implementation not in IMPLEMENTATIONS:
     error = NotImplementedError if isinstance(implementation, (str, tuple)) else ValueError
     raise error(
@@ -749,7 +708,9 @@ def _check(
       f"query must be {'(total, N, H) with query_start' if ragged else '(B, T, N, H)'}, got "
       f"query.shape={query.shape}"
     )
-  key_pages, value_pages, (P, page_size, K, H) = _pools(key_pages, value_pages, kv_layout)
+  key_pages, value_pages, (P, page_size, K, H) = _pool.checked_pools(
+    key_pages, value_pages, kv_layout
+  )
   N = query.shape[-2]
   if query.shape[-1] != H:
     raise ValueError(f"query's head size must be key_pages' H={H}: query.shape={query.shape}")
@@ -766,7 +727,7 @@ def _check(
     )
   kinds = []
   for name, sc, pages in (("k_scale", k_scale, key_pages), ("v_scale", v_scale, value_pages)):
-    kinds.append(_scale_kind(name, sc, pages, query.dtype, dims, K))
+    kinds.append(_pool.scale_kind(name, sc, pages, query.dtype, dims, K))
   if sinks is not None:
     sinks = _validation.float_array("sinks", sinks)
     if sinks.shape != (N,):
@@ -844,94 +805,4 @@ def _score_options(H, scale, is_causal, local_window_size, logits_soft_cap):
     causal=causal is not None,
     window=_validation.window(local_window_size),
     soft_cap=_validation.soft_cap(logits_soft_cap),
-  )
-
-
-def _pools(key_pages, value_pages, kv_layout):
-  """The pools checked, and their (P, page_size, K, H) (a combined pool is both pools)."""
-  dims = DIMS[kv_layout]
-  key_pages = _pages("key_pages", key_pages, dims)
-  if kv_layout == "combined":
-    if value_pages is not None:
-      raise ValueError(
-        "kv_layout='combined' keeps values in key_pages (heads 1, 3, ...): pass value_pages=None"
-      )
-    if key_pages.shape[2] % 2:
-      raise ValueError(
-        f"a combined pool has 2K heads (key, value, key, ...): key_pages.shape="
-        f"{key_pages.shape} has {key_pages.shape[2]}"
-      )
-    value_pages = key_pages
-  value_pages = _pages("value_pages", value_pages, dims)
-  if kv_layout == "HND":
-    P, K, page_size, H = key_pages.shape
-  else:
-    P, page_size, K, H = key_pages.shape
-    K = K // 2 if kv_layout == "combined" else K
-  if value_pages.shape[:3] != key_pages.shape[:3]:
-    raise ValueError(
-      f"value_pages must have key_pages' first three sizes {dims[:-4]}): "
-      f"key_pages.shape={key_pages.shape}, value_pages.shape={value_pages.shape}"
-    )
-  return key_pages, value_pages, (P, page_size, K, H)
-
-
-def _check_layout(key_pages, value_pages, kv_layout, page_size, num_kv_heads):
-  """What shapes cannot tell: one pool passed as both keys and values, and (when the caller
-  says page_size / num_kv_heads) a pool of the other layout whose sizes happen to fit."""
-  if key_pages is value_pages and key_pages is not None:
-    raise ValueError(
-      "key_pages and value_pages are the same array: a pool holding keys and "
-      "values together, heads interleaved (vLLM's TPU cache), is "
-      "kv_layout='combined' with value_pages=None"
-    )
-  heads = 2 if kv_layout == "combined" else 1  # a combined pool holds K key and K value heads
-  for name, want, axis in (
-    ("page_size", page_size, 2 if kv_layout == "HND" else 1),
-    ("num_kv_heads", num_kv_heads and num_kv_heads * heads, 1 if kv_layout == "HND" else 2),
-  ):
-    shape = getattr(key_pages, "shape", ())
-    if want is not None and len(shape) == 4 and shape[axis] != want:
-      raise ValueError(
-        f"{name}={want} but key_pages.shape={tuple(shape)} has {shape[axis]} on "
-        f"the axis kv_layout={kv_layout!r} puts it (pages (P, page_size, K, H) "
-        f"for 'NHD', (P, K, page_size, H) for 'HND'): is the pool in the other "
-        f"layout?"
-      )
-
-
-def _pages(name, x, dims):
-  x = _validation.as_array(name, x, "an array of pages")
-  if x.ndim != 4:
-    raise ValueError(f"{name} must be {dims}, got {name}.shape={x.shape}")
-  return x
-
-
-def _scale_kind(name, scale, pages, dtype, dims, K):
-  """How ``scale`` broadcasts against quantised ``pages``: "tensor", "head" or "token"; None for
-  float pages (which must have the query's dtype and no scale)."""
-  pages_name = "key_pages" if name == "k_scale" else "value_pages"
-  quantized = any(pages.dtype == d for d in QUANTIZED)
-  if not quantized:
-    if pages.dtype != dtype:
-      raise TypeError(
-        f"{pages_name} must have the query's dtype {dtype} or be int8 / float8 "
-        f"(with {name}), got {pages.dtype}"
-      )
-    if scale is not None:
-      raise ValueError(f"{name} is for int8 / float8 pages; {pages_name} are {pages.dtype}")
-    return None
-  if scale is None:
-    raise ValueError(
-      f"{pages_name} of dtype {pages.dtype} need {name} (their dequantisation scale)"
-    )
-  scale = _validation.float_array(name, scale)
-  token = pages.shape[:3] if "2K" not in dims else pages.shape[:2] + (K,)  # combined: K of 2K
-  for kind, shape in (("tensor", ()), ("head", (K,)), ("token", token)):
-    if scale.shape == shape:
-      return kind
-  per_token = dims[:-4].replace("2K", "K")
-  raise ValueError(
-    f"{name} must be () per tensor, (K,) = ({K},) per head or {per_token}) = "
-    f"{token} per token and head, got shape {scale.shape}"
   )

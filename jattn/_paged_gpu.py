@@ -27,14 +27,14 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jattn import _paged_fold, _softmax
+from jattn import _paged_fold, _plan, _softmax
 
 # Keys per step: Triton's matmul tiles want 16 or more rows and powers of two; 64 keys keep a
 # step's keys and values of head size 128 within a streaming multiprocessor's shared memory.
 STEP_KEYS = 64
-# Split-KV lanes: with B x K programs per lane, 16 lanes fill an H100/H200's 132 SMs at
-# B x K >= 8 (reasoned, as the XLA walk's SPLIT_KV).
-LANES = 16
+# Split-KV lanes: as many as the XLA walk's and the chunked kernels' (with B x K programs per
+# lane, 16 lanes fill an H100/H200's 132 SMs at B x K >= 8; reasoned).
+LANES = _plan.SPLIT_KV_LANES
 _INTERPRET = contextvars.ContextVar("jattn_paged_gpu_interpret", default=False)
 
 

@@ -720,10 +720,10 @@ def _dequantized_forward(lin, params, x, dtype):
   """The uncached forward pass with keys and values rounded as a quantised cache stores them
   (per token and head), through the float64-free path of dense attention: what a decode with
   that cache must give."""
-  from jattn import _mha
+  from jattn import _pool
 
   def round_trip(t):
-    y, s = _mha.quantize(t, dtype)
+    y, s = _pool.quantize(t, dtype)
     return (y.astype(jnp.float32) * s[..., None]).astype(t.dtype)
 
   real = jattn.dot_product_attention
