@@ -10,13 +10,13 @@ from jattn import diagnostics as diagnostics
 from jattn import masks as masks
 from jattn._attention import dot_product_attention as dot_product_attention
 from jattn._flax_fn import make_attention_fn as make_attention_fn
+from jattn._merge import merge_attention as merge_attention
 from jattn._paged import paged_attention as paged_attention
 from jattn._parallel.partition import auto_partitioning as auto_partitioning
-from jattn._parallel.ring import merge_attention as merge_attention
 from jattn._parallel.ring import ring_attention as ring_attention
 from jattn._parallel.ring import ring_attention_sharded as ring_attention_sharded
-from jattn._parallel.ring import zigzag_permute as zigzag_permute
-from jattn._parallel.ring import zigzag_unpermute as zigzag_unpermute
+from jattn._parallel.zigzag import zigzag_permute as zigzag_permute
+from jattn._parallel.zigzag import zigzag_unpermute as zigzag_unpermute
 from jattn._tuning import TuningTable as TuningTable
 from jattn._tuning import load as load_tuning
 from jattn._tuning import tuning as tuning

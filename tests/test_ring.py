@@ -25,6 +25,7 @@ import reference as ref
 import jattn
 from jattn import masks as jmasks
 from jattn._parallel import ring as _ring
+from jattn._parallel import zigzag as _zigzag
 from jattn._tile import NEG
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -183,7 +184,7 @@ def test_zigzag_permute_small_example():
   # T = 8 on P = 2 devices: chunks of 2, device 0 holds chunks 0 and 3, device 1 chunks 1 and 2.
   x = jnp.arange(8, dtype=jnp.int32)[None]
   np.testing.assert_array_equal(jattn.zigzag_permute(x, 2), [[0, 1, 6, 7, 2, 3, 4, 5]])
-  np.testing.assert_array_equal(_ring.zigzag_order(3), [0, 5, 1, 4, 2, 3])
+  np.testing.assert_array_equal(_zigzag.zigzag_order(3), [0, 5, 1, 4, 2, 3])
 
 
 @pytest.mark.parametrize("P,axis", [(1, 1), (3, 1), (2, 0), (4, -3)])
@@ -203,7 +204,7 @@ def test_shard_positions_match_the_layout(layout):
   if layout == "zigzag":
     seq = np.asarray(jattn.zigzag_permute(seq[None], P))[0]
   for d in range(P):
-    got = _ring.shard_positions(jnp.int32(d), T // P, P, layout)
+    got = _zigzag.shard_positions(jnp.int32(d), T // P, P, layout)
     np.testing.assert_array_equal(got, seq[d * (T // P) : (d + 1) * (T // P)])
 
 

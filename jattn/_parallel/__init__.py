@@ -6,7 +6,10 @@
   `jattn._call.Call` with its `Place` in the whole.
 - `partition`: the chunked kernels as one `custom_partitioning` operation where XLA partitions
   the program (an Auto mesh, or plain `jit` on sharded arrays).
-- `ring`: ring attention (K and V travel round the devices) and `merge_attention`.
+- `ring`: ring attention (K and V travel round the devices), its custom VJP and its public
+  functions; `zigzag`: the load-balanced layout it can run on (`zigzag_permute`, the global
+  position of every row a device holds).
 
-Parts meet through the log-sum-exp merges of `jattn._softmax`.
+Parts meet through the log-sum-exp merges of `jattn._softmax` (public as `jattn.merge_attention`,
+in `jattn._merge`: merging is not only for devices).
 """

@@ -5,7 +5,7 @@ key/value sequences sharded along one mesh axis of P devices. Each device keeps 
 For P steps it attends that shard to the key/value shard it currently holds, with the chunked
 kernel (`jattn._chunked.forward`), while passing the key/value shard on to its ring neighbour with
 `jax.lax.ppermute`; the P partial results are combined exactly through their log-sum-exps (the
-rule of `merge_attention`), and the sinks, if any, join once at the end.
+rule of `jattn.merge_attention`), and the sinks, if any, join once at the end.
 
 The backward pass rings once more. The chunked backward recomputes probabilities as
 exp(S - lse) from the *global* log-sum-exp of each row, so on one key/value shard
@@ -21,13 +21,19 @@ positions, by the same `jattn.masks.from_arguments` as the single-device call; f
 computed from the device index and the layout:
   contiguous: device d holds positions [d * T/P, (d + 1) * T/P);
   zigzag:     the sequence is cut into 2P chunks; device d holds chunks d and 2P - 1 - d, so every
-              device owns an equal share of the causal triangle (`zigzag_permute`).
+              device owns an equal share of the causal triangle (`jattn._parallel.zigzag`).
 The same tables reach score_mod and the dropout hash (`jattn._plan.Positions`), so ring and
 single-device calls compute the same scores and drop the same entries. A block's summary
 (EMPTY / PARTIAL / FULL) comes from the min and max global position of each block, so a
 key/value shard wholly in a query shard's future is an all-EMPTY block map and costs no tile: the
 kernel skips it, while the ppermute still runs on every step (every device takes part in every
 collective, whatever its share of the work).
+
+This module holds the ring (the operands of one shard pair, the forward and backward loops and
+their custom VJP), `tiles_per_device` (the work each device's block maps give it) and the public
+functions `ring_attention` and `ring_attention_sharded`. The layouts themselves are in
+`jattn._parallel.zigzag`; merging parts by their log-sum-exp, `jattn.merge_attention`, is in
+`jattn._merge`.
 
 Shapes: B batch, T / S global query / key length, N query heads, K key/value heads, G = N // K,
 H head dim; Ts = T / P and Ss = S / P are one device's shards.
@@ -46,82 +52,11 @@ import numpy as np
 
 from jattn import _call, _chunked, _plan, _registry, _sharding, _softmax, _tile, _validation
 from jattn import masks as _masks
+from jattn._parallel.zigzag import shard_positions
 from jattn._tile import NEG, Config
 from jattn._types import ArrayLike, Implementation, IsCausal, Layout, LocalWindowSize
 
 LAYOUTS = _validation.LAYOUTS
-
-
-# --------------------------------------------------------------------------------------------
-# Layouts.
-# --------------------------------------------------------------------------------------------
-
-
-def _check_num_devices(num_devices):
-  return _validation.positive_int("num_devices", num_devices)
-
-
-def zigzag_order(num_devices: int) -> np.ndarray:
-  """The chunk order of the zigzag layout: [0, 2P-1, 1, 2P-2, ..., P-1, P].
-
-  The sequence is cut into 2P equal chunks; device d holds chunks d and 2P-1-d, in that order.
-  """
-  P = _check_num_devices(num_devices)
-  d = np.arange(P)
-  return np.stack([d, 2 * P - 1 - d], axis=1).reshape(-1)
-
-
-def _zigzag_take(x, num_devices, axis, inverse):
-  P = _check_num_devices(num_devices)
-  x = jnp.asarray(x)
-  axis = _validation.axis("axis", axis, x.shape)
-  L = x.shape[axis]
-  if L % (2 * P):
-    raise ValueError(
-      f"the zigzag layout cuts the sequence into 2 * num_devices = {2 * P} equal "
-      f"chunks, but x.shape[{axis}] = {L} (x.shape={x.shape}) is not a multiple "
-      f"of {2 * P}"
-    )
-  index = np.arange(L).reshape(2 * P, L // (2 * P))[zigzag_order(P)].reshape(-1)
-  if inverse:
-    index = np.argsort(index)
-  sharding = getattr(jax.typeof(x), "sharding", None)
-  mesh = getattr(sharding, "mesh", None)
-  if any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ())):
-    # Under an Explicit mesh the gather must be told its output sharding: keep the input's.
-    return x.at[(slice(None),) * axis + (index,)].get(out_sharding=sharding)
-  return jnp.take(x, index, axis=axis)
-
-
-def zigzag_permute(x, num_devices: int, *, axis: int = 1):
-  """Reorder a sequence into the zigzag (load-balanced causal) layout.
-
-  Cuts axis ``axis`` (the sequence; 1 for (B, T, N, H) arrays and (B, T) segment ids) into
-  2 * num_devices chunks and orders them [0, 2P-1, 1, 2P-2, ...], so that sharding the result
-  evenly over P devices gives device d chunks d and 2P-1-d: under a causal mask every device then
-  has the same amount of work. Use it on query, key, value and segment ids before
-  ``ring_attention(..., layout="zigzag")``, and `zigzag_unpermute` on the output.
-  ``query_seq_lengths`` and ``key_value_seq_lengths`` stay as they are: they are global positions.
-  """
-  return _zigzag_take(x, num_devices, axis, inverse=False)
-
-
-def zigzag_unpermute(x, num_devices: int, *, axis: int = 1):
-  """The inverse of `zigzag_permute`: back from the zigzag layout to sequence order."""
-  return _zigzag_take(x, num_devices, axis, inverse=True)
-
-
-def shard_positions(index, length: int, num_devices: int, layout: str):
-  """(length,) int32 global sequence positions of the rows that device ``index`` holds.
-
-  ``length`` is the shard length (T / P); ``index`` may be traced (`jax.lax.axis_index`).
-  """
-  p = jnp.arange(length, dtype=jnp.int32)
-  index = jnp.asarray(index, jnp.int32)
-  if layout == "contiguous":
-    return index * length + p
-  c = length // 2
-  return jnp.where(p < c, index * c + p, (2 * num_devices - 1 - index) * c + (p - c))
 
 
 # --------------------------------------------------------------------------------------------
@@ -668,65 +603,6 @@ def _ring_config(opts: _RingOptions, st, query, key):
     opts.layout,
   )
   return rc, score_args
-
-
-def merge_attention(outs, lses):
-  """Merge attention results over disjoint key sets into the result over their union.
-
-  If ``out_i, lse_i`` is attention of the same queries over key set ``S_i`` (as returned by
-  ``dot_product_attention(..., return_residual=True)``), the merged result is attention over the
-  union of the ``S_i``: ``lse = log(sum_i exp(lse_i))`` and
-  ``out = sum_i exp(lse_i - lse) * out_i``, computed with the max subtracted and in float32 (or
-  wider). Split-KV decoding uses it to combine partial results over pieces of a KV cache.
-
-  A row with nothing to attend to in one part (its lse very negative: -inf, or jattn's finite
-  sentinel) gets weight 0 there; a row with nothing in any part returns out 0 and keeps its very
-  negative lse, without NaN.
-
-  Gradients: the log-sum-exp that ``dot_product_attention(..., return_residual=True)`` and
-  `ring_attention` return carries its gradient, so a merge of such parts differentiates exactly
-  (dQ, dK and dV of one call over the union of the keys).
-
-  Args:
-    outs: a sequence of n arrays (B, T, N, H) -- or any (..., H) -- or one stacked (n, ..., H)
-      array.
-    lses: the matching log-sum-exps, a sequence of n arrays (B, T, N) or one (n, ...) array.
-
-  Returns:
-    (out, lse): out (B, T, N, H) in the dtype of ``outs``, lse (B, T, N) in the dtype of ``lses``.
-  """
-  outs = _stack("outs", outs)
-  lses = _stack("lses", lses)
-  for name, x in (("outs", outs), ("lses", lses)):
-    _validation.float_array(name, x)
-  if outs.ndim < 2 or lses.shape != outs.shape[:-1]:
-    raise ValueError(
-      f"lses must have the shape of outs without its last (H) axis: stacked "
-      f"outs.shape={outs.shape}, lses.shape={lses.shape}"
-    )
-  if outs.shape[0] == 0:
-    raise ValueError("merge_attention needs at least one partial result, got 0")
-  return _merge(outs, lses)
-
-
-@jax.jit
-def _merge(outs, lses):
-  sd = _tile.stat_dtype(jnp.promote_types(outs.dtype, lses.dtype))
-  out, lse = _softmax.merge_stacked(outs, lses, sd)
-  return out.astype(outs.dtype), lse.astype(lses.dtype)
-
-
-def _stack(name, xs):
-  if isinstance(xs, (list, tuple)):
-    if not xs:
-      raise ValueError(f"{name} must hold at least one partial result, got an empty sequence")
-    xs = [jnp.asarray(x) for x in xs]
-    if len({x.dtype for x in xs}) > 1:
-      raise TypeError(f"all {name} must share one dtype, got {[str(x.dtype) for x in xs]}")
-    if len({x.shape for x in xs}) > 1:
-      raise ValueError(f"all {name} must share one shape, got {[x.shape for x in xs]}")
-    return jnp.stack(xs)
-  return jnp.asarray(xs)
 
 
 def ring_attention_sharded(
