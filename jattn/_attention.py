@@ -144,7 +144,7 @@ def dot_product_attention(
     dropout_rng = None
   if q_positions is not None or kv_positions is not None:
     mask, opts = _positions_mask(query, mask, q_positions, kv_positions, opts)
-  return _attention(
+  given = _call.Given(
     query,
     key,
     value,
@@ -157,8 +157,8 @@ def dot_product_attention(
     dropout_rng,
     sinks,
     scale_operand,
-    opts=opts,
   )
+  return _attention(given, opts=opts)
 
 
 def _positions_mask(query, mask, q_positions, kv_positions, opts):
@@ -181,37 +181,8 @@ def _positions_mask(query, mask, q_positions, kv_positions, opts):
 
 
 @functools.partial(jax.jit, static_argnames=("opts",))
-def _attention(
-  query,
-  key,
-  value,
-  bias,
-  mask,
-  q_lengths,
-  kv_lengths,
-  q_seg,
-  kv_seg,
-  dropout_rng,
-  sinks,
-  scale_operand,
-  *,
-  opts: _call.Options,
-):
-  call = _call.bind(
-    query,
-    key,
-    value,
-    bias,
-    mask,
-    q_lengths,
-    kv_lengths,
-    q_seg,
-    kv_seg,
-    dropout_rng,
-    sinks,
-    scale_operand,
-    opts,
-  )
+def _attention(given: _call.Given, *, opts: _call.Options):
+  call = _call.bind(given, opts)
   out, lse = _dispatch.run(call)  # (B, T, N, Hv), (B, T, N)
   if call.static.unbatched:
     out, lse = out[0], lse[0]
@@ -279,7 +250,7 @@ def attention_weights(
     return_residual=False,
     score_mod=score_mod,
   )
-  return _weights(
+  given = _call.Given(
     query,
     key,
     value,
@@ -289,42 +260,14 @@ def attention_weights(
     key_value_seq_lengths,
     q_segment_ids,
     kv_segment_ids,
-    sinks,
-    scale_operand,
-    opts=opts,
+    sinks=sinks,
+    scale_operand=scale_operand,
   )
+  return _weights(given, opts=opts)
 
 
 @functools.partial(jax.jit, static_argnames=("opts",))
-def _weights(
-  query,
-  key,
-  value,
-  bias,
-  mask,
-  q_lengths,
-  kv_lengths,
-  q_seg,
-  kv_seg,
-  sinks,
-  scale_operand,
-  *,
-  opts: _call.Options,
-):
-  call = _call.bind(
-    query,
-    key,
-    value,
-    bias,
-    mask,
-    q_lengths,
-    kv_lengths,
-    q_seg,
-    kv_seg,
-    None,
-    sinks,
-    scale_operand,
-    opts,
-  )
+def _weights(given: _call.Given, *, opts: _call.Options):
+  call = _call.bind(given, opts)
   w = _dense.weights(call)
   return w[0] if call.static.unbatched else w

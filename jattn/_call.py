@@ -27,6 +27,25 @@ from jattn._types import concrete
 # ---- the arrays ----------------------------------------------------------------------------
 
 
+class Given(NamedTuple):
+  """A call's array arguments as the caller passed them (a pytree: jitted functions take it
+  whole). Every one but query, key and value may be None."""
+
+  query: Any
+  key: Any
+  value: Any
+  bias: Any = None
+  mask: Any = None
+  q_lengths: Any = None
+  kv_lengths: Any = None
+  q_seg: Any = None
+  kv_seg: Any = None
+  dropout_rng: Any = None
+  sinks: Any = None
+  # A scale given as an array (see `Options.scale` and `bind`).
+  scale_operand: Any = None
+
+
 @dataclasses.dataclass
 class Arrays:
   """The array arguments, made rank-4 ((B, T, N, H) etc.), checked against each other."""
@@ -108,8 +127,16 @@ def _qkv(query, key, value):
   return query, key, value
 
 
-def arrays(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_seg, sinks) -> Arrays:
-  query, key, value = _qkv(query, key, value)
+def arrays(given: Given) -> Arrays:
+  """``given``'s arrays checked against each other, rank 4."""
+  query, key, value = _qkv(given.query, given.key, given.value)
+  bias, mask, sinks = given.bias, given.mask, given.sinks
+  q_lengths, kv_lengths, q_seg, kv_seg = (
+    given.q_lengths,
+    given.kv_lengths,
+    given.q_seg,
+    given.kv_seg,
+  )
   unbatched = query.ndim == 3
   if unbatched:
     query, key, value = query[None], key[None], value[None]
@@ -374,23 +401,10 @@ jax.tree_util.register_dataclass(
 )
 
 
-def bind(
-  query,
-  key,
-  value,
-  bias,
-  mask,
-  q_lengths,
-  kv_lengths,
-  q_seg,
-  kv_seg,
-  dropout_rng,
-  sinks,
-  scale_operand,
-  opts: Options,
-) -> Call:
+def bind(given: Given, opts: Options) -> Call:
   """The arrays checked against each other and laid out for the kernels (inside jit)."""
-  args = arrays(query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_seg, sinks)
+  args = arrays(given)
+  scale_operand = given.scale_operand
   B, T, N, H = args.query.shape
   S = args.key.shape[1]
   masked = any(x is not None for x in (args.mask, args.q_lengths, args.kv_lengths, args.q_seg))
@@ -436,5 +450,7 @@ def bind(
   sink = (
     None if args.sinks is None else args.sinks.astype(static.stat_dtype).reshape(1, K, static.G, 1)
   )
-  seed = _dropout.seed_words(dropout_rng) if opts.dropout_rate > 0 else jnp.zeros((2,), jnp.uint32)
+  seed = (
+    _dropout.seed_words(given.dropout_rng) if opts.dropout_rate > 0 else jnp.zeros((2,), jnp.uint32)
+  )
   return Call(query, key, value, bias5, combined, seed, sink, args, static)

@@ -161,8 +161,10 @@ def attention_stats(
     per_query=_validation.flag("per_query", per_query),
     saturation_threshold=float(saturation_threshold),
   )
-  return _stats(
+  # The value is not needed; passing the key in its place reuses every shape check.
+  given = _call.Given(
     query,
+    key,
     key,
     bias,
     mask,
@@ -170,9 +172,9 @@ def attention_stats(
     key_value_seq_lengths,
     q_segment_ids,
     kv_segment_ids,
-    sinks,
-    opts=opts,
+    sinks=sinks,
   )
+  return _stats(given, opts=opts)
 
 
 def _own_implementation(impl):
@@ -190,11 +192,8 @@ def _own_implementation(impl):
 
 
 @functools.partial(jax.jit, static_argnames=("opts",))
-def _stats(query, key, bias, mask, q_lengths, kv_lengths, q_seg, kv_seg, sinks, *, opts: _Options):
-  # The value is not needed; passing the key in its place reuses every shape check.
-  call = _call.bind(
-    query, key, key, bias, mask, q_lengths, kv_lengths, q_seg, kv_seg, None, sinks, None, opts.call
-  )
+def _stats(given: _call.Given, *, opts: _Options):
+  call = _call.bind(given, opts.call)
   s = call.static
   B, T, N, H, S, K, G = s.B, s.T, s.N, s.H, s.S, s.K, s.G
   query, key, combined, bias5, sink = call.query, call.key, call.mask, call.bias, call.sink

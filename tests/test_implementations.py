@@ -137,7 +137,7 @@ def _order(q, k, v, bias=None, implementation=None, **kw):
   seen = []
 
   def decide(q, k, v, bias):
-    call = _call.bind(q, k, v, bias, None, None, None, None, None, None, None, None, opts)
+    call = _call.bind(_call.Given(q, k, v, bias), opts)
     seen.append(_dispatch.order(call))
     return q
 

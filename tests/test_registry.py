@@ -157,7 +157,7 @@ def test_the_bound_call_is_a_pytree():
     return_residual=False,
     score_mod=None,
   )
-  call = _call.bind(q, k, v, None, None, None, None, None, None, None, jnp.zeros(4), None, opts)
+  call = _call.bind(_call.Given(q, k, v, sinks=jnp.zeros(4)), opts)
   leaves, tree = jax.tree.flatten(call)
   assert all(hasattr(x, "shape") for x in leaves)
   assert jax.tree.unflatten(tree, leaves).static == call.static

@@ -461,57 +461,28 @@ def ring_attention(
   if opts.call.dropout_rate == 0.0:
     dropout_rng = None
   batch0, head0 = (0, 0) if _index_offsets is None else _index_offsets
-  return _ring_attention(
+  # The mask is over the whole sequence: it is not bound with this device's shards.
+  given = _call.Given(
     query,
     key,
     value,
-    mask,
-    query_seq_lengths,
-    key_value_seq_lengths,
-    q_segment_ids,
-    kv_segment_ids,
-    dropout_rng,
-    sinks,
-    jnp.asarray(batch0, jnp.int32),
-    jnp.asarray(head0, jnp.int32),
-    opts=opts,
+    q_lengths=query_seq_lengths,
+    kv_lengths=key_value_seq_lengths,
+    q_seg=q_segment_ids,
+    kv_seg=kv_segment_ids,
+    dropout_rng=dropout_rng,
+    sinks=sinks,
   )
+  offsets = (jnp.asarray(batch0, jnp.int32), jnp.asarray(head0, jnp.int32))
+  return _ring_attention(given, mask, offsets, opts=opts)
 
 
 @functools.partial(jax.jit, static_argnames=("opts",))
-def _ring_attention(
-  query,
-  key,
-  value,
-  mask,
-  q_lengths,
-  kv_lengths,
-  q_seg,
-  kv_seg,
-  dropout_rng,
-  sinks,
-  batch0,
-  head0,
-  *,
-  opts: _RingOptions,
-):
+def _ring_attention(given: _call.Given, mask, offsets, *, opts: _RingOptions):
   # This device's shards bound as a call of their own (its mask, over the shard, is not used:
   # the ring's mask is over the whole sequence, and the key segment ids travel round the ring).
-  call = _call.bind(
-    query,
-    key,
-    value,
-    None,
-    None,
-    q_lengths,
-    kv_lengths,
-    q_seg,
-    kv_seg,
-    dropout_rng,
-    sinks,
-    None,
-    opts.call,
-  )
+  call = _call.bind(given, opts.call)
+  batch0, head0 = offsets
   args, st = call.given, call.static
   assert args is not None  # bound from arrays
   query, key, value = call.query, call.key, call.value
