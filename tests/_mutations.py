@@ -11,7 +11,7 @@ PY = sys.argv[1] if len(sys.argv) > 1 else sys.executable
 MUTATIONS = [
   (
     "accumulator in bf16 (_chunked)",
-    "jattn/_chunked.py",
+    "jattn/_chunked/kernel.py",
     "    acc = acc * corr[..., None] + _tile.pv(p, vb)\n    return m_new, l, acc",
     "    acc = (acc * corr[..., None] + _tile.pv(p, vb)).astype(q.dtype).astype(sd)\n    return m_new, l, acc",
     ["tests/test_precision16.py"],

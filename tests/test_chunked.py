@@ -7,8 +7,9 @@ import pytest
 import reference as ref
 
 import jattn
-from jattn import _chunked, _plan
+from jattn import _plan
 from jattn import masks as M
+from jattn._chunked import blocks as chunked_blocks
 
 
 def _compiled_temp_bytes(fn, *args):
@@ -66,7 +67,7 @@ def _run_recorded(T, S, bq, bk, **kwargs):
   jax.clear_caches()  # the hook is read at trace time
   kwargs.setdefault("schedule", "serial")
   rec = _Recorder()
-  _chunked._BLOCK_HOOK = rec
+  chunked_blocks._BLOCK_HOOK = rec
   try:
     q = jax.random.normal(jax.random.key(0), (2, T, 2, 8))
     k = jax.random.normal(jax.random.key(1), (2, S, 2, 8))
@@ -76,7 +77,7 @@ def _run_recorded(T, S, bq, bk, **kwargs):
     jax.block_until_ready(jax.grad(f, argnums=(0, 1))(q, k))
     jax.effects_barrier()
   finally:
-    _chunked._BLOCK_HOOK = None
+    chunked_blocks._BLOCK_HOOK = None
     jax.clear_caches()
   assert not rec.repeats, rec.repeats
   return rec.blocks
@@ -139,7 +140,7 @@ def test_diagnostics_walk_the_kernels_blocks():
   jax.clear_caches()
   rec = _Recorder()
   rec.blocks["stats"] = {}
-  _chunked._BLOCK_HOOK = rec
+  chunked_blocks._BLOCK_HOOK = rec
   try:
     q = jax.random.normal(jax.random.key(0), (2, 50, 2, 8))
     k = jax.random.normal(jax.random.key(1), (2, 70, 2, 8))
@@ -155,7 +156,7 @@ def test_diagnostics_walk_the_kernels_blocks():
     jax.block_until_ready(st)
     jax.effects_barrier()
   finally:
-    _chunked._BLOCK_HOOK = None
+    chunked_blocks._BLOCK_HOOK = None
     jax.clear_caches()
   want = _expected_blocks(_dense_vis(50, 70, causal="bottom_right", window=(30, 0)), 16, 8)
   assert rec.blocks["stats"] == want

@@ -18,7 +18,7 @@ import reference as ref
 from test_attention import IMPLS
 
 import jattn
-from jattn import _chunked
+from jattn._chunked import blocks as chunked_blocks
 
 B, T, S, N, K, H = 2, 24, 40, 4, 2, 8
 
@@ -121,7 +121,7 @@ def test_blocks_hidden_by_positions_are_never_computed():
   pos = np.tile(np.arange(40), 2)[None].astype(np.int32)
   q = jax.random.normal(jax.random.key(1), (1, 80, 2, 8))
   seen = []
-  _chunked._BLOCK_HOOK = lambda name, i, j, state: seen.append((i, j, state))
+  chunked_blocks._BLOCK_HOOK = lambda name, i, j, state: seen.append((i, j, state))
   try:
     jax.block_until_ready(
       jattn.dot_product_attention(
@@ -138,7 +138,7 @@ def test_blocks_hidden_by_positions_are_never_computed():
       )
     )
   finally:
-    _chunked._BLOCK_HOOK = None
+    chunked_blocks._BLOCK_HOOK = None
   computed = {(i, j) for i, j, state in seen if state}
   # Exactly the blocks holding a visible pair (positions rise within each block, so a block's
   # position range decides): own document's diagonal blocks, and -- positions alone do not know

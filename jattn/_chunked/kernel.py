@@ -1,0 +1,229 @@
+"""The chunked kernels: the forward and backward passes and the custom VJP that joins them.
+
+`forward` holds one tile's online-softmax step (a query block's start, each tile, its finish)
+and hands it to the schedule's walk (`jattn._chunked.serial.walk_rows` or
+`jattn._chunked.lanes._forward_parallel`). `backward` gathers what every tile's gradient reads
+(`jattn._chunked.grads`) and runs the schedule's backward walk. `_kernel` is the custom-VJP
+function of the two, whose only residuals are the operands, the output and its log-sum-exp
+(`Residuals`); `chunked_attention` pads to whole blocks around it, and `chunked_attention_grads`
+runs its backward alone for a caller that keeps the residuals itself. Ring attention calls
+`forward` and `backward` directly, once per key/value shard.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jattn import _plan, _sharding, _softmax, _tile
+from jattn._chunked.blocks import TileView, _rows, _unrows, kv_tile, put_q_tile, q_tile
+from jattn._chunked.grads import _Backward, _bias_contribution_shape, _tile_grads
+from jattn._chunked.lanes import _backward_parallel, _forward_parallel
+from jattn._chunked.serial import _backward_serial, walk_rows
+from jattn._plan import Operands, Plan
+
+
+def forward(plan: Plan, ops: Operands):
+  """q (B,Tp,N,H), k/v (B,Sp,K,H) -> out (B,Tp,N,Hv) in q's dtype, lse (B,Tp,N)."""
+  cfg = plan.cfg
+  K, G = cfg.K, cfg.G
+  bq, bk = plan.grid.block_q, plan.grid.block_kv
+  q, k, v = ops.q, ops.k, ops.v
+  sd = _tile.stat_dtype(q.dtype)
+  inputs = (q, k, v, ops.states)
+
+  parallel = plan.schedule == "parallel"
+  # The scale multiplies Q once, where that rounds no coarser than the logits do, instead of
+  # every (bq, bk) tile of logits (the backward recomputes the logits the same way).
+  q_scaled, scaled = _tile.prescaled_query(cfg, q)
+
+  def start(i):
+    qb = q_tile(q_scaled, i, bq, K, G)
+    # Carries are made from the tiles they accumulate, so they share the inputs' sharding when
+    # that is part of the type (an Explicit-axis mesh): a fresh jnp.zeros would be replicated.
+    # The sink is one more logit in every row, with no value: it starts the running max and
+    # contributes exp(sink - m) to the sum (parallel: it joins once per row, in the merge).
+    sink = ops.sink if not parallel else None
+    m0, l0 = _softmax.start(jnp.zeros_like(qb[..., 0], dtype=sd), sink)  # (B, K, G, bq)
+    # (B, K, G, bq, Hv): value's head size is its own.
+    acc0 = jnp.repeat(jnp.zeros_like(qb[..., :1], dtype=sd), v.shape[-1], axis=-1)
+    # The tile math and its carries are in rows layout, the G query heads of a group stacked as
+    # rows: a separate (often size-1) G axis makes XLA's CPU backend copy every (bq, bk) tile of
+    # logits to a new layout before its row max, and the carries on every step.
+    carry0 = tuple(_rows(x) for x in (m0, l0, acc0))
+    return _rows(qb), _sharding.varying_tree(carry0, *inputs)
+
+  def tile(qb, view: TileView, carry):
+    m, l, acc = carry
+    kb, vb = kv_tile(k, view.j, bk), kv_tile(v, view.j, bk)
+    vis = None if view.vis is None else _tile.as_rows(view.vis, G, bq)
+    qt = qb
+    if vis is not None:
+      qt, kb, vb = _tile.sanitize(vis, qb, kb, vb)
+    s, _ = _tile.logits(cfg, qt, kb, view.bias, view.idx, ops.score_args, scaled=scaled)
+    if vis is not None:
+      s = jnp.where(vis, s, jnp.asarray(_tile.NEG, sd))
+    m_new, p, corr, l = _softmax.update(m, l, s)
+    if cfg.dropout_rate > 0:
+      keep = _tile.as_rows(_tile.keep(cfg, ops.seed, view.idx), G, bq)
+      p = jnp.where(keep, p, jnp.zeros((), sd))
+    acc = acc * corr[..., None] + _tile.pv(p, vb)
+    return m_new, l, acc
+
+  def finish(i, carry, outs):
+    m, l, acc = (_unrows(x, G) for x in carry)
+    out, lse = outs
+    out = put_q_tile(out, _softmax.normalize(acc, l, m, cfg.dropout_rate), i, bq)
+    lse = put_q_tile(lse, _softmax.lse(m, l), i, bq)
+    return out, lse
+
+  if parallel:
+    return _forward_parallel(plan, ops, start, tile)
+  # Each query block writes its rows of the output in place: stacking per-block results (as
+  # lax.map does) would need another full-size copy to put them back in sequence order.
+  out0 = jnp.repeat(jnp.zeros_like(q[..., :1]), v.shape[-1], axis=-1)  # (B, Tp, N, Hv)
+  lse0 = jnp.zeros_like(q[..., 0], dtype=sd)
+  outs0 = _sharding.varying_tree((out0, lse0), *inputs)
+  return walk_rows(plan, ops, start=start, tile=tile, finish=finish, outs=outs0, name="fwd")
+
+
+class Residuals(NamedTuple):
+  """What the backward pass keeps from the forward: the operands, the output and its lse."""
+
+  ops: Operands
+  out: Any  # (B, Tp, N, Hv)
+  lse: Any  # (B, Tp, N)
+
+
+def backward(plan: Plan, res: Residuals, dout, dlse=None) -> Operands:
+  """Cotangents of every operand (an `Operands`: dq, dk, dv, dbias, the score_mod arrays' and the
+  sinks' gradients; zeros for the integer and mask operands), in the layout of `forward`, from
+  the output's cotangent ``dout`` and (optionally) the log-sum-exp's ``dlse`` (B, Tp, N)."""
+  ops = res.ops
+  cfg, grid = plan.cfg, plan.grid
+  q, bias = ops.q, ops.bias
+  sd = _tile.stat_dtype(q.dtype)
+  # rowsum(dO * O) = rowsum(P * dP): the softmax Jacobian's correction term, one per query.
+  delta = _softmax.output_delta(dout, res.out)
+  if dlse is not None:
+    # d lse / d s = P: a cotangent g of the lse adds g * P to dS = P * (dP - delta), the same
+    # as lowering delta by g (and the sink's gradient follows from delta alike). Used where the
+    # lse is merged with other parts (key/value shards on several devices).
+    delta = delta - dlse.astype(delta.dtype)
+  # The logit scale is applied to each finished dQ block, not to every (tq, tk) tile; as in the
+  # forward (and with the same rounding) it multiplies Q where that rounds no coarser than the
+  # logits, and then dK = dS^T (scale Q) carries it already; else each finished dK block too.
+  scale = jnp.asarray(cfg.scale, sd)
+  q_in, scaled = _tile.prescaled_query(cfg, q)
+  dk_scale = jnp.ones((), sd) if scaled else scale
+  # The (B, Tp, N, H) dQ and a full-size dBias stay outside the switch: a conditional that
+  # threads a large array through its branches can copy it on every tile. The branches return
+  # a tile's block contributions instead, added in place after the switch.
+  bw = _Backward(
+    q_in,
+    scaled,
+    dout,
+    _softmax.lse_for_recompute(res.lse),
+    delta,
+    1.0 / (1.0 - cfg.dropout_rate) if cfg.dropout_rate > 0 else None,
+    None
+    if bias is None
+    else _bias_contribution_shape(bias.shape, cfg.B, cfg.K, cfg.G, grid.block_q, grid.block_kv),
+  )
+  tile_grads = functools.partial(_tile_grads, plan, ops, bw)
+  if plan.schedule == "parallel":
+    dq, dk, dv, dbias, dargs = _backward_parallel(plan, ops, tile_grads, scale, dk_scale)
+  else:
+    dq, dk, dv, dbias, dargs = _backward_serial(plan, ops, bw, tile_grads, scale, dk_scale)
+  dsink = None
+  if ops.sink is not None:
+    dsink = _softmax.sink_gradient(ops.sink, res.lse, delta)
+  zeros = lambda tree: jax.tree.map(_plan.zero_cotangent, tree)
+  return Operands(
+    q=dq.astype(q.dtype),
+    k=dk,
+    v=dv,
+    bias=None if dbias is None else dbias.astype(bias.dtype),
+    mask=zeros(ops.mask),
+    states=zeros(ops.states),
+    seed=zeros(ops.seed),
+    score_args=dargs,
+    sink=dsink,
+    positions=zeros(ops.positions),
+  )
+
+
+# --------------------------------------------------------------------------------------------
+# The custom VJP: the operands, the output and its log-sum-exp are the only residuals.
+# --------------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _kernel(plan: Plan, ops: Operands):
+  return forward(plan, ops)
+
+
+def _kernel_fwd(plan: Plan, ops: Operands):
+  out, lse = forward(plan, ops)
+  return (out, lse), Residuals(ops, out, lse)
+
+
+def _kernel_bwd(plan: Plan, res: Residuals, cts):
+  # The lse's cotangent: a merge of parts (merge_attention, key/value shards on several
+  # devices) differentiates through it.
+  dout, dlse = cts
+  grads = backward(plan, res, dout, dlse)
+  if _sharding.explicit_mesh():
+    # A cotangent must have its operand's type, sharding included: the sinks' gradient, summed
+    # from head-sharded statistics, comes out sharded like the heads even where the sinks are
+    # replicated.
+    ops, fields = res.ops, ("q", "k", "v", "bias", "sink", "score_args")
+    want = [jax.tree.map(jax.typeof, getattr(ops, f)) for f in fields]
+    got = _sharding.reshard_like([getattr(grads, f) for f in fields], want)
+    grads = grads._replace(**dict(zip(fields, got)))
+  return (grads,)
+
+
+_kernel.defvjp(_kernel_fwd, _kernel_bwd)
+
+
+def chunked_attention(plan: Plan, ops: Operands):
+  """Chunked attention of unpadded operands: q (B,T,N,H), k/v (B,S,K,H), bias
+  (B|1,K|1,G|1,T|1,S|1). Pads T and S to whole blocks, runs the custom-VJP kernel, and slices
+  the padding off. Returns out (B,T,N,H) and lse (B,T,N).
+  """
+  q, k, v, bias = _plan.pad_to_blocks(plan, ops.q, ops.k, ops.v, ops.bias)
+  out, lse = _kernel(plan, ops._replace(q=q, k=k, v=v, bias=bias))
+  T = plan.cfg.T
+  if plan.Tp != T:
+    out, lse = out[:, :T], lse[:, :T]
+  return out, lse
+
+
+def chunked_attention_grads(plan: Plan, ops: Operands, out, lse, dout, dlse) -> Operands:
+  """The cotangents of `chunked_attention`'s operands from its saved output and log-sum-exp
+  (out (B, T, N, H), lse (B, T, N)) and their cotangents: its backward pass, run by a caller
+  that keeps the residuals itself (the partitioned operation of `jattn._parallel.partition`)."""
+  padded, unpad = jax.vjp(
+    lambda q, k, v, bias: _plan.pad_to_blocks(plan, q, k, v, bias), ops.q, ops.k, ops.v, ops.bias
+  )
+  pt = plan.Tp - plan.cfg.T
+
+  def rows(x, fill=0):
+    pads = ((0, 0), (0, pt)) + ((0, 0),) * (x.ndim - 2)
+    return jnp.pad(x, pads, constant_values=fill) if pt else x
+
+  # Padded query rows get a huge positive lse: their recomputed probabilities, and their share
+  # of the sinks' gradient (exp(sink - lse), times a zero delta), are exact zeros. (The empty-
+  # row value NEG would give the sinks exp(sink - NEG) = inf times 0.)
+  res = Residuals(
+    ops._replace(q=padded[0], k=padded[1], v=padded[2], bias=padded[3]),
+    rows(out),
+    rows(lse, -_tile.NEG),
+  )
+  (grads,) = _kernel_bwd(plan, res, (rows(dout), rows(dlse)))
+  dq, dk, dv, dbias = unpad((grads.q, grads.k, grads.v, grads.bias))
+  return grads._replace(q=dq, k=dk, v=dv, bias=dbias)
