@@ -68,7 +68,7 @@ MUTATIONS = [
   ),
   (
     "positions mask: a block's first position taken as its min (masks._Positions)",
-    "jattn/masks.py",
+    "jattn/masks/_per_example.py",
     "    kmin, kmax = _block_min_max(self.kv_positions.astype(jnp.int32), *grid.kv_blocks())\n",
     "    kmin, kmax = _block_min_max(self.kv_positions.astype(jnp.int32), *grid.kv_blocks())\n"
     "    # positions rise within a block: its first entry is its min\n"

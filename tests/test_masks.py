@@ -1,5 +1,6 @@
 """Mask objects, their block maps, score functions and sinks."""
 
+import inspect
 import itertools
 
 import jax
@@ -306,3 +307,62 @@ def test_a_mask_kind_defined_elsewhere_is_not_cut():
   assert not M.can_take_part(Mine())
   assert not M.can_take_part(M.causal() & Mine())
   assert M.can_take_part(M.causal() & M.local_window(3)) and M.can_take_part(None)
+
+
+# jattn.masks's public names, as users and the rest of jattn call them (the masks layer's
+# interface to the kernels included: EMPTY/PARTIAL/FULL, BlockGrid, from_arguments, remap, ...).
+PUBLIC = {
+  "BlockGrid",
+  "CausalAlignment",
+  "Cut",
+  "EMPTY",
+  "FULL",
+  "Mask",
+  "PARTIAL",
+  "band",
+  "can_take_part",
+  "causal",
+  "chunked_local",
+  "combine",
+  "from_arguments",
+  "from_array",
+  "from_function",
+  "full",
+  "is_position_based",
+  "keyword_band",
+  "lengths",
+  "local_window",
+  "positions",
+  "prefix_lm",
+  "reduce_states",
+  "remap",
+  "segments",
+  "static_array",
+  "take_part",
+  "visible_by_position",
+}
+# What the single-file module imported for itself and so showed in dir() besides its modules (jax,
+# np, ...): annotation helpers, never API.
+_ANNOTATION_IMPORTS = {"annotations", "Any", "ArrayLike", "Callable", "Sequence"}
+
+
+def test_public_names_are_unchanged():
+  names = {n for n in dir(M) if not n.startswith("_") and not inspect.ismodule(getattr(M, n))}
+  assert names - _ANNOTATION_IMPORTS == PUBLIC
+  assert M.__all__ == [
+    "EMPTY",
+    "FULL",
+    "PARTIAL",
+    "BlockGrid",
+    "CausalAlignment",
+    "Mask",
+    "causal",
+    "chunked_local",
+    "from_array",
+    "from_function",
+    "full",
+    "lengths",
+    "local_window",
+    "prefix_lm",
+    "segments",
+  ]
