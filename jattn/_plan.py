@@ -417,7 +417,7 @@ def merge_order(ln: Lanes, per_row: int = 1) -> MergeOrder:
   lanes_per_row = np.bincount(
     np.unique(np.stack([ln.rows.ravel(), np.repeat(np.arange(V), L)]), axis=1)[0]
   )
-  return MergeOrder(hold, max(1, int(lanes_per_row.max())))
+  return MergeOrder(hold, max(1, int(np.max(lanes_per_row))))
 
 
 def _loop_bounds(ranges, states):

@@ -42,8 +42,9 @@ def machine_info() -> dict[str, Any]:
     "backend": jax.default_backend(),
     "devices": [str(d.device_kind) for d in jax.devices()],
     "device_count": jax.device_count(),
-    # jax.config's options are attributes set at run time, not declared in its type stubs.
-    "matmul_precision": str(jax.config.jax_default_matmul_precision),  # type: ignore[attr-defined]
+    # jax.config's options are attributes set at run time, declared in the type stubs of some
+    # jax releases only (0.12 has it, 0.10 not).
+    "matmul_precision": str(jax.config.jax_default_matmul_precision),  # type: ignore[attr-defined, unused-ignore]
     "env": {
       k: v for k, v in sorted(os.environ.items()) if k in _ENV_NAMES or k.startswith(_ENV_PREFIXES)
     },
