@@ -127,6 +127,38 @@ class _Static(NamedTuple):
     )
 
 
+class _Pool(NamedTuple):
+  """What a walk reads of the cache: the pools, the page table (B, max_pages), the sequences'
+  lengths (B,) and the scales of quantised pages (None for float pages)."""
+
+  key_pages: Any
+  value_pages: Any
+  page_table: Any
+  kv_lengths: Any
+  k_scale: Any = None
+  v_scale: Any = None
+
+
+class _Arrays(NamedTuple):
+  """A call's arrays, checked: the query, the pool, the ragged rows' offsets and the sinks."""
+
+  query: Any
+  pool: _Pool
+  query_start: Any
+  sinks: Any
+
+
+class _Options(NamedTuple):
+  """A call's options as passed (checked by `_check`)."""
+
+  scale: Any
+  is_causal: Any
+  local_window_size: Any
+  logits_soft_cap: Any
+  kv_layout: Any
+  implementation: Any
+
+
 def paged_attention(
   query,
   key_pages,
@@ -201,50 +233,32 @@ def paged_attention(
       f"on_invalid must be one of {_page_metadata.ON_INVALID}, got on_invalid={on_invalid!r}"
     )
   st, arrays = _check(
-    query,
-    key_pages,
-    value_pages,
-    page_table,
-    kv_lengths,
-    query_start,
-    scale,
-    is_causal,
-    local_window_size,
-    logits_soft_cap,
-    sinks,
-    k_scale,
-    v_scale,
-    kv_layout,
-    implementation,
+    _Arrays(
+      query,
+      _Pool(key_pages, value_pages, page_table, kv_lengths, k_scale, v_scale),
+      query_start,
+      sinks,
+    ),
+    _Options(scale, is_causal, local_window_size, logits_soft_cap, kv_layout, implementation),
   )
   if on_invalid == "checkify":
+    pool = arrays.pool
     _page_metadata.checkify_faults(
-      _page_metadata.faults(jnp, _geometry(st, arrays[1]), *arrays[3:6])
+      _page_metadata.faults(
+        jnp, _geometry(st, pool.key_pages), pool.page_table, pool.kv_lengths, arrays.query_start
+      )
     )
-  out, lse = _attend(st, *arrays)
+  out, lse = _attend(st, arrays)
   return (out, lse) if return_residual else out
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attend(
-  st: _Static,
-  query,
-  key_pages,
-  value_pages,
-  page_table,
-  kv_lengths,
-  query_start,
-  sinks,
-  k_scale,
-  v_scale,
-):
-  return _jitted(
-    st, query, key_pages, value_pages, page_table, kv_lengths, query_start, sinks, k_scale, v_scale
-  )
+def _attend(st: _Static, arrays: _Arrays):
+  return _jitted(st, arrays)
 
 
-def _attend_fwd(st, *args):
-  return _attend(st, *args), None
+def _attend_fwd(st, arrays):
+  return _attend(st, arrays), None
 
 
 def _attend_bwd(st, res, ct):
@@ -258,29 +272,19 @@ _attend.defvjp(_attend_fwd, _attend_bwd)
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
-def _jitted(
-  st: _Static,
-  query,
-  key_pages,
-  value_pages,
-  page_table,
-  kv_lengths,
-  query_start,
-  sinks,
-  k_scale,
-  v_scale,
-):
+def _jitted(st: _Static, arrays: _Arrays):
+  pool, query_start, sinks = arrays.pool, arrays.query_start, arrays.sinks
   # A sequence whose metadata breaks the rules runs as an empty one and comes back NaN.
   bad = (
-    _page_metadata.faults(jnp, _geometry(st, key_pages), page_table, kv_lengths, query_start)
+    _page_metadata.faults(
+      jnp, _geometry(st, pool.key_pages), pool.page_table, pool.kv_lengths, query_start
+    )
     != _page_metadata.OK
   )
-  kv_lengths = jnp.where(bad, 0, kv_lengths.astype(jnp.int32))
-  tiles = _tiles(st, query_start, kv_lengths, bad)
-  q = _gather_queries(st, query, tiles)  # (M, K, G * tq, H)
-  m, l, acc = _plan.by_platform(
-    _walks(st, q, tiles, key_pages, value_pages, page_table, kv_lengths, k_scale, v_scale)
-  )
+  pool = pool._replace(kv_lengths=jnp.where(bad, 0, pool.kv_lengths.astype(jnp.int32)))
+  tiles = _tiles(st, query_start, pool.kv_lengths, bad)
+  q = _gather_queries(st, arrays.query, tiles)  # (M, K, G * tq, H)
+  m, l, acc = _plan.by_platform(_walks(st, q, tiles, pool))
   if sinks is not None:
     sink = jnp.repeat(sinks.astype(jnp.float32).reshape(1, st.K, st.G, 1), st.tq, axis=-1)
     m, l, acc = _softmax.join_sink(m, l, acc, sink.reshape(1, st.K, st.G * st.tq))
@@ -295,18 +299,15 @@ def _jitted(
   )
 
 
-def _walks(
-  st: _Static, q, tiles: _Tiles, key_pages, value_pages, page_table, kv_lengths, k_scale, v_scale
-):
+def _walks(st: _Static, q, tiles: _Tiles, pool: _Pool):
   """{platform: the walk that returns every tile's (m, l, acc)}: the XLA walk (one lane on the
   CPU, split-KV lanes on accelerators) and, where the call asks for it or leaves the choice,
   jattn's Pallas kernels on a TPU and an NVIDIA GPU (or anywhere in their interpret modes)."""
-  arrays = (key_pages, value_pages, page_table, kv_lengths, k_scale, v_scale)
   run: dict[str, Any] = {}
   for platform in ("cpu", "default"):
     sp = st.with_block(BLOCK_KEYS[platform])._replace(upcast=platform == "cpu")
     lanes = 1 if platform == "cpu" else min(SPLIT_KV, sp.blocks)
-    run[platform] = functools.partial(_walk, sp, lanes, q, tiles, *arrays)
+    run[platform] = functools.partial(_walk, sp, lanes, q, tiles, pool)
   if st.implementation == "chunked":
     return run
   kernels: dict[str, Any] = {}  # a kernel, or why it cannot take the call
@@ -323,12 +324,12 @@ def _walks(
         st,
         q,
         tiles,
-        key_pages,
-        value_pages,
-        page_table,
-        kv_lengths[tiles.seq],
-        k_scale,
-        v_scale,
+        pool.key_pages,
+        pool.value_pages,
+        pool.page_table,
+        pool.kv_lengths[tiles.seq],
+        pool.k_scale,
+        pool.v_scale,
       )
     )
   interpreted = "tpu" if _fused.interpreting() else "cuda" if _paged_gpu.interpreting() else None
@@ -481,18 +482,7 @@ def _scatter_rows(st: _Static, x, tiles: _Tiles, fill):
 # --------------------------------------------------------------------------------------------
 
 
-def _walk(
-  st: _Static,
-  lanes: int,
-  q,
-  tiles: _Tiles,
-  key_pages,
-  value_pages,
-  page_table,
-  kv_lengths,
-  k_scale,
-  v_scale,
-):
+def _walk(st: _Static, lanes: int, q, tiles: _Tiles, pool: _Pool):
   """Every tile's running softmax over its key blocks: (m, l, acc) of (M, K, G * tq[, Hv]).
 
   ``lanes`` lanes side by side, lane p taking blocks p, p + lanes, ... of every tile; one lane
@@ -502,21 +492,9 @@ def _walk(
   like = jnp.zeros((M, st.K, st.G * st.tq), jnp.float32)
   m0, l0 = _softmax.start(like)
   acc0 = jnp.zeros((M, st.K, st.G * st.tq, st.Hv), jnp.float32)
-  kv_len = kv_lengths.astype(jnp.int32)[tiles.seq]
+  kv_len = pool.kv_lengths.astype(jnp.int32)[tiles.seq]
   first, last = _block_range(st, tiles)
-  step = functools.partial(
-    _block,
-    st,
-    q,
-    tiles,
-    (first, last),
-    kv_len,
-    key_pages,
-    value_pages,
-    page_table,
-    k_scale,
-    v_scale,
-  )
+  step = functools.partial(_block, st, q, tiles, (first, last), kv_len, pool)
   if lanes == 1:
     lo, hi = first.min(), last.max()
     return jax.lax.fori_loop(lo, jnp.maximum(hi, lo), step, (m0, l0, acc0))
@@ -530,20 +508,7 @@ def _walk(
   return _softmax.merge_lanes(m, l, acc)
 
 
-def _block(
-  st: _Static,
-  q,
-  tiles: _Tiles,
-  needed,
-  kv_len,
-  key_pages,
-  value_pages,
-  page_table,
-  k_scale,
-  v_scale,
-  j,
-  carry,
-):
+def _block(st: _Static, q, tiles: _Tiles, needed, kv_len, pool: _Pool, j, carry):
   """Fold key block j of every tile's sequence into the tiles' running (m, l, acc).
 
   The block reaches the matmuls as (M, c, K, bk / c, X): c pieces of keys per head, batched
@@ -551,8 +516,8 @@ def _block(
   only converted; their scales (one per key and head, or coarser) multiply the scores and the
   probabilities, which is the same sum: q . (k * s) = s * (q . k)."""
   m, l, acc = carry
-  ids = _page_ids(st, page_table, tiles.seq, j, key_pages.shape[0])
-  k, ks = _read(st, key_pages, ids, k_scale, st.k_scale, q.dtype, heads=0)
+  ids = _page_ids(st, pool.page_table, tiles.seq, j, pool.key_pages.shape[0])
+  k, ks = _read(st, pool.key_pages, ids, pool.k_scale, st.k_scale, q.dtype, heads=0)
   vis = _visible(st, tiles, kv_len, j)  # (M, 1, G * tq, bk)
   live = (j >= needed[0]) & (j < needed[1])
   vis = vis & live[:, None, None, None]
@@ -560,7 +525,7 @@ def _block(
   # of garbage, past a sequence's last token, must not leak).
   M, c = q.shape[0], st.pieces
   keep = vis.any(axis=(1, 2)).reshape(M, c, 1, st.block // c, 1)
-  v, vs = _read(st, value_pages, ids, v_scale, st.v_scale, q.dtype, keep, heads=1)
+  v, vs = _read(st, pool.value_pages, ids, pool.v_scale, st.v_scale, q.dtype, keep, heads=1)
   qp = jnp.broadcast_to(q[:, None].astype(k.dtype), (M, c) + q.shape[1:])
   s = jnp.einsum("mckxh,mckrh->mckrx", k, qp, preferred_element_type=jnp.float32)
   # (M, c, K, R, bk / c): the softmax runs on the pieces as they come
@@ -668,25 +633,12 @@ def _visible(st: _Static, tiles: _Tiles, kv_len, j):
 # --------------------------------------------------------------------------------------------
 
 
-def _check(
-  query,
-  key_pages,
-  value_pages,
-  page_table,
-  kv_lengths,
-  query_start,
-  scale,
-  is_causal,
-  local_window_size,
-  logits_soft_cap,
-  sinks,
-  k_scale,
-  v_scale,
-  kv_layout,
-  implementation,
-):
+def _check(given: _Arrays, opts: _Options) -> tuple[_Static, _Arrays]:
   """(_Static, arrays) of a call, every argument checked (errors name the argument; concrete
   metadata by its values too)."""
+  query, query_start, sinks = given.query, given.query_start, given.sinks
+  key_pages, value_pages, page_table, kv_lengths, k_scale, v_scale = given.pool
+  kv_layout, implementation = opts.kv_layout, opts.implementation
   metadata = (page_table, kv_lengths, query_start)  # as given: NumPy stays concrete under jit
   if kv_layout not in _pool.LAYOUTS:
     raise ValueError(
@@ -752,23 +704,15 @@ def _check(
     k_scale=kinds[0],
     v_scale=kinds[1],
     dtype=query.dtype,
-    **_score_options(H, scale, is_causal, local_window_size, logits_soft_cap),
+    **_score_options(H, opts),
   )
   st = st.with_block(BLOCK_KEYS["default"])._replace(implementation=implementation)
   if implementation == "pallas" and _no_grid(st):
     raise NotImplementedError(f"implementation='pallas' cannot take {_no_grid(st)}")
   _page_metadata.check_concrete(_geometry(st, key_pages), *metadata)
-  return st, (
-    query,
-    key_pages,
-    value_pages,
-    page_table,
-    kv_lengths,
-    query_start,
-    sinks,
-    None if k_scale is None else jnp.asarray(k_scale),
-    None if v_scale is None else jnp.asarray(v_scale),
-  )
+  scales = tuple(None if x is None else jnp.asarray(x) for x in (k_scale, v_scale))
+  pool = _Pool(key_pages, value_pages, page_table, kv_lengths, *scales)
+  return st, _Arrays(query, pool, query_start, sinks)
 
 
 def _metadata_arrays(query, page_table, kv_lengths, query_start):
@@ -792,8 +736,9 @@ def _metadata_arrays(query, page_table, kv_lengths, query_start):
   return page_table, kv_lengths, query_start
 
 
-def _score_options(H, scale, is_causal, local_window_size, logits_soft_cap):
+def _score_options(H, opts: _Options):
   """The logits' options as _Static's fields: scale, causal, window, soft_cap."""
+  scale, is_causal = opts.scale, opts.is_causal
   causal = _validation.causal(is_causal)
   if causal == "top_left" and is_causal is not True:
     raise ValueError(
@@ -803,6 +748,6 @@ def _score_options(H, scale, is_causal, local_window_size, logits_soft_cap):
   return dict(
     scale=1.0 / float(np.sqrt(H)) if scale is None else _validation.real("scale", scale),
     causal=causal is not None,
-    window=_validation.window(local_window_size),
-    soft_cap=_validation.soft_cap(logits_soft_cap),
+    window=_validation.window(opts.local_window_size),
+    soft_cap=_validation.soft_cap(opts.logits_soft_cap),
   )
