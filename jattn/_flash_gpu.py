@@ -42,7 +42,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jattn import _fused, _paged_gpu, _plan, _sharding, _softmax, _splash
+from jattn import _fused, _paged_gpu, _sharding, _softmax, _splash
 from jattn._softmax import NEG
 from jattn._types import concrete
 
@@ -205,21 +205,12 @@ def run(call):
   )
   if interpret:
     return go()
-  like = (
-    jax.ShapeDtypeStruct((s.B, s.T, s.N, s.Hv), s.dtype),
-    jax.ShapeDtypeStruct((s.B, s.T, s.N), jnp.float32),
-  )
   message = (
     "implementation='pallas_gpu' needs an NVIDIA GPU: this program is lowered for "
     "{platform}. Run it on a GPU, or on a CPU inside jattn._paged_gpu.interpret_mode() "
     "(slow; for tests), or name a fallback: implementation=('pallas_gpu', 'chunked')"
   )
-  return _plan.by_platform(
-    {
-      "cuda": go,
-      "default": lambda: _fused.unavailable(message, like, call.query, call.key, call.value),
-    }
-  )
+  return _fused.only_on("cuda", go, call, message)
 
 
 def flash_attention(

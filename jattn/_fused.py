@@ -21,6 +21,7 @@ from jax.interpreters import ad as _ad
 from jax.interpreters import batching as _batching
 from jax.interpreters import mlir as _mlir
 
+from jattn import _plan
 from jattn._tile import NEG
 
 
@@ -185,6 +186,23 @@ def unavailable(message: str, like, *operands):
 
   stand_in.defvjp(fwd, bwd)
   return jax.tree.unflatten(tree, stand_in(*operands))
+
+
+def only_on(platform: str, go, call, message: str):
+  """A fused kernel's (out (B, T, N, Hv), lse (B, T, N) float32) of a bound ``call``: ``go()``
+  where the program is lowered for ``platform``, elsewhere stand-ins whose lowering raises
+  NotImplementedError(``message``, its ``{platform}`` filled in)."""
+  s = call.static
+  like = (
+    jax.ShapeDtypeStruct((s.B, s.T, s.N, s.Hv), s.dtype),
+    jax.ShapeDtypeStruct((s.B, s.T, s.N), jnp.float32),
+  )
+  return _plan.by_platform(
+    {
+      platform: go,
+      "default": lambda: unavailable(message, like, call.query, call.key, call.value),
+    }
+  )
 
 
 def interpreting() -> bool:

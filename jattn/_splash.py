@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn import _fused, _plan, _sharding, _softmax, _tuning
+from jattn import _fused, _sharding, _softmax, _tuning
 from jattn._tile import NEG
 from jattn._types import concrete
 
@@ -433,22 +433,13 @@ def run(call):
   )
   if _fused.interpreting():
     return go()
-  like = (
-    jax.ShapeDtypeStruct((s.B, s.T, s.N, s.Hv), s.dtype),
-    jax.ShapeDtypeStruct((s.B, s.T, s.N), jnp.float32),
-  )
   message = (
     "implementation='splash' needs a TPU: this program is lowered for {platform}. "
     "Run it on a TPU, or on a CPU inside "
     "jax.experimental.pallas.tpu.force_tpu_interpret_mode() (slow; for tests), or "
     "name a fallback: implementation=('splash', 'chunked')"
   )
-  return _plan.by_platform(
-    {
-      "tpu": go,
-      "default": lambda: _fused.unavailable(message, like, call.query, call.key, call.value),
-    }
-  )
+  return _fused.only_on("tpu", go, call, message)
 
 
 def splash_attention(
