@@ -29,7 +29,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jattn import (
   _fused,
@@ -40,6 +39,7 @@ from jattn import (
   _plan,
   _pool,
   _softmax,
+  _tile,
   _validation,
 )
 from jattn._types import concrete
@@ -63,10 +63,9 @@ PAGE_MATMUL_MIN = 64
 class _Static(NamedTuple):
   """What the kernel is planned from (hashable)."""
 
-  B: int
-  N: int
-  K: int
-  H: int
+  # The tile config of the chunked kernels (B sequences, T = rows, S = the page table's reach):
+  # the logit scale and soft cap apply through `_tile.scale_cap_bias`, as in every other walk.
+  cfg: _tile.Config
   Hv: int
   page_size: int
   layout: str  # "NHD" | "HND" | "combined"
@@ -76,10 +75,8 @@ class _Static(NamedTuple):
   tiles: int  # an upper bound on the tiles (static)
   ragged: bool
   rows: int  # T (padded) or total (ragged)
-  scale: float
   causal: bool
   window: tuple | None
-  soft_cap: float | None
   k_scale: str | None  # "tensor" | "head" | "token" | None (pages not quantised)
   v_scale: str | None
   dtype: Any  # the query's (and output's)
@@ -93,8 +90,24 @@ class _Static(NamedTuple):
   implementation: str | None = None
 
   @property
+  def B(self) -> int:
+    return self.cfg.B
+
+  @property
+  def N(self) -> int:
+    return self.cfg.N
+
+  @property
+  def K(self) -> int:
+    return self.cfg.K
+
+  @property
   def G(self) -> int:
-    return self.N // self.K
+    return self.cfg.G
+
+  @property
+  def H(self) -> int:
+    return self.cfg.H
 
   @property
   def token_major(self) -> bool:
@@ -687,11 +700,20 @@ def _check(given: _Arrays, opts: _Options) -> tuple[_Static, _Arrays]:
   # Ragged tiles hold at most 16 rows (a sequence's rows fill one tile, the rest pad it);
   # padded queries one tile per sequence of all T rows.
   tq = min(16, rows) if ragged else rows
-  st = _Static(
+  scale, causal, window, soft_cap = _score_options(H, opts)
+  cfg = _tile.Config(
     B=B,
-    N=N,
+    T=rows,
+    S=max_pages * page_size,
     K=K,
+    G=N // K,
     H=H,
+    scale=scale,
+    logits_soft_cap=soft_cap,
+    dropout_rate=0.0,
+  )
+  st = _Static(
+    cfg=cfg,
     Hv=value_pages.shape[-1],
     page_size=page_size,
     layout=kv_layout,
@@ -704,7 +726,8 @@ def _check(given: _Arrays, opts: _Options) -> tuple[_Static, _Arrays]:
     k_scale=kinds[0],
     v_scale=kinds[1],
     dtype=query.dtype,
-    **_score_options(H, opts),
+    causal=causal,
+    window=window,
   )
   st = st.with_block(BLOCK_KEYS["default"])._replace(implementation=implementation)
   if implementation == "pallas" and _no_grid(st):
@@ -737,7 +760,7 @@ def _metadata_arrays(query, page_table, kv_lengths, query_start):
 
 
 def _score_options(H, opts: _Options):
-  """The logits' options as _Static's fields: scale, causal, window, soft_cap."""
+  """The logits' options, checked: (scale, causal, window, soft_cap)."""
   scale, is_causal = opts.scale, opts.is_causal
   causal = _validation.causal(is_causal)
   if causal == "top_left" and is_causal is not True:
@@ -745,9 +768,9 @@ def _score_options(H, opts: _Options):
       "is_causal here is True or False: queries are placed at their positions "
       "(bottom-right, after the cache), not aligned to the top-left"
     )
-  return dict(
-    scale=1.0 / float(np.sqrt(H)) if scale is None else _validation.real("scale", scale),
-    causal=causal is not None,
-    window=_validation.window(opts.local_window_size),
-    soft_cap=_validation.soft_cap(opts.logits_soft_cap),
+  return (
+    _tile.default_scale(H) if scale is None else _validation.real("scale", scale),
+    causal is not None,
+    _validation.window(opts.local_window_size),
+    _validation.soft_cap(opts.logits_soft_cap),
   )

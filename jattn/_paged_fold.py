@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jattn import _softmax, masks
+from jattn import _softmax, _tile, masks
 
 
 def visible(st, key, pos, real, kv_len):
@@ -26,9 +26,7 @@ def scores(st, s, ks, vis):
   the soft cap, and NEG where the key is hidden (`jattn._softmax`'s stand-in for -inf)."""
   if ks is not None:
     s = s * ks
-  s = s * st.scale
-  if st.soft_cap is not None:
-    s = st.soft_cap * jnp.tanh(s / st.soft_cap)
+  s, _ = _tile.scale_cap_bias(st.cfg, s, None)
   return jnp.where(vis, s, jnp.asarray(_softmax.NEG, s.dtype))
 
 
