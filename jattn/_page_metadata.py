@@ -72,6 +72,23 @@ def faults(xp, g: Geometry, page_table, kv_lengths, query_start):
   return code.astype(table.dtype)
 
 
+def check_shapes(page_table, kv_lengths, query_start, query_batch) -> tuple[int, int]:
+  """(B, max_pages): page_table (B, max_pages), kv_lengths (B,) and query_start (B + 1,) or
+  None, checked against each other and ``query_batch``, a padded query's B (None: ragged)."""
+  if page_table.ndim != 2:
+    raise ValueError(f"page_table must be (B, max_pages), got shape {page_table.shape}")
+  B = page_table.shape[0]
+  if kv_lengths.shape != (B,):
+    raise ValueError(
+      f"kv_lengths must be (B,) = ({B},) like page_table's rows, got shape {kv_lengths.shape}"
+    )
+  if query_start is not None and query_start.shape != (B + 1,):
+    raise ValueError(f"query_start must be (B + 1,) = ({B + 1},), got shape {query_start.shape}")
+  if query_batch is not None and query_batch != B:
+    raise ValueError(f"query's batch B={query_batch} must be page_table's B={B}")
+  return B, page_table.shape[1]
+
+
 def _concrete(x) -> bool:
   return x is None or not isinstance(x, jax.core.Tracer)
 

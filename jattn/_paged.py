@@ -11,12 +11,16 @@ The kernel never builds a contiguous cache. Query rows are cut into *tiles* of a
 rows of one sequence (a decoding step: one tile per sequence); each step gathers, for every tile,
 the pages of its sequence's next key block straight from the pool (int8 / float8 pages
 converted to float32 there, their scales applied to scores and probabilities) and folds the
-block into the tile's running softmax (`jattn._softmax`). Causality, windows and the cache's
-fill level are measured in positions. Pages are token-major (NHD: (page_size, K, H)) or
+block into the tile's running softmax. It is the chunked kernels' arithmetic on gathered blocks:
+their tile config (`_tile.Config`: scale and soft cap through `_tile.scale_cap_bias`), the
+positions mask's rule (`masks.visible_by_position`), the softmax algebra of `jattn._softmax`
+(start, update, lanes merged, sinks joined, normalised), all through `jattn._paged_fold`, which
+the Pallas kernels share. Causality, windows and the cache's fill level are measured in
+positions. Pages are token-major (NHD: (page_size, K, H)) or
 head-major (HND: (K, page_size, H)); a block reaches the matmuls as *pieces* of keys batched
 with the tile and the head (`_block`). On the CPU one lane walks the blocks; on GPU and TPU
-(chosen where the program is lowered) the blocks are dealt over up to SPLIT_KV lanes side by
-side and merged by log-sum-exp (split-KV).
+(chosen where the program is lowered) the blocks are dealt over up to `_plan.SPLIT_KV_LANES`
+lanes side by side and merged by log-sum-exp (split-KV). Block sizes: `_plan.PAGED_BLOCK_KV`.
 
 Shapes: B sequences, T new tokens each (or ``total`` ragged rows), N query heads, K key/value
 heads, G = N // K, H query/key head size, Hv value head size, P pages of ``page_size`` tokens.
@@ -44,13 +48,6 @@ from jattn import (
 )
 from jattn._types import concrete
 
-# Keys per step: whole pages adding up to about this many (a page larger than it is one block).
-# On the CPU a block's keys and values, read from the pool, stay in the core's cache until the
-# matmuls use them; 128 keys (measured: 256 was 1.2-1.5x slower a step at B=4 K=8 H=128).
-BLOCK_KEYS = {"cpu": 128, "default": _plan.DEFAULT_BLOCK_KV}
-# Split-KV lanes on GPU and TPU: as many as the chunked kernels' decoding split (B x K tiles
-# per lane; 16 lanes fill a device's cores at B x K >= 8).
-SPLIT_KV = _plan.SPLIT_KV_LANES
 # None: jattn's Pallas kernel on a TPU or NVIDIA GPU where it takes the call, the XLA walk
 # elsewhere; "chunked": the XLA walk everywhere; "pallas": the kernel (`jattn._paged_tpu`,
 # `jattn._paged_gpu`) or an error naming why not.
@@ -140,23 +137,11 @@ class _Static(NamedTuple):
     )
 
 
-class _Pool(NamedTuple):
-  """What a walk reads of the cache: the pools, the page table (B, max_pages), the sequences'
-  lengths (B,) and the scales of quantised pages (None for float pages)."""
-
-  key_pages: Any
-  value_pages: Any
-  page_table: Any
-  kv_lengths: Any
-  k_scale: Any = None
-  v_scale: Any = None
-
-
 class _Arrays(NamedTuple):
   """A call's arrays, checked: the query, the pool, the ragged rows' offsets and the sinks."""
 
   query: Any
-  pool: _Pool
+  pool: _pool.Pool
   query_start: Any
   sinks: Any
 
@@ -248,7 +233,7 @@ def paged_attention(
   st, arrays = _check(
     _Arrays(
       query,
-      _Pool(key_pages, value_pages, page_table, kv_lengths, k_scale, v_scale),
+      _pool.Pool(key_pages, value_pages, page_table, kv_lengths, k_scale, v_scale),
       query_start,
       sinks,
     ),
@@ -312,14 +297,14 @@ def _jitted(st: _Static, arrays: _Arrays):
   )
 
 
-def _walks(st: _Static, q, tiles: _Tiles, pool: _Pool):
+def _walks(st: _Static, q, tiles: _Tiles, pool: _pool.Pool):
   """{platform: the walk that returns every tile's (m, l, acc)}: the XLA walk (one lane on the
   CPU, split-KV lanes on accelerators) and, where the call asks for it or leaves the choice,
   jattn's Pallas kernels on a TPU and an NVIDIA GPU (or anywhere in their interpret modes)."""
   run: dict[str, Any] = {}
   for platform in ("cpu", "default"):
-    sp = st.with_block(BLOCK_KEYS[platform])._replace(upcast=platform == "cpu")
-    lanes = 1 if platform == "cpu" else min(SPLIT_KV, sp.blocks)
+    sp = st.with_block(_plan.PAGED_BLOCK_KV[platform])._replace(upcast=platform == "cpu")
+    lanes = 1 if platform == "cpu" else min(_plan.SPLIT_KV_LANES, sp.blocks)
     run[platform] = functools.partial(_walk, sp, lanes, q, tiles, pool)
   if st.implementation == "chunked":
     return run
@@ -495,7 +480,7 @@ def _scatter_rows(st: _Static, x, tiles: _Tiles, fill):
 # --------------------------------------------------------------------------------------------
 
 
-def _walk(st: _Static, lanes: int, q, tiles: _Tiles, pool: _Pool):
+def _walk(st: _Static, lanes: int, q, tiles: _Tiles, pool: _pool.Pool):
   """Every tile's running softmax over its key blocks: (m, l, acc) of (M, K, G * tq[, Hv]).
 
   ``lanes`` lanes side by side, lane p taking blocks p, p + lanes, ... of every tile; one lane
@@ -521,7 +506,7 @@ def _walk(st: _Static, lanes: int, q, tiles: _Tiles, pool: _Pool):
   return _softmax.merge_lanes(m, l, acc)
 
 
-def _block(st: _Static, q, tiles: _Tiles, needed, kv_len, pool: _Pool, j, carry):
+def _block(st: _Static, q, tiles: _Tiles, needed, kv_len, pool: _pool.Pool, j, carry):
   """Fold key block j of every tile's sequence into the tiles' running (m, l, acc).
 
   The block reaches the matmuls as (M, c, K, bk / c, X): c pieces of keys per head, batched
@@ -648,55 +633,46 @@ def _visible(st: _Static, tiles: _Tiles, kv_len, j):
 
 def _check(given: _Arrays, opts: _Options) -> tuple[_Static, _Arrays]:
   """(_Static, arrays) of a call, every argument checked (errors name the argument; concrete
-  metadata by its values too)."""
-  query, query_start, sinks = given.query, given.query_start, given.sinks
-  key_pages, value_pages, page_table, kv_lengths, k_scale, v_scale = given.pool
-  kv_layout, implementation = opts.kv_layout, opts.implementation
-  metadata = (page_table, kv_lengths, query_start)  # as given: NumPy stays concrete under jit
-  if kv_layout not in _pool.LAYOUTS:
-    raise ValueError(
-      f"kv_layout must be one of {_pool.LAYOUTS} (pages {_pool.DIMS}), got kv_layout={kv_layout!r}"
-    )
-  dims = _pool.DIMS[kv_layout]
-  if implementation not in IMPLEMENTATIONS:
-    error = NotImplementedError if isinstance(implementation, (str, tuple)) else ValueError
-    raise error(
-      f"paged_attention runs jattn's own kernels: None, 'chunked' (the XLA walk) or "
-      f"'pallas' (its Pallas kernel), got implementation={implementation!r}; the "
-      f"other kernels take contiguous keys and values (dot_product_attention)"
-    )
-  query = _validation.float_array("query", query)
-  ragged = query_start is not None
-  want = 3 if ragged else 4
-  if query.ndim != want:
+  metadata by its values too): first each array's kind, then the pool's and the metadata's
+  shapes against each other, then concrete metadata's values."""
+  _check_choices(opts)
+  metadata = (given.pool.page_table, given.pool.kv_lengths, given.query_start)  # NumPy stays
+  # concrete under jit: kept as given for `check_concrete`
+  given = _as_arrays(given)
+  query, pool, ragged = given.query, given.pool, given.query_start is not None
+  if query.ndim != (3 if ragged else 4):
     raise ValueError(
       f"query must be {'(total, N, H) with query_start' if ragged else '(B, T, N, H)'}, got "
       f"query.shape={query.shape}"
     )
   key_pages, value_pages, (P, page_size, K, H) = _pool.checked_pools(
-    key_pages, value_pages, kv_layout
+    pool.key_pages, pool.value_pages, opts.kv_layout
   )
   N = query.shape[-2]
   if query.shape[-1] != H:
     raise ValueError(f"query's head size must be key_pages' H={H}: query.shape={query.shape}")
   if N % K:
     raise ValueError(f"the query heads N={N} must be a multiple of the key/value heads K={K}")
-  page_table, kv_lengths, query_start = _metadata_arrays(query, *metadata)
-  B, max_pages = page_table.shape
+  kinds = tuple(
+    _pool.scale_kind(name, sc, pages, query.dtype, _pool.DIMS[opts.kv_layout], K)
+    for name, sc, pages in (
+      ("k_scale", pool.k_scale, key_pages),
+      ("v_scale", pool.v_scale, value_pages),
+    )
+  )
+  B, max_pages = _page_metadata.check_shapes(
+    pool.page_table, pool.kv_lengths, given.query_start, None if ragged else query.shape[0]
+  )
   rows = query.shape[0] if ragged else query.shape[1]
   if not concrete(rows, N, H, max_pages, P, page_size, K):
     raise NotImplementedError(
       "paged_attention plans its tiles and blocks from known sizes: only the number of "
       "sequences B may be symbolic (jax.export), got query.shape="
-      f"{query.shape}, key_pages.shape={key_pages.shape}, page_table.shape={page_table.shape}"
+      f"{query.shape}, key_pages.shape={key_pages.shape}, page_table.shape={pool.page_table.shape}"
     )
-  kinds = []
-  for name, sc, pages in (("k_scale", k_scale, key_pages), ("v_scale", v_scale, value_pages)):
-    kinds.append(_pool.scale_kind(name, sc, pages, query.dtype, dims, K))
-  if sinks is not None:
-    sinks = _validation.float_array("sinks", sinks)
-    if sinks.shape != (N,):
-      raise ValueError(f"sinks must be (N,) = ({N},), got shape {sinks.shape}")
+  if given.sinks is not None and given.sinks.shape != (N,):
+    raise ValueError(f"sinks must be (N,) = ({N},), got shape {given.sinks.shape}")
+  _page_metadata.check_concrete(_page_metadata.Geometry(P, page_size, rows, ragged), *metadata)
   # Ragged tiles hold at most 16 rows (a sequence's rows fill one tile, the rest pad it);
   # padded queries one tile per sequence of all T rows.
   tq = min(16, rows) if ragged else rows
@@ -716,7 +692,7 @@ def _check(given: _Arrays, opts: _Options) -> tuple[_Static, _Arrays]:
     cfg=cfg,
     Hv=value_pages.shape[-1],
     page_size=page_size,
-    layout=kv_layout,
+    layout=opts.kv_layout,
     pages_per_block=1,
     max_pages=max_pages,
     tq=tq,
@@ -729,34 +705,55 @@ def _check(given: _Arrays, opts: _Options) -> tuple[_Static, _Arrays]:
     causal=causal,
     window=window,
   )
-  st = st.with_block(BLOCK_KEYS["default"])._replace(implementation=implementation)
-  if implementation == "pallas" and _no_grid(st):
+  st = st.with_block(_plan.PAGED_BLOCK_KV["default"])._replace(implementation=opts.implementation)
+  if opts.implementation == "pallas" and _no_grid(st):
     raise NotImplementedError(f"implementation='pallas' cannot take {_no_grid(st)}")
-  _page_metadata.check_concrete(_geometry(st, key_pages), *metadata)
-  scales = tuple(None if x is None else jnp.asarray(x) for x in (k_scale, v_scale))
-  pool = _Pool(key_pages, value_pages, page_table, kv_lengths, *scales)
-  return st, _Arrays(query, pool, query_start, sinks)
+  return st, given._replace(pool=pool._replace(key_pages=key_pages, value_pages=value_pages))
 
 
-def _metadata_arrays(query, page_table, kv_lengths, query_start):
-  """page_table (B, max_pages), kv_lengths (B,) and query_start (B + 1,) or None, checked
-  against each other and the query's batch (padded queries)."""
-  page_table = _validation.int_array("page_table", page_table)
-  if page_table.ndim != 2:
-    raise ValueError(f"page_table must be (B, max_pages), got shape {page_table.shape}")
-  B = page_table.shape[0]
-  kv_lengths = _validation.int_array("kv_lengths", kv_lengths)
-  if kv_lengths.shape != (B,):
+def _check_choices(opts: _Options) -> None:
+  """The layout and the implementation are among the names paged_attention knows."""
+  if opts.kv_layout not in _pool.LAYOUTS:
     raise ValueError(
-      f"kv_lengths must be (B,) = ({B},) like page_table's rows, got shape {kv_lengths.shape}"
+      f"kv_layout must be one of {_pool.LAYOUTS} (pages {_pool.DIMS}), got "
+      f"kv_layout={opts.kv_layout!r}"
     )
-  if query_start is not None:
-    query_start = _validation.int_array("query_start", query_start)
-    if query_start.shape != (B + 1,):
-      raise ValueError(f"query_start must be (B + 1,) = ({B + 1},), got shape {query_start.shape}")
-  elif query.shape[0] != B:
-    raise ValueError(f"query's batch B={query.shape[0]} must be page_table's B={B}")
-  return page_table, kv_lengths, query_start
+  implementation = opts.implementation
+  if implementation not in IMPLEMENTATIONS:
+    error = NotImplementedError if isinstance(implementation, (str, tuple)) else ValueError
+    raise error(
+      f"paged_attention runs jattn's own kernels: None, 'chunked' (the XLA walk) or "
+      f"'pallas' (its Pallas kernel), got implementation={implementation!r}; the "
+      f"other kernels take contiguous keys and values (dot_product_attention)"
+    )
+
+
+def _as_arrays(given: _Arrays) -> _Arrays:
+  """Every array of a call as an array of its kind (TypeError naming the argument); shapes
+  are checked after. value_pages may be None (a combined pool) and so may the optional ones."""
+  pool, sinks = given.pool, given.sinks
+  pages = [
+    None if x is None else _validation.as_array(name, x, "an array of pages")
+    for name, x in (("key_pages", pool.key_pages), ("value_pages", pool.value_pages))
+  ]
+  scales = [
+    None if x is None else _validation.float_array(name, x)
+    for name, x in (("k_scale", pool.k_scale), ("v_scale", pool.v_scale))
+  ]
+  pool = _pool.Pool(
+    pages[0],
+    pages[1],
+    _validation.int_array("page_table", pool.page_table),
+    _validation.int_array("kv_lengths", pool.kv_lengths),
+    scales[0],
+    scales[1],
+  )
+  return _Arrays(
+    _validation.float_array("query", given.query),
+    pool,
+    _validation.int_array("query_start", given.query_start, optional=True),
+    None if sinks is None else _validation.float_array("sinks", sinks),
+  )
 
 
 def _score_options(H, opts: _Options):

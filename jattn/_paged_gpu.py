@@ -71,23 +71,12 @@ def supports(st) -> str | None:
   return None
 
 
-def walk(
-  st,
-  q,
-  tiles,
-  key_pages,
-  value_pages,
-  page_table,
-  kv_len,
-  k_scale,
-  v_scale,
-  *,
-  interpret: bool = False,
-):
+def walk(st, q, tiles, pool, kv_len, *, interpret: bool = False):
   """(m, l, acc) of (M, K, R[, Hv]) float32, R = G * tq: as the XLA walk returns them."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import triton as plgpu
 
+  key_pages, value_pages, page_table, _, k_scale, v_scale = pool  # (`_pool.Pool`)
   st = st._replace(
     page_size=st.page_size * st.sub, max_pages=st.max_pages // st.sub, sub=1, pages_per_block=1
   )

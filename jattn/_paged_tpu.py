@@ -39,13 +39,14 @@ def pages_per_step(page_size: int, max_pages: int) -> int:
   return max(1, min(max_pages, STEP_KEYS // page_size))
 
 
-def walk(st, q, tiles, key_pages, value_pages, page_table, kv_len, k_scale, v_scale):
+def walk(st, q, tiles, pool, kv_len):
   """(m, l, acc) of (M, K, R[, Hv]) float32, R = G * tq: every tile's running softmax over
   the keys of its range [tiles.lo, tiles.hi), as the XLA walk returns it. ``kv_len`` (M,): the
   cached tokens of each tile's sequence."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import tpu as pltpu
 
+  key_pages, value_pages, page_table, _, k_scale, v_scale = pool  # (`_pool.Pool`)
   # The pool's own pages (the XLA walk may cut long pages into pieces: not needed here).
   st = st._replace(
     page_size=st.page_size * st.sub, max_pages=st.max_pages // st.sub, sub=1, pages_per_block=1

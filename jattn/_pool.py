@@ -5,10 +5,10 @@ floats from their bits."""
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import jax
 import jax.numpy as jnp
-
-from jattn import _validation
 
 # Pool layouts (FlashInfer's names): NHD pages are (page_size, K, H), token-major as vLLM and
 # FlashAttention keep them; HND pages are (K, page_size, H), head-major, so that a page's keys
@@ -21,6 +21,20 @@ DIMS = {
   "HND": "(P, K, page_size, H)",
   "combined": "(P, page_size, 2K, H)",
 }
+
+
+class Pool(NamedTuple):
+  """What a paged walk (XLA or Pallas) reads of the cache: the pools, the page table
+  (B, max_pages), the sequences' lengths (B,) and the scales of quantised pages (None for float
+  pages)."""
+
+  key_pages: Any
+  value_pages: Any
+  page_table: Any
+  kv_lengths: Any
+  k_scale: Any = None
+  v_scale: Any = None
+
 
 QUANTIZED = (jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2)
 
@@ -93,7 +107,8 @@ def float32_from_bits(u, dtype):
 
 
 def checked_pools(key_pages, value_pages, kv_layout):
-  """The pools checked, and their (P, page_size, K, H) (a combined pool is both pools)."""
+  """The pools (arrays, or value_pages None) checked, and their (P, page_size, K, H) (a combined
+  pool is both pools)."""
   dims = DIMS[kv_layout]
   key_pages = checked_pages("key_pages", key_pages, dims)
   if kv_layout == "combined":
@@ -146,14 +161,15 @@ def check_layout(key_pages, value_pages, kv_layout, page_size, num_kv_heads):
 
 
 def checked_pages(name, x, dims):
-  x = _validation.as_array(name, x, "an array of pages")
+  if x is None:
+    raise TypeError(f"{name} must be an array of pages, got None")
   if x.ndim != 4:
     raise ValueError(f"{name} must be {dims}, got {name}.shape={x.shape}")
   return x
 
 
 def scale_kind(name, scale, pages, dtype, dims, K):
-  """How ``scale`` broadcasts against quantised ``pages``: "tensor", "head" or "token"; None for
+  """How ``scale`` (a float array or None) broadcasts against quantised ``pages``: "tensor", "head" or "token"; None for
   float pages (which must have the query's dtype and no scale)."""
   pages_name = "key_pages" if name == "k_scale" else "value_pages"
   quantized = is_quantized(pages.dtype)
@@ -170,7 +186,6 @@ def scale_kind(name, scale, pages, dtype, dims, K):
     raise ValueError(
       f"{pages_name} of dtype {pages.dtype} need {name} (their dequantisation scale)"
     )
-  scale = _validation.float_array(name, scale)
   token = pages.shape[:3] if "2K" not in dims else pages.shape[:2] + (K,)  # combined: K of 2K
   for kind, shape in (("tensor", ()), ("head", (K,)), ("token", token)):
     if scale.shape == shape:
