@@ -317,18 +317,7 @@ def _walks(st: _Static, q, tiles: _Tiles, pool: _pool.Pool):
     kernels[platform] = (
       why
       if why is not None
-      else functools.partial(
-        module.walk,
-        st,
-        q,
-        tiles,
-        pool.key_pages,
-        pool.value_pages,
-        pool.page_table,
-        pool.kv_lengths[tiles.seq],
-        pool.k_scale,
-        pool.v_scale,
-      )
+      else functools.partial(module.walk, st, q, tiles, pool, pool.kv_lengths[tiles.seq])
     )
   interpreted = "tpu" if _fused.interpreting() else "cuda" if _paged_gpu.interpreting() else None
   if interpreted is not None:
