@@ -142,8 +142,6 @@ OVER_8_PARAMETERS = {
   "_chunked/lanes.py:_lane_steps",
   "_cudnn.py:_lse",
   "_cudnn.py:cudnn_attention",
-  "_dense.py:_exp_scores",
-  "_dense.py:dense_attention",
   "_flash_gpu.py:_backward",
   "_flash_gpu.py:_backward_kv",
   "_flash_gpu.py:_backward_q",
