@@ -140,8 +140,6 @@ PUBLIC_SIGNATURES = {
 OVER_8_PARAMETERS = {
   "_call.py:options",
   "_chunked/lanes.py:_lane_steps",
-  "_cudnn.py:_lse",
-  "_cudnn.py:cudnn_attention",
   "_flash_gpu.py:_backward",
   "_flash_gpu.py:_backward_kv",
   "_flash_gpu.py:_backward_q",
