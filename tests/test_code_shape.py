@@ -140,10 +140,6 @@ PUBLIC_SIGNATURES = {
 OVER_8_PARAMETERS = {
   "_call.py:options",
   "_chunked/lanes.py:_lane_steps",
-  "_flash_gpu.py:_backward",
-  "_flash_gpu.py:_backward_kv",
-  "_flash_gpu.py:_backward_q",
-  "_flash_gpu.py:flash_attention",
   "_mha.py:_attention",
   "_mha.py:attend",
   "_mha.py:attend_cached",
