@@ -10,6 +10,8 @@ next. Shape vocabulary: B T S N K H.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
@@ -68,32 +70,34 @@ def first(call) -> bool:
   return supports(call) is None and call.static.layout.unpartitioned
 
 
+class JaxNnOptions(NamedTuple):
+  """The options of one call that jax.nn's cuDNN call takes besides its arrays: the logit
+  ``scale``, ``causal`` ("top_left" or None: `supports` refuses "bottom_right") and ``window``
+  ((left, right) or None)."""
+
+  scale: float
+  causal: str | None
+  window: tuple[int, int] | None
+
+  def keywords(self) -> dict:
+    """jax.nn.dot_product_attention's keywords for these options, on cuDNN."""
+    return dict(
+      scale=self.scale,
+      is_causal=self.causal == "top_left",
+      local_window_size=self.window,
+      implementation="cudnn",
+    )
+
+
 def run(call):
-  """jax.nn's cuDNN kernel on a bound call: (out (B, T, N, H), lse (B, T, N)). It takes the
-  arguments as given (jax.nn's layout), the query scaled if the scale is an array."""
-  g, opts = call.given, call.opts
-  return cudnn_attention(
-    call.query,
-    call.key,
-    call.value,
-    g.bias,
-    g.mask,
-    scale=call.static.scale,
-    causal=opts.causal,
-    window=opts.window,
-    q_lengths=g.q_lengths,
-    kv_lengths=g.kv_lengths,
-  )
-
-
-def cudnn_attention(query, key, value, bias, mask, *, scale, causal, window, q_lengths, kv_lengths):
-  """(out (B, T, N, H), lse (B, T, N) float32) through jax.nn's cuDNN kernel. ``mask`` is a
-  boolean array or None (`supports` has refused what jax.nn's call cannot express)."""
+  """jax.nn's cuDNN kernel on a bound call: (out (B, T, N, H), lse (B, T, N) float32). It takes
+  the arguments as given (jax.nn's layout), the query scaled if the scale is an array; the mask
+  is a boolean array or None (`supports` has refused what jax.nn's call cannot express)."""
   _check_gpu()
-  kw = dict(
-    scale=scale, is_causal=causal == "top_left", local_window_size=window, implementation="cudnn"
-  )
-  T = query.shape[1]
+  g, opts = call.given, call.opts
+  nn = JaxNnOptions(call.static.scale, opts.causal, opts.window)
+  kw = nn.keywords()
+  T = call.query.shape[1]
 
   # The arrays jax.nn takes besides q, k, v, bias travel as operands (aux), not in closures: the
   # custom VJP runs these functions again when it is differentiated, after this trace.
@@ -125,7 +129,7 @@ def cudnn_attention(query, key, value, bias, mask, *, scale, causal, window, q_l
 
   def lse_of(q, k, v, b, mask, q_len, kv_len):
     del v
-    return _lse(q, k, b, mask, q_len, kv_len, scale=scale, causal=causal, window=window)
+    return _lse(q, k, b, mask, q_len, kv_len, nn)
 
   try:
     # No second derivative on this path (pure=None): jax.nn's cuDNN backward has none either.
@@ -135,8 +139,8 @@ def cudnn_attention(query, key, value, bias, mask, *, scale, causal, window, q_l
       None,
       _empty_rows,
       lse_of,
-      (query, key, value, bias),
-      (mask, q_lengths, kv_lengths),
+      (call.query, call.key, call.value, g.bias),
+      (g.mask, g.q_lengths, g.kv_lengths),
     )
   except ValueError as e:  # jax.nn's own limits (head dim, layout, mask shape, ...)
     raise NotImplementedError(f"implementation='cudnn': {e}") from e
@@ -151,9 +155,10 @@ def _empty_rows(lse):
   return lse < -(1 << 14)
 
 
-def _lse(q, k, bias, mask, q_len, kv_len, *, scale, causal, window):
+def _lse(q, k, bias, mask, q_len, kv_len, nn: JaxNnOptions):
   """The (B, T, N) float32 log-sum-exp of the call in plain JAX (O(T x S)), for its gradient
   where the caller uses the lse: jax.nn's cuDNN call returns it without one."""
+  scale, causal, window = nn
   B, T, N, _ = q.shape
   S, K = k.shape[1], k.shape[2]
   s = (

@@ -15,21 +15,10 @@ from jattn._tile import Config
 
 
 def run(call):
-  """The dense backend on a bound call (`jattn._call.Call`): (out (B, T, N, Hv), lse (B, T, N)).
-  Head-major and GQA-grouped: one (T, S) matmul per head."""
+  """The dense backend on a bound call (`jattn._call.Call`): (out (B, T, N, Hv), lse (B, T, N))."""
   s = call.static
   cfg, score_args = s.config((s.B, s.N, s.T, s.S))
-  out, lse = dense_attention(
-    cfg,
-    call.head_major(call.query, True),
-    call.head_major(call.key, False),
-    call.head_major(call.value, False),
-    call.bias,
-    call.mask,
-    call.seed,
-    score_args,
-    call.sink,
-  )
+  out, lse = dense_attention(call, cfg, score_args)
   return (
     jnp.transpose(out.reshape(s.B, s.N, s.T, s.Hv), (0, 2, 1, 3)),
     jnp.transpose(lse.reshape(s.B, s.N, s.T), (0, 2, 1)),
@@ -40,57 +29,57 @@ def weights(call):
   """The bound call's (B, N, T, S) softmax weights (see `attention_weights`)."""
   s = call.static
   cfg, score_args = s.config((s.B, s.N, s.T, s.S))
-  w = attention_weights(
-    cfg,
-    call.head_major(call.query, True),
-    call.head_major(call.key, False),
-    call.bias,
-    call.mask,
-    score_args,
-    call.sink,
-  )
-  return w.reshape(s.B, s.N, s.T, s.S)
+  return attention_weights(call, cfg, score_args).reshape(s.B, s.N, s.T, s.S)
 
 
-def dense_attention(cfg: Config, q, k, v, bias, mask, seed, score_args=(), sink=None):
-  """q (B,K,G,T,H), k/v (B,K,S,H), bias (B|1,K|1,G|1,T|1,S|1) or None, mask a jattn Mask or None.
+def dense_attention(call, cfg: Config, score_args=()):
+  """The dense kernel on a bound call (`jattn._call.Call`), head-major and GQA-grouped: one
+  (T, S) matmul per head. ``cfg`` and ``score_args`` from its `Static.config`; the call's bias is
+  (B|1,K|1,G|1,T|1,S|1) or None, its mask a jattn Mask or None.
 
-  Returns out (B,K,G,T,H) in q's dtype and lse (B,K,G,T) in the statistics dtype.
+  Returns out (B,K,G,T,Hv) in the query's dtype and lse (B,K,G,T) in the statistics dtype.
   """
-  q_pos, kv_pos, vis = _positions_and_visibility(cfg, mask)
+  q = call.head_major(call.query, True)
+  k = call.head_major(call.key, False)
+  v = call.head_major(call.value, False)
+  at, vis = _positions_and_visibility(cfg, call.mask)
   if vis is not None:
     q, k, v = _tile.sanitize(vis, q, k, v)
-  p, l, m = _exp_scores(cfg, q, k, bias, vis, q_pos, kv_pos, score_args, sink)
+  p, l, m = _exp_scores(cfg, q, k, call.bias, vis, at, score_args, call.sink)
   if cfg.dropout_rate > 0:
-    p = jnp.where(_tile.keep(cfg, seed, _tile.Index(q_pos, kv_pos)), p, jnp.zeros((), p.dtype))
+    p = jnp.where(_tile.keep(cfg, call.seed, at), p, jnp.zeros((), p.dtype))
   out = _softmax.normalize(_tile.pv(p, v, fold=False), l, m, cfg.dropout_rate)
   # Differentiable: d lse / d s = P (m is a constant for autodiff, as in _exp_scores).
   lse = _softmax.lse(m, l)
   return out.astype(q.dtype), lse
 
 
-def attention_weights(cfg: Config, q, k, bias, mask, score_args=(), sink=None):
-  """The softmax weights (B,K,G,T,S) in the statistics dtype, before dropout; rows with nothing
-  to attend to are 0. O(T x S) by nature: for looking at the weights, not for computing with."""
-  q_pos, kv_pos, vis = _positions_and_visibility(cfg, mask)
+def attention_weights(call, cfg: Config, score_args=()):
+  """The softmax weights (B,K,G,T,S) of a bound call in the statistics dtype, before dropout;
+  rows with nothing to attend to are 0. O(T x S) by nature: for looking at the weights, not for
+  computing with."""
+  q = call.head_major(call.query, True)
+  k = call.head_major(call.key, False)
+  at, vis = _positions_and_visibility(cfg, call.mask)
   if vis is not None:
     q, k, _ = _tile.sanitize(vis, q, k, k)
-  p, l, m = _exp_scores(cfg, q, k, bias, vis, q_pos, kv_pos, score_args, sink)
+  p, l, m = _exp_scores(cfg, q, k, call.bias, vis, at, score_args, call.sink)
   return _softmax.normalize(p, l, m, 0.0)
 
 
 def _positions_and_visibility(cfg: Config, mask):
+  """(the whole problem's `_tile.Index`, the (T, S) visibility or None) of ``mask``."""
   q_pos = jnp.arange(cfg.T, dtype=jnp.int32)
   kv_pos = jnp.arange(cfg.S, dtype=jnp.int32)
-  return q_pos, kv_pos, _tile.visible(cfg, mask, q_pos, kv_pos, ragged_kv=False)
+  return _tile.Index(q_pos, kv_pos), _tile.visible(cfg, mask, q_pos, kv_pos, ragged_kv=False)
 
 
-def _exp_scores(cfg: Config, q, k, bias, vis, q_pos, kv_pos, score_args, sink):
+def _exp_scores(cfg: Config, q, k, bias, vis, at: _tile.Index, score_args, sink):
   """exp(s - m) of the whole (T, S) score matrix, with its row max m and row sum l (the sink's
-  term included): the softmax before its division."""
+  term included): the softmax before its division. ``at``: the rows' and keys' positions."""
   # G and T stay separate dimensions (fold=False): a sequence-sharded query then stays sharded
   # and only K and V are gathered (see _tile.matmul).
-  s, _ = _tile.logits(cfg, q, k, bias, _tile.Index(q_pos, kv_pos), score_args, fold=False)
+  s, _ = _tile.logits(cfg, q, k, bias, at, score_args, fold=False)
   if vis is not None:
     s = jnp.where(vis, s, jnp.asarray(_softmax.NEG, s.dtype))
   return _softmax.exp_rows(s, sink)

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -182,27 +183,27 @@ class Plan:
     return 4 if self.bq * self.bk <= 64 * 64 else 8
 
 
+class Padded(NamedTuple):
+  """The arrays every kernel reads, on the problem padded to whole blocks (one pytree: the custom
+  VJP's operand and residual): q (B, Tp, N, H), k (B, Sp, K, H), v (B, Sp, K, Hv), sinks (N,)
+  float32 or None, q_ids (B, Tp) and kv_ids (B, Sp) int32 (query t sees key s iff their ids are
+  equal), info (B, 8) int32 (column 0: the example's key length)."""
+
+  q: Any
+  k: Any
+  v: Any
+  sinks: Any
+  q_ids: Any
+  kv_ids: Any
+  info: Any
+
+
 def run(call):
   """The kernel on a bound call: (out (B, T, N, Hv), lse (B, T, N) float32). Lowered for another
   platform than CUDA (outside `jattn._paged_gpu.interpret_mode`), the program fails there with a
   message naming the fallbacks."""
-  s = call.static
-  bq, bk = block_sizes(call)
-  sinks = None if call.sink is None else call.sink.reshape(s.N)
   interpret = _paged_gpu.interpreting()
-  go = functools.partial(
-    flash_attention,
-    call.query,
-    call.key,
-    call.value,
-    call.mask,
-    sinks,
-    scale=s.scale,
-    soft_cap=s.opts.logits_soft_cap,
-    block_q=bq,
-    block_kv=bk,
-    interpret=interpret,
-  )
+  go = functools.partial(flash_attention, call, interpret)
   if interpret:
     return go()
   message = (
@@ -213,17 +214,20 @@ def run(call):
   return _fused.only_on("cuda", go, call, message)
 
 
-def flash_attention(
-  query, key, value, mask, sinks, *, scale, soft_cap, block_q, block_kv, interpret=False
-):
-  """(out (B, T, N, Hv) in the query dtype, lse (B, T, N) float32) of jattn's attention through
-  the Triton kernels. ``query`` (B, T, N, H), ``key`` (B, S, K, H), ``value`` (B, S, K, Hv);
-  ``mask`` the call's one jattn mask object (or None; `supports` has refused what the kernel
-  cannot take); ``sinks`` (N,) float32 or None. T and S are padded to whole blocks here, the
-  padding hidden by the ids."""
+def flash_attention(call, interpret: bool = False):
+  """(out (B, T, N, Hv) in the query dtype, lse (B, T, N) float32) of a bound call
+  (`jattn._call.Call`) through the Triton kernels: its query (B, T, N, H), key (B, S, K, H),
+  value (B, S, K, Hv), its one jattn mask object (or None; `supports` has refused what the
+  kernel cannot take), its sinks, scale and soft cap, in blocks of `block_sizes`. T and S are
+  padded to whole blocks here, the padding hidden by the ids."""
+  s = call.static
+  query, key, value = call.query, call.key, call.value
+  sinks = None if call.sink is None else call.sink.reshape(s.N)
+  block_q, block_kv = block_sizes(call)
+  soft_cap = s.opts.logits_soft_cap
   B, T, N, _ = query.shape
   _, S, K, _ = key.shape
-  parts = mask_parts(mask)
+  parts = mask_parts(call.mask)
   if isinstance(parts, str):
     _fused.refuse("pallas_gpu", *parts.split(": ", 1))
   band, lengths, segments = parts
@@ -257,32 +261,32 @@ def flash_attention(
     block_kv,
     lo,
     hi,
-    float(scale),
+    float(s.scale),
     None if soft_cap is None else float(soft_cap),
     sinks is not None,
     N // K,
     bool(lengths) or segments is not None or Sp != S,
     interpret,
   )
-  out, lse = _flash(plan, q, k, v, sinks, q_ids, kv_ids, info)
+  out, lse = _flash(plan, Padded(q, k, v, sinks, q_ids, kv_ids, info))
   return out[:, :T], jnp.transpose(lse, (0, 2, 1))[:, :T]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(plan, q, k, v, sinks, q_ids, kv_ids, info):
-  """(out (B, Tp, N, Hv), lse (B, N, Tp) float32) on the padded problem: q (B, Tp, N, H),
-  k (B, Sp, K, H), v (B, Sp, K, Hv), sinks (N,) or None, q_ids (B, Tp), kv_ids (B, Sp), info
-  (B, 8) int32 (column 0: the example's key length)."""
-  return _forward(plan, q, k, v, sinks, q_ids, kv_ids, info)
+def _flash(plan, ops: Padded):
+  """(out (B, Tp, N, Hv), lse (B, N, Tp) float32) on the padded problem (see `Padded`)."""
+  return _forward(plan, ops)
 
 
-def _flash_fwd(plan, q, k, v, sinks, q_ids, kv_ids, info):
-  out, lse = _forward(plan, q, k, v, sinks, q_ids, kv_ids, info)
-  return (out, lse), (q, k, v, sinks, q_ids, kv_ids, info, out, lse)
+def _flash_fwd(plan, ops: Padded):
+  out, lse = _forward(plan, ops)
+  return (out, lse), (ops, out, lse)
 
 
 def _flash_bwd(plan, res, cts):
-  return (*_backward(plan, *res, *cts), None, None, None)
+  dq, dk, dv, d_sinks = _backward(plan, *res, *cts)
+  # The ids and info are integers: no cotangent.
+  return (Padded(dq, dk, dv, d_sinks, None, None, None),)
 
 
 def _refuse_derivative(plan, primals, tangents):
@@ -303,17 +307,18 @@ def _without_derivative(fn):
 
 
 @_without_derivative
-def _backward(plan, q, k, v, sinks, q_ids, kv_ids, info, out, lse, d_out, d_lse):
+def _backward(plan, ops: Padded, out, lse, d_out, d_lse):
   """(dq, dk, dv, d_sinks or None) of the padded problem for the cotangents of out and lse."""
+  sinks = ops.sinks
   sd = jnp.float32
   # dS = P * (dP - delta): delta = rowsum(dO * O) for the output, minus the lse's cotangent
   # (d lse / d s = P adds dlse * P).
   delta = jnp.einsum("btnh,btnh->bnt", d_out.astype(sd), out.astype(sd)) - d_lse.astype(sd)
   # Rows that saw nothing: +inf, so that their recomputed probabilities are exact zeros.
   lse_r = _softmax.lse_for_recompute(lse)
-  d_out = d_out.astype(q.dtype)
-  dk, dv = _backward_kv(plan, q, k, v, d_out, lse_r, delta, q_ids, kv_ids)
-  dq = _backward_q(plan, q, k, v, d_out, lse_r, delta, q_ids, kv_ids, info)
+  d_out = d_out.astype(ops.q.dtype)
+  dk, dv = _backward_kv(plan, ops, d_out, lse_r, delta)
+  dq = _backward_q(plan, ops, d_out, lse_r, delta)
   d_sinks = None
   if sinks is not None:
     N = sinks.shape[0]
@@ -426,9 +431,10 @@ def _pallas_call(plan, kernel, *, grid, in_specs, out_specs, out_shape, name, op
 
 
 @_without_derivative
-def _forward(plan, q, k, v, sinks, q_ids, kv_ids, info):
+def _forward(plan, ops: Padded):
   from jax.experimental import pallas as pl
 
+  q, k, v, sinks, q_ids, kv_ids, info = ops
   B, Tp, N, H = q.shape
   Sp, Hv = k.shape[1], v.shape[3]
   bq, G = plan.bq, plan.G
@@ -509,11 +515,13 @@ def _forward_kernel(plan, info_ref, q_ref, k_ref, v_ref, qid_ref, kvid_ref, *ref
   lse_ref[...] = jnp.where(ok, m + jnp.log(denom), NEG)
 
 
-def _backward_kv(plan, q, k, v, d_out, lse, delta, q_ids, kv_ids):
+def _backward_kv(plan, ops: Padded, d_out, lse, delta):
   """(dK (B, Sp, K, H), dV (B, Sp, K, Hv)) in k's and v's dtypes: one program per key block of
-  each key/value head, looping over the G query heads of its group."""
+  each key/value head, looping over the G query heads of its group. ``d_out`` (B, Tp, N, Hv) in
+  q's dtype; ``lse`` (for recomputing) and ``delta`` (B, N, Tp) float32."""
   from jax.experimental import pallas as pl
 
+  q, k, v, q_ids, kv_ids = ops.q, ops.k, ops.v, ops.q_ids, ops.kv_ids
   B, Tp, _N, H = q.shape
   Sp, K, Hv = k.shape[1], k.shape[2], v.shape[3]
   bk, G = plan.bk, plan.G
@@ -581,10 +589,12 @@ def _backward_kv_kernel(
   dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _backward_q(plan, q, k, v, d_out, lse, delta, q_ids, kv_ids, info):
-  """dQ (B, Tp, N, H) in q's dtype: one program per query block of each head."""
+def _backward_q(plan, ops: Padded, d_out, lse, delta):
+  """dQ (B, Tp, N, H) in q's dtype: one program per query block of each head (``d_out``,
+  ``lse``, ``delta`` as for `_backward_kv`)."""
   from jax.experimental import pallas as pl
 
+  q, k, v, _, q_ids, kv_ids, info = ops
   B, Tp, N, H = q.shape
   Sp, Hv = k.shape[1], v.shape[3]
   bq, G = plan.bq, plan.G

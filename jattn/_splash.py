@@ -29,6 +29,7 @@ G = N // K, H head dimension.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 
@@ -417,20 +418,7 @@ def run(call):
   than a TPU (outside Pallas's interpret mode), the program fails there with a message naming
   the fallbacks (where the program is lowered: one exported for tpu from a CPU is traced here
   too)."""
-  s = call.static
-  go = functools.partial(
-    splash_attention,
-    call.query,
-    call.key,
-    call.value,
-    call.mask,
-    call.given.sinks,
-    scale=s.scale,
-    soft_cap=s.opts.logits_soft_cap,
-    block_q=s.tuned.splash_blocks[0],
-    block_kv=s.tuned.splash_blocks[1],
-    shard=shards(call),
-  )
+  go = functools.partial(splash_attention, call, shards(call))
   if _fused.interpreting():
     return go()
   message = (
@@ -442,30 +430,32 @@ def run(call):
   return _fused.only_on("tpu", go, call, message)
 
 
-def splash_attention(
-  query, key, value, mask, sinks, *, scale, soft_cap, block_q, block_kv, shard=None
-):
-  """(out (B, T, N, H) in the query dtype, lse (B, T, N) float32) of jattn's attention through
-  splash. ``mask`` is the call's one jattn mask object (or None); ``sinks`` (N,) or None.
+def splash_attention(call, shard=None):
+  """(out (B, T, N, H) in the query dtype, lse (B, T, N) float32) of a bound call
+  (`jattn._call.Call`) through splash: its query, key and value as given, its one jattn mask
+  object (or None), its sinks (N,) (or None), scale and soft cap, in the tuned splash blocks.
 
   ``shard``: under an Explicit mesh, (batch axes, head axes): the mesh axes the batch and the
   heads of query, key and value are sharded over (the sequences whole). XLA cannot partition a
   Pallas kernel, so each device then runs splash on its own examples and heads inside a
   `jax.shard_map` (manual over every mesh axis): the embarrassingly parallel split, with no
   communication."""
+  s = call.static
+  query, key, value, sinks = call.query, call.key, call.value, call.given.sinks
+  block_q, block_kv = s.tuned.splash_blocks
   B, T, N, _H = query.shape
   _, S, _K, _ = key.shape
   if query.dtype not in (jnp.bfloat16, jnp.float32):
     refuse(f"query dtype {query.dtype}", "splash computes in bfloat16 or float32")
   bq, bk = block_size("block_q", block_q, T), block_size("block_kv", block_kv, S)
   Tp, Sp = -(-T // bq) * bq, -(-S // bk) * bk
-  static, lengths, segments = split_mask(mask)
+  static, lengths, segments = split_mask(call.mask)
   heads = static_masks(static, (B, N, T, S), (Tp, Sp))
   # q_ids, kv_ids, q_ok, kv_ok, each (B, Tp) or (B, Sp).
   ids = tuple(
     jnp.broadcast_to(x, (B,) + x.shape[1:]) for x in segment_ids(B, T, S, Tp, Sp, lengths, segments)
   )
-  attend = functools.partial(_attend, heads=heads, scale=scale, soft_cap=soft_cap, bq=bq, bk=bk)
+  attend = functools.partial(_attend, Setup(heads, s.scale, s.opts.logits_soft_cap, bq, bk))
   if shard is None:
     return attend(query, key, value, sinks, ids)
   batch, head = shard
@@ -502,10 +492,25 @@ def splash_attention(
   )
 
 
-def _attend(query, key, value, sinks, ids, *, heads, scale, soft_cap, bq, bk):
+@dataclasses.dataclass(frozen=True)
+class Setup:
+  """What one call's splash kernels are built from when it is traced: the head masks ``heads``
+  (one `_Static` that every query head shares, or one per query head), the logit ``scale``
+  (folded into the query: splash does not scale), the logit ``soft_cap`` (or None) and the block
+  sizes ``bq`` and ``bk`` (multiples of 128)."""
+
+  heads: list[_Static]
+  scale: float
+  soft_cap: float | None
+  bq: int
+  bk: int
+
+
+def _attend(setup: Setup, query, key, value, sinks, ids):
   """`splash_attention` on the examples and heads at hand (one device's under ``shard``), with
-  the head masks ``heads`` (one shared by all, or one per query head), the segment ids and the
-  rows and columns that the lengths keep (``ids``, (B, Tp) and (B, Sp))."""
+  the kernels of ``setup``, the segment ids and the rows and columns that the lengths keep
+  (``ids``, (B, Tp) and (B, Sp))."""
+  heads, scale, soft_cap, bq, bk = setup.heads, setup.scale, setup.soft_cap, setup.bq, setup.bk
   B, T, N, H = query.shape
   _, S, K, _ = key.shape
   G = N // K

@@ -140,14 +140,6 @@ PUBLIC_SIGNATURES = {
 OVER_8_PARAMETERS = {
   "_call.py:options",
   "_chunked/lanes.py:_lane_steps",
-  "_cudnn.py:_lse",
-  "_cudnn.py:cudnn_attention",
-  "_dense.py:_exp_scores",
-  "_dense.py:dense_attention",
-  "_flash_gpu.py:_backward",
-  "_flash_gpu.py:_backward_kv",
-  "_flash_gpu.py:_backward_q",
-  "_flash_gpu.py:flash_attention",
   "_mha.py:_attention",
   "_mha.py:attend",
   "_mha.py:attend_cached",
@@ -157,8 +149,6 @@ OVER_8_PARAMETERS = {
   "_parallel/ring.py:_ring_backward",
   "_parallel/split.py:part",
   "_plan.py:implementation_by_platform",
-  "_splash.py:_attend",
-  "_splash.py:splash_attention",
   "_validation.py:real",
 }
 

@@ -216,9 +216,7 @@ def test_cudnn_lse_of_the_call_equals_reference():
     jnp.asarray(mask),
     jnp.asarray(q_len),
     jnp.asarray(kv_len),
-    scale=0.3,
-    causal="top_left",
-    window=(4, 0),
+    _cudnn.JaxNnOptions(scale=0.3, causal="top_left", window=(4, 0)),
   )
   vis = ref.visible_mask(
     B, N, T, S, mask=mask, causal="top_left", window=(4, 0), q_lengths=q_len, kv_lengths=kv_len
