@@ -161,7 +161,6 @@ OVER_8_PARAMETERS = {
   "_plan.py:implementation_by_platform",
   "_splash.py:_attend",
   "_splash.py:splash_attention",
-  "_validation.py:real",
 }
 
 
