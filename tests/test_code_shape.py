@@ -157,7 +157,6 @@ OVER_8_PARAMETERS = {
   "_paged_gpu.py:walk",
   "_paged_tpu.py:walk",
   "_parallel/ring.py:_ring_backward",
-  "_parallel/split.py:part",
   "_splash.py:_attend",
   "_splash.py:splash_attention",
 }
