@@ -139,7 +139,6 @@ PUBLIC_SIGNATURES = {
 # fixed must leave the list.
 OVER_8_PARAMETERS = {
   "_call.py:options",
-  "_chunked/lanes.py:_lane_steps",
   "_cudnn.py:_lse",
   "_cudnn.py:cudnn_attention",
   "_dense.py:_exp_scores",
