@@ -62,10 +62,7 @@ def order(call) -> dict:
     if backend.first is not None and backend.first(call) and backend.traced_cheaply(call):
       first.update(dict.fromkeys(backend.platforms or (), name))
   choice = _plan.implementation_by_platform(
-    s.B,
-    s.N,
-    s.T,
-    s.S,
+    (s.B, s.N, s.T, s.S),
     s.G,
     s.dtype,
     call.mask,

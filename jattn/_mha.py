@@ -10,7 +10,8 @@ heads (K divides N: GQA / MQA), H head dim, D model features.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -42,29 +43,34 @@ class Options:
   broadcast_dropout: bool
 
 
-def options(
-  *,
-  num_heads,
-  num_kv_heads,
-  qkv_features,
-  is_causal,
-  local_window_size,
-  logits_soft_cap,
-  scale,
-  implementation,
-  block_q,
-  block_kv,
-  rope,
-  rope_base,
-  dropout_rate,
-  broadcast_dropout,
-  value_head_dim=None,
-) -> Options:
+class Arguments(NamedTuple):
+  """A module's attention arguments as the user gave them, unchecked (linen's attributes, nnx's
+  constructor arguments: the same names in both); `options` checks them. ``qkv_features`` is
+  resolved already (the queries' input features D when the user left it None)."""
+
+  num_heads: Any
+  num_kv_heads: Any
+  qkv_features: Any
+  is_causal: Any
+  local_window_size: Any
+  logits_soft_cap: Any
+  scale: Any
+  implementation: Any
+  block_q: Any
+  block_kv: Any
+  rope: Any
+  rope_base: Any
+  dropout_rate: Any
+  broadcast_dropout: Any
+  value_head_dim: Any = None
+
+
+def options(given: Arguments) -> Options:
   """Check a module's constructor arguments (the `jattn._validation` policy: TypeError for a
   wrong type, ValueError for a wrong value); errors name the argument."""
-  num_heads = _validation.positive_int("num_heads", num_heads)
-  qkv_features = _validation.positive_int("qkv_features", qkv_features)
-  num_kv_heads = _validation.positive_int("num_kv_heads", num_kv_heads, optional=True)
+  num_heads = _validation.positive_int("num_heads", given.num_heads)
+  qkv_features = _validation.positive_int("qkv_features", given.qkv_features)
+  num_kv_heads = _validation.positive_int("num_kv_heads", given.num_kv_heads, optional=True)
   if num_kv_heads is None:
     num_kv_heads = num_heads
   if num_heads % num_kv_heads:
@@ -78,8 +84,8 @@ def options(
       f"(the head dim is qkv_features // num_heads)"
     )
   head_dim = qkv_features // num_heads
-  value_head_dim = _validation.positive_int("value_head_dim", value_head_dim, optional=True)
-  rope = _validation.flag("rope", rope)
+  value_head_dim = _validation.positive_int("value_head_dim", given.value_head_dim, optional=True)
+  rope = _validation.flag("rope", given.rope)
   if rope and head_dim % 2:
     raise ValueError(
       f"rope=True rotates pairs of features: the head dim qkv_features // "
@@ -90,18 +96,58 @@ def options(
     num_kv_heads=num_kv_heads,
     head_dim=head_dim,
     value_head_dim=head_dim if value_head_dim is None else value_head_dim,
-    is_causal=_validation.causal(is_causal),
-    window=_validation.window(local_window_size),
-    logits_soft_cap=_validation.soft_cap(logits_soft_cap),
-    scale=_validation.scale(scale),
-    implementation=_validation.implementation(implementation),
-    block_q=_validation.block("block_q", block_q),
-    block_kv=_validation.block("block_kv", block_kv),
+    is_causal=_validation.causal(given.is_causal),
+    window=_validation.window(given.local_window_size),
+    logits_soft_cap=_validation.soft_cap(given.logits_soft_cap),
+    scale=_validation.scale(given.scale),
+    implementation=_validation.implementation(given.implementation),
+    block_q=_validation.block("block_q", given.block_q),
+    block_kv=_validation.block("block_kv", given.block_kv),
     rope=rope,
-    rope_base=_validation.real("rope_base", rope_base, above=1),
-    dropout_rate=_validation.real("dropout_rate", dropout_rate, at_least=0, below=1),
-    broadcast_dropout=_validation.flag("broadcast_dropout", broadcast_dropout),
+    rope_base=_validation.real("rope_base", given.rope_base, above=1),
+    dropout_rate=_validation.real("dropout_rate", given.dropout_rate, at_least=0, below=1),
+    broadcast_dropout=_validation.flag("broadcast_dropout", given.broadcast_dropout),
   )
+
+
+class Masking(NamedTuple):
+  """A call's masking arguments as the module got them (see the modules' ``__call__``): ``mask``
+  (a `jattn.masks` object, or an array broadcastable to (B, N, T, S)), RoPE ``positions`` (T,) or
+  (B, T) and ``kv_positions`` (S,) or (B, S), ``query_seq_lengths`` and
+  ``key_value_seq_lengths`` (B,), ``q_segment_ids`` (B, T) and ``kv_segment_ids`` (B, S); None
+  where not given."""
+
+  mask: Any = None
+  positions: Any = None
+  kv_positions: Any = None
+  query_seq_lengths: Any = None
+  key_value_seq_lengths: Any = None
+  q_segment_ids: Any = None
+  kv_segment_ids: Any = None
+
+
+class PerCall(NamedTuple):
+  """What one call of a module adds beyond its arrays and masking: ``deterministic`` (no
+  dropout), ``dropout_rng`` (dropout's PRNG key, or None), ``collect`` (None, or it receives a
+  thunk computing the call's softmax statistics: `jattn.diagnostics`) and ``sow`` (None, or it
+  receives the (B, N, T, S) softmax weights, before dropout: flax's ``sow_weights``)."""
+
+  deterministic: bool = True
+  dropout_rng: Any = None
+  collect: Callable | None = None
+  sow: Callable | None = None
+
+
+class Cache(NamedTuple):
+  """A decoding module's KV cache as one call reads it. ``arrays``: (cached key, cached value)
+  or, quantised, (cached key, cached value, key scale, value scale); contiguous
+  (B, S_max, K, H|Hv) (scales (B, S_max, K)) or, with ``page_table`` (B, max_pages) int32, pools
+  of pages (P, page_size, K, H|Hv) (scales (P, page_size, K)). ``index`` int32 (B,): how many
+  positions of each example's cache are filled."""
+
+  arrays: tuple
+  index: Any
+  page_table: Any = None
 
 
 def rope(x, positions, base: float):
@@ -172,21 +218,22 @@ def _common(opts: Options, rate, rng):
   )
 
 
-def _attention(opts: Options, q, k, v, collect, rate, rng, sow=None, **masking):
-  """The attention call both paths end in; ``collect`` (or None) receives a thunk computing the
-  softmax statistics of exactly this call (`jattn.diagnostics`), evaluated only if it stores.
-  ``sow`` (or None) receives the (B, N, T, S) softmax weights of this call, before dropout
-  (flax's ``sow_weights``)."""
-  if sow is not None:
-    sow(
+def _attention(opts: Options, q, k, v, per_call: PerCall, **masking):
+  """The attention call both paths end in, with dropout as ``per_call`` asks; its ``collect``
+  (or None) receives a thunk computing the softmax statistics of exactly this call
+  (`jattn.diagnostics`), evaluated only if it stores. Its ``sow`` (or None) receives the
+  (B, N, T, S) softmax weights of this call, before dropout (flax's ``sow_weights``)."""
+  rate, rng = _dropout(opts, per_call.deterministic, per_call.dropout_rng)
+  if per_call.sow is not None:
+    per_call.sow(
       attention_weights(
         q, k, v, scale=opts.scale, logits_soft_cap=opts.logits_soft_cap, **masking
       ).astype(q.dtype)
     )
-  if collect is not None:
+  if per_call.collect is not None:
     from jattn import diagnostics  # only modules that collect statistics need it
 
-    collect(
+    per_call.collect(
       lambda: diagnostics.attention_stats(
         q,
         k,
@@ -220,50 +267,37 @@ def attend(
   v,
   *,
   self_attention: bool,
-  mask=None,
-  positions=None,
-  kv_positions=None,
-  query_seq_lengths=None,
-  key_value_seq_lengths=None,
-  q_segment_ids=None,
-  kv_segment_ids=None,
-  deterministic: bool = True,
-  dropout_rng=None,
-  collect=None,
-  sow=None,
+  masking: Masking,
+  per_call: PerCall,
 ):
   """Attention without a cache. q (B, T, N, H), k (B, S, K, H), v (B, S, K, Hv) -> (B, T, N, Hv).
 
-  RoPE positions: ``positions`` for the queries (default arange(T)); ``kv_positions`` for the
-  keys (default: the query positions in self-attention, arange(S) otherwise). ``collect``: see
-  `_attention`.
+  RoPE positions: ``masking.positions`` for the queries (default arange(T));
+  ``masking.kv_positions`` for the keys (default: the query positions in self-attention,
+  arange(S) otherwise). ``per_call``: see `_attention`.
   """
   B, T = q.shape[:2]
   S = k.shape[1]
   if opts.rope:
-    qp = _positions("positions", positions, B, T)
-    if kv_positions is None and self_attention:
+    qp = _positions("positions", masking.positions, B, T)
+    if masking.kv_positions is None and self_attention:
       kp = qp
     else:
-      kp = _positions("kv_positions", kv_positions, B, S)
+      kp = _positions("kv_positions", masking.kv_positions, B, S)
     q, k = rope(q, qp, opts.rope_base), rope(k, kp, opts.rope_base)
-  rate, rng = _dropout(opts, deterministic, dropout_rng)
   return _attention(
     opts,
     q,
     k,
     v,
-    collect,
-    rate,
-    rng,
-    sow,
-    mask=_boolean_mask(mask),
+    per_call,
+    mask=_boolean_mask(masking.mask),
     is_causal=opts.is_causal or False,
     local_window_size=opts.window,
-    query_seq_lengths=query_seq_lengths,
-    key_value_seq_lengths=key_value_seq_lengths,
-    q_segment_ids=q_segment_ids,
-    kv_segment_ids=kv_segment_ids,
+    query_seq_lengths=masking.query_seq_lengths,
+    key_value_seq_lengths=masking.key_value_seq_lengths,
+    q_segment_ids=masking.q_segment_ids,
+    kv_segment_ids=masking.kv_segment_ids,
   )
 
 
@@ -281,21 +315,28 @@ def kv_inputs(inputs_q, inputs_k, inputs_v) -> tuple[Any, Any, bool]:
   return inputs_k, inputs_k if inputs_v is None else inputs_v, self_attention
 
 
-def layer_attention(opts: Options, q, k, v, cache, *, self_attention, masking, **rest):
+def layer_attention(
+  opts: Options,
+  q,
+  k,
+  v,
+  cache: Cache | None,
+  *,
+  self_attention: bool,
+  masking: Masking,
+  per_call: PerCall,
+):
   """The attention of one call of a Flax module (linen or nnx).
 
-  ``cache``: None, or a decoding module's (arrays, cache_index, page_table or None) (see
-  `decode_step`); ``masking``: the call's mask, positions, lengths and segment ids by keyword;
-  ``rest``: deterministic, dropout_rng, collect, sow. Returns (out, new cache arrays, new
-  cache_index), the last two None without a cache.
+  ``cache``: None, or a decoding module's `Cache` (see `decode_step`). Returns (out, new cache
+  arrays, new cache_index), the last two None without a cache.
   """
   if cache is None:
-    return attend(opts, q, k, v, self_attention=self_attention, **masking, **rest), None, None
+    out = attend(opts, q, k, v, self_attention=self_attention, masking=masking, per_call=per_call)
+    return out, None, None
   cache_set = ("kv_positions", "key_value_seq_lengths", "q_segment_ids", "kv_segment_ids")
-  check_decode_call(self_attention, **{name: masking.get(name) for name in cache_set})
-  arrays, cache_index, page_table = cache
-  given = {name: val for name, val in masking.items() if name not in cache_set}
-  return decode_step(opts, q, k, v, arrays, cache_index, page_table=page_table, **given, **rest)
+  check_decode_call(self_attention, **{name: getattr(masking, name) for name in cache_set})
+  return decode_step(opts, q, k, v, cache, masking, per_call)
 
 
 def check_decode_call(self_attention: bool, **cache_set):
@@ -324,28 +365,14 @@ def _at_fill_level(opts: Options, q, k, cache_index, positions, query_seq_length
   return q, k, index, new, jnp.arange(B, dtype=jnp.int32)[:, None], slots
 
 
-def attend_cached(
-  opts: Options,
-  q,
-  k,
-  v,
-  cached_key,
-  cached_value,
-  cache_index,
-  *,
-  mask=None,
-  positions=None,
-  query_seq_lengths=None,
-  deterministic: bool = True,
-  dropout_rng=None,
-  collect=None,
-  sow=None,
-):
+def attend_cached(opts: Options, q, k, v, cache: Cache, masking: Masking, per_call: PerCall):
   """One decoding step: append T new keys/values to the cache, attend over the cache.
 
-  q (B, T, N, H); k, v (B, T, K, H|Hv); cached_key, cached_value (B, S_max, K, H|Hv); cache_index
-  int32 (B,): how many positions of each example's cache are filled. The new tokens take cache
-  positions cache_index[b] .. cache_index[b] + T - 1 (also their RoPE positions unless
+  q (B, T, N, H); k, v (B, T, K, H|Hv); ``cache``: a contiguous float `Cache`, its arrays
+  (cached_key, cached_value) (B, S_max, K, H|Hv) and its index cache_index int32 (B,): how many
+  positions of each example's cache are filled. Of ``masking`` a step reads the mask, positions
+  and query_seq_lengths (the cache sets the rest: see `check_decode_call`). The new tokens take
+  cache positions cache_index[b] .. cache_index[b] + T - 1 (also their RoPE positions unless
   ``positions`` is given). Query t sees cache keys k <= cache_index[b] + t (bottom-right aligned
   causality at the fill level: ``masks.causal(offset=cache_index)``), within the valid length
   cache_index[b] + query_seq_lengths[b]. ``query_seq_lengths`` (B,) marks right-padding of a
@@ -357,6 +384,8 @@ def attend_cached(
 
   Returns (out (B, T, N, Hv), new cached_key, new cached_value, new cache_index).
   """
+  (cached_key, cached_value), cache_index = cache.arrays, cache.index
+  mask, positions, query_seq_lengths = masking.mask, masking.positions, masking.query_seq_lengths
   B, T = q.shape[:2]
   S_max = cached_key.shape[1]
   if T > S_max:
@@ -390,8 +419,7 @@ def attend_cached(
   mask = _boolean_mask(mask)
   if mask is not None:
     m = m & (mask if isinstance(mask, _masks.Mask) else _masks.from_array(mask))
-  rate, rng = _dropout(opts, deterministic, dropout_rng)
-  out = _attention(opts, q, cached_key, cached_value, collect, rate, rng, sow, mask=m)
+  out = _attention(opts, q, cached_key, cached_value, per_call, mask=m)
   return out, cached_key, cached_value, valid
 
 
@@ -431,34 +459,23 @@ def new_cache(opts: Options, batch_size: int, max_length: int, dtype, page_size=
   return arrays, table
 
 
-def attend_paged(
-  opts: Options,
-  q,
-  k,
-  v,
-  pools,
-  page_table,
-  cache_index,
-  *,
-  positions=None,
-  query_seq_lengths=None,
-  masked=False,
-  dropout=False,
-  stats=False,
-):
-  """A decoding step on a paged cache: ``pools`` = (key pages (P, ps, K, H), value pages
-  (P, ps, K, Hv)) in the keys' dtype, or int8 / float8 with (key scales, value scales)
-  (P, ps, K) float32; ``page_table`` (B, max_pages): example b's cache positions
+def attend_paged(opts: Options, q, k, v, cache: Cache, masking: Masking, per_call: PerCall):
+  """A decoding step on a paged cache: ``cache.arrays`` = pools (key pages (P, ps, K, H), value
+  pages (P, ps, K, Hv)) in the keys' dtype, or int8 / float8 with (key scales, value scales)
+  (P, ps, K) float32; ``cache.page_table`` (B, max_pages): example b's cache positions
   i * ps .. (i + 1) * ps - 1 live in page page_table[b, i]. The T new keys and values
   (quantised per token and head when the pool is) are written at the fill level through the
-  table, and the step attends through `jattn.paged_attention`. Returns (out (B, T, N, Hv), new
-  pools, new cache_index)."""
+  table, and the step attends through `jattn.paged_attention`. Of ``masking`` it reads the
+  positions and query_seq_lengths, and refuses a mask; of ``per_call``, it refuses dropout and
+  statistics. Returns (out (B, T, N, Hv), new pools, new cache_index)."""
   from jattn._paged import paged_attention  # the serving kernel
 
+  pools, page_table, cache_index = cache.arrays, cache.page_table, cache.index
+  positions, query_seq_lengths = masking.positions, masking.query_seq_lengths
   for what, given in (
-    ("a mask", masked),
-    ("dropout", dropout),
-    ("collect_stats / sow_weights", stats),
+    ("a mask", masking.mask is not None),
+    ("dropout", not per_call.deterministic and opts.dropout_rate > 0),
+    ("collect_stats / sow_weights", per_call.collect is not None or per_call.sow is not None),
   ):
     if given:
       raise NotImplementedError(
@@ -507,72 +524,28 @@ def attend_paged(
   return out, pools, index + new
 
 
-def decode_step(
-  opts: Options,
-  q,
-  k,
-  v,
-  cache,
-  cache_index,
-  *,
-  page_table=None,
-  mask=None,
-  positions=None,
-  query_seq_lengths=None,
-  deterministic=True,
-  dropout_rng=None,
-  collect=None,
-  sow=None,
-):
-  """A decoding step on a module's cache: ``cache`` is (cached_key, cached_value) or, quantised,
-  (cached_key, cached_value, key_scale, value_scale); contiguous (B, S_max, K, H|Hv) or, with
-  ``page_table``, pools of pages (P, page_size, K, H|Hv). Returns (out, new cache of the same
-  form, new cache_index)."""
+def decode_step(opts: Options, q, k, v, cache: Cache, masking: Masking, per_call: PerCall):
+  """A decoding step on a module's `Cache`. Returns (out, new cache arrays of the same form, new
+  cache_index)."""
   if opts.is_causal is None:
     raise ValueError(
       "decode=True needs is_causal=True: step-by-step decoding with a KV cache "
       "reproduces causal self-attention only"
     )
-  if page_table is None and len(cache) == 2:
-    out, ck, cv, idx = attend_cached(
-      opts,
-      q,
-      k,
-      v,
-      cache[0],
-      cache[1],
-      cache_index,
-      mask=mask,
-      positions=positions,
-      query_seq_lengths=query_seq_lengths,
-      deterministic=deterministic,
-      dropout_rng=dropout_rng,
-      collect=collect,
-      sow=sow,
-    )
+  arrays = cache.arrays
+  if cache.page_table is None and len(arrays) == 2:
+    out, ck, cv, idx = attend_cached(opts, q, k, v, cache, masking, per_call)
     return out, (ck, cv), idx
   shapes = None
-  if page_table is None:
+  if cache.page_table is None:
     # A contiguous quantised cache is read as pages of a pool: its rows, cut, without a copy.
-    B, S_max = cache[0].shape[:2]
+    B, S_max = arrays[0].shape[:2]
     ps = _cache_pages(S_max)
-    shapes = [x.shape for x in cache]
-    cache = tuple(x.reshape((B * (S_max // ps), ps) + x.shape[2:]) for x in cache)
-    page_table = jnp.arange(B * (S_max // ps), dtype=jnp.int32).reshape(B, S_max // ps)
-  out, cache, idx = attend_paged(
-    opts,
-    q,
-    k,
-    v,
-    cache,
-    page_table,
-    cache_index,
-    positions=positions,
-    query_seq_lengths=query_seq_lengths,
-    masked=mask is not None,
-    dropout=not deterministic and opts.dropout_rate > 0,
-    stats=collect is not None or sow is not None,
-  )
+    shapes = [x.shape for x in arrays]
+    arrays = tuple(x.reshape((B * (S_max // ps), ps) + x.shape[2:]) for x in arrays)
+    table = jnp.arange(B * (S_max // ps), dtype=jnp.int32).reshape(B, S_max // ps)
+    cache = Cache(arrays, cache.index, table)
+  out, arrays, idx = attend_paged(opts, q, k, v, cache, masking, per_call)
   if shapes is not None:
-    cache = tuple(x.reshape(shape) for x, shape in zip(cache, shapes))
-  return out, cache, idx
+    arrays = tuple(x.reshape(shape) for x, shape in zip(arrays, shapes))
+  return out, arrays, idx

@@ -130,10 +130,7 @@ def static_block_map(mask, T: int, S: int, shape) -> bool:
 
 
 def implementation_by_platform(
-  B: int,
-  N: int,
-  T: int,
-  S: int,
+  scores: tuple[int, int, int, int],
   G: int = 1,
   dtype=None,
   mask=None,
@@ -141,7 +138,8 @@ def implementation_by_platform(
   keys_split: bool = False,
 ) -> dict[str, tuple[str, ...]]:
   """implementation=None per platform ({"cpu": names, "default": names, maybe "tpu": names}):
-  the implementations to try in order, picked where the program is lowered.
+  the implementations to try in order, picked where the program is lowered. ``scores``: the
+  call's (B, N, T, S), the shape of its score matrices (as `choose_implementation` takes it).
 
   GPU and TPU (reasoned, not measured): decoding-shaped calls go to the chunked kernels (their
   parallel schedule splits the cache over lanes, split-KV), others to dense while the
@@ -161,8 +159,9 @@ def implementation_by_platform(
   # size, so the scores are taken not to fit.
   if keys_split:
     return {"default": ("chunked",)}
+  B, N, T, S = scores
   decode = decoding(T, S, G)
-  cpu = choose_implementation(T, S, G, dtype, mask, (B, N, T, S))
+  cpu = choose_implementation(T, S, G, dtype, mask, scores)
   fits = concrete(B, N) and B * N * T * S * 4 <= ACCELERATOR_DENSE_SCORES_BYTES
   accelerator = "dense" if fits and not decode else "chunked"
   choice: dict[str, tuple[str, ...]] = {"cpu": (cpu,), "default": (accelerator,)}

@@ -126,7 +126,6 @@ def real(
   *,
   optional: bool = False,
   finite: bool = True,
-  positive: bool = False,
   above=None,
   at_least=None,
   below=None,
@@ -134,14 +133,12 @@ def real(
 ):
   """A real number (Python or NumPy, ints included, bools not) as a Python float.
 
-  ``positive`` is ``above=0``; ``above`` / ``at_least`` / ``below`` / ``at_most`` bound it
-  (exclusive / inclusive); ``finite`` refuses inf and NaN (NaN fails every bound too).
+  ``above`` / ``at_least`` / ``below`` / ``at_most`` bound it (exclusive / inclusive; a positive
+  number is ``above=0``); ``finite`` refuses inf and NaN (NaN fails every bound too).
   ``optional``: None passes as None. TypeError for a non-number, ValueError out of range.
   """
   if value is None and optional:
     return None
-  if positive and above is None:
-    above = 0
   bounds = f"{_range_text(above, at_least, below, at_most)}{_or_none(optional)}"
   if not is_real(value):
     raise TypeError(f"{name} must be a real number{bounds}, got {describe(value)}")
@@ -318,7 +315,7 @@ def window(value):
 
 
 def soft_cap(value):
-  return real("logits_soft_cap", value, optional=True, positive=True)
+  return real("logits_soft_cap", value, optional=True, above=0)
 
 
 def dropout(rate, rng):

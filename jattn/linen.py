@@ -118,21 +118,23 @@ class MultiHeadAttention(nn.Module):
     """(_mha.Options, out_features, decode, collect_stats, use_bias), every attribute checked
     (errors name it); D: the queries' input features."""
     opts = _mha.options(
-      num_heads=self.num_heads,
-      num_kv_heads=self.num_kv_heads,
-      qkv_features=D if self.qkv_features is None else self.qkv_features,
-      is_causal=self.is_causal,
-      local_window_size=self.local_window_size,
-      logits_soft_cap=self.logits_soft_cap,
-      scale=self.scale,
-      implementation=self.implementation,
-      block_q=self.block_q,
-      block_kv=self.block_kv,
-      rope=self.rope,
-      rope_base=self.rope_base,
-      dropout_rate=self.dropout_rate,
-      broadcast_dropout=self.broadcast_dropout,
-      value_head_dim=self.value_head_dim,
+      _mha.Arguments(
+        num_heads=self.num_heads,
+        num_kv_heads=self.num_kv_heads,
+        qkv_features=D if self.qkv_features is None else self.qkv_features,
+        is_causal=self.is_causal,
+        local_window_size=self.local_window_size,
+        logits_soft_cap=self.logits_soft_cap,
+        scale=self.scale,
+        implementation=self.implementation,
+        block_q=self.block_q,
+        block_kv=self.block_kv,
+        rope=self.rope,
+        rope_base=self.rope_base,
+        dropout_rate=self.dropout_rate,
+        broadcast_dropout=self.broadcast_dropout,
+        value_head_dim=self.value_head_dim,
+      )
     )
     out_features = _validation.positive_int("out_features", self.out_features, optional=True)
     decode = _validation.flag("decode", self.decode)
@@ -224,7 +226,7 @@ class MultiHeadAttention(nn.Module):
       variables, page_table, cache_index = self._cache(opts, k)
     if decoding:
       page_table = None if page_table is None else page_table.value
-      cache = (tuple(var.value for var in variables), cache_index.value, page_table)
+      cache = _mha.Cache(tuple(var.value for var in variables), cache_index.value, page_table)
     x, arrays, index = _mha.layer_attention(
       opts,
       q,
@@ -232,7 +234,7 @@ class MultiHeadAttention(nn.Module):
       v,
       cache,
       self_attention=self_attention,
-      masking=dict(
+      masking=_mha.Masking(
         mask=mask,
         positions=positions,
         kv_positions=kv_positions,
@@ -241,10 +243,7 @@ class MultiHeadAttention(nn.Module):
         q_segment_ids=q_segment_ids,
         kv_segment_ids=kv_segment_ids,
       ),
-      deterministic=m_deterministic,
-      dropout_rng=dropout_rng,
-      collect=collect,
-      sow=sow,
+      per_call=_mha.PerCall(m_deterministic, dropout_rng, collect, sow),
     )
     if decoding:
       cache_index.value = index

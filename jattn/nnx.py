@@ -90,21 +90,23 @@ class MultiHeadAttention(nnx.Module):
     out_features = _validation.positive_int("out_features", out_features, optional=True)
     in_kv_features = _validation.positive_int("in_kv_features", in_kv_features, optional=True)
     self.opts = _mha.options(
-      num_heads=num_heads,
-      num_kv_heads=num_kv_heads,
-      qkv_features=in_features if qkv_features is None else qkv_features,
-      is_causal=is_causal,
-      local_window_size=local_window_size,
-      logits_soft_cap=logits_soft_cap,
-      scale=scale,
-      implementation=implementation,
-      block_q=block_q,
-      block_kv=block_kv,
-      rope=rope,
-      rope_base=rope_base,
-      dropout_rate=dropout_rate,
-      broadcast_dropout=broadcast_dropout,
-      value_head_dim=value_head_dim,
+      _mha.Arguments(
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        qkv_features=in_features if qkv_features is None else qkv_features,
+        is_causal=is_causal,
+        local_window_size=local_window_size,
+        logits_soft_cap=logits_soft_cap,
+        scale=scale,
+        implementation=implementation,
+        block_q=block_q,
+        block_kv=block_kv,
+        rope=rope,
+        rope_base=rope_base,
+        dropout_rate=dropout_rate,
+        broadcast_dropout=broadcast_dropout,
+        value_head_dim=value_head_dim,
+      )
     )
     o = self.opts
     self.in_features = in_features
@@ -205,7 +207,9 @@ class MultiHeadAttention(nnx.Module):
     ]
     page_table = None if self.page_table is None else self.page_table[...]
     assert self.cache_index is not None  # made with the cached keys
-    return variables, (tuple(var[...] for var in variables), self.cache_index[...], page_table)
+    return variables, _mha.Cache(
+      tuple(var[...] for var in variables), self.cache_index[...], page_table
+    )
 
   def __call__(
     self,
@@ -299,7 +303,7 @@ class MultiHeadAttention(nnx.Module):
       v,
       cache,
       self_attention=self_attention,
-      masking=dict(
+      masking=_mha.Masking(
         mask=mask,
         positions=positions,
         kv_positions=kv_positions,
@@ -308,10 +312,7 @@ class MultiHeadAttention(nnx.Module):
         q_segment_ids=q_segment_ids,
         kv_segment_ids=kv_segment_ids,
       ),
-      deterministic=det,
-      dropout_rng=dropout_rng,
-      collect=collect,
-      sow=sow,
+      per_call=_mha.PerCall(det, dropout_rng, collect, sow),
     )
     if variables is not None:
       assert self.cache_index is not None

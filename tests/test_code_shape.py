@@ -139,17 +139,7 @@ PUBLIC_SIGNATURES = {
 # fixed must leave the list.
 OVER_8_PARAMETERS = {
   "_call.py:options",
-  "_chunked/lanes.py:_lane_steps",
-  "_mha.py:_attention",
-  "_mha.py:attend",
-  "_mha.py:attend_cached",
-  "_mha.py:attend_paged",
-  "_mha.py:decode_step",
-  "_mha.py:options",
   "_parallel/ring.py:_ring_backward",
-  "_parallel/split.py:part",
-  "_plan.py:implementation_by_platform",
-  "_validation.py:real",
 }
 
 

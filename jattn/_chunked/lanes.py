@@ -13,7 +13,8 @@ lanes (`_backward_q_pass`), dBias summed where each block has one writer (`_bias
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -25,22 +26,43 @@ from jattn._plan import Operands, Plan
 from jattn.masks import EMPTY, PARTIAL
 
 
-def _lanes(plan: Plan, packed, states, per_row: int = 1):
-  """The lane tables (a `_LaneTables`), the number of steps, and whether any tile needs mask
-  arithmetic: static lanes from the plan (``packed``), or run-time ones from the block map
-  ``states`` (``per_row`` lanes per row)."""
+def _lanes(plan: Plan, packed, states, per_row: int = 1) -> _Schedule:
+  """The `_Schedule` of one pass: static lanes from the plan (``packed``), or run-time ones from
+  the block map ``states`` (``per_row`` lanes per row), run ``plan.width`` at a time."""
   if packed is not None:
     ln = _plan.lanes_of(packed)
     masked = PARTIAL in plan.kinds or bool((ln.kinds == EMPTY).any())
-    return _LaneTables(ln, ln.segmented, _plan.merge_order(ln)), ln.columns.shape[1], masked
+    tables = _LaneTables(ln, ln.segmented, _plan.merge_order(ln))
+    return _Schedule(tables, ln.columns.shape[1], masked, plan.width)
   ln, steps = _plan.run_time_lanes(states, per_row)
-  return _LaneTables(ln, False, _plan.merge_order(ln, per_row)), steps, True
+  return _Schedule(_LaneTables(ln, False, _plan.merge_order(ln, per_row)), steps, True, plan.width)
 
 
 class _LaneTables(NamedTuple):
   lanes: _plan.Lanes  # as jax arrays, or NumPy ones (static)
   segmented: bool  # some lane runs several parts: reset and write out its carry mid-loop
   order: _plan.MergeOrder  # which parts wait for their group's end, and the merges' rounds
+
+
+class _Schedule(NamedTuple):
+  """One pass's lanes and how they run: a pass makes it once (`_lanes`) and hands it whole to
+  `_lane_steps`."""
+
+  tables: _LaneTables
+  steps: Any  # steps every lane takes: an int for static lanes, traced for run-time ones
+  masked: bool  # some tile needs mask arithmetic
+  width: int | None  # lanes run at a time (`_in_groups`); None: all at once
+
+
+class _Lane(NamedTuple):
+  """What each of V lanes does at every step (see `_lane_steps`): ``visit(i, j, live, masked,
+  const, carry) -> (carry, outs)`` on its next block, its carry's start ``carry0`` and its
+  ``const`` data that does not change: pytrees of (V, ...) arrays, a row per lane (``const``
+  None when the lanes are segmented)."""
+
+  visit: Callable
+  carry0: Any
+  const: Any
 
 
 def _in_groups(tables: _LaneTables, width, per_lane, shared, run):
@@ -90,31 +112,29 @@ def _pads(n_lanes: int, width) -> bool:
 
 
 def _lane_steps(
-  tables: _LaneTables,
-  steps,
-  masked,
-  carry0,
-  visit,
-  const,
+  schedule: _Schedule,
+  lane: _Lane,
   rows0,
   fold,
-  width=None,
   name=None,
   shared=None,
   gather=None,
   transposed=False,
 ):
-  """Run ``steps`` steps; in each, every lane of a group (see `_in_groups`) visits its next
-  block (vmapped over lanes): ``visit(i, j, live, masked, lane_const, lane_carry) -> (lane_carry,
-  outs)``, i the step's row, j its block, ``const`` per-lane data that does not change (None
-  when lanes are segmented: a lane's row changes between parts, so visit loads what it needs).
+  """Run the schedule's steps; in each, every lane of a group (see `_in_groups`) visits its next
+  block (vmapped over lanes): ``lane.visit(i, j, live, masked, lane_const, lane_carry) ->
+  (lane_carry, outs)``, i the step's row, j its block, ``lane.const`` per-lane data that does not
+  change (None when lanes are segmented: a lane's row changes between parts, so visit loads what
+  it needs).
 
-  A lane's carry restarts from its ``carry0`` where a part starts; finished parts are merged
+  A lane's carry restarts from its ``lane.carry0`` where a part starts; finished parts are merged
   into their rows of the accumulator that starts as ``rows0`` by ``fold(rows, at, parts) ->
   rows``, ``at`` (W,) their rows without repeats (R or more: none), in the order of
   `jattn._plan.MergeOrder`: a row's parts in lane order. ``gather(shared, outs, rows_t,
   columns_t, kinds_t) -> shared`` folds each step's other results into ``shared``. Returns
   (rows, shared). ``transposed``: rows are key blocks (the dK/dV pass), for the block hook."""
+  tables, steps, masked, width = schedule
+  visit = lane.visit
   ln, segmented, order = tables
   masked = masked or _pads(ln.rows.shape[0], width)
   R = jax.tree.leaves(rows0)[0].shape[0]
@@ -177,7 +197,7 @@ def _lane_steps(
     )
     return merge(acc, at, parts, order.rounds), shared
 
-  return _in_groups(tables, width, (const, carry0), (rows0, shared), run)
+  return _in_groups(tables, width, (lane.const, lane.carry0), (rows0, shared), run)
 
 
 def _forward_parallel(plan: Plan, ops: Operands, start, tile):
@@ -185,8 +205,8 @@ def _forward_parallel(plan: Plan, ops: Operands, start, tile):
   row are merged through their running max and sum, then the sink joins once."""
   cfg = plan.cfg
   sd = _tile.stat_dtype(ops.q.dtype)
-  tables, steps, masked = _lanes(plan, plan.row_lanes, ops.states, plan.row_split)
-  qbs, carry0 = jax.vmap(start)(jnp.asarray(tables.lanes.rows)[:, 0])
+  schedule = _lanes(plan, plan.row_lanes, ops.states, plan.row_split)
+  qbs, carry0 = jax.vmap(start)(jnp.asarray(schedule.tables.lanes.rows)[:, 0])
 
   def visit(i, j, live, masked, qb, carry):
     if qb is None:  # segmented lanes: the step's own row
@@ -198,18 +218,8 @@ def _forward_parallel(plan: Plan, ops: Operands, start, tile):
   m0, l0, acc0 = carry0
   R = plan.grid.num_q_blocks
   rows0 = (_softmax.no_rows(m0, R, _tile.NEG), _softmax.no_rows(l0, R), _softmax.no_rows(acc0, R))
-  rows, _ = _lane_steps(
-    tables,
-    steps,
-    masked,
-    carry0,
-    visit,
-    None if tables.segmented else qbs,
-    rows0,
-    _softmax.merge_into,
-    plan.width,
-    name="fwd",
-  )
+  lane = _Lane(visit, carry0, None if schedule.tables.segmented else qbs)
+  rows, _ = _lane_steps(schedule, lane, rows0, _softmax.merge_into, name="fwd")
   # (R, B, K, G * bq[, H]) -> (R, B, K, G, bq[, H]).
   m_r, l_r, acc_r = (_unrows(x, cfg.G, lead=1) for x in rows)
   if ops.sink is not None:
@@ -291,8 +301,8 @@ def _backward_kv_pass(plan: Plan, ops: Operands, tile_grads, sums):
   bk, nq, nk = grid.block_kv, grid.num_q_blocks, grid.num_kv_blocks
   sd = _tile.stat_dtype(ops.q.dtype)
   per_key, _, block_spec, lane_zeros, blocked0 = sums
-  tables, steps, masked = _lanes(plan, plan.column_lanes, ops.states.T)
-  kv_rows = jnp.asarray(tables.lanes.rows)[:, 0]
+  schedule = _lanes(plan, plan.column_lanes, ops.states.T)
+  kv_rows = jnp.asarray(schedule.tables.lanes.rows)[:, 0]
   kbs = jax.vmap(lambda j: kv_tile(k, j, bk))(kv_rows)
   vbs = jax.vmap(lambda j: kv_tile(v, j, bk))(kv_rows)
   tk = bias is not None and bias.shape[4] != 1
@@ -322,15 +332,10 @@ def _backward_kv_pass(plan: Plan, ops: Operands, tile_grads, sums):
   if per_key:
     carry0 += (lane_zeros(kbs.shape[0]),)
   kv_sums, (blocked, dargs) = _lane_steps(
-    tables,
-    steps,
-    masked,
-    carry0,
-    kv_visit,
-    None if tables.segmented else (kbs, vbs),
+    schedule,
+    _Lane(kv_visit, carry0, None if schedule.tables.segmented else (kbs, vbs)),
     tuple(_softmax.no_rows(x, nk) for x in carry0),
     _softmax.add_into,
-    plan.width,
     name="bwd",
     shared=(blocked0, jax.tree.map(jnp.zeros_like, ops.score_args)),
     gather=gather,
@@ -350,8 +355,8 @@ def _backward_q_pass(plan: Plan, ops: Operands, tile_grads, sums):
   bq, bk, nq = grid.block_q, grid.block_kv, grid.num_q_blocks
   sd = _tile.stat_dtype(q.dtype)
   _, per_query, block_spec, lane_zeros, _ = sums
-  tables, steps, masked = _lanes(plan, plan.row_lanes, ops.states, plan.row_split)
-  q_rows = jnp.asarray(tables.lanes.rows)[:, 0]
+  schedule = _lanes(plan, plan.row_lanes, ops.states, plan.row_split)
+  q_rows = jnp.asarray(schedule.tables.lanes.rows)[:, 0]
 
   def visit(i, j, live, masked, const, carry):
     c = tile_grads(tile_view(plan, ops, i, j, masked, live), kv_tile(k, j, bk), kv_tile(v, j, bk))
@@ -369,15 +374,10 @@ def _backward_q_pass(plan: Plan, ops: Operands, tile_grads, sums):
   )
   carry0 = (dq0, lane_zeros(dq0.shape[0])) if per_query else (dq0,)
   q_sums, _ = _lane_steps(
-    tables,
-    steps,
-    masked,
-    carry0,
-    visit,
-    None,
+    schedule,
+    _Lane(visit, carry0, None),
     tuple(_softmax.no_rows(x, nq) for x in carry0),
     _softmax.add_into,
-    plan.width,
     name="bwd_dq",
   )
   # (nq, ...) -> (nq, 1, ...)

@@ -138,13 +138,26 @@ def _split(mesh, q_spec, k_spec, problem) -> Split:
   return split
 
 
+class Operands(NamedTuple):
+  """The arrays of the operation, whole or one device's part: q (B, T, N, H), k and v
+  (B, S, K, H), bias (B|1, K|1, G|1, T|1, S|1) or None, mask a `jattn.masks` object or None, seed
+  dropout's (2,) words or None, sink (1, K, G, 1) or None (each has a role: `OPERAND_ROLES`)."""
+
+  q: Any
+  k: Any
+  v: Any
+  bias: Any
+  mask: Any
+  seed: Any
+  sink: Any
+
+
 class Problem(NamedTuple):
   """The static sizes of the call and how to run one device's part.
 
-  ``local(q, k, v, bias, mask, seed, sink, part, saved=None)`` runs the chunked kernels on one
-  device's arrays (``part``: a `Part`, or None for the whole problem) and returns (out, lse);
-  with ``saved`` = (out, lse, dout, dlse) it returns the operands' cotangents (an
-  `jattn._plan.Operands`)."""
+  ``local(operands, part, saved=None)`` runs the chunked kernels on one device's `Operands`
+  (``part``: a `Part`, or None for the whole problem) and returns (out, lse); with ``saved`` =
+  (out, lse, dout, dlse) it returns the operands' cotangents (an `jattn._plan.Operands`)."""
 
   B: int
   T: int
@@ -155,10 +168,9 @@ class Problem(NamedTuple):
   bias_shape: tuple | None = None  # the whole bias's (B|1, K|1, G|1, T|1, S|1)
 
 
-def _part(problem: Problem, split: Split, mesh, operands):
+def _part(problem: Problem, split: Split, mesh, operands: Operands):
   """This device's operands and its `Part`; operands read whole are cut here (the sinks along
   heads, the mask along examples and heads)."""
-  q, k, v, bias, mask, seed, sink = operands
   if split == WHOLE:
     return operands, None
   B, T, N, K = problem.B, problem.T, problem.N, problem.K
@@ -171,13 +183,14 @@ def _part(problem: Problem, split: Split, mesh, operands):
     split.offset(split.heads, nk * G),
     split.offset(split.keys, local(problem.S, split.keys)),
   )
+  sink = operands.sink
   if sink is not None and nk != K:
     sink = jax.lax.dynamic_slice_in_dim(sink, part.head0 // G, nk, 1)
-  mask = _masks.take_part(mask, part.batch0, nb, part.head0, nk * G, (B, N, T, None))
-  return (q, k, v, bias, mask, seed, sink), part
+  mask = _masks.take_part(operands.mask, part.batch0, nb, part.head0, nk * G, (B, N, T, None))
+  return operands._replace(mask=mask, sink=sink), part
 
 
-# Each array of the operation has a role, which says where it keeps the examples, query rows,
+# Each array of the operation (the `Operands`, in order) has a role, which says where it keeps the examples, query rows,
 # heads and keys: "q" (B, T, N, ...) laid out like the query (the output, its lse and their
 # cotangents too), "kv" (B, S, K, H), "bias" (B|1, K|1, G|1, T|1, S|1), and "whole" (read whole
 # by every device: mask arrays, the dropout seed, the sinks, the kernels' constants).
@@ -243,32 +256,32 @@ def _unsplit_axes(split: Split, spec) -> tuple:
   return tuple(a for a in split.batch + split.rows + split.heads + split.keys if a not in held)
 
 
-def _forward(problem: Problem, split: Split, mesh, operands, extra):
+def _forward(problem: Problem, split: Split, mesh, operands: Operands, extra):
   del extra
   ops, part = _part(problem, split, mesh, operands)
   if not split.keys:
-    return tuple(problem.local(*ops, part))
+    return tuple(problem.local(ops, part))
   # Each device's keys, merged across devices through their log-sum-exps (split-KV); the
   # sinks, one more logit per row, join once, after the merge.
-  sink = ops[6]
-  out, lse = problem.local(*ops[:6], None, part)
+  sink = ops.sink
+  out, lse = problem.local(ops._replace(sink=None), part)
   out, lse = _softmax.merge_over_devices(out, lse, split.keys)
   if sink is not None:
     out, lse = _softmax.add_sink(out, lse, sink.reshape(-1))
-  return out.astype(operands[0].dtype), lse
+  return out.astype(operands.q.dtype), lse
 
 
-def _backward(problem: Problem, split: Split, mesh, operands, extra):
+def _backward(problem: Problem, split: Split, mesh, operands: Operands, extra):
   """The cotangents of (q, k, v, bias, sink) from the forward's (out, lse) and theirs: the
   kernels' backward pass on this device's part. An operand read whole, or not split like the
   work, gets this device's partial sum, added over the devices that split it."""
   ops, part = _part(problem, split, mesh, operands)
-  sink = operands[6]
+  sink = operands.sink
   # With the keys split, the kernels' backward runs on this device's keys from the merged
   # (final) out and lse: the probabilities it recomputes are already normalised over every key
   # and the sinks, so dK, dV are this device's whole and dQ a partial sum; the sinks' gradient,
   # from the final statistics alone, is the same on every device of the key axes.
-  grads = problem.local(*ops, part, saved=extra)
+  grads = problem.local(ops, part, saved=extra)
   dsink = grads.sink
   if split != WHOLE and dsink is not None and dsink.shape != sink.shape:
     # This device's heads' part of the (1, K, G, 1) sinks.
@@ -293,7 +306,7 @@ def _backward(problem: Problem, split: Split, mesh, operands, extra):
 BACKWARD_ROLES = ("q", "kv", "kv", "bias", "whole")
 
 
-def _op(problem: Problem, body: Callable, operands, extra, out_roles: tuple):
+def _op(problem: Problem, body: Callable, operands: Operands, extra, out_roles: tuple):
   """``body(problem, split, mesh, operands, extra)`` as one operation that XLA partitions by
   the query's sharding. ``extra``: arrays laid out like the query (cotangents); ``out_roles``:
   the role of each output of ``body``."""
@@ -367,9 +380,8 @@ def _op(problem: Problem, body: Callable, operands, extra, out_roles: tuple):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def attention(problem: Problem, operands):
-  """(out, lse) of the chunked kernels on (q, k, v, bias, mask, seed, sink), partitioned by the
-  query's sharding when XLA partitions the program (see the module docstring)."""
+def attention(problem: Problem, operands: Operands):
+  """(out, lse) of the chunked kernels on the `Operands`, partitioned by the query's sharding when XLA partitions the program (see the module docstring)."""
   return _op(problem, _forward, operands, (), ("q", "q"))
 
 
@@ -384,9 +396,9 @@ def _attention_bwd(problem, res, cts):
   dq, dk, dv, dbias, dsink = _op(
     problem, _backward, operands, (out, lse, dout, dlse), BACKWARD_ROLES
   )
-  _, _, _, _, mask, seed, _ = operands
   zeros = lambda tree: jax.tree.map(_plan.zero_cotangent, tree)
-  return ((dq, dk, dv, dbias, zeros(mask), zeros(seed), dsink),)
+  # The cotangent has the primal's structure: an `Operands`.
+  return (Operands(dq, dk, dv, dbias, zeros(operands.mask), zeros(operands.seed), dsink),)
 
 
 attention.defvjp(_attention_fwd, _attention_bwd)

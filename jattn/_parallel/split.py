@@ -44,7 +44,9 @@ def chunked(call):
     if layout.spec is not None:
       call = dataclasses.replace(call, query=_sharding.unshard_axis(call.query, 1))
     if layout.spec is None and _partition.applies(call.mask, score_args):
-      operands = (call.query, call.key, call.value, call.bias, call.mask, call.seed, call.sink)
+      operands = _partition.Operands(
+        call.query, call.key, call.value, call.bias, call.mask, call.seed, call.sink
+      )
       out, lse = _partition.attention(
         _partition.Problem(
           s.B,
@@ -64,10 +66,12 @@ def chunked(call):
   return out, lse
 
 
-def part(static, q, k, v, bias, mask, seed, sink, cut, saved=None):
-  """The chunked kernels on one device's part of the call (``cut``: a `_partition.Part`, or
-  None for the whole), as `_partition` runs them when XLA partitions the program: (out, lse),
-  or with ``saved`` (see `jattn._chunked.attend`) the operands' cotangents."""
+def part(static, operands, cut, saved=None):
+  """The chunked kernels on one device's part of the call (``operands``: its
+  `_partition.Operands`; ``cut``: a `_partition.Part`, or None for the whole), as `_partition`
+  runs them when XLA partitions the program: (out, lse), or with ``saved`` (see
+  `jattn._chunked.attend`) the operands' cotangents."""
+  q, k, v, bias, mask, seed, sink = operands
   Bl, Tl, Nl, _ = q.shape
   Sl, Kl = k.shape[1], k.shape[2]
   local = dataclasses.replace(static, B=Bl, T=Tl, S=Sl, N=Nl, K=Kl)
