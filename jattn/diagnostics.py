@@ -140,20 +140,16 @@ def attention_stats(
     "saturation_threshold", saturation_threshold, above=0, at_most=1
   )
   call, _ = _call.options(
-    scale=_validation.scale(scale),
-    is_causal=is_causal,
-    local_window_size=local_window_size,
-    logits_soft_cap=logits_soft_cap,
-    dropout_rate=0.0,
-    dropout_rng=None,
-    dropout_broadcast=False,
-    implementation=_own_implementation(_validation.implementation(implementation)),
-    block_q=block_q,
-    block_kv=block_kv,
-    schedule=None,
-    step_width=None,
-    return_residual=False,
-    score_mod=score_mod,
+    _call.Keywords(
+      scale=_validation.scale(scale),
+      is_causal=is_causal,
+      local_window_size=local_window_size,
+      logits_soft_cap=logits_soft_cap,
+      implementation=_own_implementation(_validation.implementation(implementation)),
+      block_q=block_q,
+      block_kv=block_kv,
+      score_mod=score_mod,
+    ),
     tuned=False,
   )  # the statistics do not depend on block sizes
   opts = _Options(

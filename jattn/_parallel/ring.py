@@ -439,20 +439,20 @@ def ring_attention(
     ) from e
   kernel = _ring_kernel(implementation)
   call, _ = _call.options(
-    scale=_validation.scale(scale),
-    is_causal=is_causal,
-    local_window_size=local_window_size,
-    logits_soft_cap=logits_soft_cap,
-    dropout_rate=dropout_rate,
-    dropout_rng=dropout_rng,
-    dropout_broadcast=dropout_broadcast,
-    implementation=kernel,
-    block_q=block_q,
-    block_kv=block_kv,
-    schedule=None,
-    step_width=None,
-    return_residual=return_residual,
-    score_mod=score_mod,
+    _call.Keywords(
+      scale=_validation.scale(scale),
+      is_causal=is_causal,
+      local_window_size=local_window_size,
+      logits_soft_cap=logits_soft_cap,
+      dropout_rate=dropout_rate,
+      dropout_rng=dropout_rng,
+      dropout_broadcast=dropout_broadcast,
+      implementation=kernel,
+      block_q=block_q,
+      block_kv=block_kv,
+      return_residual=return_residual,
+      score_mod=score_mod,
+    ),
     tuned=False,
   )
   opts = _RingOptions(
