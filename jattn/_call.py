@@ -350,16 +350,19 @@ class Static:
       self.tuned.block_kv,
     )
 
-  def config(self, tile_shape, *, replay=False):
+  def config(self, tile_shape, *, replay=False, varying_like=()):
     """(Config, score_mod's hoisted arrays) for tiles of ``tile_shape`` over this call (a
     device's part of a call has its own `Static`); ``replay``: score_mod is to be called inside
-    a shard_map."""
+    a shard_map; ``varying_like``: the arrays (q, k) there that score_mod's arguments are typed
+    device-varying like (ring attention, see `jattn._plan.closure_convert_score_mod`)."""
     score_mod, score_args = None, ()
     if self.opts.score_mod is not None:
       score_mod, score_args = _plan.closure_convert_score_mod(
-        self.opts.score_mod, tile_shape, self.stat_dtype, replay=replay
+        self.opts.score_mod, tile_shape, self.stat_dtype, varying_like, replay=replay
       )
-      score_args = _sharding.replicated(score_args)
+      if not varying_like:
+        # Already inside the shard_map (typed varying there), the arrays stay as traced.
+        score_args = _sharding.replicated(score_args)
     opts = self.opts
     cfg = Config(
       B=self.B,
@@ -466,12 +469,9 @@ def bind(given: Given, opts: Options) -> Call:
     args.mask,
     causal,
     window,
-    q_lengths=args.q_lengths,
-    kv_lengths=args.kv_lengths,
-    q_segment_ids=args.q_seg,
-    kv_segment_ids=args.kv_seg,
-    q_positions=args.q_positions,
-    kv_positions=args.kv_positions,
+    lengths=(args.q_lengths, args.kv_lengths),
+    segment_ids=(args.q_seg, args.kv_seg),
+    positions=(args.q_positions, args.kv_positions),
   )
   if scale_operand is not None:
     # A scale given as an array (traced under jit) is an operand, not a compile-time constant:

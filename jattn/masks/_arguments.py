@@ -37,33 +37,32 @@ def from_arguments(
   causal=None,
   window=None,
   *,
-  q_lengths=None,
-  kv_lengths=None,
-  q_segment_ids=None,
-  kv_segment_ids=None,
-  q_positions=None,
-  kv_positions=None,
+  lengths=(None, None),
+  segment_ids=(None, None),
+  positions=(None, None),
 ):
   """Turn the keyword arguments into one `jattn.masks` object (None when nothing is hidden).
 
   The keywords are thin ways to build mask objects, so every implementation sees one mechanism.
   The arrays are the call's, checked already (`jattn._call.arrays`), so they are not again.
-  With positions ((B, T), (B, S), given together), ``causal`` (either alignment) and ``window``
-  are measured in them: a `positions` mask instead of the band of array indices.
+  ``lengths``: (q (B,), kv (B,)), either may be None; ``segment_ids`` and ``positions``:
+  (q (B, T), kv (B, S)), given together. With positions, ``causal`` (either alignment) and
+  ``window`` are measured in them: a `positions` mask instead of the band of array indices.
   """
   parts = []
   if mask is not None:
     parts.append(mask if isinstance(mask, Mask) else _ArrayMask(mask))
+  q_positions, kv_positions = positions
   if q_positions is not None:
     parts.append(_Positions(q_positions, kv_positions, causal is not None, window))
   else:
     lohi = keyword_band(shape, causal, window)
     if lohi is not None:
       parts.append(_Band(*lohi))
-  if q_lengths is not None or kv_lengths is not None:
-    parts.append(_Lengths(q_lengths, kv_lengths))
-  if q_segment_ids is not None:
-    parts.append(_Segments(q_segment_ids, kv_segment_ids))
+  if lengths[0] is not None or lengths[1] is not None:
+    parts.append(_Lengths(*lengths))
+  if segment_ids[0] is not None:
+    parts.append(_Segments(*segment_ids))
   return combine(parts)
 
 
