@@ -155,7 +155,6 @@ OVER_8_PARAMETERS = {
   "_mha.py:options",
   "_paged_gpu.py:walk",
   "_paged_tpu.py:walk",
-  "_parallel/ring.py:_ring_backward",
   "_parallel/split.py:part",
   "_plan.py:implementation_by_platform",
   "_splash.py:_attend",
