@@ -259,7 +259,10 @@ def position_arrays(q_positions, kv_positions, shape, unbatched: bool = False):
   given_together(q_positions, kv_positions)
   if unbatched:
     q_positions, kv_positions = (jnp.asarray(x)[None] for x in (q_positions, kv_positions))
-  m = positions(q_positions, kv_positions)
+  m = _Positions(
+    _int_array("masks.positions: q_positions", q_positions),
+    _int_array("masks.positions: kv_positions", kv_positions),
+  )
   m.validate(shape)
   return m.q_positions, m.kv_positions
 
