@@ -186,11 +186,7 @@ def arrays(given: Given) -> Arrays:
     sinks = _validation.float_array("sinks", sinks)
     if sinks.shape != (N,):
       raise ValueError(f"sinks must have shape (N,)=({N},), got {sinks.shape}")
-  q_positions = kv_positions = None
-  if given.q_positions is not None or given.kv_positions is not None:
-    q_positions, kv_positions = _masks.position_arrays(
-      given.q_positions, given.kv_positions, full, unbatched
-    )
+  q_positions, kv_positions = _positions(given.q_positions, given.kv_positions, full, unbatched)
   return Arrays(
     query,
     key,
@@ -206,6 +202,21 @@ def arrays(given: Given) -> Arrays:
     q_positions,
     kv_positions,
   )
+
+
+def _positions(q_positions, kv_positions, full, unbatched: bool):
+  """The ``q_positions``, ``kv_positions`` keywords (B, T), (B, S) (or (T,), (S,) ``unbatched``)
+  checked as `jattn.masks.positions` checks its arguments (the one error for a missing half,
+  whichever public function is called), then against the (B, N, T, S) problem ``full``: (None,
+  None) when neither is given."""
+  if q_positions is None and kv_positions is None:
+    return None, None
+  if unbatched:
+    q_positions, kv_positions = (
+      None if x is None else jnp.asarray(x)[None] for x in (q_positions, kv_positions)
+    )
+  _masks.positions(q_positions, kv_positions).validate(full)
+  return jnp.asarray(q_positions), jnp.asarray(kv_positions)
 
 
 # ---- the options ---------------------------------------------------------------------------

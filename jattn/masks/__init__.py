@@ -36,9 +36,7 @@ from jattn.masks._grid import FULL as FULL
 from jattn.masks._grid import PARTIAL as PARTIAL
 from jattn.masks._grid import BlockGrid as BlockGrid
 from jattn.masks._grid import reduce_states as reduce_states
-from jattn.masks._per_example import given_together as given_together
 from jattn.masks._per_example import lengths as lengths
-from jattn.masks._per_example import position_arrays as position_arrays
 from jattn.masks._per_example import positions as positions
 from jattn.masks._per_example import segments as segments
 from jattn.masks._per_example import visible_by_position as visible_by_position

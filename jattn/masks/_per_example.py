@@ -231,15 +231,16 @@ def positions(
   """Causality and a ``window`` (``w`` or ``(left, right)``, as ``local_window_size``)
   measured in positions: int arrays q_positions (B, T) and kv_positions (B, S). Combine with
   `lengths` or `segments` to hide padding (a position alone does not say a slot is empty)."""
-  given_together(q_positions, kv_positions)
+  _given_together(q_positions, kv_positions)
   q = _int_array("masks.positions: q_positions", q_positions)
   kv = _int_array("masks.positions: kv_positions", kv_positions)
   return _Positions(q, kv, bool(causal), _validation.window(window))
 
 
-def given_together(q_positions, kv_positions) -> None:
+def _given_together(q_positions, kv_positions) -> None:
   """The one error for a missing half of the positions, whichever function is called (`positions`,
-  or the ``q_positions``/``kv_positions`` keywords of a call): ValueError naming it."""
+  or the ``q_positions``/``kv_positions`` keywords of a call, which `positions` checks too):
+  ValueError naming it."""
   if q_positions is None or kv_positions is None:
     got = (
       "neither"
@@ -249,22 +250,6 @@ def given_together(q_positions, kv_positions) -> None:
       else "kv_positions without q_positions"
     )
     raise ValueError(f"q_positions and kv_positions must be given together, got {got}")
-
-
-def position_arrays(q_positions, kv_positions, shape, unbatched: bool = False):
-  """The ``q_positions``, ``kv_positions`` keywords of a call on the (B, N, T, S) problem
-  ``shape``, checked as `positions` checks them, then against ``shape``: (q (B, T), kv (B, S))
-  integer arrays. ``unbatched``: the call's query has no batch dimension, so the positions are
-  (T,) and (S,)."""
-  given_together(q_positions, kv_positions)
-  if unbatched:
-    q_positions, kv_positions = (jnp.asarray(x)[None] for x in (q_positions, kv_positions))
-  m = _Positions(
-    _int_array("masks.positions: q_positions", q_positions),
-    _int_array("masks.positions: kv_positions", kv_positions),
-  )
-  m.validate(shape)
-  return m.q_positions, m.kv_positions
 
 
 def segments(q_segment_ids: ArrayLike, kv_segment_ids: ArrayLike | None = None) -> Mask:
