@@ -7,12 +7,10 @@ Shape vocabulary (as in `jax.nn.dot_product_attention`):
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 
 from jattn import _call, _dense, _dispatch, _softmax
 from jattn import masks as _masks
@@ -125,25 +123,25 @@ def dot_product_attention(
   mean of V); its gradients are 0; masked positions never contribute inf or NaN.
   """
   opts, scale_operand = _call.options(
-    scale=scale,
-    is_causal=is_causal,
-    local_window_size=local_window_size,
-    logits_soft_cap=logits_soft_cap,
-    dropout_rate=dropout_rate,
-    dropout_rng=dropout_rng,
-    dropout_broadcast=dropout_broadcast,
-    implementation=implementation,
-    block_q=block_q,
-    block_kv=block_kv,
-    schedule=schedule,
-    step_width=step_width,
-    return_residual=return_residual,
-    score_mod=score_mod,
+    _call.Keywords(
+      scale=scale,
+      is_causal=is_causal,
+      local_window_size=local_window_size,
+      logits_soft_cap=logits_soft_cap,
+      dropout_rate=dropout_rate,
+      dropout_rng=dropout_rng,
+      dropout_broadcast=dropout_broadcast,
+      implementation=implementation,
+      block_q=block_q,
+      block_kv=block_kv,
+      schedule=schedule,
+      step_width=step_width,
+      return_residual=return_residual,
+      score_mod=score_mod,
+    )
   )
   if opts.dropout_rate == 0.0:
     dropout_rng = None
-  if q_positions is not None or kv_positions is not None:
-    mask, opts = _positions_mask(query, mask, q_positions, kv_positions, opts)
   given = _call.Given(
     query,
     key,
@@ -157,27 +155,10 @@ def dot_product_attention(
     dropout_rng,
     sinks,
     scale_operand,
+    q_positions,
+    kv_positions,
   )
   return _attention(given, opts=opts)
-
-
-def _positions_mask(query, mask, q_positions, kv_positions, opts):
-  """(mask, opts) with causality and the window moved from the keywords into a
-  `jattn.masks.positions` mask ANDed with ``mask``."""
-  if q_positions is None or kv_positions is None:
-    raise ValueError(
-      "q_positions and kv_positions must be given together, got only "
-      + ("q_positions" if kv_positions is None else "kv_positions")
-    )
-  if getattr(query, "ndim", None) == 3:  # unbatched: positions (T,), (S,)
-    q_positions, kv_positions = (jnp.asarray(x)[None] for x in (q_positions, kv_positions))
-  by_position = _masks.positions(
-    q_positions, kv_positions, causal=opts.causal is not None, window=opts.window
-  )
-  if mask is not None:
-    other = mask if isinstance(mask, _masks.Mask) else _masks.from_array(mask)
-    by_position = other & by_position
-  return by_position, dataclasses.replace(opts, causal=None, window=None)
 
 
 @functools.partial(jax.jit, static_argnames=("opts",))
@@ -235,20 +216,14 @@ def attention_weights(
     if name not in _NOT_FOR_WEIGHTS:
       raise TypeError(f"attention_weights() got an unexpected keyword argument {name!r}")
   opts, scale_operand = _call.options(
-    scale=scale,
-    is_causal=is_causal,
-    local_window_size=local_window_size,
-    logits_soft_cap=logits_soft_cap,
-    dropout_rate=0.0,
-    dropout_rng=None,
-    dropout_broadcast=False,
-    implementation="dense",
-    block_q=None,
-    block_kv=None,
-    schedule=None,
-    step_width=None,
-    return_residual=False,
-    score_mod=score_mod,
+    _call.Keywords(
+      scale=scale,
+      is_causal=is_causal,
+      local_window_size=local_window_size,
+      logits_soft_cap=logits_soft_cap,
+      implementation="dense",
+      score_mod=score_mod,
+    )
   )
   given = _call.Given(
     query,

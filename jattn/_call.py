@@ -44,6 +44,9 @@ class Given(NamedTuple):
   sinks: Any = None
   # A scale given as an array (see `Options.scale` and `bind`).
   scale_operand: Any = None
+  # Causality and the window measured in these positions (see `bind`), given together.
+  q_positions: Any = None
+  kv_positions: Any = None
 
 
 @dataclasses.dataclass
@@ -61,6 +64,8 @@ class Arrays:
   kv_seg: Any
   sinks: Any
   unbatched: bool
+  q_positions: Any = None
+  kv_positions: Any = None
 
 
 jax.tree_util.register_dataclass(
@@ -76,6 +81,8 @@ jax.tree_util.register_dataclass(
     "q_seg",
     "kv_seg",
     "sinks",
+    "q_positions",
+    "kv_positions",
   ],
   meta_fields=["unbatched"],
 )
@@ -179,9 +186,37 @@ def arrays(given: Given) -> Arrays:
     sinks = _validation.float_array("sinks", sinks)
     if sinks.shape != (N,):
       raise ValueError(f"sinks must have shape (N,)=({N},), got {sinks.shape}")
+  q_positions, kv_positions = _positions(given.q_positions, given.kv_positions, full, unbatched)
   return Arrays(
-    query, key, value, bias, mask, q_lengths, kv_lengths, q_seg, kv_seg, sinks, unbatched
+    query,
+    key,
+    value,
+    bias,
+    mask,
+    q_lengths,
+    kv_lengths,
+    q_seg,
+    kv_seg,
+    sinks,
+    unbatched,
+    q_positions,
+    kv_positions,
   )
+
+
+def _positions(q_positions, kv_positions, full, unbatched: bool):
+  """The ``q_positions``, ``kv_positions`` keywords (B, T), (B, S) (or (T,), (S,) ``unbatched``)
+  checked as `jattn.masks.positions` checks its arguments (the one error for a missing half,
+  whichever public function is called), then against the (B, N, T, S) problem ``full``: (None,
+  None) when neither is given."""
+  if q_positions is None and kv_positions is None:
+    return None, None
+  if unbatched:
+    q_positions, kv_positions = (
+      None if x is None else jnp.asarray(x)[None] for x in (q_positions, kv_positions)
+    )
+  _masks.positions(q_positions, kv_positions).validate(full)
+  return jnp.asarray(q_positions), jnp.asarray(kv_positions)
 
 
 # ---- the options ---------------------------------------------------------------------------
@@ -214,42 +249,45 @@ class Options:
     return (self.implementation is None or None in given) and self.implementation != "dense"
 
 
-def options(
-  *,
-  scale,
-  is_causal,
-  local_window_size,
-  logits_soft_cap,
-  dropout_rate,
-  dropout_rng,
-  dropout_broadcast,
-  implementation,
-  block_q,
-  block_kv,
-  schedule,
-  step_width,
-  return_residual,
-  score_mod,
-  tuned=True,
-):
-  """(Options, scale operand or None) of dot_product_attention's keywords, every one checked.
-  What they leave open a tuning table may fill (``tuned``), when the call is bound
-  (`jattn._tuning.resolve`)."""
-  static_scale, scale_operand = _validation.scale_operand(scale)
+class Keywords(NamedTuple):
+  """The option keywords of `jattn.dot_product_attention` as the caller passed them (unchecked:
+  `options` checks them); the defaults are dot_product_attention's, so a caller names only the
+  keywords it takes."""
+
+  scale: Any = None
+  is_causal: Any = False
+  local_window_size: Any = None
+  logits_soft_cap: Any = None
+  dropout_rate: Any = 0.0
+  dropout_rng: Any = None
+  dropout_broadcast: Any = False
+  implementation: Any = None
+  block_q: Any = None
+  block_kv: Any = None
+  schedule: Any = None
+  step_width: Any = None
+  return_residual: Any = False
+  score_mod: Any = None
+
+
+def options(kw: Keywords, *, tuned=True):
+  """(Options, scale operand or None) of the keywords ``kw``, every one checked. What they leave
+  open a tuning table may fill (``tuned``), when the call is bound (`jattn._tuning.resolve`)."""
+  static_scale, scale_operand = _validation.scale_operand(kw.scale)
   opts = Options(
     scale=static_scale,
-    causal=_validation.causal(is_causal),
-    window=_validation.window(local_window_size),
-    logits_soft_cap=_validation.soft_cap(logits_soft_cap),
-    dropout_rate=_validation.dropout(dropout_rate, dropout_rng),
-    dropout_broadcast=_validation.flag("dropout_broadcast", dropout_broadcast),
-    implementation=_validation.implementation(implementation),
-    block_q=_validation.block("block_q", block_q),
-    block_kv=_validation.block("block_kv", block_kv),
-    schedule=_validation.one_of("schedule", schedule, _validation.SCHEDULES + (None,)),
-    step_width=_validation.positive_int("step_width", step_width, optional=True),
-    return_residual=_validation.flag("return_residual", return_residual),
-    score_mod=_validation.callable_or_none("score_mod", score_mod),
+    causal=_validation.causal(kw.is_causal),
+    window=_validation.window(kw.local_window_size),
+    logits_soft_cap=_validation.soft_cap(kw.logits_soft_cap),
+    dropout_rate=_validation.dropout(kw.dropout_rate, kw.dropout_rng),
+    dropout_broadcast=_validation.flag("dropout_broadcast", kw.dropout_broadcast),
+    implementation=_validation.implementation(kw.implementation),
+    block_q=_validation.block("block_q", kw.block_q),
+    block_kv=_validation.block("block_kv", kw.block_kv),
+    schedule=_validation.one_of("schedule", kw.schedule, _validation.SCHEDULES + (None,)),
+    step_width=_validation.positive_int("step_width", kw.step_width, optional=True),
+    return_residual=_validation.flag("return_residual", kw.return_residual),
+    score_mod=_validation.callable_or_none("score_mod", kw.score_mod),
   )
   if tuned and opts.tunable():
     opts = dataclasses.replace(opts, tuning=_tuning.fingerprint())
@@ -323,16 +361,19 @@ class Static:
       self.tuned.block_kv,
     )
 
-  def config(self, tile_shape, *, replay=False):
+  def config(self, tile_shape, *, replay=False, varying_like=()):
     """(Config, score_mod's hoisted arrays) for tiles of ``tile_shape`` over this call (a
     device's part of a call has its own `Static`); ``replay``: score_mod is to be called inside
-    a shard_map."""
+    a shard_map; ``varying_like``: the arrays (q, k) there that score_mod's arguments are typed
+    device-varying like (ring attention, see `jattn._plan.closure_convert_score_mod`)."""
     score_mod, score_args = None, ()
     if self.opts.score_mod is not None:
       score_mod, score_args = _plan.closure_convert_score_mod(
-        self.opts.score_mod, tile_shape, self.stat_dtype, replay=replay
+        self.opts.score_mod, tile_shape, self.stat_dtype, varying_like, replay=replay
       )
-      score_args = _sharding.replicated(score_args)
+      if not varying_like:
+        # Already inside the shard_map (typed varying there), the arrays stay as traced.
+        score_args = _sharding.replicated(score_args)
     opts = self.opts
     cfg = Config(
       B=self.B,
@@ -407,7 +448,15 @@ def bind(given: Given, opts: Options) -> Call:
   scale_operand = given.scale_operand
   B, T, N, H = args.query.shape
   S = args.key.shape[1]
-  masked = any(x is not None for x in (args.mask, args.q_lengths, args.kv_lengths, args.q_seg))
+  causal, window = opts.causal, opts.window
+  if args.q_positions is not None:
+    # Causality and the window are measured in positions (the mask built below), so no backend
+    # may also apply them by index: the call's options no longer hold them.
+    opts = dataclasses.replace(opts, causal=None, window=None)
+  masked = any(
+    x is not None
+    for x in (args.mask, args.q_lengths, args.kv_lengths, args.q_seg, args.q_positions)
+  )
   tuned = _tuning.resolve(
     opts.tuning,
     (opts.block_q, opts.block_kv, opts.schedule, opts.step_width),
@@ -429,12 +478,11 @@ def bind(given: Given, opts: Options) -> Call:
   combined = _masks.from_arguments(
     (B, N, T, S),
     args.mask,
-    opts.causal,
-    opts.window,
-    q_lengths=args.q_lengths,
-    kv_lengths=args.kv_lengths,
-    q_segment_ids=args.q_seg,
-    kv_segment_ids=args.kv_seg,
+    causal,
+    window,
+    lengths=(args.q_lengths, args.kv_lengths),
+    segment_ids=(args.q_seg, args.kv_seg),
+    positions=(args.q_positions, args.kv_positions),
   )
   if scale_operand is not None:
     # A scale given as an array (traced under jit) is an operand, not a compile-time constant:

@@ -114,6 +114,8 @@ def attention_stats(
   block_kv: int | None = None,
   per_query: bool = False,
   saturation_threshold: float = 0.99,
+  q_positions: ArrayLike | None = None,
+  kv_positions: ArrayLike | None = None,
 ) -> AttentionStats:
   """Softmax statistics of the attention that `jattn.dot_product_attention` would compute.
 
@@ -132,6 +134,12 @@ def attention_stats(
     block_q, block_kv: chunked block sizes (default 512 and 256, clipped to T and S).
     per_query: return (B, N, T) per-query statistics instead of (B, N) per head.
     saturation_threshold: in (0, 1]; a row is saturated when max_prob > it.
+    q_positions, kv_positions: int (B, T) and (B, S) (or (T,), (S,) unbatched), given together:
+      ``is_causal`` and ``local_window_size`` are then measured in these positions instead of
+      array indices (either alignment: key visible iff its position <= the query's) -- a cache
+      with padding inside, packed sequences whose positions restart. Blocks are skipped from
+      each block's range of positions (`jattn.masks.positions`). Padding still needs its own
+      mask (lengths, segment ids).
 
   Returns:
     An `AttentionStats` of (B, N) arrays, or (B, N, T) with ``per_query=True``.
@@ -140,20 +148,16 @@ def attention_stats(
     "saturation_threshold", saturation_threshold, above=0, at_most=1
   )
   call, _ = _call.options(
-    scale=_validation.scale(scale),
-    is_causal=is_causal,
-    local_window_size=local_window_size,
-    logits_soft_cap=logits_soft_cap,
-    dropout_rate=0.0,
-    dropout_rng=None,
-    dropout_broadcast=False,
-    implementation=_own_implementation(_validation.implementation(implementation)),
-    block_q=block_q,
-    block_kv=block_kv,
-    schedule=None,
-    step_width=None,
-    return_residual=False,
-    score_mod=score_mod,
+    _call.Keywords(
+      scale=_validation.scale(scale),
+      is_causal=is_causal,
+      local_window_size=local_window_size,
+      logits_soft_cap=logits_soft_cap,
+      implementation=_own_implementation(_validation.implementation(implementation)),
+      block_q=block_q,
+      block_kv=block_kv,
+      score_mod=score_mod,
+    ),
     tuned=False,
   )  # the statistics do not depend on block sizes
   opts = _Options(
@@ -173,6 +177,8 @@ def attention_stats(
     q_segment_ids,
     kv_segment_ids,
     sinks=sinks,
+    q_positions=q_positions,
+    kv_positions=kv_positions,
   )
   return _stats(given, opts=opts)
 

@@ -165,6 +165,46 @@ CASES = {
     kw=dict(is_causal=True),
     segments=((0, 9, 20), (0, 16)),
   ),
+  # Causality and a window measured in positions (q_positions, kv_positions: each device's
+  # slices, permuted like the segment ids): two packed documents per example whose positions
+  # restart inside a shard, no segment ids (a query also sees the other document's keys at
+  # positions in its window), in the zigzag layout, against single-device attention too.
+  "p8_zigzag_positions_restart_causal_window": dict(
+    devices=8,
+    mesh=(8,),
+    names=("seq",),
+    seq="seq",
+    T=64,
+    S=64,
+    N=4,
+    K=2,
+    layout="zigzag",
+    block_q=3,
+    block_kv=2,
+    kw=dict(is_causal=True, local_window_size=(9, 0)),
+    restarts=((0, 21), (0, 45)),
+    positions="packed",
+    single=True,
+  ),
+  # A cache left-padded by each example's own amount (positions 0 under the padding, hidden by
+  # segment ids), the queries its last T tokens: a ring of 4 in a (data, seq) mesh, T < S.
+  "p8_data2_seq4_contiguous_positions_padded_cache": dict(
+    devices=8,
+    mesh=(2, 4),
+    names=("data", "seq"),
+    seq="seq",
+    batch="data",
+    T=32,
+    S=48,
+    N=4,
+    K=2,
+    layout="contiguous",
+    block_q=4,
+    block_kv=5,
+    kw=dict(is_causal=True),
+    positions="padded",
+    single=True,
+  ),
   # ---- 4 devices ----
   "p4_direct_contiguous_causal_residual": dict(
     devices=4,
@@ -325,7 +365,45 @@ def _inputs(c, seed=0):
   if "segments" in c:
     extra["q_segment_ids"] = _segment_ids(c["segments"], c["T"])
     extra["kv_segment_ids"] = _segment_ids(c["segments"], c["S"])
+  if "positions" in c:
+    extra.update(_positions(c))
   return q, k, v, do, extra
+
+
+def _positions(c):
+  """The case's q_positions (B, T) and kv_positions (B, S) in sequence order: "packed", two
+  documents per example whose positions restart (at the case's ``restarts``); "padded", a
+  cache left-padded by 10 and 0 slots (padding at position 0, hidden by segment ids), the queries
+  its last T tokens."""
+  import numpy as np
+
+  T, S = c["T"], c["S"]
+  if c["positions"] == "packed":
+    ids = _segment_ids(c["restarts"], S)
+    starts = [np.searchsorted(ids[b], ids[b]) for b in range(len(ids))]
+    pos = (np.arange(S)[None] - np.stack(starts)).astype(np.int32)
+    return dict(q_positions=pos, kv_positions=pos)
+  pad = np.asarray([10, 0])[:, None]
+  kv = np.maximum(np.arange(S)[None] - pad, 0).astype(np.int32)
+  return dict(
+    q_positions=kv[:, S - T :],
+    kv_positions=kv,
+    q_segment_ids=np.ones((2, T), np.int32),
+    kv_segment_ids=(np.arange(S)[None] >= pad).astype(np.int32),
+  )
+
+
+def _by_position(q_pos, kv_pos, causal, window):
+  """(B, 1, T, S): key s visible to query t by their positions (float64 reference's rule)."""
+  import numpy as np
+
+  qp, kp = np.asarray(q_pos)[:, None, :, None], np.asarray(kv_pos)[:, None, None, :]
+  ok = np.ones(np.broadcast_shapes(qp.shape, kp.shape), bool)
+  if causal is not None:
+    ok &= kp <= qp
+  if window is not None:
+    ok &= (kp >= qp - window[0]) & (kp <= qp + window[1])
+  return ok
 
 
 def _reference(c, q, k, v, do, extra):
@@ -337,18 +415,21 @@ def _reference(c, q, k, v, do, extra):
   causal = kw.get("is_causal", False)
   causal = None if causal is False else ("top_left" if causal is True else causal)
   window = kw.get("local_window_size")
+  positions = "q_positions" in extra
   vis = ref.visible_mask(
     B,
     N,
     T,
     S,
-    causal=causal,
-    window=window,
+    causal=None if positions else causal,
+    window=None if positions else window,
     q_lengths=extra.get("query_seq_lengths"),
     kv_lengths=extra.get("key_value_seq_lengths"),
     q_seg=extra.get("q_segment_ids"),
     kv_seg=extra.get("kv_segment_ids"),
   )
+  if positions:
+    vis = vis & _by_position(extra["q_positions"], extra["kv_positions"], causal, window)
   out, lse, cache = ref.attention(
     q, k, v, visible=vis, scale=kw.get("scale"), soft_cap=kw.get("logits_soft_cap")
   )
@@ -434,7 +515,8 @@ def _ring_fn(c, mesh, extra):
   blocks = {n: c[n] for n in ("block_q", "block_kv") if n in c}
   perm = (lambda x: jattn.zigzag_permute(x, P)) if zig else (lambda x: x)
   unperm = (lambda x: jattn.zigzag_unpermute(x, P)) if zig else (lambda x: x)
-  seq_extra = {n: (perm(x) if "segment" in n else x) for n, x in extra.items()}
+  per_token = lambda n: "segment" in n or "positions" in n
+  seq_extra = {n: (perm(x) if per_token(n) else x) for n, x in extra.items()}
 
   if c.get("direct"):
     PS = jax.sharding.PartitionSpec
@@ -453,7 +535,7 @@ def _ring_fn(c, mesh, extra):
         **c["kw"],
       )
 
-    ex_specs = {n: (spec if "segment" in n else PS()) for n in seq_extra}
+    ex_specs = {n: (spec if per_token(n) else PS()) for n in seq_extra}
     sm = jax.shard_map(
       body, mesh=mesh, in_specs=(spec, spec, spec, ex_specs), out_specs=(spec, spec)
     )

@@ -134,13 +134,6 @@ PUBLIC_SIGNATURES = {
   "_flash_gpu.py:_backward_kv_kernel",
   "_flash_gpu.py:_backward_q_kernel",
 }
-# Issue #41 asks for no other function over 8 parameters (arrays and options travel as named
-# bundles). These still take more; the list may only shrink: a new one fails, and one that is
-# fixed must leave the list.
-OVER_8_PARAMETERS = {
-  "_call.py:options",
-  "_parallel/ring.py:_ring_backward",
-}
 
 
 def test_no_new_function_over_8_parameters():
@@ -154,6 +147,6 @@ def test_no_new_function_over_8_parameters():
         n -= bool(names) and names[0] in ("self", "cls")
         if n > 8:
           over.add(f"{path.relative_to(PACKAGE).as_posix()}:{node.name}")
-  over -= PUBLIC_SIGNATURES
-  assert over <= OVER_8_PARAMETERS, f"new functions over 8 parameters: {over - OVER_8_PARAMETERS}"
-  assert over >= OVER_8_PARAMETERS, f"fixed, leave the list: {OVER_8_PARAMETERS - over}"
+  # Arrays and options travel as named bundles (issue #41): only the public signatures, which
+  # users need spelled out, and Pallas kernel bodies take more.
+  assert not over - PUBLIC_SIGNATURES, f"functions over 8 parameters: {over - PUBLIC_SIGNATURES}"

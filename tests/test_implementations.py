@@ -133,7 +133,7 @@ def _order(q, k, v, bias=None, implementation=None, **kw):
     score_mod=None,
   )
   options.update(kw)
-  opts, _ = _call.options(**options)
+  opts, _ = _call.options(_call.Keywords(**options))
   seen = []
 
   def decide(q, k, v, bias):

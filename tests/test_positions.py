@@ -243,3 +243,59 @@ def test_positions_errors_name_the_argument():
     jattn.dot_product_attention(
       q, k, v, q_positions=jnp.zeros((B, T)), kv_positions=jnp.zeros((B, S), jnp.int32)
     )
+
+
+# ---- every public function that takes masks takes positions ----------------------------------
+
+
+@pytest.mark.parametrize("impl", ["dense", "chunked"])
+def test_attention_stats_with_positions_equal_the_same_mask_given_explicitly(impl):
+  # The keywords are the mask masks.positions builds from them (causality and the window moved
+  # into it), so the statistics are the same, field by field.
+  from jattn import diagnostics
+
+  q_pos, kv_pos, valid = _padded_cache()
+  q, k, _, _ = _inputs(T)
+  seg_q, seg_kv = jnp.ones((B, T), jnp.int32), jnp.asarray(valid, jnp.int32)
+  kw = dict(implementation=impl, block_q=8, block_kv=8, q_segment_ids=seg_q, kv_segment_ids=seg_kv)
+  got = diagnostics.attention_stats(
+    q,
+    k,
+    is_causal=True,
+    local_window_size=(6, 0),
+    q_positions=jnp.asarray(q_pos),
+    kv_positions=jnp.asarray(kv_pos),
+    **kw,
+  )
+  mask = jattn.masks.positions(jnp.asarray(q_pos), jnp.asarray(kv_pos), window=(6, 0))
+  want = diagnostics.attention_stats(q, k, mask=mask, **kw)
+  for name, a, b in zip(got._fields, got, want):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+
+
+def _ring_one_device(q, k, v, **kw):
+  mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]), ("seq",))
+  return jattn.ring_attention_sharded(q, k, v, mesh=mesh, seq_axis="seq", **kw)
+
+
+PUBLIC = {
+  "dot_product_attention": lambda q, k, v, **kw: jattn.dot_product_attention(q, k, v, **kw),
+  "attention_stats": lambda q, k, v, **kw: jattn.diagnostics.attention_stats(q, k, **kw),
+  "ring_attention": _ring_one_device,
+  "masks.positions": lambda q, k, v, **kw: jattn.masks.positions(
+    kw.get("q_positions"), kw.get("kv_positions")
+  ),
+}
+
+
+@pytest.mark.parametrize("fn", sorted(PUBLIC))
+@pytest.mark.parametrize("given", ["q_positions", "kv_positions"])
+def test_a_missing_half_is_one_error_from_every_public_function(fn, given):
+  q, k, v, _ = _inputs(T)
+  missing = "kv_positions" if given == "q_positions" else "q_positions"
+  half = {given: jnp.zeros((B, T if given == "q_positions" else S), jnp.int32)}
+  with pytest.raises(
+    ValueError,
+    match=f"q_positions and kv_positions must be given together, got {given} without {missing}",
+  ):
+    PUBLIC[fn](q, k, v, is_causal=True, **half)

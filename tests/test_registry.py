@@ -142,20 +142,22 @@ def test_the_bound_call_is_a_pytree():
 
   q, k, v = _inputs()
   opts, _ = _call.options(
-    scale=None,
-    is_causal=True,
-    local_window_size=None,
-    logits_soft_cap=None,
-    dropout_rate=0.0,
-    dropout_rng=None,
-    dropout_broadcast=False,
-    implementation="chunked",
-    block_q=8,
-    block_kv=8,
-    schedule=None,
-    step_width=None,
-    return_residual=False,
-    score_mod=None,
+    _call.Keywords(
+      scale=None,
+      is_causal=True,
+      local_window_size=None,
+      logits_soft_cap=None,
+      dropout_rate=0.0,
+      dropout_rng=None,
+      dropout_broadcast=False,
+      implementation="chunked",
+      block_q=8,
+      block_kv=8,
+      schedule=None,
+      step_width=None,
+      return_residual=False,
+      score_mod=None,
+    )
   )
   call = _call.bind(_call.Given(q, k, v, sinks=jnp.zeros(4)), opts)
   leaves, tree = jax.tree.flatten(call)

@@ -55,7 +55,7 @@ from jax.experimental.custom_partitioning import (
 )
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jattn import _plan, _sharding, _softmax
+from jattn import _call, _plan, _sharding, _softmax
 from jattn import masks as _masks
 
 # Part of jit's cache key (a function traced with the rule on is traced anew with it off).
@@ -107,15 +107,6 @@ class Split(NamedTuple):
 WHOLE = Split()
 
 
-class Part(NamedTuple):
-  """Where one device's part sits: its first example, query row, query head and key (int32)."""
-
-  batch0: Any
-  row0: Any
-  head0: Any
-  key0: Any
-
-
 def _split(mesh, q_spec, k_spec, problem) -> Split:
   """The split the query's sharding ``q_spec`` (over (B, T, N, H)) asks for, and, where the
   query rows are whole, the key sharding ``k_spec`` (over (B, S, K, H)) along S on other mesh
@@ -155,8 +146,8 @@ class Operands(NamedTuple):
 class Problem(NamedTuple):
   """The static sizes of the call and how to run one device's part.
 
-  ``local(operands, part, saved=None)`` runs the chunked kernels on one device's `Operands`
-  (``part``: a `Part`, or None for the whole problem) and returns (out, lse); with ``saved`` =
+  ``local(operands, place, saved=None)`` runs the chunked kernels on one device's `Operands`
+  (``place``: its `jattn._call.Place` in the whole call) and returns (out, lse); with ``saved`` =
   (out, lse, dout, dlse) it returns the operands' cotangents (an `jattn._plan.Operands`)."""
 
   B: int
@@ -169,19 +160,25 @@ class Problem(NamedTuple):
 
 
 def _part(problem: Problem, split: Split, mesh, operands: Operands):
-  """This device's operands and its `Part`; operands read whole are cut here (the sinks along
-  heads, the mask along examples and heads)."""
+  """This device's operands and its `jattn._call.Place` in the whole call (the global index of
+  its first example and query head; of its first query row and key where T or S is cut);
+  operands read whole are cut here (the sinks along heads, the mask along examples and heads)."""
   if split == WHOLE:
-    return operands, None
-  B, T, N, K = problem.B, problem.T, problem.N, problem.K
+    return operands, _call.Place()
+  B, T, S, N, K = problem.B, problem.T, problem.S, problem.N, problem.K
   G = N // K
   local = lambda size, axes: size // _sharding.axes_size(mesh, axes)
-  nb, nk = local(B, split.batch), local(K, split.heads)
-  part = Part(
-    split.offset(split.batch, nb),
-    split.offset(split.rows, local(T, split.rows)),
-    split.offset(split.heads, nk * G),
-    split.offset(split.keys, local(problem.S, split.keys)),
+  nb, nk, Tl, Sl = (
+    local(B, split.batch),
+    local(K, split.heads),
+    local(T, split.rows),
+    local(S, split.keys),
+  )
+  part = _call.Place(
+    q_offset=split.offset(split.rows, Tl) if Tl != T else None,
+    kv_offset=split.offset(split.keys, Sl) if Sl != S else None,
+    batch0=split.offset(split.batch, nb),
+    head0=split.offset(split.heads, nk * G),
   )
   sink = operands.sink
   if sink is not None and nk != K:

@@ -72,21 +72,32 @@ class _RingConfig:
   axis_name: Any
   num_devices: int
   layout: str
+  # (causal, window) measured in the positions of `_Tokens.pos`, when the call gives them.
+  by_position: tuple | None = None
+
+
+class _Tokens(NamedTuple):
+  """The per-token arrays of one side of a shard pair, (B, Ts) for the queries or (B, Ss) for the
+  keys, each None when not given: segment ids and positions. They are this device's slices (in
+  the layout of the sequence), so a key shard's travel round the ring with it."""
+
+  seg: Any = None
+  pos: Any = None
 
 
 class _RingOperands(NamedTuple):
   """Everything a ring call reads besides q, k and v.
 
   mask: the call's position-based mask on global positions (built once; remapped per pair);
-  q_seg, kv_seg: this device's (B, Ts) and the travelling (B, Ss) segment ids, or None;
+  q_tokens, kv_tokens: this device's (B, Ts) and the travelling (B, Ss) per-token arrays;
   seed: (2,) uint32 dropout words; score_args: the arrays a score_mod closes over; sink:
   (1, K, G, 1) or None; batch0, head0: int32 global index of this device's first batch element
   and query head (nonzero when the batch or heads are sharded too).
   """
 
   mask: Any
-  q_seg: Any
-  kv_seg: Any
+  q_tokens: _Tokens
+  kv_tokens: _Tokens
   seed: Any
   score_args: tuple
   sink: Any
@@ -99,8 +110,9 @@ def _padded_positions(index, length, padded, rc: _RingConfig):
   return jnp.pad(pos, (0, padded - length), mode="edge")
 
 
-def _pair(rc: _RingConfig, ro: _RingOperands, q, k, v, q_index, kv_index, kv_seg):
-  """Kernel operands for this device's queries against device ``kv_index``'s keys."""
+def _pair(rc: _RingConfig, ro: _RingOperands, q, k, v, q_index, kv_index, kv_tokens: _Tokens):
+  """Kernel operands for this device's queries against device ``kv_index``'s keys (whose
+  per-token arrays, ``kv_tokens``, travelled with them)."""
   plan = rc.plan
   cfg = plan.cfg
   q_table = _padded_positions(q_index, cfg.T, plan.Tp, rc)
@@ -108,9 +120,13 @@ def _pair(rc: _RingConfig, ro: _RingOperands, q, k, v, q_index, kv_index, kv_seg
   parts = [
     None if ro.mask is None else _masks.remap(ro.mask, q_table, kv_table, ro.batch0, ro.head0)
   ]
-  if ro.q_seg is not None:
-    # Segment ids are per token: the key shard's ids travelled with it, so they are local here.
-    parts.append(_masks.segments(ro.q_seg, kv_seg))
+  # Segment ids and positions are per token: the key shard's travelled with it, so they are
+  # local here (masks on local rows, not remapped).
+  if ro.q_tokens.seg is not None:
+    parts.append(_masks.segments(ro.q_tokens.seg, kv_tokens.seg))
+  if rc.by_position is not None:
+    causal, window = rc.by_position
+    parts.append(_masks.positions(ro.q_tokens.pos, kv_tokens.pos, causal=causal, window=window))
   mask = _masks.combine(parts)
   states = _plan.block_map(mask, plan.grid, (cfg.B, cfg.N, cfg.T, cfg.S))
   positions = None
@@ -155,11 +171,11 @@ def tiles_per_device(
   plan, _ = _plan.make_plan(cfg, None, block_q, block_kv)
   rc = _RingConfig(plan, None, num_devices, layout)
   mask = None if lo is None and hi is None else _masks.band(lo, hi)
-  ro = _RingOperands(mask, None, None, None, (), None, 0, 0)
+  ro = _RingOperands(mask, _Tokens(), _Tokens(), None, (), None, 0, 0)
   work, full = np.zeros(num_devices, np.int64), np.zeros(num_devices, np.int64)
   for d in range(num_devices):
     for j in range(num_devices):
-      states = np.asarray(_pair(rc, ro, None, None, None, d, j, None).states)
+      states = np.asarray(_pair(rc, ro, None, None, None, d, j, _Tokens()).states)
       work[d] += int((states != _masks.EMPTY).sum())
       full[d] += int((states == _masks.FULL).sum())
   return work, full
@@ -186,28 +202,43 @@ def _ring_forward(rc: _RingConfig, q, k, v, ro: _RingOperands):
   index = jax.lax.axis_index(rc.axis_name)
 
   def body(step, carry):
-    k, v, kv_seg, out, lse = carry
+    k, v, kv_tokens, out, lse = carry
     # The send does not depend on this step's compute, so the transfer can overlap it.
-    k_next, v_next, seg_next = _send(rc, (k, v, kv_seg))
+    k_next, v_next, tokens_next = _send(rc, (k, v, kv_tokens))
     # After `step` sends, this device holds the shard of device index - step.
-    ops = _pair(rc, ro, q, k, v, index, (index - step) % P, kv_seg)
+    ops = _pair(rc, ro, q, k, v, index, (index - step) % P, kv_tokens)
     o, l = _chunked.forward(rc.plan, ops)
     out, lse = _softmax.merge_pair(out, lse, o.astype(sd), l.astype(sd))
-    return k_next, v_next, seg_next, out, lse
+    return k_next, v_next, tokens_next, out, lse
 
   out0 = _sharding.varying(jnp.zeros((B, Tp, N, Hv), sd), q, k, v)
   lse0 = _sharding.varying(jnp.full((B, Tp, N), NEG, sd), q, k, v)
   # The P-th send only returns the shards to their owners. Peeling the last step off the loop
   # would save it, but trace and compile the kernel twice; the send overlaps the last step's
   # compute anyway.
-  _, _, _, out, lse = jax.lax.fori_loop(0, P, body, (k, v, ro.kv_seg, out0, lse0))
+  _, _, _, out, lse = jax.lax.fori_loop(0, P, body, (k, v, ro.kv_tokens, out0, lse0))
   if ro.sink is not None:
     # The sink is one term of the whole row's softmax: added once, after every shard's part.
     out, lse = _softmax.add_sink(out, lse, ro.sink)
   return out.astype(q.dtype), lse
 
 
-def _ring_backward(rc: _RingConfig, q, k, v, ro: _RingOperands, out, lse, dout, dlse):
+class _Residuals(NamedTuple):
+  """What the ring's backward reads of its forward: this device's padded shards q (B, Tp, N, H),
+  k and v (B, Sp, K, H), the operands, and the merged out (B, Tp, N, Hv) and lse (B, Tp, N)."""
+
+  q: Any
+  k: Any
+  v: Any
+  ro: _RingOperands
+  out: Any
+  lse: Any
+
+
+def _ring_backward(rc: _RingConfig, res: _Residuals, dout, dlse):
+  """(dq, dk, dv, the operands' cotangents) from the forward's residuals and the cotangents of
+  out (B, Tp, N, Hv) and lse (B, Tp, N)."""
+  q, k, v, ro, out, lse = res
   sd = _tile.stat_dtype(q.dtype)
   P = rc.num_devices
   index = jax.lax.axis_index(rc.axis_name)
@@ -219,16 +250,16 @@ def _ring_backward(rc: _RingConfig, q, k, v, ro: _RingOperands, out, lse, dout, 
   total = (lambda g: jax.lax.psum(g, rc.axis_name)) if typed else (lambda g: g)
 
   def body(step, carry):
-    k, v, kv_seg, dk, dv, dq, dargs = carry
-    k_next, v_next, seg_next = _send(rc, (k, v, kv_seg))
-    ops = _pair(rc, ro, q, k, v, index, (index - step) % P, kv_seg)
+    k, v, kv_tokens, dk, dv, dq, dargs = carry
+    k_next, v_next, tokens_next = _send(rc, (k, v, kv_tokens))
+    ops = _pair(rc, ro, q, k, v, index, (index - step) % P, kv_tokens)
     # The backward recomputes P = exp(S - lse) from the *global* lse (the sink included), so on
     # one key/value shard it gives that shard's share of dQ and the whole of its dK, dV.
     g = _chunked.backward(rc.plan, _chunked.Residuals(ops, out, lse), dout, dlse)
     # dK, dV travel with their shard: after P sends they are back on its owner.
     dk, dv = _send(rc, (dk + g.k.astype(sd), dv + g.v.astype(sd)))
     dargs = jax.tree.map(jnp.add, dargs, g.score_args)
-    return k_next, v_next, seg_next, dk, dv, dq + g.q.astype(sd), dargs
+    return k_next, v_next, tokens_next, dk, dv, dq + g.q.astype(sd), dargs
 
   dk0, dv0, dq0 = _sharding.varying_tree(
     (jnp.zeros(k.shape, sd), jnp.zeros(v.shape, sd), jnp.zeros(q.shape, sd)), q, k, v, dout
@@ -237,7 +268,7 @@ def _ring_backward(rc: _RingConfig, q, k, v, ro: _RingOperands, out, lse, dout, 
   if rc.plan.cfg.score_mod is None:
     dargs0 = ()
   _, _, _, dk, dv, dq, dargs = jax.lax.fori_loop(
-    0, P, body, (k, v, ro.kv_seg, dk0, dv0, dq0, dargs0)
+    0, P, body, (k, v, ro.kv_tokens, dk0, dv0, dq0, dargs0)
   )
   dargs = jax.tree.map(total, dargs)
   dsink = None
@@ -248,8 +279,8 @@ def _ring_backward(rc: _RingConfig, q, k, v, ro: _RingOperands, out, lse, dout, 
   zeros = lambda tree: jax.tree.map(_plan.zero_cotangent, tree)
   dro = _RingOperands(
     mask=zeros(ro.mask),
-    q_seg=zeros(ro.q_seg),
-    kv_seg=zeros(ro.kv_seg),
+    q_tokens=zeros(ro.q_tokens),
+    kv_tokens=zeros(ro.kv_tokens),
     seed=zeros(ro.seed),
     score_args=dargs,
     sink=dsink,
@@ -266,13 +297,12 @@ def _ring(rc, q, k, v, ro):
 
 def _ring_fwd(rc, q, k, v, ro):
   out, lse = _ring_forward(rc, q, k, v, ro)
-  return (out, lse), (q, k, v, ro, out, lse)
+  return (out, lse), _Residuals(q, k, v, ro, out, lse)
 
 
 def _ring_bwd(rc, res, cts):
-  q, k, v, ro, out, lse = res
   dout, dlse = cts
-  return _ring_backward(rc, q, k, v, ro, out, lse, dout, dlse)
+  return _ring_backward(rc, res, dout, dlse)
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
@@ -349,6 +379,8 @@ def ring_attention(
   score_mod: Callable | None = None,
   sinks: ArrayLike | None = None,
   implementation: Implementation | Sequence[Implementation] | None = None,
+  q_positions: ArrayLike | None = None,
+  kv_positions: ArrayLike | None = None,
   _index_offsets=None,
 ):
   r"""Ring (context-parallel) attention; call it inside `jax.shard_map`.
@@ -403,6 +435,14 @@ def ring_attention(
     score_mod: as in ``dot_product_attention``, called with global query and key indices.
     sinks: float (N,) per-head sink logits, the same on every device; each row's sink joins its
       softmax once (in the final merge), and its gradient is summed over the ring.
+    q_positions, kv_positions: int (B, Ts) and (B, Ss) (or (Ts,), (Ss,) unbatched), this
+      device's slices of the (B, T) and (B, S) positions in the layout of the queries and keys,
+      as the segment ids (the key positions travel with their shard), given together:
+      ``is_causal`` and ``local_window_size`` are then measured in these positions instead of
+      array indices (either alignment: key visible iff its position <= the query's) -- a cache
+      with padding inside, packed sequences whose positions restart. Blocks are skipped from
+      each block's range of positions (`jattn.masks.positions`). Padding still needs its own
+      mask (lengths, segment ids).
 
   Returns:
     This device's output shard, shaped like ``query`` (and with
@@ -439,20 +479,20 @@ def ring_attention(
     ) from e
   kernel = _ring_kernel(implementation)
   call, _ = _call.options(
-    scale=_validation.scale(scale),
-    is_causal=is_causal,
-    local_window_size=local_window_size,
-    logits_soft_cap=logits_soft_cap,
-    dropout_rate=dropout_rate,
-    dropout_rng=dropout_rng,
-    dropout_broadcast=dropout_broadcast,
-    implementation=kernel,
-    block_q=block_q,
-    block_kv=block_kv,
-    schedule=None,
-    step_width=None,
-    return_residual=return_residual,
-    score_mod=score_mod,
+    _call.Keywords(
+      scale=_validation.scale(scale),
+      is_causal=is_causal,
+      local_window_size=local_window_size,
+      logits_soft_cap=logits_soft_cap,
+      dropout_rate=dropout_rate,
+      dropout_rng=dropout_rng,
+      dropout_broadcast=dropout_broadcast,
+      implementation=kernel,
+      block_q=block_q,
+      block_kv=block_kv,
+      return_residual=return_residual,
+      score_mod=score_mod,
+    ),
     tuned=False,
   )
   opts = _RingOptions(
@@ -472,6 +512,8 @@ def ring_attention(
     kv_seg=kv_segment_ids,
     dropout_rng=dropout_rng,
     sinks=sinks,
+    q_positions=q_positions,
+    kv_positions=kv_positions,
   )
   offsets = (jnp.asarray(batch0, jnp.int32), jnp.asarray(head0, jnp.int32))
   return _ring_attention(given, mask, offsets, opts=opts)
@@ -480,7 +522,8 @@ def ring_attention(
 @functools.partial(jax.jit, static_argnames=("opts",))
 def _ring_attention(given: _call.Given, mask, offsets, *, opts: _RingOptions):
   # This device's shards bound as a call of their own (its mask, over the shard, is not used:
-  # the ring's mask is over the whole sequence, and the key segment ids travel round the ring).
+  # the ring's mask is over the whole sequence, and the keys' segment ids and positions travel
+  # round the ring).
   call = _call.bind(given, opts.call)
   batch0, head0 = offsets
   args, st = call.given, call.static
@@ -500,18 +543,28 @@ def _ring_attention(given: _call.Given, mask, offsets, *, opts: _RingOptions):
   global_shape = (B, N, T, S)
   if mask is not None:
     mask.validate(global_shape)
+  # Given positions, the bound call's options no longer hold causality and the window: they are
+  # measured in the positions, per shard pair (`_pair`), not on global indices.
   global_mask = _masks.from_arguments(
     global_shape,
     mask,
-    opts.call.causal,
-    opts.call.window,
-    q_lengths=args.q_lengths,
-    kv_lengths=args.kv_lengths,
+    st.opts.causal,
+    st.opts.window,
+    lengths=(args.q_lengths, args.kv_lengths),
   )
 
   rc, score_args = _ring_config(opts, st, query, key)
+  if args.q_positions is not None:
+    rc = dataclasses.replace(rc, by_position=(opts.call.causal is not None, opts.call.window))
   ro = _RingOperands(
-    global_mask, args.q_seg, args.kv_seg, call.seed, score_args, call.sink, batch0, head0
+    global_mask,
+    _Tokens(args.q_seg, args.q_positions),
+    _Tokens(args.kv_seg, args.kv_positions),
+    call.seed,
+    score_args,
+    call.sink,
+    batch0,
+    head0,
   )
 
   # Sequence-major as the chunked kernel takes them, padded to whole blocks: (B, Tp, N, H).
@@ -528,7 +581,7 @@ def _ring_attention(given: _call.Given, mask, offsets, *, opts: _RingOptions):
 def _ring_config(opts: _RingOptions, st, query, key):
   """(_RingConfig, score_mod's arrays) for this device's (Ts, Ss) shard pair: the blocks (one
   tile per zigzag chunk for the dense kernel; no block straddles two chunks) and the plan."""
-  B, Ts, N, H, Ss, K, G = st.B, st.T, st.N, st.H, st.S, st.K, st.G
+  Ts, Ss = st.T, st.S
   zigzag = opts.layout == "zigzag"
   if opts.kernel == "dense":
     # The whole pair in one tile (no block may straddle two zigzag chunks).
@@ -542,26 +595,8 @@ def _ring_config(opts: _RingOptions, st, query, key):
       cap_q=Ts // 2 if zigzag else None,
       cap_kv=Ss // 2 if zigzag else None,
     )
-  sd = st.stat_dtype
-  score_mod, score_args = None, ()
-  if opts.call.score_mod is not None:
-    # Replayed with its arrays passed in varying (see _sharding.VaryingReplay).
-    score_mod, score_args = _plan.closure_convert_score_mod(
-      opts.call.score_mod, (B, N, bq, bk), sd, varying_like=(query, key), replay=True
-    )
-  cfg = Config(
-    B=B,
-    T=Ts,
-    S=Ss,
-    K=K,
-    G=G,
-    H=H,
-    scale=st.scale,
-    logits_soft_cap=opts.call.logits_soft_cap,
-    dropout_rate=opts.call.dropout_rate,
-    score_mod=score_mod,
-    dropout_broadcast=opts.call.dropout_broadcast,
-  )
+  # score_mod is replayed with its arrays passed in varying (see _sharding.VaryingReplay).
+  cfg, score_args = st.config((st.B, st.N, bq, bk), replay=True, varying_like=(query, key))
   plan, _ = _plan.make_plan(cfg, None, bq, bk)
   # The block map of every pair is computed at run time (it depends on the ring step), so every
   # tile variant is compiled.
@@ -597,8 +632,8 @@ def ring_attention_sharded(
   head_axis, None)``: the sequence along ``seq_axis`` (the ring), optionally the batch along
   ``batch_axis`` (data parallel) and the heads along ``head_axis`` (tensor parallel: K must be a
   multiple of that axis's size, so each device keeps whole GQA groups). Mesh axes not named stay
-  under the compiler's automatic sharding. Segment ids (B, T) / (B, S) are sharded like the
-  sequence; lengths (B,) only along the batch.
+  under the compiler's automatic sharding. Segment ids and positions (B, T) / (B, S) are sharded
+  like the sequence; lengths (B,) only along the batch.
 
   With ``layout="zigzag"`` the arrays (and segment ids) must already be in zigzag order
   (`zigzag_permute`); the output comes back in that order too (`zigzag_unpermute`).
@@ -610,6 +645,8 @@ def ring_attention_sharded(
     batch_axis, head_axis: optional mesh axis names for B and N/K.
     query_seq_lengths, key_value_seq_lengths, q_segment_ids, kv_segment_ids: as in
       `ring_attention`, global.
+    q_positions, kv_positions: (B, T) and (B, S), global (in the layout of the arrays), sharded
+      like the segment ids.
     sinks: (N,), sharded like the heads.
     **kwargs: the other keyword arguments of `ring_attention` (is_causal, layout, scale, ...).
 
@@ -660,6 +697,8 @@ def ring_attention_sharded(
     ("key_value_seq_lengths", key_value_seq_lengths, PS(batch_axis)),
     ("q_segment_ids", q_segment_ids, PS(batch_axis, seq_axis)),
     ("kv_segment_ids", kv_segment_ids, PS(batch_axis, seq_axis)),
+    ("q_positions", kwargs.pop("q_positions", None), PS(batch_axis, seq_axis)),
+    ("kv_positions", kwargs.pop("kv_positions", None), PS(batch_axis, seq_axis)),
     ("sinks", kwargs.pop("sinks", None), PS(head_axis)),
   ):
     if x is not None:

@@ -68,25 +68,15 @@ def chunked(call):
 
 def part(static, operands, cut, saved=None):
   """The chunked kernels on one device's part of the call (``operands``: its
-  `_partition.Operands`; ``cut``: a `_partition.Part`, or None for the whole), as `_partition`
-  runs them when XLA partitions the program: (out, lse), or with ``saved`` (see
-  `jattn._chunked.attend`) the operands' cotangents."""
+  `_partition.Operands`; ``cut``: its `_call.Place` in the whole), as `_partition` runs them
+  when XLA partitions the program: (out, lse), or with ``saved`` (see `jattn._chunked.attend`)
+  the operands' cotangents."""
   q, k, v, bias, mask, seed, sink = operands
   Bl, Tl, Nl, _ = q.shape
   Sl, Kl = k.shape[1], k.shape[2]
   local = dataclasses.replace(static, B=Bl, T=Tl, S=Sl, N=Nl, K=Kl)
   cfg, score_args = local.config((Bl, Nl) + local.block_sizes())
-  place = (
-    _call.Place()
-    if cut is None
-    else _call.Place(
-      q_offset=cut.row0 if Tl != static.T else None,
-      kv_offset=cut.key0 if Sl != static.S else None,
-      batch0=cut.batch0,
-      head0=cut.head0,
-    )
-  )
-  call = _call.Call(q, k, v, bias, mask, seed, sink, None, local, place)
+  call = _call.Call(q, k, v, bias, mask, seed, sink, None, local, cut)
   return _chunked.attend(call, cfg, score_args, saved=saved)
 
 

@@ -1,6 +1,6 @@
 """The call's masking keywords as one mask: `from_arguments` turns ``mask``, ``is_causal``,
-``local_window_size``, the lengths and the segment ids into one `jattn.masks` object (so every
-implementation sees one mechanism), `keyword_band` the band of the causal and window keywords,
+``local_window_size``, the lengths, the segment ids and the positions into one `jattn.masks`
+object (so every implementation sees one mechanism), `keyword_band` the band of the causal and window keywords,
 `combine` the AND of a list of masks."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 
 from jattn.masks._arrays import _ArrayMask
-from jattn.masks._per_example import _Lengths, _Segments
+from jattn.masks._per_example import _Lengths, _Positions, _Segments
 from jattn.masks._protocol import Mask
 from jattn.masks._structural import _Band
 
@@ -37,26 +37,32 @@ def from_arguments(
   causal=None,
   window=None,
   *,
-  q_lengths=None,
-  kv_lengths=None,
-  q_segment_ids=None,
-  kv_segment_ids=None,
+  lengths=(None, None),
+  segment_ids=(None, None),
+  positions=(None, None),
 ):
   """Turn the keyword arguments into one `jattn.masks` object (None when nothing is hidden).
 
   The keywords are thin ways to build mask objects, so every implementation sees one mechanism.
   The arrays are the call's, checked already (`jattn._call.arrays`), so they are not again.
+  ``lengths``: (q (B,), kv (B,)), either may be None; ``segment_ids`` and ``positions``:
+  (q (B, T), kv (B, S)), given together. With positions, ``causal`` (either alignment) and
+  ``window`` are measured in them: a `positions` mask instead of the band of array indices.
   """
   parts = []
   if mask is not None:
     parts.append(mask if isinstance(mask, Mask) else _ArrayMask(mask))
-  lohi = keyword_band(shape, causal, window)
-  if lohi is not None:
-    parts.append(_Band(*lohi))
-  if q_lengths is not None or kv_lengths is not None:
-    parts.append(_Lengths(q_lengths, kv_lengths))
-  if q_segment_ids is not None:
-    parts.append(_Segments(q_segment_ids, kv_segment_ids))
+  q_positions, kv_positions = positions
+  if q_positions is not None:
+    parts.append(_Positions(q_positions, kv_positions, causal is not None, window))
+  else:
+    lohi = keyword_band(shape, causal, window)
+    if lohi is not None:
+      parts.append(_Band(*lohi))
+  if lengths[0] is not None or lengths[1] is not None:
+    parts.append(_Lengths(*lengths))
+  if segment_ids[0] is not None:
+    parts.append(_Segments(*segment_ids))
   return combine(parts)
 
 

@@ -231,11 +231,25 @@ def positions(
   """Causality and a ``window`` (``w`` or ``(left, right)``, as ``local_window_size``)
   measured in positions: int arrays q_positions (B, T) and kv_positions (B, S). Combine with
   `lengths` or `segments` to hide padding (a position alone does not say a slot is empty)."""
+  _given_together(q_positions, kv_positions)
   q = _int_array("masks.positions: q_positions", q_positions)
   kv = _int_array("masks.positions: kv_positions", kv_positions)
-  if q is None or kv is None:
-    raise TypeError("masks.positions needs both q_positions and kv_positions (int arrays)")
   return _Positions(q, kv, bool(causal), _validation.window(window))
+
+
+def _given_together(q_positions, kv_positions) -> None:
+  """The one error for a missing half of the positions, whichever function is called (`positions`,
+  or the ``q_positions``/``kv_positions`` keywords of a call, which `positions` checks too):
+  ValueError naming it."""
+  if q_positions is None or kv_positions is None:
+    got = (
+      "neither"
+      if q_positions is None and kv_positions is None
+      else "q_positions without kv_positions"
+      if kv_positions is None
+      else "kv_positions without q_positions"
+    )
+    raise ValueError(f"q_positions and kv_positions must be given together, got {got}")
 
 
 def segments(q_segment_ids: ArrayLike, kv_segment_ids: ArrayLike | None = None) -> Mask:
