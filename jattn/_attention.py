@@ -202,6 +202,8 @@ def attention_weights(
   logits_soft_cap=None,
   score_mod=None,
   sinks=None,
+  q_positions=None,
+  kv_positions=None,
   **ignored,
 ):
   """The (B, N, T, S) softmax weights (float32 for 16-bit inputs) that
@@ -237,6 +239,8 @@ def attention_weights(
     kv_segment_ids,
     sinks=sinks,
     scale_operand=scale_operand,
+    q_positions=q_positions,
+    kv_positions=kv_positions,
   )
   return _weights(given, opts=opts)
 

@@ -18,6 +18,7 @@ import reference as ref
 from test_attention import IMPLS
 
 import jattn
+from jattn._attention import attention_weights
 from jattn._chunked import blocks as chunked_blocks
 
 B, T, S, N, K, H = 2, 24, 40, 4, 2, 8
@@ -273,6 +274,33 @@ def test_attention_stats_with_positions_equal_the_same_mask_given_explicitly(imp
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
 
 
+def test_attention_weights_with_positions_against_the_float64_reference():
+  # Packed documents whose positions restart, causal with a window, in positions: the weights
+  # are the plain softmax over the keys the positions let each query see.
+  pos, seg = _packed()
+  q, k, v, _ = _inputs(S)
+  # The weights flax's sow_weights records (not a public function; the modules call it).
+  got = attention_weights(
+    q,
+    k,
+    v,
+    is_causal=True,
+    local_window_size=(5, 0),
+    q_segment_ids=jnp.asarray(seg),
+    kv_segment_ids=jnp.asarray(seg),
+    q_positions=jnp.asarray(pos),
+    kv_positions=jnp.asarray(pos),
+  )
+  vis = _visible(pos, pos, True, (5, 0), q_seg=seg, kv_seg=seg)
+  qd, kd = (np.asarray(x, np.float64) for x in (q, k))
+  kd = np.repeat(kd, N // K, axis=2)
+  logits = np.einsum("btnh,bsnh->bnts", qd, kd) / np.sqrt(H)
+  logits = np.where(vis, logits, -np.inf)
+  w = np.exp(logits - logits.max(axis=-1, keepdims=True))
+  want = w / w.sum(axis=-1, keepdims=True)
+  np.testing.assert_allclose(np.asarray(got), want, atol=2e-6)
+
+
 def _ring_one_device(q, k, v, **kw):
   mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]), ("seq",))
   return jattn.ring_attention_sharded(q, k, v, mesh=mesh, seq_axis="seq", **kw)
@@ -281,6 +309,7 @@ def _ring_one_device(q, k, v, **kw):
 PUBLIC = {
   "dot_product_attention": lambda q, k, v, **kw: jattn.dot_product_attention(q, k, v, **kw),
   "attention_stats": lambda q, k, v, **kw: jattn.diagnostics.attention_stats(q, k, **kw),
+  "attention_weights (sow)": lambda q, k, v, **kw: attention_weights(q, k, v, **kw),
   "ring_attention": _ring_one_device,
   "masks.positions": lambda q, k, v, **kw: jattn.masks.positions(
     kw.get("q_positions"), kw.get("kv_positions")
