@@ -22,7 +22,7 @@ import numpy as np
 from jattn import _dropout, _plan, _registry, _sharding, _tile, _tuning, _validation
 from jattn import masks as _masks
 from jattn._tile import Config
-from jattn._types import concrete
+from jattn._validation import concrete
 
 # ---- the arrays ----------------------------------------------------------------------------
 
@@ -135,7 +135,8 @@ def _qkv(query, key, value):
 
 
 def arrays(given: Given) -> Arrays:
-  """``given``'s arrays checked against each other, rank 4."""
+  """``given``'s arrays checked against each other, rank 4; ``q_positions``/``kv_positions``
+  (B, T), (B, S) (or (T,), (S,) unbatched) as `jattn.masks.positions` checks them."""
   query, key, value = _qkv(given.query, given.key, given.value)
   bias, mask, sinks = given.bias, given.mask, given.sinks
   q_lengths, kv_lengths, q_seg, kv_seg = (
@@ -186,7 +187,16 @@ def arrays(given: Given) -> Arrays:
     sinks = _validation.float_array("sinks", sinks)
     if sinks.shape != (N,):
       raise ValueError(f"sinks must have shape (N,)=({N},), got {sinks.shape}")
-  q_positions, kv_positions = _positions(given.q_positions, given.kv_positions, full, unbatched)
+  q_positions, kv_positions = given.q_positions, given.kv_positions
+  if q_positions is not None or kv_positions is not None:
+    # Checked as `jattn.masks.positions` checks its arguments (the one error for a missing
+    # half, whichever public function is called), then against the problem.
+    if unbatched:  # (T,), (S,)
+      q_positions, kv_positions = (
+        None if x is None else jnp.asarray(x)[None] for x in (q_positions, kv_positions)
+      )
+    _masks.positions(q_positions, kv_positions).validate(full)
+    q_positions, kv_positions = jnp.asarray(q_positions), jnp.asarray(kv_positions)
   return Arrays(
     query,
     key,
@@ -202,21 +212,6 @@ def arrays(given: Given) -> Arrays:
     q_positions,
     kv_positions,
   )
-
-
-def _positions(q_positions, kv_positions, full, unbatched: bool):
-  """The ``q_positions``, ``kv_positions`` keywords (B, T), (B, S) (or (T,), (S,) ``unbatched``)
-  checked as `jattn.masks.positions` checks its arguments (the one error for a missing half,
-  whichever public function is called), then against the (B, N, T, S) problem ``full``: (None,
-  None) when neither is given."""
-  if q_positions is None and kv_positions is None:
-    return None, None
-  if unbatched:
-    q_positions, kv_positions = (
-      None if x is None else jnp.asarray(x)[None] for x in (q_positions, kv_positions)
-    )
-  _masks.positions(q_positions, kv_positions).validate(full)
-  return jnp.asarray(q_positions), jnp.asarray(kv_positions)
 
 
 # ---- the options ---------------------------------------------------------------------------

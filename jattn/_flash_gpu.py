@@ -45,7 +45,7 @@ import jax.numpy as jnp
 
 from jattn import _fused, _paged_gpu, _sharding, _softmax, _splash
 from jattn._softmax import NEG
-from jattn._types import concrete
+from jattn._validation import concrete
 
 # Default block sizes (reasoned): 64 x 64 tiles keep a block of keys and values of head size 128
 # in 16-bit (16 KiB each) within a streaming multiprocessor's shared memory with two pipeline

@@ -46,7 +46,7 @@ from jattn import (
   _tile,
   _validation,
 )
-from jattn._types import concrete
+from jattn._validation import concrete
 
 # None: jattn's Pallas kernel on a TPU or NVIDIA GPU where it takes the call, the XLA walk
 # elsewhere; "chunked": the XLA walk everywhere; "pallas": the kernel (`jattn._paged_tpu`,

@@ -31,7 +31,7 @@ import numpy as np
 from jattn import _sharding
 from jattn import masks as _masks
 from jattn._tile import Config
-from jattn._types import concrete
+from jattn._validation import concrete
 from jattn.masks import EMPTY, FULL, PARTIAL, BlockGrid
 
 # Default block sizes, measured with jattn-bench on a 2-core AVX2 CPU (B=1, N=8, H=64, float32):

@@ -39,7 +39,7 @@ import numpy as np
 
 from jattn import _fused, _sharding, _softmax, _tuning
 from jattn._tile import NEG
-from jattn._types import concrete
+from jattn._validation import concrete
 
 LANES = _tuning.SPLASH_LANES  # splash's block sizes are multiples of the TPU's 128 lanes
 DEFAULT_BLOCK = 512

@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Literal, Union
 
 import jax
-import numpy as np
 
 __all__ = [
   "ArrayLike",
@@ -48,8 +47,3 @@ Layout = Literal["contiguous", "zigzag"]
 
 # `local_window_size=`: ``w`` (= (w, w)) or (left, right); None on a side: unbounded.
 LocalWindowSize = Union[int, tuple[int | None, int | None]]  # noqa: UP007
-
-
-def concrete(*dims) -> bool:
-  """Whether every dimension is a known integer (jax.export's symbolic dimensions are not)."""
-  return all(isinstance(d, (int, np.integer)) for d in dims)

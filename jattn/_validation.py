@@ -45,6 +45,11 @@ SCHEDULES = typing.get_args(_types.Schedule)  # ("serial", "parallel")
 # ---- the named checkers --------------------------------------------------------------------
 
 
+def concrete(*dims) -> bool:
+  """Whether every dimension is a known integer (jax.export's symbolic dimensions are not)."""
+  return all(isinstance(d, (int, np.integer)) for d in dims)
+
+
 def describe(value) -> str:
   """What was passed, for a message: ``str '3'``, ``float 2.5``, ``Array of dtype float32 and
   shape (2, 3)``."""
