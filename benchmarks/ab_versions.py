@@ -1,7 +1,9 @@
 """Old against new jattn in one process, interleaved: the CPU targets' calls (configs/cpu_targets
-.toml: chunked at T = 4096, full and causal, forward and forward+backward) timed alternately on
-this checkout and on an earlier commit, so that the ratio new / old is read on the same machine
-state. jax.nn's time is taken alongside, for the targets' ratios.
+.toml: chunked at T = 4096, full and causal, forward and forward+backward), a decoding step
+through the chunked kernels and one through paged_attention (B = 4, N = 32, K = 8, H = 128, a
+cache of --S tokens, 16-token pages) timed alternately on this checkout and on an earlier
+commit, so that the ratio new / old is read on the same machine state. jax.nn's time is taken
+alongside, for the targets' ratios.
 
   python benchmarks/ab_versions.py --before 84fff63 [--repeats 16] [--T 4096]
 
@@ -42,6 +44,29 @@ def load_before(commit: str):
   return importlib.import_module("jattn_before")
 
 
+def decoding(lib, S: int):
+  """name -> (a jitted function, its arguments): one new token per sequence against a cache of
+  S tokens, through the chunked kernels (contiguous cache) and through paged_attention."""
+  B, N, K, H, ps = 4, 32, 8, 128, 16
+  keys = jax.random.split(jax.random.key(1), 3)
+  q = jax.random.normal(keys[0], (B, 1, N, H), jnp.float32)
+  k, v = (jax.random.normal(key, (B, S, K, H), jnp.float32) for key in keys[1:])
+  lengths = jnp.full((B,), S, jnp.int32)
+  chunked = jax.jit(
+    lambda q, k, v: lib.dot_product_attention(
+      q, k, v, key_value_seq_lengths=lengths, implementation="chunked"
+    )
+  )
+  # The same cache as pages, sequence b's pages b * S / ps ... in order.
+  pages = lambda x: x.reshape(B * S // ps, ps, K, H)
+  table = jnp.arange(B * S // ps, dtype=jnp.int32).reshape(B, S // ps)
+  paged = jax.jit(lambda q, kp, vp: lib.paged_attention(q, kp, vp, table, lengths))
+  return {
+    "decode/chunked": (chunked, (q, k, v)),
+    "decode/paged": (paged, (q, pages(k), pages(v))),
+  }
+
+
 def calls(lib, T: int):
   """name -> a jitted function of (q, k, v): the cpu_targets cases on ``lib``."""
   out = {}
@@ -61,23 +86,30 @@ def main():
   parser.add_argument("--before", required=True)
   parser.add_argument("--repeats", type=int, default=16)
   parser.add_argument("--T", type=int, default=4096)
+  parser.add_argument("--S", type=int, default=8192, help="the decoding cases' cache length")
   args = parser.parse_args()
   import jattn
 
   before = load_before(args.before)
   keys = jax.random.split(jax.random.key(0), 3)
   q, k, v = (jax.random.normal(key, (1, args.T, 8, 64), jnp.float32) for key in keys)
-  libs = {"new": calls(jattn, args.T), "old": calls(before, args.T)}
-  libs["jax.nn"] = {
-    "forward/full": jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v)),
-    "forward+backward/full": jax.jit(
-      jax.grad(lambda q, k, v: jax.nn.dot_product_attention(q, k, v).sum(), argnums=(0, 1, 2))
-    ),
+  with_args = lambda fns: {name: (fn, (q, k, v)) for name, fn in fns.items()}
+  libs = {
+    "new": with_args(calls(jattn, args.T)) | decoding(jattn, args.S),
+    "old": with_args(calls(before, args.T)) | decoding(before, args.S),
   }
+  libs["jax.nn"] = with_args(
+    {
+      "forward/full": jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v)),
+      "forward+backward/full": jax.jit(
+        jax.grad(lambda q, k, v: jax.nn.dot_product_attention(q, k, v).sum(), argnums=(0, 1, 2))
+      ),
+    }
+  )
   times = {lib: {name: [] for name in fns} for lib, fns in libs.items()}
   for fns in libs.values():
-    for fn in fns.values():
-      jax.block_until_ready(fn(q, k, v))  # compile and warm up
+    for fn, fn_args in fns.values():
+      jax.block_until_ready(fn(*fn_args))  # compile and warm up
   for r in range(args.repeats):
     # Alternate which version goes first (an even number of repeats gives each the same number
     # of first places), and time jax.nn before both: a call right after jax.nn's, whose
@@ -87,14 +119,16 @@ def main():
       for lib in order:
         if name not in libs[lib]:
           continue
+        fn, fn_args = libs[lib][name]
         t0 = time.perf_counter()
-        jax.block_until_ready(libs[lib][name](q, k, v))
+        jax.block_until_ready(fn(*fn_args))
         times[lib][name].append(time.perf_counter() - t0)
   med = {lib: {n: statistics.median(ts) for n, ts in d.items()} for lib, d in times.items()}
   report = {
     "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     "before": args.before,
     "T": args.T,
+    "S": args.S,
     "repeats": args.repeats,
     "median_s": med,
     "new_over_old": {n: med["new"][n] / med["old"][n] for n in med["new"]},
