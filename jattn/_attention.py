@@ -158,7 +158,7 @@ def dot_product_attention(
     q_positions,
     kv_positions,
   )
-  return _attention(given, opts=opts)
+  return _attention(given.passable(), opts=opts)
 
 
 @functools.partial(jax.jit, static_argnames=("opts",))
@@ -242,7 +242,7 @@ def attention_weights(
     q_positions=q_positions,
     kv_positions=kv_positions,
   )
-  return _weights(given, opts=opts)
+  return _weights(given.passable(), opts=opts)
 
 
 @functools.partial(jax.jit, static_argnames=("opts",))

@@ -48,6 +48,28 @@ class Given(NamedTuple):
   q_positions: Any = None
   kv_positions: Any = None
 
+  def passable(self) -> Given:
+    """Itself, once every argument is something a jitted function takes (an array, a
+    `jattn.masks` object, or what `jnp.asarray` converts), else a TypeError naming the
+    argument: jit's own error, raised while flattening, names only a path (``given.mask``)."""
+    for field, x in zip(self._fields, self):
+      if x is None or isinstance(x, _masks.Mask) or (hasattr(x, "shape") and hasattr(x, "dtype")):
+        continue
+      name = _ARGUMENT_NAMES.get(field, field)
+      what = "a boolean array or a jattn.masks object" if field == "mask" else "an array"
+      _validation.as_array(name, x, what)
+    return self
+
+
+# Given's fields by the public keyword they come from, where the two differ.
+_ARGUMENT_NAMES = {
+  "q_lengths": "query_seq_lengths",
+  "kv_lengths": "key_value_seq_lengths",
+  "q_seg": "q_segment_ids",
+  "kv_seg": "kv_segment_ids",
+  "scale_operand": "scale",
+}
+
 
 @dataclasses.dataclass
 class Arrays:
@@ -112,7 +134,8 @@ def _qkv(query, key, value):
   if Hk != H:
     raise ValueError(f"key must have the head dim H of query (H={H}), got H={Hk}: {shapes}")
   N, K = query.shape[-2], key.shape[-2]
-  if K == 0 or N % K:
+  # No heads at all (N = K = 0) is an empty problem, answered empty (`_dispatch.run`).
+  if (K == 0 and N != 0) or (K != 0 and N % K):
     raise ValueError(
       f"the number of query heads N={N} must be a multiple of the number of "
       f"key/value heads K={K} ({shapes})"
@@ -341,7 +364,7 @@ class Static:
 
   @property
   def G(self) -> int:
-    return self.N // self.K
+    return self.N // self.K if self.K != 0 else 0  # no heads (an empty call): no groups
 
   @property
   def stat_dtype(self):

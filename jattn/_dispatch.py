@@ -13,12 +13,20 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 
-from jattn import _backends, _plan, _registry, _validation  # noqa: F401  (registers)
+from jattn import _backends, _plan, _registry, _softmax, _validation  # noqa: F401  (registers)
 
 
 def run(call):
   """(out (B, T, N, Hv), lse (B, T, N)) of a bound call (`jattn._call.Call`)."""
+  s = call.static
+  if _validation.concrete(s.B, s.N) and s.B * s.N == 0:
+    # No examples or no heads: nothing to compute, whatever the implementation (a kernel's
+    # plan would divide by the empty sizes, splash's block map reduce over them), and the
+    # answer is empty, as jax.nn's. Its gradients, through these constants, are empty too.
+    empty = (s.B, s.T, s.N)
+    return jnp.zeros(empty + (s.Hv,), s.dtype), jnp.full(empty, _softmax.NEG, s.stat_dtype)
   names = _validation.implementation_names(call.opts.implementation)
   runners = {name: functools.partial(attempt, name, call) for name in _registry.REGISTRY}
   if len(names) == 1:

@@ -180,7 +180,7 @@ def attention_stats(
     q_positions=q_positions,
     kv_positions=kv_positions,
   )
-  return _stats(given, opts=opts)
+  return _stats(given.passable(), opts=opts)
 
 
 def _own_implementation(impl):

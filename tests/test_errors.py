@@ -893,3 +893,25 @@ def test_auto_partitioning_takes_a_bool():
   with jattn.auto_partitioning(False):
     off = jattn.dot_product_attention(q, q, q, implementation="chunked")
   np.testing.assert_array_equal(off, jattn.dot_product_attention(q, q, q, implementation="chunked"))
+
+
+@pytest.mark.parametrize(
+  "keyword, value, name",
+  [
+    ("mask", "causal", "mask"),
+    ("mask", object(), "mask"),
+    ("bias", "additive", "bias"),
+    ("query_seq_lengths", "8", "query_seq_lengths"),
+    ("kv_segment_ids", {"doc": 1}, "kv_segment_ids"),
+  ],
+)
+def test_an_argument_of_the_wrong_python_type_is_named(keyword, value, name):
+  # Not left to jit, whose error while flattening names only a path (given.mask).
+  q = jnp.ones((1, 8, 2, 8))
+  extra = {"q_segment_ids": jnp.zeros((1, 8), jnp.int32)} if keyword == "kv_segment_ids" else {}
+  for f in (
+    jattn.dot_product_attention,
+    lambda q, k, v, **kw: jattn.diagnostics.attention_stats(q, k, **kw),
+  ):
+    with pytest.raises(TypeError, match=f"^{name} must be"):
+      f(q, q, q, **{keyword: value}, **extra)
