@@ -17,6 +17,7 @@ from jattn._parallel.ring import ring_attention as ring_attention
 from jattn._parallel.ring import ring_attention_sharded as ring_attention_sharded
 from jattn._parallel.zigzag import zigzag_permute as zigzag_permute
 from jattn._parallel.zigzag import zigzag_unpermute as zigzag_unpermute
+from jattn._received import attention_received as attention_received
 from jattn._tuning import TuningTable as TuningTable
 from jattn._tuning import load as load_tuning
 from jattn._tuning import tuning as tuning
@@ -25,6 +26,7 @@ __version__ = "0.1.0"
 
 __all__ = [
   "TuningTable",
+  "attention_received",
   "auto_partitioning",
   "diagnostics",
   "dot_product_attention",
