@@ -315,9 +315,9 @@ def aligned_to_query(args):
   """Under an Explicit mesh, the call's other arrays laid out for the query's computation: a
   bias (broadcastable to (B, N, T, S)) sharded as the scores are (B, N and T as the query, S
   whole unless only K and V are split along it); a boolean mask by example and head, segment
-  ids and lengths by example, their sequence dimensions whole (masks read them at positions,
-  by gathers a sharded operand cannot follow), and so the arrays of a mask object; the sinks
-  replicated. Elsewhere unchanged.
+  ids, lengths and positions by example, their sequence dimensions whole (masks read them at
+  positions, by gathers a sharded operand cannot follow), and so the arrays of a mask object;
+  the sinks replicated. Elsewhere unchanged.
 
   ``args``: a `jattn._validation.Arrays`."""
   if not explicit_mesh():
@@ -358,6 +358,8 @@ def aligned_to_query(args):
     kv_lengths=per_example(args.kv_lengths),
     q_seg=per_example(args.q_seg),
     kv_seg=per_example(args.kv_seg),
+    q_positions=per_example(args.q_positions),
+    kv_positions=per_example(args.kv_positions),
     sinks=replicated(args.sinks),
   )
 
