@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 
 import jax
 
-from jattn import _call, _dense, _dispatch, _softmax
+from jattn import _call, _dense, _dispatch, _sharding, _softmax
 from jattn import masks as _masks
 from jattn._types import ArrayLike, Implementation, IsCausal, LocalWindowSize, Schedule
 
@@ -163,8 +163,9 @@ def dot_product_attention(
 
 @functools.partial(jax.jit, static_argnames=("opts",))
 def _attention(given: _call.Given, *, opts: _call.Options):
-  call = _call.bind(given, opts)
-  out, lse = _dispatch.run(call)  # (B, T, N, Hv), (B, T, N)
+  with _sharding.inputs_mesh(given.query):
+    call = _call.bind(given, opts)
+    out, lse = _dispatch.run(call)  # (B, T, N, Hv), (B, T, N)
   if call.static.unbatched:
     out, lse = out[0], lse[0]
   if not opts.return_residual:

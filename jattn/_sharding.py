@@ -8,6 +8,7 @@ no mesh) every function here is the identity.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 
@@ -21,6 +22,19 @@ def _mesh():
   get = getattr(jax.sharding, "get_abstract_mesh", None)
   mesh = get() if get is not None else None
   return None if mesh is None or getattr(mesh, "empty", True) else mesh
+
+
+@contextlib.contextmanager
+def inputs_mesh(x):
+  """Trace the block under the mesh that ``x``'s type carries when no mesh is set: arrays of an
+  Explicit mesh passed to a jitted function without `jax.set_mesh` (jax.nn takes them) are then
+  laid out as under it, instead of failing on a reshape whose sharding only the mesh decides."""
+  mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+  if _mesh() is not None or mesh is None or getattr(mesh, "empty", True):
+    yield
+    return
+  with jax.sharding.use_abstract_mesh(mesh):
+    yield
 
 
 def _names(entry) -> tuple:

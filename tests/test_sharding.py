@@ -462,3 +462,50 @@ def test_the_partitioned_operation_unpartitioned_equals_the_kernels(monkeypatch,
   for a, b in zip(got, want):
     assert np.isfinite(np.asarray(a)).all()
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+NO_CONTEXT_WORKER = textwrap.dedent('''
+    import os
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_force_host_platform_device_count=4")
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax, jax.numpy as jnp, numpy as np, jattn
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+    B, T, N, K, H = 4, 64, 8, 4, 16
+    mesh = jax.make_mesh((4,), ("x",), axis_types=(AxisType.Explicit,))
+    ks = jax.random.split(jax.random.key(0), 3)
+    q, k, v = (jax.random.normal(key, (B, T, n, H)) for key, n in zip(ks, (N, K, K)))
+
+    def reference(causal):
+        qd, kd, vd = (np.repeat(np.asarray(x, np.float64), N // x.shape[2], axis=2) for x in (q, k, v))
+        s = np.einsum("btnh,bsnh->bnts", qd, kd) / np.sqrt(H)
+        if causal:
+            s = np.where(np.tril(np.ones((T, T), bool)), s, -np.inf)
+        p = np.exp(s - s.max(-1, keepdims=True))
+        return np.einsum("bnts,bsnh->btnh", p / p.sum(-1, keepdims=True), vd)
+
+    failures = []
+    for where, spec in (("batch", P("x")), ("heads", P(None, None, "x")), ("sequence", P(None, "x"))):
+        args = [jax.device_put(x, NamedSharding(mesh, spec)) for x in (q, k, v)]
+        for impl in ("dense", "chunked", "parallel", None):
+            kw = dict(implementation="chunked", schedule="parallel") if impl == "parallel" else dict(implementation=impl)
+            for causal in (False, True):
+                try:
+                    out = jattn.dot_product_attention(*args, is_causal=causal, block_q=16, block_kv=16, **kw)
+                    np.testing.assert_allclose(np.asarray(out), reference(causal), atol=2e-5)
+                except Exception as e:
+                    failures.append(f"{where} {impl} causal={causal}: {type(e).__name__}: {str(e)[:200]}")
+    assert not failures, failures
+    print("OK")
+''')
+
+
+def test_arrays_of_an_explicit_mesh_without_a_context_mesh():
+  # jax.nn takes an Explicit mesh's arrays under plain jit, without jax.set_mesh: jattn traces
+  # the call under the mesh their types carry (batch-, head- and sequence-sharded, every
+  # implementation), against the float64 reference.
+  r = subprocess.run(
+    [sys.executable, "-c", NO_CONTEXT_WORKER], capture_output=True, text=True, timeout=600
+  )
+  assert r.returncode == 0 and "OK" in r.stdout, (r.stdout[-3000:], r.stderr[-3000:])
