@@ -29,7 +29,8 @@ def inputs_mesh(x):
   """Trace the block under the mesh that ``x``'s type carries when no mesh is set: arrays of an
   Explicit mesh passed to a jitted function without `jax.set_mesh` (jax.nn takes them) are then
   laid out as under it, instead of failing on a reshape whose sharding only the mesh decides."""
-  mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+  typed = hasattr(x, "shape") and hasattr(x, "dtype")  # not yet checked: may be a list
+  mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None) if typed else None
   if _mesh() is not None or mesh is None or getattr(mesh, "empty", True):
     yield
     return
