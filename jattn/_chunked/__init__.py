@@ -7,7 +7,7 @@ running max m, running sum l and an fp32 accumulator acc. When a block raises th
 m', the old sum and accumulator are rescaled by exp(m - m') -- the same max trick as the stable
 softmax, applied incrementally. At the end out = acc / l and the log-sum-exp m + log(l) is saved.
 
-Backward (a custom VJP, so nothing of size T x S is stored): for each key/value block, walk the
+Backward (the transpose of the kernel's tangent, so nothing of size T x S is stored): for each key/value block, walk the
 query blocks that can see it, recompute P = exp(S - lse) from the saved log-sum-exp, and
 accumulate dV = P^T dO, dK = dS^T Q and dQ = dS K with dS = P * (dO V^T - rowsum(dO * O)).
 
@@ -18,10 +18,14 @@ skips any EMPTY block inside that range, and FULL blocks take a branch without m
 The modules, by phase, in the order a call goes down them:
   entry.py    `attend`: a bound call, or one device's part of one -> block sizes, positions,
               plan and block map per schedule -> the kernel
-  kernel.py   `forward` (one tile's online-softmax step), `backward`, the custom VJP joining
-              them (`Residuals`), padding to whole blocks (`chunked_attention`)
-  serial.py   the serial schedule's walks: `walk_rows` (forward, and the diagnostics) and the
-              backward's key-major walk
+  derivatives.py  the kernel as one function differentiable in every mode: a custom JVP whose
+              tangent is a primitive evaluated by tangent.py and transposed to the backward;
+              padding to whole blocks (`chunked_attention`)
+  kernel.py   `forward` (one tile's online-softmax step), `forward_fixed` (the same with fixed
+              trip counts, for second derivatives), `backward` (`Residuals`)
+  tangent.py  forward mode: the tangents of out and lse in one walk from the saved lse
+  serial.py   the serial schedule's walks: `walk_rows` (forward, forward mode, the
+              diagnostics), `walk_rows_fixed`, and the backward's key-major walk
   lanes.py    the parallel schedule: lanes of blocks side by side, their parts merged in lane
               order; its forward and its two-pass backward
   grads.py    one tile's gradients, P recomputed from the saved log-sum-exp

@@ -1,5 +1,5 @@
 """The chunked backend's entry into its kernels: `attend` takes a bound call, or one device's part
-of one (from `jattn._parallel.split`), to `jattn._chunked.kernel`.
+of one (from `jattn._parallel.split`), to the kernels (`jattn._chunked.derivatives`).
 
 It fixes the block sizes, gives a part's rows and keys their global positions (the mask
 remapped to them, score_mod and dropout told), makes the plan and block map for each schedule
@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from jattn import _plan
 from jattn import masks as _masks
-from jattn._chunked.kernel import chunked_attention, chunked_attention_grads
+from jattn._chunked.derivatives import chunked_attention, chunked_attention_grads
 from jattn._plan import Operands
 
 

@@ -1,17 +1,18 @@
-"""The chunked kernels: the forward and backward passes and the custom VJP that joins them.
+"""The chunked kernels: the forward and backward passes.
 
-`forward` holds one tile's online-softmax step (a query block's start, each tile, its finish)
-and hands it to the schedule's walk (`jattn._chunked.serial.walk_rows` or
-`jattn._chunked.lanes._forward_parallel`). `backward` gathers what every tile's gradient reads
-(`jattn._chunked.grads`) and runs the schedule's backward walk. `_kernel` is the custom-VJP
-function of the two, whose only residuals are the operands, the output and its log-sum-exp
-(`Residuals`); `chunked_attention` pads to whole blocks around it, and `chunked_attention_grads`
-runs its backward alone for a caller that keeps the residuals itself. Ring attention calls
-`forward` and `backward` directly, once per key/value shard.
+`forward` holds one tile's online-softmax step (a query block's start, each tile, its finish:
+`_steps`) and hands it to the schedule's walk (`jattn._chunked.serial.walk_rows` or
+`jattn._chunked.lanes._forward_parallel`); `forward_fixed` hands the same step to a walk of
+fixed trip counts that JAX's reverse mode can differentiate. `backward` gathers what every
+tile's gradient reads (`jattn._chunked.grads`) and runs the schedule's backward walk from the
+`Residuals`: the operands, the output and its log-sum-exp. `jattn._chunked.derivatives` makes
+them one differentiable function; ring attention calls `forward` and `backward` directly, once
+per key/value shard.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, NamedTuple
 
@@ -22,12 +23,41 @@ from jattn import _plan, _sharding, _softmax, _tile
 from jattn._chunked.blocks import TileView, _rows, _unrows, kv_tile, put_q_tile, q_tile
 from jattn._chunked.grads import _Backward, _bias_contribution_shape, _tile_grads
 from jattn._chunked.lanes import _backward_parallel, _forward_parallel
-from jattn._chunked.serial import _backward_serial, walk_rows
+from jattn._chunked.serial import _backward_serial, walk_rows, walk_rows_fixed
 from jattn._plan import Operands, Plan
 
 
 def forward(plan: Plan, ops: Operands):
   """q (B,Tp,N,H), k/v (B,Sp,K,H) -> out (B,Tp,N,Hv) in q's dtype, lse (B,Tp,N)."""
+  start, tile, finish = _steps(plan, ops)
+  if plan.schedule == "parallel":
+    return _forward_parallel(plan, ops, start, tile)
+  # Each query block writes its rows of the output in place: stacking per-block results (as
+  # lax.map does) would need another full-size copy to put them back in sequence order.
+  return walk_rows(plan, ops, start=start, tile=tile, finish=finish, outs=_outputs(ops), name="fwd")
+
+
+def forward_fixed(plan: Plan, ops: Operands):
+  """`forward` with loops of fixed trip count, each query block rematerialised: what JAX's own
+  reverse mode can differentiate (a loop over a data-dependent range cannot be), at
+  O(T + block_q * S) memory. The derivatives of the backward pass are taken through it."""
+  serial = dataclasses.replace(plan, schedule="serial")
+  start, tile, finish = _steps(serial, ops)
+  return walk_rows_fixed(serial, ops, start=start, tile=tile, finish=finish, outs=_outputs(ops))
+
+
+def _outputs(ops: Operands):
+  """The forward's outputs before any block is written: out (B, Tp, N, Hv), lse (B, Tp, N)."""
+  q, v = ops.q, ops.v
+  out0 = jnp.repeat(jnp.zeros_like(q[..., :1]), v.shape[-1], axis=-1)
+  lse0 = jnp.zeros_like(q[..., 0], dtype=_tile.stat_dtype(q.dtype))
+  return _sharding.varying_tree((out0, lse0), q, v, ops.k, ops.states)
+
+
+def _steps(plan: Plan, ops: Operands):
+  """The forward's online-softmax step for one tile, as the (start, tile, finish) a walk runs:
+  ``start(i)`` a query block's rows and carries, ``tile(rows, view, carry)`` one key block,
+  ``finish(i, carry, outs)`` the block's output and lse written into ``outs``."""
   cfg = plan.cfg
   K, G = cfg.K, cfg.G
   bq, bk = plan.grid.block_q, plan.grid.block_kv
@@ -80,14 +110,7 @@ def forward(plan: Plan, ops: Operands):
     lse = put_q_tile(lse, _softmax.lse(m, l), i, bq)
     return out, lse
 
-  if parallel:
-    return _forward_parallel(plan, ops, start, tile)
-  # Each query block writes its rows of the output in place: stacking per-block results (as
-  # lax.map does) would need another full-size copy to put them back in sequence order.
-  out0 = jnp.repeat(jnp.zeros_like(q[..., :1]), v.shape[-1], axis=-1)  # (B, Tp, N, Hv)
-  lse0 = jnp.zeros_like(q[..., 0], dtype=sd)
-  outs0 = _sharding.varying_tree((out0, lse0), *inputs)
-  return walk_rows(plan, ops, start=start, tile=tile, finish=finish, outs=outs0, name="fwd")
+  return start, tile, finish
 
 
 class Residuals(NamedTuple):
@@ -154,76 +177,3 @@ def backward(plan: Plan, res: Residuals, dout, dlse=None) -> Operands:
     sink=dsink,
     positions=zeros(ops.positions),
   )
-
-
-# --------------------------------------------------------------------------------------------
-# The custom VJP: the operands, the output and its log-sum-exp are the only residuals.
-# --------------------------------------------------------------------------------------------
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _kernel(plan: Plan, ops: Operands):
-  return forward(plan, ops)
-
-
-def _kernel_fwd(plan: Plan, ops: Operands):
-  out, lse = forward(plan, ops)
-  return (out, lse), Residuals(ops, out, lse)
-
-
-def _kernel_bwd(plan: Plan, res: Residuals, cts):
-  # The lse's cotangent: a merge of parts (merge_attention, key/value shards on several
-  # devices) differentiates through it.
-  dout, dlse = cts
-  grads = backward(plan, res, dout, dlse)
-  if _sharding.explicit_mesh():
-    # A cotangent must have its operand's type, sharding included: the sinks' gradient, summed
-    # from head-sharded statistics, comes out sharded like the heads even where the sinks are
-    # replicated.
-    ops, fields = res.ops, ("q", "k", "v", "bias", "sink", "score_args")
-    want = [jax.tree.map(jax.typeof, getattr(ops, f)) for f in fields]
-    got = _sharding.reshard_like([getattr(grads, f) for f in fields], want)
-    grads = grads._replace(**dict(zip(fields, got)))
-  return (grads,)
-
-
-_kernel.defvjp(_kernel_fwd, _kernel_bwd)
-
-
-def chunked_attention(plan: Plan, ops: Operands):
-  """Chunked attention of unpadded operands: q (B,T,N,H), k/v (B,S,K,H), bias
-  (B|1,K|1,G|1,T|1,S|1). Pads T and S to whole blocks, runs the custom-VJP kernel, and slices
-  the padding off. Returns out (B,T,N,H) and lse (B,T,N).
-  """
-  q, k, v, bias = _plan.pad_to_blocks(plan, ops.q, ops.k, ops.v, ops.bias)
-  out, lse = _kernel(plan, ops._replace(q=q, k=k, v=v, bias=bias))
-  T = plan.cfg.T
-  if plan.Tp != T:
-    out, lse = out[:, :T], lse[:, :T]
-  return out, lse
-
-
-def chunked_attention_grads(plan: Plan, ops: Operands, out, lse, dout, dlse) -> Operands:
-  """The cotangents of `chunked_attention`'s operands from its saved output and log-sum-exp
-  (out (B, T, N, H), lse (B, T, N)) and their cotangents: its backward pass, run by a caller
-  that keeps the residuals itself (the partitioned operation of `jattn._parallel.partition`)."""
-  padded, unpad = jax.vjp(
-    lambda q, k, v, bias: _plan.pad_to_blocks(plan, q, k, v, bias), ops.q, ops.k, ops.v, ops.bias
-  )
-  pt = plan.Tp - plan.cfg.T
-
-  def rows(x, fill=0):
-    pads = ((0, 0), (0, pt)) + ((0, 0),) * (x.ndim - 2)
-    return jnp.pad(x, pads, constant_values=fill) if pt else x
-
-  # Padded query rows get a huge positive lse: their recomputed probabilities, and their share
-  # of the sinks' gradient (exp(sink - lse), times a zero delta), are exact zeros. (The empty-
-  # row value NEG would give the sinks exp(sink - NEG) = inf times 0.)
-  res = Residuals(
-    ops._replace(q=padded[0], k=padded[1], v=padded[2], bias=padded[3]),
-    rows(out),
-    rows(lse, -_tile.NEG),
-  )
-  (grads,) = _kernel_bwd(plan, res, (rows(dout), rows(dlse)))
-  dq, dk, dv, dbias = unpad((grads.q, grads.k, grads.v, grads.bias))
-  return grads._replace(q=dq, k=dk, v=dv, bias=dbias)

@@ -62,6 +62,50 @@ def walk_rows(
   return jax.lax.fori_loop(0, plan.grid.num_q_blocks, q_block, outs)
 
 
+def walk_rows_fixed(
+  plan: Plan, ops: Operands, *, start: Callable, tile: Callable, finish: Callable, outs
+):
+  """`walk_rows` with loops of fixed trip count, which JAX's reverse mode differentiates: every
+  query block takes as many steps as the longest row's range (steps past its own range and
+  EMPTY blocks are skipped by the switch), and is rematerialised (`jax.checkpoint`), so the
+  reverse pass keeps only the blocks' outputs, and one block's tiles at a time.
+
+  ``outs`` is the whole output (as for `walk_rows`); each block's ``finish`` writes into a
+  block-sized slice of it, and the blocks are stacked in sequence order."""
+  lo, hi = plan.row_bounds(ops.states)
+  nq, nk = plan.grid.num_q_blocks, plan.grid.num_kv_blocks
+  steps = nk if plan.q_ranges is None else max(1, max(b - a for a, b in plan.q_ranges))
+  kinds = tuple(sorted({*plan.kinds, EMPTY}))
+  bq = plan.grid.block_q
+  outs_block = jax.tree.map(lambda x: _slice(x, 0, bq, 1), outs)
+
+  @jax.checkpoint
+  def q_block(i):
+    ctx, carry0 = start(i)
+
+    def visit(j, carry, masked: bool):
+      return tile(ctx, tile_view(plan, ops, i, j, masked), carry)
+
+    def body(step, carry):
+      at = lo(i) + step
+      j = jnp.minimum(at, nk - 1)
+      state = jnp.where(at < hi(i), ops.states[i, j], jnp.int8(EMPTY))
+      branches = {
+        EMPTY: lambda j, c: c,
+        PARTIAL: functools.partial(visit, masked=True),
+        FULL: functools.partial(visit, masked=False),
+      }
+      return dispatch(kinds, state, branches, j, carry)
+
+    return finish(0, jax.lax.fori_loop(0, steps, body, carry0), outs_block)
+
+  blocks = jax.lax.map(q_block, jnp.arange(nq, dtype=jnp.int32))
+  # (nq, B, bq, ...) -> (B, nq * bq, ...): block i holds rows i * bq ..
+  return jax.tree.map(
+    lambda b: jnp.moveaxis(b, 0, 1).reshape((b.shape[1], nq * bq) + b.shape[3:]), blocks
+  )
+
+
 def _backward_serial(plan: Plan, ops: Operands, bw: _Backward, tile_grads, scale, dk_scale):
   """The serial schedule's backward: key block after key block, each walking the query blocks
   that see it (loop ranges from the plan); dK and dV are finished per key block, dQ and dBias

@@ -1,0 +1,229 @@
+"""The chunked kernels' derivatives in every mode: forward (jvp, linearize, jacfwd), reverse with
+the FlashAttention backward (grad), and reverse over reverse (grad of grad, Hessians).
+
+JAX's public API gives a function a custom JVP or a custom VJP, not both (jax#3996). Forward
+mode needs the first (JAX cannot run a custom VJP forwards), reverse mode at O(T + S) the second
+(JAX cannot transpose the forward's loops). One function gets both through a primitive:
+
+- `_kernel` (chunked attention of padded operands -> (out, lse)) is a custom JVP whose tangent
+  is `_tangent_p`, linear in the operands' tangents;
+- evaluating `_tangent_p` is the tangent walk (`jattn._chunked.tangent`): forward mode;
+- transposing it is the custom backward (`jattn._chunked.kernel.backward`): so reverse mode is
+  what it was, the residuals the operands, the output and its log-sum-exp;
+- under vmap every mapped axis moves to the front and both are vmapped; forward over forward
+  differentiates the tangent walk with `jax.jvp`.
+
+Reverse over reverse differentiates the backward, whose loops run over data-dependent ranges.
+`_backward` is a custom JVP: its value is the fast backward; its tangent differentiates
+`forward_fixed` (the forward with fixed trip counts, each query block rematerialised) twice with
+JAX's own AD, which transposes at O(T + block_q * S) memory. The tangent of the backward
+ignores those of ``out`` and ``lse``: it differentiates through the operands they come from.
+
+`chunked_attention` pads to whole blocks around `_kernel`; `chunked_attention_grads` runs the
+backward alone for a caller that keeps the residuals itself.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.extend.core
+import jax.numpy as jnp
+from jax.interpreters import ad, batching, mlir
+
+from jattn import _plan, _sharding, _tile
+from jattn._chunked.kernel import Residuals, backward, forward, forward_fixed
+from jattn._chunked.tangent import tangent
+from jattn._plan import Operands, Plan
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _kernel(plan: Plan, ops: Operands):
+  return forward(plan, ops)
+
+
+@_kernel.defjvp
+def _kernel_jvp(plan: Plan, primals, tangents):
+  (ops,), (dot,) = primals, tangents
+  out, lse = _kernel(plan, ops)
+  rule = _Rule(plan, ops)
+  dleaves = _up_to(rule.treedef, dot)
+  args = [jnp.asarray(x) for x in _up_to(rule.treedef, ops)]
+  args += [out, lse] + [d for d, f in zip(dleaves, rule.diff) if f]
+  dout, dlse = _tangent_p.bind(*args, rule=rule, sizes=(), avals=(jax.typeof(out), jax.typeof(lse)))
+  return (out, lse), (dout, dlse)
+
+
+class _Rule:
+  """What the primitive's rules know besides its operands: the plan, the operands' tree and
+  which of its leaves are differentiable (floating point). Hashed by identity."""
+
+  def __init__(self, plan: Plan, ops: Operands):
+    leaves, self.treedef = jax.tree.flatten(ops)
+    self.plan = plan
+    self.diff = tuple(jnp.issubdtype(jnp.result_type(x), jnp.inexact) for x in leaves)
+
+  def ops(self, leaves) -> Operands:
+    return jax.tree.unflatten(self.treedef, list(leaves))
+
+  def tangent(self, *args):
+    """(operand leaves, out, lse, differentiable leaves' tangents) -> [out', lse']."""
+    n = len(self.diff)
+    tangents = iter(args[n + 2 :])
+    dot = self.ops(next(tangents) if f else None for f in self.diff)
+    return list(tangent(self.plan, self.ops(args[:n]), args[n], args[n + 1], dot))
+
+  def transpose(self, *args):
+    """(operand leaves, out, lse, out's and lse's cotangents) -> differentiable leaves'."""
+    n = len(self.diff)
+    return _backward(self.plan, self.ops(args[:n]), *args[n : n + 4])
+
+
+def _vmapped(fn, sizes):
+  """``fn`` vmapped once per batching level, every operand mapped along its leading axis."""
+  for _ in sizes:
+    fn = jax.vmap(fn)
+  return fn
+
+
+_tangent_p = jax.extend.core.Primitive("jattn_chunked_tangent")
+_tangent_p.multiple_results = True
+
+
+def _evaluate(*args, rule: _Rule, sizes, avals):
+  return _vmapped(rule.tangent, sizes)(*args)
+
+
+def _abstract(*args, rule: _Rule, sizes, avals):
+  return list(avals)
+
+
+def _transpose(cts, *args, rule: _Rule, sizes, avals):
+  n = len(rule.diff) + 2
+  assert not any(ad.is_undefined_primal(x) for x in args[:n])
+  cts = [ad.instantiate_zeros(ct) for ct in cts]
+  return [None] * n + list(_vmapped(rule.transpose, sizes)(*args[:n], *cts))
+
+
+def _batch(args, dims, *, rule: _Rule, sizes, avals):
+  size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
+  args = [
+    jnp.broadcast_to(x, (size, *x.shape)) if d is None else jnp.moveaxis(x, d, 0)
+    for x, d in zip(args, dims)
+  ]
+  avals = tuple(jax.core.ShapedArray((size, *a.shape), a.dtype) for a in avals)
+  out = _tangent_p.bind(*args, rule=rule, sizes=(*sizes, size), avals=avals)
+  return out, [0] * len(out)
+
+
+def _jvp(primals, tangents, *, rule: _Rule, sizes, avals):
+  # Linear in its tangent operands; through the others, forward mode of the tangent walk.
+  n = len(rule.diff) + 2
+  params = dict(rule=rule, sizes=sizes, avals=avals)
+  out = _tangent_p.bind(*primals, **params)
+  linear = _tangent_p.bind(*primals[:n], *map(ad.instantiate_zeros, tangents[n:]), **params)
+  walk = lambda *p: _evaluate(*p, *primals[n:], **params)
+  _, through = jax.jvp(walk, tuple(primals[:n]), tuple(map(ad.instantiate_zeros, tangents[:n])))
+  return out, [a + b for a, b in zip(linear, through)]
+
+
+_tangent_p.def_impl(_evaluate)
+_tangent_p.def_abstract_eval(_abstract)
+mlir.register_lowering(_tangent_p, mlir.lower_fun(_evaluate, multiple_results=True))
+ad.primitive_jvps[_tangent_p] = _jvp
+ad.primitive_transposes[_tangent_p] = _transpose
+batching.primitive_batchers[_tangent_p] = _batch
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _backward(plan: Plan, ops: Operands, out, lse, dout, dlse):
+  """The differentiable leaves' cotangents (in `jax.tree.leaves(ops)` order) by the backward."""
+  grads = _grads(plan, Residuals(ops, out, lse), dout, dlse)
+  treedef = jax.tree.structure(ops)
+  leaves = _up_to(treedef, grads)
+  return [g for g, x in zip(leaves, _up_to(treedef, ops)) if _differentiable(x)]
+
+
+@_backward.defjvp
+def _backward_jvp(plan: Plan, primals, tangents):
+  ops, _out, _lse, dout, dlse = primals
+  tops, _, _, tdout, tdlse = tangents
+  treedef = jax.tree.structure(ops)
+  leaves = _up_to(treedef, ops)
+  diff = [_differentiable(x) for x in leaves]
+  pick = lambda tree: [x for x, f in zip(_up_to(treedef, tree), diff) if f]
+
+  def with_leaves(d):
+    it = iter(d)
+    return jax.tree.unflatten(treedef, [next(it) if f else x for x, f in zip(leaves, diff)])
+
+  def cotangents(d, dout, dlse):
+    _, vjp = jax.vjp(lambda d: forward_fixed(plan, with_leaves(d)), d)
+    return vjp((dout, dlse))[0]
+
+  primal_out = _backward(plan, *primals)
+  _, tangent_out = jax.jvp(cotangents, (pick(ops), dout, dlse), (pick(tops), tdout, tdlse))
+  return primal_out, tangent_out
+
+
+def _up_to(treedef, tree) -> list:
+  """The subtrees of ``tree`` at the leaves of ``treedef`` (None included)."""
+  return treedef.flatten_up_to(tree)
+
+
+def _differentiable(x) -> bool:
+  return x is not None and jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+
+
+def _grads(plan: Plan, res: Residuals, dout, dlse) -> Operands:
+  """`backward`, each cotangent typed like its operand under an Explicit mesh."""
+  grads = backward(plan, res, dout, dlse)
+  if _sharding.explicit_mesh():
+    # A cotangent must have its operand's type, sharding included: the sinks' gradient, summed
+    # from head-sharded statistics, comes out sharded like the heads even where the sinks are
+    # replicated.
+    ops, fields = res.ops, ("q", "k", "v", "bias", "sink", "score_args")
+    want = [jax.tree.map(jax.typeof, getattr(ops, f)) for f in fields]
+    got = _sharding.reshard_like([getattr(grads, f) for f in fields], want)
+    grads = grads._replace(**dict(zip(fields, got)))
+  return grads
+
+
+def chunked_attention(plan: Plan, ops: Operands):
+  """Chunked attention of unpadded operands: q (B,T,N,H), k/v (B,S,K,H), bias
+  (B|1,K|1,G|1,T|1,S|1). Pads T and S to whole blocks, runs the kernel, and slices the padding
+  off. Returns out (B,T,N,H) and lse (B,T,N).
+  """
+  q, k, v, bias = _plan.pad_to_blocks(plan, ops.q, ops.k, ops.v, ops.bias)
+  out, lse = _kernel(plan, ops._replace(q=q, k=k, v=v, bias=bias))
+  T = plan.cfg.T
+  if plan.Tp != T:
+    out, lse = out[:, :T], lse[:, :T]
+  return out, lse
+
+
+def chunked_attention_grads(plan: Plan, ops: Operands, out, lse, dout, dlse) -> Operands:
+  """The cotangents of `chunked_attention`'s operands from its saved output and log-sum-exp
+  (out (B, T, N, H), lse (B, T, N)) and their cotangents: its backward pass, run by a caller
+  that keeps the residuals itself (the partitioned operation of `jattn._parallel.partition`)."""
+  padded, unpad = jax.vjp(
+    lambda q, k, v, bias: _plan.pad_to_blocks(plan, q, k, v, bias), ops.q, ops.k, ops.v, ops.bias
+  )
+  pt = plan.Tp - plan.cfg.T
+
+  def rows(x, fill=0):
+    pads = ((0, 0), (0, pt)) + ((0, 0),) * (x.ndim - 2)
+    return jnp.pad(x, pads, constant_values=fill) if pt else x
+
+  # Padded query rows get a huge positive lse: their recomputed probabilities, and their share
+  # of the sinks' gradient (exp(sink - lse), times a zero delta), are exact zeros. (The empty-
+  # row value NEG would give the sinks exp(sink - NEG) = inf times 0.)
+  res = Residuals(
+    ops._replace(q=padded[0], k=padded[1], v=padded[2], bias=padded[3]),
+    rows(out),
+    rows(lse, -_tile.NEG),
+  )
+  grads = _grads(plan, res, rows(dout), rows(dlse))
+  dq, dk, dv, dbias = unpad((grads.q, grads.k, grads.v, grads.bias))
+  return grads._replace(q=dq, k=dk, v=dv, bias=dbias)

@@ -1,0 +1,193 @@
+"""Every transform through chunked attention (and so through the default at every size): forward
+mode (jvp, linearize, jacfwd) and reverse over reverse (grad of grad, Hessian-vector products),
+against the float64 definition differentiated by JAX; forward mode at O(T + S) memory."""
+
+import functools
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from reference import visible_mask
+
+import jattn
+
+# The masking options of the issue, in two cases: one whose block map is known at trace time
+# (causal with a window), one whose map is computed at run time (lengths and segment ids).
+CASES = ("causal_window", "lengths_segments")
+
+
+def _case(T, case, N=2, K=1, H=8, seed=0):
+  keys = jax.random.split(jax.random.PRNGKey(seed), 7)
+  q = jax.random.normal(keys[0], (1, T, N, H))
+  k = jax.random.normal(keys[1], (1, T, K, H))
+  v = jax.random.normal(keys[2], (1, T, K, H))
+  if case == "causal_window":
+    window = T // 10
+    kw = dict(is_causal=True, local_window_size=(window, 0))
+    ref = dict(causal="top_left", window=(window, 0))
+  else:
+    lengths = [int(T * 0.7)], [int(T * 0.9)]
+    # Four packed documents of uneven lengths.
+    seg = np.zeros((1, T), np.int32)
+    cuts = [0, T // 5, T // 2, T - T // 8, T]
+    for n, (a, b) in enumerate(itertools.pairwise(cuts)):
+      seg[0, a:b] = n
+    kw = dict(
+      query_seq_lengths=jnp.array(lengths[0]),
+      key_value_seq_lengths=jnp.array(lengths[1]),
+      q_segment_ids=jnp.asarray(seg),
+      kv_segment_ids=jnp.asarray(seg),
+    )
+    ref = dict(q_lengths=lengths[0], kv_lengths=lengths[1], q_seg=seg, kv_seg=seg)
+  tangents = tuple(jax.random.normal(kk, x.shape) for kk, x in zip(keys[3:6], (q, k, v)))
+  cotangent = jax.random.normal(keys[6], (1, T, N, H))
+  return (q, k, v), kw, visible_mask(1, N, T, T, **ref), tangents, cotangent
+
+
+def _reference(q, k, v, visible):
+  """softmax(q k^T / sqrt(H)) v in float64 over the visible keys (0 for a row that sees none),
+  written plainly; JAX differentiates it."""
+  G = q.shape[2] // k.shape[2]
+  kr, vr = jnp.repeat(k, G, axis=2), jnp.repeat(v, G, axis=2)
+  s = jnp.einsum("btnh,bsnh->bnts", q, kr) / np.sqrt(q.shape[-1])
+  s = jnp.where(visible, s, -jnp.inf)
+  m = jax.lax.stop_gradient(jnp.max(jnp.where(visible, s, -1e300), axis=-1, keepdims=True))
+  e = jnp.where(visible, jnp.exp(s - m), 0.0)
+  den = e.sum(-1, keepdims=True)
+  p = e / jnp.where(den > 0, den, 1.0)
+  return jnp.einsum("bnts,bsnh->btnh", p, vr)
+
+
+def _f64(tree):
+  return jax.tree.map(lambda x: jnp.asarray(np.asarray(x, np.float64)), tree)
+
+
+def _hvp(f, x, cotangent, u):
+  """The Hessian-vector product of L(x) = <f(x), cotangent> by reverse over reverse:
+  d/dx <dL/dx, u>, x = (q, k, v): grad of grad."""
+  loss = lambda *x: jnp.vdot(f(*x), cotangent)
+  inner = lambda *x: sum(jnp.vdot(g, w) for g, w in zip(jax.grad(loss, (0, 1, 2))(*x), u))
+  return jax.grad(inner, (0, 1, 2))(*x)
+
+
+def _errors(got, want):
+  pairs = [(np.asarray(g, np.float64), np.asarray(w, np.float64)) for g, w in zip(got, want)]
+  return [float(np.abs(g - w).max() / np.abs(w).max()) for g, w in pairs]
+
+
+def _assert_close(got, want, rtol):
+  for g, w in zip(got, want):
+    g, w = np.asarray(g, np.float64), np.asarray(w)
+    scale = np.abs(w).max()
+    assert scale > 0
+    np.testing.assert_allclose(g, w, atol=rtol * scale, rtol=0)
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("T", [1024, 4096])
+def test_reverse_over_reverse_matches_float64(T, case):
+  # The float64 reference holds several (N, T, T) arrays: one head at T = 4096.
+  x, kw, visible, u, cot = _case(T, case, N=1 if T == 4096 else 2)
+  f = jax.jit(functools.partial(jattn.dot_product_attention, **kw))
+  got = jax.jit(lambda *a: _hvp(f, a[:3], a[3], a[4:]))(*x, cot, *u)
+  with jax.enable_x64(True):
+    ref = functools.partial(_reference, visible=jnp.asarray(visible))
+    want = jax.jit(lambda *a: _hvp(ref, a[:3], a[3], a[4:]))(*_f64((*x, cot, *u)))
+  # float32 throughout; second derivatives sum over T keys and rows twice.
+  # float32 throughout (measured: within 1e-6 of the largest entry); second derivatives sum
+  # over T keys and rows twice.
+  _assert_close(got, want, rtol=5e-6)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_jvp_of_chunked_matches_float64(case):
+  x, kw, visible, u, _ = _case(4096, case)
+  f = functools.partial(jattn.dot_product_attention, implementation="chunked", **kw)
+  out, tangent = jax.jit(lambda x, u: jax.jvp(f, x, u))(x, u)
+  with jax.enable_x64(True):
+    ref = functools.partial(_reference, visible=jnp.asarray(visible))
+    want_out, want = jax.jit(lambda x, u: jax.jvp(ref, x, u))(_f64(x), _f64(u))
+  _assert_close((out, tangent), (want_out, want), rtol=2e-6)
+
+
+def test_bfloat16_jvp_within_a_factor_of_rounding_the_exact_tangent():
+  # As for the gradients (test_precision16): the tangent's row sums in float32, its products
+  # with the values rounded to the input dtype for the matmuls, as the backward rounds dS.
+  x, kw, visible, u, _ = _case(1024, "causal_window", H=64)
+  x, u = (tuple(a.astype(jnp.bfloat16) for a in t) for t in (x, u))
+  f = functools.partial(jattn.dot_product_attention, implementation="chunked", **kw)
+  _, tangent = jax.jit(lambda x, u: jax.jvp(f, x, u))(x, u)
+  with jax.enable_x64(True):
+    ref = functools.partial(_reference, visible=jnp.asarray(visible))
+    _, want = jax.jit(lambda x, u: jax.jvp(ref, x, u))(_f64(x), _f64(u))
+  want = np.asarray(want)
+  rel = lambda a: np.linalg.norm(np.asarray(a, np.float64) - want) / np.linalg.norm(want)
+  assert tangent.dtype == jnp.bfloat16
+  assert rel(tangent) <= 1.75 * rel(want.astype(jnp.bfloat16)), (
+    rel(tangent),
+    rel(want.astype(jnp.bfloat16)),
+  )
+
+
+def test_forward_mode_memory_grows_linearly():
+  # Compiled temporaries of a chunked JVP at T = S = 8192 and 16384: O(T + S), nothing of T x S
+  # (which would quadruple them).
+  def temp(T):
+    x = [jax.ShapeDtypeStruct((1, T, 2, 64), jnp.float32)] * 3
+    f = functools.partial(jattn.dot_product_attention, is_causal=True, implementation="chunked")
+    jvp = jax.jit(lambda x, u: jax.jvp(f, x, u))
+    return jvp.lower(x, x).compile().memory_analysis().temp_size_in_bytes
+
+  small, large = temp(8192), temp(16384)
+  assert large <= 2.2 * small, (small, large)
+
+
+def test_linearize_jacfwd_and_hessian_through_chunked_equal_dense():
+  keys = jax.random.split(jax.random.PRNGKey(1), 4)
+  q, k, v = (jax.random.normal(kk, (1, 40, 2, 4)) for kk in keys[:3])
+  w = jax.random.normal(keys[3], (4,))
+  # Blocks of 16 rows and keys, so that the walks cross several blocks and skip some.
+  chunked = dict(implementation="chunked", block_q=16, block_kv=16)
+
+  def model(q, impl):
+    out = jattn.dot_product_attention(q, k, v, is_causal=True, local_window_size=(20, 0), **impl)
+    return jnp.tanh(out @ w).sum()
+
+  a, b = (functools.partial(model, impl=i) for i in (chunked, dict(implementation="dense")))
+  (ya, lin_a), (yb, lin_b) = jax.linearize(a, q), jax.linearize(b, q)
+  np.testing.assert_allclose(ya, yb, rtol=1e-5)
+  np.testing.assert_allclose(lin_a(v), lin_b(v), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(jax.jacfwd(a)(q), jax.jacfwd(b)(q), rtol=1e-4, atol=1e-6)
+  small = q[:, :12, :1]  # a Hessian of (1, 12, 1, 4)^2 entries, forward over reverse
+  ha = jax.hessian(lambda s: a(q.at[:, :12, :1].set(s)))(small)
+  hb = jax.hessian(lambda s: b(q.at[:, :12, :1].set(s)))(small)
+  np.testing.assert_allclose(ha, hb, rtol=1e-4, atol=1e-5)
+  # Reverse over reverse, and forward over forward.
+  rr = lambda f: jax.grad(lambda s: jax.grad(f)(s).sum())(q)
+  np.testing.assert_allclose(rr(a), rr(b), rtol=1e-4, atol=1e-5)
+  ff = lambda f: jax.jvp(lambda s: jax.jvp(f, (s,), (v,))[1], (q,), (k[..., :1, :].repeat(2, 2),))[
+    1
+  ]
+  np.testing.assert_allclose(ff(a), ff(b), rtol=1e-4, atol=1e-5)
+
+
+def test_jvp_under_vmap_and_grad_under_vmap():
+  keys = jax.random.split(jax.random.PRNGKey(2), 3)
+  q, k, v = (jax.random.normal(kk, (3, 1, 40, 2, 4)) for kk in keys)
+  impl = dict(implementation="chunked", block_q=16, block_kv=16)
+  for f in (
+    lambda impl: jax.vmap(lambda q, k, v: jax.jvp(lambda q: attn(q, k, v, impl), (q,), (v,))[1]),
+    lambda impl: jax.vmap(jax.grad(lambda q, k, v: (attn(q, k, v, impl) ** 2).sum())),
+    lambda impl: jax.grad(
+      lambda q, k, v: (jax.vmap(lambda *a: attn(*a, impl))(q, k, v) ** 2).sum()
+    ),
+  ):
+    np.testing.assert_allclose(
+      f(impl)(q, k, v), f(dict(implementation="dense"))(q, k, v), rtol=1e-5, atol=1e-6
+    )
+
+
+def attn(q, k, v, impl):
+  return jattn.dot_product_attention(q, k, v, is_causal=True, **impl)
