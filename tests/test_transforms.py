@@ -164,13 +164,14 @@ def test_linearize_jacfwd_and_hessian_through_chunked_equal_dense():
   ha = jax.hessian(lambda s: a(q.at[:, :12, :1].set(s)))(small)
   hb = jax.hessian(lambda s: b(q.at[:, :12, :1].set(s)))(small)
   np.testing.assert_allclose(ha, hb, rtol=1e-4, atol=1e-5)
-  # Reverse over reverse, and forward over forward.
+  # Reverse over reverse, forward over forward, reverse over forward.
   rr = lambda f: jax.grad(lambda s: jax.grad(f)(s).sum())(q)
   np.testing.assert_allclose(rr(a), rr(b), rtol=1e-4, atol=1e-5)
-  ff = lambda f: jax.jvp(lambda s: jax.jvp(f, (s,), (v,))[1], (q,), (k[..., :1, :].repeat(2, 2),))[
-    1
-  ]
+  u = k[..., :1, :].repeat(2, 2)
+  ff = lambda f: jax.jvp(lambda s: jax.jvp(f, (s,), (v,))[1], (q,), (u,))[1]
   np.testing.assert_allclose(ff(a), ff(b), rtol=1e-4, atol=1e-5)
+  rf = lambda f: jax.grad(lambda s: jax.jvp(f, (s,), (v,))[1])(q)
+  np.testing.assert_allclose(rf(a), rf(b), rtol=1e-4, atol=1e-5)
 
 
 def test_jvp_under_vmap_and_grad_under_vmap():

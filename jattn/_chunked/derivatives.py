@@ -10,8 +10,9 @@ mode needs the first (JAX cannot run a custom VJP forwards), reverse mode at O(T
 - evaluating `_tangent_p` is the tangent walk (`jattn._chunked.tangent`): forward mode;
 - transposing it is the custom backward (`jattn._chunked.kernel.backward`): so reverse mode is
   what it was, the residuals the operands, the output and its log-sum-exp;
-- under vmap every mapped axis moves to the front and both are vmapped; forward over forward
-  differentiates the tangent walk with `jax.jvp`.
+- under vmap every mapped axis moves to the front and both are vmapped; a derivative of the
+  tangent (forward over forward, reverse over forward) differentiates its walk with fixed trip
+  counts by JAX's own AD.
 
 Reverse over reverse differentiates the backward, whose loops run over data-dependent ranges.
 `_backward` is a custom JVP: its value is the fast backward; its tangent differentiates
@@ -67,12 +68,13 @@ class _Rule:
   def ops(self, leaves) -> Operands:
     return jax.tree.unflatten(self.treedef, list(leaves))
 
-  def tangent(self, *args):
-    """(operand leaves, out, lse, differentiable leaves' tangents) -> [out', lse']."""
+  def tangent(self, *args, fixed: bool = False):
+    """(operand leaves, out, lse, differentiable leaves' tangents) -> [out', lse']. ``fixed``:
+    by the walk of fixed trip counts, which JAX's reverse mode differentiates."""
     n = len(self.diff)
     tangents = iter(args[n + 2 :])
     dot = self.ops(next(tangents) if f else None for f in self.diff)
-    return list(tangent(self.plan, self.ops(args[:n]), args[n], args[n + 1], dot))
+    return list(tangent(self.plan, self.ops(args[:n]), args[n], args[n + 1], dot, fixed))
 
   def transpose(self, *args):
     """(operand leaves, out, lse, out's and lse's cotangents) -> differentiable leaves'."""
@@ -118,12 +120,14 @@ def _batch(args, dims, *, rule: _Rule, sizes, avals):
 
 
 def _jvp(primals, tangents, *, rule: _Rule, sizes, avals):
-  # Linear in its tangent operands; through the others, forward mode of the tangent walk.
+  # Linear in its tangent operands; through the others, forward mode of the tangent walk with
+  # fixed trip counts, which a reverse mode over it (grad of a jvp) can transpose.
   n = len(rule.diff) + 2
   params = dict(rule=rule, sizes=sizes, avals=avals)
   out = _tangent_p.bind(*primals, **params)
   linear = _tangent_p.bind(*primals[:n], *map(ad.instantiate_zeros, tangents[n:]), **params)
-  walk = lambda *p: _evaluate(*p, *primals[n:], **params)
+  fixed = functools.partial(rule.tangent, fixed=True)
+  walk = lambda *p: _vmapped(fixed, sizes)(*p, *primals[n:])
   _, through = jax.jvp(walk, tuple(primals[:n]), tuple(map(ad.instantiate_zeros, tangents[:n])))
   return out, [a + b for a, b in zip(linear, through)]
 

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jattn import _plan, _sharding, _softmax, _tile
-from jattn._chunked.blocks import TileView, _rows, _unrows, kv_tile, put_q_tile, q_tile
+from jattn._chunked.blocks import TileView, _rows, _unrows, kv_tile, q_tile
 from jattn._chunked.grads import _Backward, _bias_contribution_shape, _tile_grads
 from jattn._chunked.lanes import _backward_parallel, _forward_parallel
 from jattn._chunked.serial import _backward_serial, walk_rows, walk_rows_fixed
@@ -57,7 +57,7 @@ def _outputs(ops: Operands):
 def _steps(plan: Plan, ops: Operands):
   """The forward's online-softmax step for one tile, as the (start, tile, finish) a walk runs:
   ``start(i)`` a query block's rows and carries, ``tile(rows, view, carry)`` one key block,
-  ``finish(i, carry, outs)`` the block's output and lse written into ``outs``."""
+  ``finish(i, carry)`` the block's output and lse."""
   cfg = plan.cfg
   K, G = cfg.K, cfg.G
   bq, bk = plan.grid.block_q, plan.grid.block_kv
@@ -103,12 +103,9 @@ def _steps(plan: Plan, ops: Operands):
     acc = acc * corr[..., None] + _tile.pv(p, vb)
     return m_new, l, acc
 
-  def finish(i, carry, outs):
+  def finish(i, carry):
     m, l, acc = (_unrows(x, G) for x in carry)
-    out, lse = outs
-    out = put_q_tile(out, _softmax.normalize(acc, l, m, cfg.dropout_rate), i, bq)
-    lse = put_q_tile(lse, _softmax.lse(m, l), i, bq)
-    return out, lse
+    return _softmax.normalize(acc, l, m, cfg.dropout_rate), _softmax.lse(m, l)
 
   return start, tile, finish
 

@@ -17,7 +17,15 @@ import jax
 import jax.numpy as jnp
 
 from jattn import _sharding, _tile
-from jattn._chunked.blocks import _hook, _put_kv_tile, _slice, dispatch, kv_tile, tile_view
+from jattn._chunked.blocks import (
+  _hook,
+  _put_kv_tile,
+  _slice,
+  dispatch,
+  kv_tile,
+  put_q_tile,
+  tile_view,
+)
 from jattn._chunked.grads import _Backward
 from jattn._plan import Operands, Plan
 from jattn.masks import EMPTY, FULL, PARTIAL
@@ -30,8 +38,9 @@ def walk_rows(
 
   For each query block i: ``ctx, carry = start(i)``; for each non-EMPTY key block j of row i,
   ``carry = tile(ctx, view, carry)`` with the `TileView` of (i, j) (EMPTY blocks are skipped, FULL
-  ones get no mask arithmetic); then ``outs = finish(i, carry, outs)``. Loops run over each row's
-  range of non-empty blocks (constants when the block map is static).
+  ones get no mask arithmetic); then ``finish(i, carry)`` gives the block's results, (B, K, G,
+  bq[, X]) tiles in the structure of ``outs`` ((B, Tp, N[, X]) arrays), written there in place.
+  Loops run over each row's range of non-empty blocks (constants when the block map is static).
   """
   lo, hi = plan.row_bounds(ops.states)
 
@@ -57,7 +66,8 @@ def walk_rows(
       )
 
     carry = jax.lax.fori_loop(lo(i), hi(i), body, carry0)
-    return finish(i, carry, outs)
+    bq = plan.grid.block_q
+    return jax.tree.map(lambda o, t: put_q_tile(o, t, i, bq), outs, finish(i, carry))
 
   return jax.lax.fori_loop(0, plan.grid.num_q_blocks, q_block, outs)
 
@@ -70,8 +80,8 @@ def walk_rows_fixed(
   EMPTY blocks are skipped by the switch), and is rematerialised (`jax.checkpoint`), so the
   reverse pass keeps only the blocks' outputs, and one block's tiles at a time.
 
-  ``outs`` is the whole output (as for `walk_rows`); each block's ``finish`` writes into a
-  block-sized slice of it, and the blocks are stacked in sequence order."""
+  ``outs`` is the whole output (as for `walk_rows`); the blocks' results are stacked and put in
+  sequence order."""
   lo, hi = plan.row_bounds(ops.states)
   nq, nk = plan.grid.num_q_blocks, plan.grid.num_kv_blocks
   steps = nk if plan.q_ranges is None else max(1, max(b - a for a, b in plan.q_ranges))
@@ -97,7 +107,8 @@ def walk_rows_fixed(
       }
       return dispatch(kinds, state, branches, j, carry)
 
-    return finish(0, jax.lax.fori_loop(0, steps, body, carry0), outs_block)
+    tiles = finish(i, jax.lax.fori_loop(0, steps, body, carry0))
+    return jax.tree.map(lambda o, t: put_q_tile(o, t, 0, bq), outs_block, tiles)
 
   blocks = jax.lax.map(q_block, jnp.arange(nq, dtype=jnp.int32))
   # (nq, B, bq, ...) -> (B, nq * bq, ...): block i holds rows i * bq ..

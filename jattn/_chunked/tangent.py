@@ -28,17 +28,17 @@ from jattn._chunked.blocks import (
   _rows,
   _unrows,
   kv_tile,
-  put_q_tile,
   q_tile,
 )
-from jattn._chunked.serial import walk_rows
+from jattn._chunked.serial import walk_rows, walk_rows_fixed
 from jattn._plan import Operands, Plan
 
 
-def tangent(plan: Plan, ops: Operands, out, lse, dot: Operands):
+def tangent(plan: Plan, ops: Operands, out, lse, dot: Operands, fixed: bool = False):
   """(out', lse'): the tangents of `jattn._chunked.kernel.forward`'s (out, lse) at ``ops`` in
   the direction ``dot`` (tangents of q, k, v, bias, sink and score_args; the other fields are
-  ignored). out (B, Tp, N, Hv), lse (B, Tp, N) as the forward returned them."""
+  ignored). out (B, Tp, N, Hv), lse (B, Tp, N) as the forward returned them. ``fixed``: walk
+  with fixed trip counts (`walk_rows_fixed`), so that JAX's reverse mode can differentiate it."""
   cfg = plan.cfg
   K, G = cfg.K, cfg.G
   bq, bk = plan.grid.block_q, plan.grid.block_kv
@@ -86,16 +86,16 @@ def tangent(plan: Plan, ops: Operands, out, lse, dot: Operands):
     acc = acc + _tile.pv(p * ds, vb) + _tile.pv(p, dvb)
     return dlse, acc
 
-  def finish(i, carry, outs):
+  def finish(i, carry):
     dlse, acc = (_unrows(x, G) for x in carry)
     if cfg.dropout_rate > 0:
       acc = acc * jnp.asarray(1.0 / (1.0 - cfg.dropout_rate), sd)
     ob = q_tile(out, i, bq, K, G).astype(sd)
-    dout, dlse_all = outs
-    dout = put_q_tile(dout, acc - dlse[..., None] * ob, i, bq)
-    return dout, put_q_tile(dlse_all, dlse, i, bq)
+    return acc - dlse[..., None] * ob, dlse
 
   outs0 = _sharding.varying_tree((jnp.zeros_like(out), jnp.zeros_like(lse)), *inputs)
+  if fixed:
+    return walk_rows_fixed(plan, ops, start=start, tile=tile, finish=finish, outs=outs0)
   return walk_rows(plan, ops, start=start, tile=tile, finish=finish, outs=outs0, name="jvp")
 
 
