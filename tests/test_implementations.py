@@ -112,6 +112,46 @@ def test_implementation_none_keeps_jattn_kernels_where_splash_should_not_run():
   assert "cudnn" not in cuda and "tpu_custom_call" not in cuda
 
 
+def _training_step(**kw):
+  """jax.value_and_grad of a loss through dot_product_attention (query, key, value)."""
+  loss = lambda q, k, v: jattn.dot_product_attention(q, k, v, **kw).astype(jnp.float32).sum()
+  return jax.value_and_grad(loss, argnums=(0, 1, 2))
+
+
+def _symbolic_batch(b, N=4, K=2):
+  """bfloat16 query (b, 256, N, 128), key and value (b, 256, K, 128), for jax.export."""
+  q = jax.ShapeDtypeStruct((b, 256, N, 128), jnp.bfloat16)
+  return (q, *(jax.ShapeDtypeStruct((b, 256, K, 128), jnp.bfloat16),) * 2)
+
+
+def test_a_symbolic_batch_keeps_splash_on_tpu():
+  """Exported for tpu with a symbolic batch, a training step holds splash as with batch 8: its
+  block masks do not depend on the example (lengths and segment ids are run-time ids), so
+  the kernels are built once and run per example; the very kernels of batch 8 are reused."""
+  from jattn import _splash
+
+  (b,) = jax.export.symbolic_shape("b")
+  step = _training_step(is_causal=True)
+  # Forward (with its log-sum-exp), the forward splash's VJP recomputes, dq and dk/dv.
+  assert _tpu_module(step, *_symbolic_batch(8)).count("tpu_custom_call") == 4
+  built = set(_splash._KERNELS)
+  assert _tpu_module(step, *_symbolic_batch(b)).count("tpu_custom_call") == 4
+  assert set(_splash._KERNELS) == built  # the same kernels and masks as batch 8's
+  step = _training_step(is_causal=True, implementation=("splash", "chunked"))
+  assert _tpu_module(step, *_symbolic_batch(b)).count("tpu_custom_call") == 4
+
+  # Per-example lengths and a window: still splash.
+  def loss(q, k, v, kv_lengths):
+    out = jattn.dot_product_attention(
+      q, k, v, local_window_size=(100, 0), key_value_seq_lengths=kv_lengths
+    )
+    return out.astype(jnp.float32).sum()
+
+  step = jax.value_and_grad(loss, argnums=(0, 1, 2))
+  kv_lengths = jax.ShapeDtypeStruct((b,), jnp.int32)
+  assert _tpu_module(step, *_symbolic_batch(b), kv_lengths).count("tpu_custom_call") == 4
+
+
 def _order(q, k, v, bias=None, implementation=None, **kw):
   """The implementations implementation=None tries per platform for this call (the decision)."""
   from jattn import _call, _dispatch
