@@ -3,8 +3,9 @@
 It reads only the registry (`jattn._registry`): a name given alone runs as asked; a sequence is
 tried in order, skipping one that cannot take the call (its ``supports`` gives a reason, or it
 raises NotImplementedError while tracing: a warning gives that reason) and one that lowers for
-another platform than the program's; ``None`` follows `jattn._plan.implementation_by_platform`, with a backend that asks
-to go first for long calls (splash on a TPU) and a tuning table's fastest fused kernel in front.
+another platform than the program's; ``None`` follows `jattn._plan.implementation_by_platform`,
+with a backend that asks to go first for long calls (splash on a TPU) and a tuning table's
+fastest fused kernel in front.
 Per-platform choices are made where the program is lowered (`jattn._plan.by_platform`).
 """
 
