@@ -2,15 +2,17 @@
 
 It reads only the registry (`jattn._registry`): a name given alone runs as asked; a sequence is
 tried in order, skipping one that cannot take the call (its ``supports`` gives a reason, or it
-raises NotImplementedError while tracing) and one that lowers for another platform than the
-program's; ``None`` follows `jattn._plan.implementation_by_platform`, with a backend that asks
-to go first for long calls (splash on a TPU) and a tuning table's fastest fused kernel in front.
+raises NotImplementedError while tracing: a warning gives that reason) and one that lowers for
+another platform than the program's; ``None`` follows `jattn._plan.implementation_by_platform`,
+with a backend that asks to go first for long calls (splash on a TPU) and a tuning table's
+fastest fused kernel in front.
 Per-platform choices are made where the program is lowered (`jattn._plan.by_platform`).
 """
 
 from __future__ import annotations
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +33,7 @@ def run(call):
   runners = {name: functools.partial(attempt, name, call) for name in _registry.REGISTRY}
   if len(names) == 1:
     return runners[names[0]]()
-  fns = _takers(names, runners) if names else automatic(call, runners)
+  fns = _takers(names, runners, say_skipped=True) if names else automatic(call, runners)
   return _plan.by_platform(fns)
 
 
@@ -101,14 +103,18 @@ def order(call) -> dict:
   return choice
 
 
-def _takers(names, runners):
+def _takers(names, runners, say_skipped=False):
   """{platform or "default": runner}: per platform, the first of ``names`` that takes the call
   (tokamax's rule: fall through on NotImplementedError). One that lowers only for some platforms
   serves those; the first that lowers anywhere serves the rest ("default").
 
   Whether an implementation takes the call is found by tracing it once aside
   (`jax.eval_shape`): inside `platform_dependent` an error could not be told from its siblings'.
-  The last universal candidate is not tried aside: its own error, if any, is the call's."""
+  The last universal candidate is not tried aside: its own error, if any, is the call's.
+
+  ``say_skipped`` (a sequence the caller named): one that cannot take the call and is skipped
+  is reported in a warning with its reason, the error it would raise asked for alone (no
+  implementation taking the call: one error with every reason)."""
   if len(names) == 1:
     return {"default": runners[names[0]]}
   fns, errors = {}, []
@@ -129,4 +135,6 @@ def _takers(names, runners):
       fns.setdefault(p, runners[name])
   if not fns:
     raise NotImplementedError("no implementation takes this call: " + "; ".join(errors))
+  if say_skipped and errors:
+    warnings.warn(f"implementation={names!r} fell through: " + "; ".join(errors), stacklevel=2)
   return fns

@@ -13,6 +13,7 @@ kernel when differentiating.
 from __future__ import annotations
 
 import functools
+from typing import NoReturn
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +26,7 @@ from jattn import _plan
 from jattn._tile import NEG
 
 
-def refuse(implementation: str, name: str, reason: str):
+def refuse(implementation: str, name: str, reason: str) -> NoReturn:
   """The NotImplementedError of a kernel that cannot take the call (a sequence falls through)."""
   raise NotImplementedError(f"implementation={implementation!r} does not support {name}: {reason}")
 

@@ -13,8 +13,10 @@ undefined. This module translates one jattn call into it:
   array per head;
 - lengths, padding to whole blocks and segment ids become one pair of segment-id vectors (a key
   past its length gets an id no query has), so they stay run-time arrays;
-- the scale is folded into the query; batch and the K key/value heads are vmapped; each group of
-  G query heads runs the MQA kernel against its key/value head;
+- the scale is folded into the query; batch and the K key/value heads are mapped over; each
+  group of G query heads runs the MQA kernel against its key/value head; nothing in the kernels
+  depends on the example, so a symbolic batch (`jax.export`) runs the kernels of a concrete one
+  (a mask that reads the example index is refused there: see `static_masks`);
 - a row with nothing to attend to is found from splash's log-sum-exp (it stays at splash's mask
   value, or -inf) and returns 0; its output cotangent is zeroed before the backward, so it adds
   nothing to any gradient.
@@ -32,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+from typing import NoReturn
 
 import jax
 import jax.numpy as jnp
@@ -145,19 +148,11 @@ def static_masks(static, shape, padded) -> list[_Static]:
   # shard; in a single-device call they are 0 but reach here traced (pytree leaves of the
   # jitted call), which would keep the mask from evaluating at trace time.
   static = static.unshifted()
-  with jax.ensure_compile_time_eval():
-    try:
-      values = static.evaluate(
-        jnp.arange(T, dtype=jnp.int32), jnp.arange(S, dtype=jnp.int32), shape
-      )
-      values = np.asarray(values)
-    except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
-      refuse(
-        "a mask that depends on run-time arrays",
-        f"its block lists are built when the kernel is, so the mask ({type(static).__name__})"
-        " must be a function of positions and heads known at trace time; pass lengths and "
-        "segment ids as keywords or masks.lengths/masks.segments",
-      )
+  if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(static)):
+    # Arrays it holds are run-time ones (under a symbolic batch their shapes would not even
+    # evaluate).
+    _refuse_run_time(static)
+  values = _evaluated(static, shape) if concrete(_B) else _any_example(static, shape)
   values = np.broadcast_to(values, (values.shape[0], values.shape[1], T, S))
   if values.shape[0] != 1 and not (values == values[:1]).all():
     refuse(
@@ -181,6 +176,54 @@ def static_masks(static, shape, padded) -> list[_Static]:
       )
     )
   return out[:1] if len({m.key for m in out}) == 1 else out
+
+
+def _evaluated(static, shape) -> np.ndarray:
+  """``static`` evaluated on the whole (B, N, T, S) ``shape`` at trace time, as a NumPy array
+  broadcastable to it; refused where it depends on run-time arrays (its function reads
+  some)."""
+  _B, _N, T, S = shape
+  with jax.ensure_compile_time_eval():
+    try:
+      values = static.evaluate(
+        jnp.arange(T, dtype=jnp.int32), jnp.arange(S, dtype=jnp.int32), shape
+      )
+      return np.asarray(values)
+    except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
+      _refuse_run_time(static)
+
+
+def _refuse_run_time(static) -> NoReturn:
+  refuse(
+    "a mask that depends on run-time arrays",
+    f"its block lists are built when the kernel is, so the mask ({type(static).__name__})"
+    " must be a function of positions and heads known at trace time; pass lengths and "
+    "segment ids as keywords or masks.lengths/masks.segments",
+  )
+
+
+def _any_example(static, shape) -> np.ndarray:
+  """``static`` evaluated for a symbolic batch (``shape``'s B, from `jax.export`): on one
+  example whose index is a traced value, so a mask that reads the example index (a
+  `masks.from_function` using its batch argument) comes out traced and is refused, and one
+  that does not is the same for every example, built once for the whole batch."""
+  _B, N, T, S = shape
+  found = []
+
+  def probe(example):
+    found.append(_evaluated(static.shift_indices(example, 0), (1, N, T, S)))
+    return example
+
+  try:
+    jax.make_jaxpr(probe)(np.int32(0))
+  except NotImplementedError:
+    _evaluated(static, (1, N, T, S))  # refuses a mask traced for another reason: run-time arrays
+    refuse(
+      f"a mask that reads the example index with a symbolic batch (B={_B})",
+      "one kernel serves the whole batch, its block lists built when the call is traced, "
+      "before the batch size is known; use segment ids or lengths for per-example masks",
+    )
+  return found[0]
 
 
 def _band_masks(band, T, S, padded) -> list[_Static]:
@@ -372,10 +415,11 @@ def supports(call) -> str | None:
       f"a value head size Hv={s.Hv} other than the key's H={s.H}: splash's kernels take "
       f"value with key's shape"
     )
-  if not concrete(s.B, s.N):
+  if not concrete(s.N):
+    # A symbolic batch is taken: the kernels serve every example alike (see `static_masks`).
     return (
-      f"a symbolic batch or head count (B={s.B}, N={s.N}): its block masks are built per "
-      f"head while the call is traced"
+      f"a symbolic head count (N={s.N}): its kernels are built for a known number of query "
+      f"heads per key/value head, with one block mask each, while the call is traced"
     )
   shard = shards(call)
   if isinstance(shard, str):

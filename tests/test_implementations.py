@@ -8,6 +8,8 @@ exported from this CPU (jax.export) and read; cuDNN needs a GPU, so its numerics
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -56,9 +58,12 @@ def test_sequence_falls_through_what_an_implementation_cannot_do():
   q, k, v = _inputs()
   bias = jax.random.normal(jax.random.key(5), (1, N, T, S))
   f = lambda q, k, v, b: jattn.dot_product_attention(q, k, v, b, implementation=("splash", "dense"))
-  assert "tpu_custom_call" not in _tpu_module(f, q, k, v, bias)  # splash takes no bias
+  # Splash takes no bias: skipped, with a warning that says why.
+  with pytest.warns(UserWarning, match=r"\('splash', 'dense'\) fell through: .*splash.*bias"):
+    assert "tpu_custom_call" not in _tpu_module(f, q, k, v, bias)
+    got = f(q, k, v, bias)
   want = jattn.dot_product_attention(q, k, v, bias, implementation="dense")
-  np.testing.assert_allclose(f(q, k, v, bias), want, rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
   # None of them can: one error that gives each reason.
   with pytest.raises(NotImplementedError, match="splash.*bias.*cudnn"):
     jattn.dot_product_attention(q, k, v, bias, implementation=("splash", "cudnn"))
@@ -68,12 +73,15 @@ def test_sequence_falls_through_what_an_implementation_cannot_do():
 
 
 def test_a_sequence_of_platform_bound_kernels_serves_each_platform():
-  # cuDNN cannot take the call here (no GPU): the TPU program still gets splash.
+  # cuDNN cannot take the call here (no GPU: skipped, with a warning that says so): the TPU
+  # program still gets splash.
   q, k, v = _inputs(jnp.bfloat16)
   f = lambda q, k, v: jattn.dot_product_attention(
     q, k, v, is_causal=True, implementation=("splash", "cudnn")
   )
-  assert _tpu_module(f, q, k, v).count("tpu_custom_call") == 1
+  no_gpu = pytest.warns(UserWarning, match="cudnn.*needs an NVIDIA GPU")
+  with contextlib.nullcontext() if _has_gpu() else no_gpu:
+    assert _tpu_module(f, q, k, v).count("tpu_custom_call") == 1
 
 
 @pytest.mark.parametrize("T", [1024, 4096])
@@ -110,6 +118,81 @@ def test_implementation_none_keeps_jattn_kernels_where_splash_should_not_run():
   # program falls through to jattn's kernels.
   cuda = jax.export.export(jax.jit(causal), platforms=["cuda"])(*big).mlir_module()
   assert "cudnn" not in cuda and "tpu_custom_call" not in cuda
+
+
+def _training_step(**kw):
+  """jax.value_and_grad of a loss through dot_product_attention (query, key, value)."""
+  loss = lambda q, k, v: jattn.dot_product_attention(q, k, v, **kw).astype(jnp.float32).sum()
+  return jax.value_and_grad(loss, argnums=(0, 1, 2))
+
+
+def _symbolic_batch(b, N=4, K=2):
+  """bfloat16 query (b, 256, N, 128), key and value (b, 256, K, 128), for jax.export."""
+  q = jax.ShapeDtypeStruct((b, 256, N, 128), jnp.bfloat16)
+  return (q, *(jax.ShapeDtypeStruct((b, 256, K, 128), jnp.bfloat16),) * 2)
+
+
+def test_a_symbolic_batch_keeps_splash_on_tpu():
+  """Exported for tpu with a symbolic batch, a training step holds splash as with batch 8: its
+  block masks do not depend on the example (lengths and segment ids are run-time ids), so
+  the kernels are built once and run per example; the very kernels of batch 8 are reused."""
+  from jattn import _splash
+
+  (b,) = jax.export.symbolic_shape("b")
+  step = _training_step(is_causal=True)
+  # Forward (with its log-sum-exp), the forward splash's VJP recomputes, dq and dk/dv.
+  assert _tpu_module(step, *_symbolic_batch(8)).count("tpu_custom_call") == 4
+  built = set(_splash._KERNELS)
+  assert _tpu_module(step, *_symbolic_batch(b)).count("tpu_custom_call") == 4
+  assert set(_splash._KERNELS) == built  # the same kernels and masks as batch 8's
+  step = _training_step(is_causal=True, implementation=("splash", "chunked"))
+  assert _tpu_module(step, *_symbolic_batch(b)).count("tpu_custom_call") == 4
+
+  # Per-example lengths and a window: still splash.
+  def loss(q, k, v, kv_lengths):
+    out = jattn.dot_product_attention(
+      q, k, v, local_window_size=(100, 0), key_value_seq_lengths=kv_lengths
+    )
+    return out.astype(jnp.float32).sum()
+
+  step = jax.value_and_grad(loss, argnums=(0, 1, 2))
+  kv_lengths = jax.ShapeDtypeStruct((b,), jnp.int32)
+  assert _tpu_module(step, *_symbolic_batch(b), kv_lengths).count("tpu_custom_call") == 4
+
+
+def test_splash_skips_what_a_symbolic_batch_or_head_count_hides_and_says_why():
+  """What splash cannot take symbolically -- a mask that reads the example index, a symbolic
+  head count -- it refuses by name with the reason; ("splash", "chunked") falls through to
+  jattn's kernels with a warning giving it; implementation=None keeps jattn's kernels."""
+  from jattn import _splash
+
+  (b,) = jax.export.symbolic_shape("b")
+  by_example = jattn.masks.from_function(lambda b, h, q, k: k <= q + b)
+  by_head = jattn.masks.from_function(lambda b, h, q, k: k <= q + h)
+  f = lambda mask, impl: (
+    lambda q, k, v: jattn.dot_product_attention(q, k, v, mask=mask, implementation=impl)
+  )
+  with pytest.raises(NotImplementedError, match="splash.*example index with a symbolic batch"):
+    _tpu_module(f(by_example, "splash"), *_symbolic_batch(b))
+  with pytest.warns(UserWarning, match="fell through: .*splash.*example index.*symbolic batch"):
+    assert "tpu_custom_call" not in _tpu_module(
+      f(by_example, ("splash", "chunked")), *_symbolic_batch(b)
+    )
+  # A mask of positions and heads alone is the same for every example: splash takes it, with
+  # the masks (evaluated for an example at an unknown index) of batch 8.
+  assert _tpu_module(f(by_head, "splash"), *_symbolic_batch(8)).count("tpu_custom_call") == 1
+  built = set(_splash._KERNELS)
+  assert _tpu_module(f(by_head, "splash"), *_symbolic_batch(b)).count("tpu_custom_call") == 1
+  assert set(_splash._KERNELS) == built
+  # A symbolic head count: its kernels are built for a known number of heads per group.
+  (n,) = jax.export.symbolic_shape("n", scope=b.scope)
+  heads = _symbolic_batch(b, N=n, K=n)
+  with pytest.raises(NotImplementedError, match="splash.*symbolic head count"):
+    _tpu_module(_training_step(is_causal=True, implementation="splash"), *heads)
+  with pytest.warns(UserWarning, match="fell through: .*splash.*symbolic head count"):
+    step = _training_step(is_causal=True, implementation=("splash", "chunked"))
+    assert "tpu_custom_call" not in _tpu_module(step, *heads)
+  assert "tpu_custom_call" not in _tpu_module(_training_step(is_causal=True), *heads)
 
 
 def _order(q, k, v, bias=None, implementation=None, **kw):
@@ -237,7 +320,8 @@ def test_cudnn_without_a_gpu_says_so_and_a_sequence_falls_through():
     jattn.dot_product_attention(q, k, v, implementation="cudnn")
   with pytest.raises(NotImplementedError, match="float32"):
     jattn.dot_product_attention(*_inputs(), implementation="cudnn")
-  out = jattn.dot_product_attention(q, k, v, is_causal=True, implementation=("cudnn", "dense"))
+  with pytest.warns(UserWarning, match="fell through: .*cudnn.*needs an NVIDIA GPU"):
+    out = jattn.dot_product_attention(q, k, v, is_causal=True, implementation=("cudnn", "dense"))
   want = jattn.dot_product_attention(q, k, v, is_causal=True, implementation="dense")
   np.testing.assert_array_equal(out, want)
 

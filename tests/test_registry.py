@@ -106,9 +106,10 @@ def test_refused_with_its_reason(toy):
 
 def test_fallen_through(toy):
   q, k, v = _inputs()
-  out = jattn.dot_product_attention(
-    q, k, v, is_causal=True, implementation=(NAME, "chunked"), block_q=8, block_kv=8
-  )
+  with pytest.warns(UserWarning, match=f"fell through: implementation='{NAME}' does not support"):
+    out = jattn.dot_product_attention(
+      q, k, v, is_causal=True, implementation=(NAME, "chunked"), block_q=8, block_kv=8
+    )
   want = jattn.dot_product_attention(
     q, k, v, is_causal=True, implementation="chunked", block_q=8, block_kv=8
   )

@@ -65,7 +65,8 @@ def test_fused_kernels_refuse_it_by_name_and_a_sequence_falls_through():
   for name in ("splash", "cudnn"):
     with pytest.raises(NotImplementedError, match=f"{name}.*Hv=24.*H=16"):
       jattn.dot_product_attention(q, k, v, implementation=name)
-  got = jattn.dot_product_attention(q, k, v, implementation=("splash", "chunked"))
+  with pytest.warns(UserWarning, match="fell through: .*splash.*Hv=24"):
+    got = jattn.dot_product_attention(q, k, v, implementation=("splash", "chunked"))
   want = jattn.dot_product_attention(q, k, v, implementation="dense")
   np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
 
