@@ -38,7 +38,7 @@ attention `forward` and `backward` per key/value shard, `jattn.diagnostics` the 
 and its block slicing. Everything else is reached in the module that holds it.
 """
 
-from jattn._chunked.blocks import kv_tile, put_q_tile, q_tile
+from jattn._chunked.blocks import kv_tile, q_tile
 from jattn._chunked.entry import attend
 from jattn._chunked.kernel import Residuals, backward, forward
 from jattn._chunked.serial import walk_rows
@@ -49,7 +49,6 @@ __all__ = [
   "backward",
   "forward",
   "kv_tile",
-  "put_q_tile",
   "q_tile",
   "walk_rows",
 ]
