@@ -192,3 +192,26 @@ def test_jvp_under_vmap_and_grad_under_vmap():
 
 def attn(q, k, v, impl):
   return jattn.dot_product_attention(q, k, v, is_causal=True, **impl)
+
+
+@pytest.mark.parametrize("wrap", ["checkpoint", "checkpoint_dots", "scan"])
+def test_grad_and_jvp_under_remat_and_scan(wrap):
+  # A model's layers: jax.checkpoint (with and without a policy) and lax.scan over the layer
+  # partially evaluate the kernel's tangent primitive where JAX's own rules would not.
+  x = [jax.random.normal(jax.random.PRNGKey(i), (1, 100, 2, 8)) for i in range(3)]
+  impl = dict(implementation="chunked", block_q=32, block_kv=32)
+  wrappers = {
+    "checkpoint": jax.checkpoint,
+    "checkpoint_dots": lambda g: jax.checkpoint(g, policy=jax.checkpoint_policies.dots_saveable),
+    "scan": lambda g: (
+      lambda q, k, v: jax.lax.scan(lambda c, _: (g(c, k, v), None), q, None, length=2)[0]
+    ),
+  }
+  layer = lambda impl: wrappers[wrap](lambda q, k, v: attn(q, k, v, impl))
+  loss = lambda impl: lambda *a: (layer(impl)(*a) ** 2).sum()
+  dense = dict(implementation="dense")
+  got, want = jax.jit(jax.grad(loss(impl), (0, 1, 2)))(*x), jax.grad(loss(dense), (0, 1, 2))(*x)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+  got, want = jax.jvp(layer(impl), x, x)[1], jax.jvp(layer(dense), x, x)[1]
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
