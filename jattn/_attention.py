@@ -45,6 +45,7 @@ def dot_product_attention(
   sinks: ArrayLike | None = None,
   q_positions: ArrayLike | None = None,
   kv_positions: ArrayLike | None = None,
+  return_max_logits: bool = False,
 ):
   r"""Scaled dot-product attention, numerically stable, dense or chunked.
 
@@ -114,10 +115,18 @@ def dot_product_attention(
       with padding inside, packed sequences whose positions restart. Blocks are skipped from
       each block's range of positions (`jattn.masks.positions`). Padding still needs its own
       mask (lengths, segment ids).
+    return_max_logits: also return each row's max logit over the keys it sees, (B, T, N) (or
+      (T, N)) float32 (float64 for float64 inputs): the logits the softmax takes, after scale,
+      soft cap, bias and score_mod, before dropout (QK-Clip / MuonClip). It is the running max
+      of the same pass, not another walk over the keys. A sink is not a key: it is left out. A
+      row that sees no key gets -inf. No gradient flows through it. Only "dense" and "chunked"
+      return it: a fused kernel named alone raises NotImplementedError; a sequence or ``None``
+      skips them.
 
   Returns:
     The output, shaped like ``query`` (value has key's shape), in the query dtype; with
-    ``return_residual`` a tuple (output, lse).
+    ``return_residual`` or ``return_max_logits`` a tuple: the output, then the lse (if
+    ``return_residual``), then the max logits (if ``return_max_logits``).
 
   Differences from jax.nn: a query row with nothing to attend to returns 0 (jax.nn returns the
   mean of V); its gradients are 0; masked positions never contribute inf or NaN.
@@ -138,6 +147,7 @@ def dot_product_attention(
       step_width=step_width,
       return_residual=return_residual,
       score_mod=score_mod,
+      return_max_logits=return_max_logits,
     )
   )
   if opts.dropout_rate == 0.0:
@@ -165,12 +175,15 @@ def dot_product_attention(
 def _attention(given: _call.Given, *, opts: _call.Options):
   with _sharding.inputs_mesh(given.query):
     call = _call.bind(given, opts)
-    out, lse = _dispatch.run(call)  # (B, T, N, Hv), (B, T, N)
+    out, lse, mx = _dispatch.run(call)  # (B, T, N, Hv), (B, T, N), (B, T, N) or None
   if call.static.unbatched:
-    out, lse = out[0], lse[0]
-  if not opts.return_residual:
+    out, lse, mx = out[0], lse[0], None if mx is None else mx[0]
+  if not (opts.return_residual or opts.return_max_logits):
     return out
-  return out, _softmax.returned_lse(lse, call.static.dtype)
+  res: tuple = (out,)
+  if opts.return_residual:
+    res += (_softmax.returned_lse(lse, call.static.dtype),)
+  return res + ((mx,) if opts.return_max_logits else ())
 
 
 _NOT_FOR_WEIGHTS = (
@@ -178,6 +191,7 @@ _NOT_FOR_WEIGHTS = (
   "dropout_rng",
   "dropout_broadcast",
   "return_residual",
+  "return_max_logits",
   "implementation",
   "block_q",
   "block_kv",

@@ -9,10 +9,10 @@ from jattn import _cudnn, _dense, _flash_gpu, _splash
 from jattn._parallel import split as _split
 from jattn._registry import Backend, register
 
-register(Backend("dense", _dense.run, aliases=("xla",)))
+register(Backend("dense", _dense.run, aliases=("xla",), max_logits=None))
 # The chunked kernels, through the parallel layer (Explicit-mesh splits, the Auto partitioning
 # rule) where the call is sharded.
-register(Backend("chunked", _split.chunked))
+register(Backend("chunked", _split.chunked, max_logits=None))
 register(
   Backend(
     "splash",
@@ -24,6 +24,7 @@ register(
     traced_cheaply=lambda call: _splash.builds_lazily(call.mask),
     ring="while splash attention compiles its mask in",
     traced_mask=True,
+    max_logits="splash attention does not return its running max",
   )
 )
 register(
@@ -35,6 +36,7 @@ register(
     fused=True,
     first=_cudnn.first,
     ring="while cuDNN's kernel takes only its own causal/window/length options",
+    max_logits="cuDNN's kernel does not return its running max",
   )
 )
 register(
@@ -45,5 +47,6 @@ register(
     supports=_flash_gpu.supports,
     fused=True,
     ring="while the Pallas GPU kernel's causal and window band is fixed when the call is traced",
+    max_logits="the Pallas GPU kernel does not return its running max",
   )
 )

@@ -257,6 +257,9 @@ class Options:
   step_width: int | None
   return_residual: bool
   score_mod: Callable | None
+  # Also return each row's max logit over its visible keys (backends that keep it: dense,
+  # chunked; see `jattn._registry.Backend.max_logits`).
+  return_max_logits: bool = False
   # The contents of the tuning table that fills what the options leave open, if any (see
   # `jattn._tuning.resolve`): a new table traces the call again.
   tuning: str | None = None
@@ -286,6 +289,7 @@ class Keywords(NamedTuple):
   step_width: Any = None
   return_residual: Any = False
   score_mod: Any = None
+  return_max_logits: Any = False
 
 
 def options(kw: Keywords, *, tuned=True):
@@ -306,6 +310,7 @@ def options(kw: Keywords, *, tuned=True):
     step_width=_validation.positive_int("step_width", kw.step_width, optional=True),
     return_residual=_validation.flag("return_residual", kw.return_residual),
     score_mod=_validation.callable_or_none("score_mod", kw.score_mod),
+    return_max_logits=_validation.flag("return_max_logits", kw.return_max_logits),
   )
   if tuned and opts.tunable():
     opts = dataclasses.replace(opts, tuning=_tuning.fingerprint())
@@ -405,6 +410,7 @@ class Static:
       dropout_rate=opts.dropout_rate,
       score_mod=score_mod,
       dropout_broadcast=opts.dropout_broadcast,
+      max_logits=opts.return_max_logits,
     )
     return cfg, score_args
 

@@ -18,11 +18,12 @@ def run(call):
   """The dense backend on a bound call (`jattn._call.Call`): (out (B, T, N, Hv), lse (B, T, N))."""
   s = call.static
   cfg, score_args = s.config((s.B, s.N, s.T, s.S))
-  out, lse = dense_attention(call, cfg, score_args)
-  return (
-    jnp.transpose(out.reshape(s.B, s.N, s.T, s.Hv), (0, 2, 1, 3)),
-    jnp.transpose(lse.reshape(s.B, s.N, s.T), (0, 2, 1)),
-  )
+  out, lse, mx = dense_attention(call, cfg, score_args)
+  rows = lambda x: jnp.transpose(x.reshape(s.B, s.N, s.T), (0, 2, 1))
+  out = jnp.transpose(out.reshape(s.B, s.N, s.T, s.Hv), (0, 2, 1, 3))
+  if mx is None:
+    return out, rows(lse)
+  return out, rows(lse), rows(mx)
 
 
 def weights(call):
@@ -37,7 +38,9 @@ def dense_attention(call, cfg: Config, score_args=()):
   (T, S) matmul per head. ``cfg`` and ``score_args`` from its `Static.config`; the call's bias is
   (B|1,K|1,G|1,T|1,S|1) or None, its mask a jattn Mask or None.
 
-  Returns out (B,K,G,T,Hv) in the query's dtype and lse (B,K,G,T) in the statistics dtype.
+  Returns out (B,K,G,T,Hv) in the query's dtype, lse (B,K,G,T) in the statistics dtype, and
+  with ``cfg.max_logits`` each row's max logit over its visible keys (B,K,G,T) (`row_max`: the
+  max the softmax subtracts, before the sink joins), else None.
   """
   q = call.head_major(call.query, True)
   k = call.head_major(call.key, False)
@@ -45,13 +48,14 @@ def dense_attention(call, cfg: Config, score_args=()):
   at, vis = _positions_and_visibility(cfg, call.mask)
   if vis is not None:
     q, k, v = _tile.sanitize(vis, q, k, v)
-  p, l, m = _exp_scores(cfg, q, k, call.bias, vis, at, score_args, call.sink)
+  p, l, m, m_keys = _exp_scores(cfg, q, k, call.bias, vis, at, score_args, call.sink)
   if cfg.dropout_rate > 0:
     p = jnp.where(_tile.keep(cfg, call.seed, at), p, jnp.zeros((), p.dtype))
   out = _softmax.normalize(_tile.pv(p, v, fold=False), l, m, cfg.dropout_rate)
   # Differentiable: d lse / d s = P (m is a constant for autodiff, as in _exp_scores).
   lse = _softmax.lse(m, l)
-  return out.astype(q.dtype), lse
+  mx = _softmax.row_max(m_keys, l) if cfg.max_logits else None
+  return out.astype(q.dtype), lse, mx
 
 
 def attention_weights(call, cfg: Config, score_args=()):
@@ -63,7 +67,7 @@ def attention_weights(call, cfg: Config, score_args=()):
   at, vis = _positions_and_visibility(cfg, call.mask)
   if vis is not None:
     q, k, _ = _tile.sanitize(vis, q, k, k)
-  p, l, m = _exp_scores(cfg, q, k, call.bias, vis, at, score_args, call.sink)
+  p, l, m, _ = _exp_scores(cfg, q, k, call.bias, vis, at, score_args, call.sink)
   return _softmax.normalize(p, l, m, 0.0)
 
 
@@ -76,10 +80,10 @@ def _positions_and_visibility(cfg: Config, mask):
 
 def _exp_scores(cfg: Config, q, k, bias, vis, at: _tile.Index, score_args, sink):
   """exp(s - m) of the whole (T, S) score matrix, with its row max m and row sum l (the sink's
-  term included): the softmax before its division. ``at``: the rows' and keys' positions."""
+  term included), and the row max over the keys alone: the softmax before its division. ``at``: the rows' and keys' positions."""
   # G and T stay separate dimensions (fold=False): a sequence-sharded query then stays sharded
   # and only K and V are gathered (see _tile.matmul).
   s, _ = _tile.logits(cfg, q, k, bias, at, score_args, fold=False)
   if vis is not None:
     s = jnp.where(vis, s, jnp.asarray(_softmax.NEG, s.dtype))
-  return _softmax.exp_rows(s, sink)
+  return _softmax.exp_rows(s, sink, keys_max=True)

@@ -21,27 +21,36 @@ from jattn import _backends, _plan, _registry, _softmax, _validation  # noqa: F4
 
 
 def run(call):
-  """(out (B, T, N, Hv), lse (B, T, N)) of a bound call (`jattn._call.Call`)."""
+  """(out (B, T, N, Hv), lse (B, T, N), max logits (B, T, N) or None) of a bound call
+  (`jattn._call.Call`): the max logits where the call asks for them (``return_max_logits``)."""
   s = call.static
   if _validation.concrete(s.B, s.N) and s.B * s.N == 0:
     # No examples or no heads: nothing to compute, whatever the implementation (a kernel's
     # plan would divide by the empty sizes, splash's block map reduce over them), and the
     # answer is empty, as jax.nn's. Its gradients, through these constants, are empty too.
     empty = (s.B, s.T, s.N)
-    return jnp.zeros(empty + (s.Hv,), s.dtype), jnp.full(empty, _softmax.NEG, s.stat_dtype)
+    mx = jnp.full(empty, -jnp.inf, s.stat_dtype) if call.opts.return_max_logits else None
+    return jnp.zeros(empty + (s.Hv,), s.dtype), jnp.full(empty, _softmax.NEG, s.stat_dtype), mx
   names = _validation.implementation_names(call.opts.implementation)
   runners = {name: functools.partial(attempt, name, call) for name in _registry.REGISTRY}
   if len(names) == 1:
-    return runners[names[0]]()
-  fns = _takers(names, runners, say_skipped=True) if names else automatic(call, runners)
-  return _plan.by_platform(fns)
+    res = runners[names[0]]()
+  else:
+    fns = _takers(names, runners, say_skipped=True) if names else automatic(call, runners)
+    res = _plan.by_platform(fns)
+  out, lse, *mx = res
+  return out, lse, (mx[0] if mx else None)
 
 
 def attempt(name: str, call):
   """Run the backend ``name`` on ``call``, or raise the NotImplementedError its ``supports``
-  gives."""
+  (or its lack of the max logits a call asks for) gives."""
   backend = _registry.get(name)
-  why = backend.supports(call)
+  why: str | None
+  if call.opts.return_max_logits and backend.max_logits is not None:
+    why = f"return_max_logits: {backend.max_logits}; 'chunked' and 'dense' return them"
+  else:
+    why = backend.supports(call)
   if why is not None:
     raise NotImplementedError(f"implementation={name!r} does not support {why}")
   return backend.run(call)

@@ -130,12 +130,15 @@ class PerCall(NamedTuple):
   """What one call of a module adds beyond its arrays and masking: ``deterministic`` (no
   dropout), ``dropout_rng`` (dropout's PRNG key, or None), ``collect`` (None, or it receives a
   thunk computing the call's softmax statistics: `jattn.diagnostics`) and ``sow`` (None, or it
-  receives the (B, N, T, S) softmax weights, before dropout: flax's ``sow_weights``)."""
+  receives the (B, N, T, S) softmax weights, before dropout: flax's ``sow_weights``) and
+  ``sow_max`` (None, or it receives the (B, T, N) max logits of the call's own attention pass:
+  ``sow_max_logits``)."""
 
   deterministic: bool = True
   dropout_rng: Any = None
   collect: Callable | None = None
   sow: Callable | None = None
+  sow_max: Callable | None = None
 
 
 class Cache(NamedTuple):
@@ -222,7 +225,8 @@ def _attention(opts: Options, q, k, v, per_call: PerCall, **masking):
   """The attention call both paths end in, with dropout as ``per_call`` asks; its ``collect``
   (or None) receives a thunk computing the softmax statistics of exactly this call
   (`jattn.diagnostics`), evaluated only if it stores. Its ``sow`` (or None) receives the
-  (B, N, T, S) softmax weights of this call, before dropout (flax's ``sow_weights``)."""
+  (B, N, T, S) softmax weights of this call, before dropout (flax's ``sow_weights``); its
+  ``sow_max`` (or None) the (B, T, N) max logits, returned by the call itself."""
   rate, rng = _dropout(opts, per_call.deterministic, per_call.dropout_rng)
   if per_call.sow is not None:
     per_call.sow(
@@ -245,7 +249,13 @@ def _attention(opts: Options, q, k, v, per_call: PerCall, **masking):
         **masking,
       )
     )
-  return dot_product_attention(q, k, v, **masking, **_common(opts, rate, rng))
+  if per_call.sow_max is None:
+    return dot_product_attention(q, k, v, **masking, **_common(opts, rate, rng))
+  out, max_logits = dot_product_attention(
+    q, k, v, **masking, **_common(opts, rate, rng), return_max_logits=True
+  )
+  per_call.sow_max(max_logits)
+  return out
 
 
 def _boolean_mask(mask):
@@ -476,6 +486,7 @@ def attend_paged(opts: Options, q, k, v, cache: Cache, masking: Masking, per_cal
     ("a mask", masking.mask is not None),
     ("dropout", not per_call.deterministic and opts.dropout_rate > 0),
     ("collect_stats / sow_weights", per_call.collect is not None or per_call.sow is not None),
+    ("sow_max_logits", per_call.sow_max is not None),
   ):
     if given:
       raise NotImplementedError(

@@ -21,7 +21,7 @@ def _takes_everything(call) -> None:
 class Backend:
   """One implementation of attention.
 
-  ``run(call) -> (out (B, T, N, Hv) in the query dtype, lse (B, T, N) float32)`` for a bound call
+  ``run(call) -> (out (B, T, N, Hv) in the query dtype, lse (B, T, N) float32[, max logits])`` for a bound call
   (`jattn._call.Call`), with jattn's semantics (empty rows 0, lse carrying its gradient).
   ``platforms``: the platforms it lowers for (None: every one, as XLA programs do); a sequence of
   names falls through one lowered for another platform than the program's.
@@ -39,6 +39,9 @@ class Backend:
   ``ring``: None where ring attention can run it on each pair of shards, else why not.
   ``traced_mask``: it builds its kernels from the mask while the call is traced, so a NumPy
   boolean mask given for it becomes part of the program (`jattn._call.static_mask`).
+  ``max_logits``: None where ``run`` also returns each row's max logit over its visible keys
+  (B, T, N) when the call asks (``return_max_logits``), else why not; the dispatcher refuses
+  such a call for it (NotImplementedError), so a sequence or ``None`` falls through.
   """
 
   name: str
@@ -51,6 +54,7 @@ class Backend:
   ring: str | None = None
   traced_mask: bool = False
   aliases: tuple[str, ...] = ()
+  max_logits: str | None = "its kernel does not return its running max"
 
 
 REGISTRY: dict[str, Backend] = {}

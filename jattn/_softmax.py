@@ -83,13 +83,14 @@ def _pairwise(x, axis):
   return total + jnp.squeeze(part(2 * h, n), axis) if n % 2 else total
 
 
-def exp_rows(s, sink=None):
+def exp_rows(s, sink=None, *, keys_max=False):
   """The whole row at once (dense attention): (p, l, m) with p = exp(s - m), l its sum (the
   sink's term included). The max only shifts the exponent (softmax(x) = softmax(x - c)); its
   gradient cancels, so it is a constant for autodiff. Starting from NEG keeps all-masked rows
-  finite: their p is junk that `normalize` and `lse` discard."""
+  finite: their p is junk that `normalize` and `lse` discard. ``keys_max``: also the max over
+  the keys alone, before the sink joins (for `row_max`)."""
   neg = jnp.asarray(NEG, s.dtype)
-  m = jax.lax.stop_gradient(jnp.maximum(s.max(axis=-1), neg))
+  m = m_keys = jax.lax.stop_gradient(jnp.maximum(s.max(axis=-1), neg))
   if sink is not None:
     m = jnp.maximum(m, jax.lax.stop_gradient(sink))
   p = jnp.exp(s - m[..., None])
@@ -99,7 +100,7 @@ def exp_rows(s, sink=None):
   l = p.sum(axis=-1)
   if sink is not None:
     l = l + jnp.exp(sink - m)
-  return p, l, m
+  return (p, l, m, m_keys) if keys_max else (p, l, m)
 
 
 def probabilities(s, lse):
@@ -196,6 +197,20 @@ def empty_rows(m, l):
   so ``l`` tells the two apart. A row that is not empty has l >= 1 (its max term).
   """
   return (m <= jnp.asarray(NEG, m.dtype)) & ~jnp.isnan(l)
+
+
+def row_max(m, l):
+  """Each row's max logit over its visible keys (``return_max_logits``) from its running max
+  ``m`` over the keys alone (a sink is not a key: it has not joined m) and its sum ``l``: -inf
+  for a row with nothing to attend to (see `empty_rows`). A statistic, constant for autodiff."""
+  empty = empty_rows(m, l)
+  return jax.lax.stop_gradient(jnp.where(empty, jnp.asarray(-jnp.inf, m.dtype), m))
+
+
+def max_over_devices(x, axes):
+  """Inside a shard_map: the max of every device's `row_max` over its own keys, on every
+  device (exact: a max of maxes; -inf where no device saw a key)."""
+  return jax.lax.pmax(x, axes)
 
 
 def lse(m, l):

@@ -40,6 +40,8 @@ class Config:
   score_mod: Callable | None = None
   # One (T, S) dropout mask shared by every batch element and head (flax's broadcast_dropout).
   dropout_broadcast: bool = False
+  # The kernels also return each row's max logit over its visible keys (the sink excluded).
+  max_logits: bool = False
 
   @property
   def N(self) -> int:

@@ -162,6 +162,7 @@ class MultiHeadAttention(nn.Module):
     deterministic: bool | None = None,
     dropout_rng: ArrayLike | None = None,
     sow_weights: bool = False,
+    sow_max_logits: bool = False,
   ):
     """inputs_q (B, T, D); inputs_k, inputs_v (B, S, D_kv) (default: self-attention).
 
@@ -179,6 +180,11 @@ class MultiHeadAttention(nn.Module):
       sow_weights: as flax's: sow the (B, N, T, S) softmax weights (before dropout; 0 on rows
         with nothing to attend to) into ``'intermediates'`` under ``attention_weights``. They
         cost O(T x S) memory by nature.
+      sow_max_logits: sow each row's max logit over the keys it sees, (B, T, N) float32 (see
+        ``return_max_logits`` of :func:`jattn.dot_product_attention`: -inf for a row that sees
+        nothing, no gradient), into ``'intermediates'`` under ``max_logits``, from the attention
+        pass itself (QK-Clip / MuonClip: ``max_logits.max(axis=(0, 1))`` per head). Dense and
+        chunked only (not a fused kernel named alone, nor a paged or quantised cache).
 
     Returns:
       (B, T, out_features).
@@ -188,6 +194,7 @@ class MultiHeadAttention(nn.Module):
     opts, out_features, decode, collect_stats, use_bias = self._checked_options(D)
     deterministic = _validation.flag("deterministic", deterministic, optional=True)
     sow_weights = _validation.flag("sow_weights", sow_weights)
+    sow_max_logits = _validation.flag("sow_max_logits", sow_max_logits)
     inputs_k, inputs_v, self_attention = _mha.kv_inputs(inputs_q, inputs_k, inputs_v)
 
     dense = lambda heads, size, name: nn.DenseGeneral(
@@ -219,6 +226,7 @@ class MultiHeadAttention(nn.Module):
 
       collect = lambda stats: diagnostics.sow_linen(self, stats)
     sow = (lambda w: self.sow("intermediates", "attention_weights", w)) if sow_weights else None
+    sow_max = (lambda x: self.sow("intermediates", "max_logits", x)) if sow_max_logits else None
 
     decoding = decode and self.has_variable("cache", "cached_key")
     cache = None
@@ -243,7 +251,7 @@ class MultiHeadAttention(nn.Module):
         q_segment_ids=q_segment_ids,
         kv_segment_ids=kv_segment_ids,
       ),
-      per_call=_mha.PerCall(m_deterministic, dropout_rng, collect, sow),
+      per_call=_mha.PerCall(m_deterministic, dropout_rng, collect, sow, sow_max),
     )
     if decoding:
       cache_index.value = index

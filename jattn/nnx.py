@@ -228,6 +228,7 @@ class MultiHeadAttention(nnx.Module):
     decode: bool | None = None,
     rngs: nnx.Rngs | nnx.RngStream | None = None,
     sow_weights: bool = False,
+    sow_max_logits: bool = False,
   ):
     """inputs_q (B, T, D); inputs_k, inputs_v (B, S, D_kv) (default: self-attention).
 
@@ -246,6 +247,12 @@ class MultiHeadAttention(nnx.Module):
       sow_weights: as flax's: store the (B, N, T, S) softmax weights (before dropout; 0 on rows
         with nothing to attend to) as an ``nnx.Intermediate`` named ``attention_weights``. They
         cost O(T x S) memory by nature.
+      sow_max_logits: sow each row's max logit over the keys it sees, (B, T, N) float32 (see
+        ``return_max_logits`` of :func:`jattn.dot_product_attention`: -inf for a row that sees
+        nothing, no gradient), as an ``nnx.Intermediate``
+        named ``max_logits``, from the attention
+        pass itself (QK-Clip / MuonClip: ``max_logits.max(axis=(0, 1))`` per head). Dense and
+        chunked only (not a fused kernel named alone, nor a paged or quantised cache).
 
     Returns:
       (B, T, out_features).
@@ -254,6 +261,7 @@ class MultiHeadAttention(nnx.Module):
     deterministic = _validation.flag("deterministic", deterministic, optional=True)
     decode = _validation.flag("decode", decode, optional=True)
     sow_weights = _validation.flag("sow_weights", sow_weights)
+    sow_max_logits = _validation.flag("sow_max_logits", sow_max_logits)
     if rngs is not None:
       _validation.instance(
         "rngs", rngs, (nnx.Rngs, nnx.RngStream), "an nnx.Rngs or nnx.RngStream (or None)"
@@ -293,6 +301,7 @@ class MultiHeadAttention(nnx.Module):
 
       collect = lambda stats: diagnostics.sow_nnx(self, stats)
     sow = (lambda w: self.sow(nnx.Intermediate, "attention_weights", w)) if sow_weights else None
+    sow_max = (lambda x: self.sow(nnx.Intermediate, "max_logits", x)) if sow_max_logits else None
 
     decode = self.decode if decode is None else decode
     variables, cache = self._decode_cache() if decode else (None, None)
@@ -312,7 +321,7 @@ class MultiHeadAttention(nnx.Module):
         q_segment_ids=q_segment_ids,
         kv_segment_ids=kv_segment_ids,
       ),
-      per_call=_mha.PerCall(det, dropout_rng, collect, sow),
+      per_call=_mha.PerCall(det, dropout_rng, collect, sow, sow_max),
     )
     if variables is not None:
       assert self.cache_index is not None

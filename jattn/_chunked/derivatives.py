@@ -47,13 +47,16 @@ def _kernel(plan: Plan, ops: Operands):
 @_kernel.defjvp
 def _kernel_jvp(plan: Plan, primals, tangents):
   (ops,), (dot,) = primals, tangents
-  out, lse = _kernel(plan, ops)
+  res = _kernel(plan, ops)
+  out, lse = res[:2]
   rule = _Rule(plan, ops)
   dleaves = _up_to(rule.treedef, dot)
   args = [jnp.asarray(x) for x in _up_to(rule.treedef, ops)]
   args += [out, lse] + [d for d, f in zip(dleaves, rule.diff) if f]
   dout, dlse = _tangent_p.bind(*args, rule=rule, sizes=(), avals=(jax.typeof(out), jax.typeof(lse)))
-  return (out, lse), (dout, dlse)
+  # The max logits (with ``plan.cfg.max_logits``) are a statistic: their tangent is zero, and
+  # a cotangent given to them is dropped.
+  return res, (dout, dlse, *(jnp.zeros_like(x) for x in res[2:]))
 
 
 class _Rule:
@@ -197,14 +200,15 @@ def _grads(plan: Plan, res: Residuals, dout, dlse) -> Operands:
 def chunked_attention(plan: Plan, ops: Operands):
   """Chunked attention of unpadded operands: q (B,T,N,H), k/v (B,S,K,H), bias
   (B|1,K|1,G|1,T|1,S|1). Pads T and S to whole blocks, runs the kernel, and slices the padding
-  off. Returns out (B,T,N,H) and lse (B,T,N).
+  off. Returns out (B,T,N,H) and lse (B,T,N), and the max logits (B,T,N) with
+  ``plan.cfg.max_logits``.
   """
   q, k, v, bias = _plan.pad_to_blocks(plan, ops.q, ops.k, ops.v, ops.bias)
-  out, lse = _kernel(plan, ops._replace(q=q, k=k, v=v, bias=bias))
+  res = _kernel(plan, ops._replace(q=q, k=k, v=v, bias=bias))
   T = plan.cfg.T
   if plan.Tp != T:
-    out, lse = out[:, :T], lse[:, :T]
-  return out, lse
+    res = tuple(x[:, :T] for x in res)
+  return tuple(res)
 
 
 def chunked_attention_grads(plan: Plan, ops: Operands, out, lse, dout, dlse) -> Operands:

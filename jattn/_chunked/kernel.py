@@ -28,36 +28,44 @@ from jattn._plan import Operands, Plan
 
 
 def forward(plan: Plan, ops: Operands):
-  """q (B,Tp,N,H), k/v (B,Sp,K,H) -> out (B,Tp,N,Hv) in q's dtype, lse (B,Tp,N)."""
+  """q (B,Tp,N,H), k/v (B,Sp,K,H) -> out (B,Tp,N,Hv) in q's dtype, lse (B,Tp,N); with
+  ``plan.cfg.max_logits`` also each row's max logit over its visible keys (B,Tp,N) (the running
+  max of the same walk, before the sink joins; -inf for a row that sees nothing)."""
   start, tile, finish = _steps(plan, ops)
   if plan.schedule == "parallel":
     return _forward_parallel(plan, ops, start, tile)
   # Each query block writes its rows of the output in place: stacking per-block results (as
   # lax.map does) would need another full-size copy to put them back in sequence order.
-  return walk_rows(plan, ops, start=start, tile=tile, finish=finish, outs=_outputs(ops), name="fwd")
+  outs = _outputs(plan, ops)
+  return walk_rows(plan, ops, start=start, tile=tile, finish=finish, outs=outs, name="fwd")
 
 
 def forward_fixed(plan: Plan, ops: Operands):
   """`forward` with loops of fixed trip count, each query block rematerialised: what JAX's own
   reverse mode can differentiate (a loop over a data-dependent range cannot be), at
   O(T + block_q * S) memory. The derivatives of the backward pass are taken through it."""
-  serial = dataclasses.replace(plan, schedule="serial")
+  # (out, lse) only: the max logits have no derivatives.
+  cfg = dataclasses.replace(plan.cfg, max_logits=False)
+  serial = dataclasses.replace(plan, schedule="serial", cfg=cfg)
   start, tile, finish = _steps(serial, ops)
-  return walk_rows_fixed(serial, ops, start=start, tile=tile, finish=finish, outs=_outputs(ops))
+  outs = _outputs(serial, ops)
+  return walk_rows_fixed(serial, ops, start=start, tile=tile, finish=finish, outs=outs)
 
 
-def _outputs(ops: Operands):
-  """The forward's outputs before any block is written: out (B, Tp, N, Hv), lse (B, Tp, N)."""
+def _outputs(plan: Plan, ops: Operands):
+  """The forward's outputs before any block is written: out (B, Tp, N, Hv), lse (B, Tp, N)
+  (and the max logits (B, Tp, N) with ``plan.cfg.max_logits``)."""
   q, v = ops.q, ops.v
   out0 = jnp.repeat(jnp.zeros_like(q[..., :1]), v.shape[-1], axis=-1)
   lse0 = jnp.zeros_like(q[..., 0], dtype=_tile.stat_dtype(q.dtype))
-  return _sharding.varying_tree((out0, lse0), q, v, ops.k, ops.states)
+  outs = (out0, lse0, lse0) if plan.cfg.max_logits else (out0, lse0)
+  return _sharding.varying_tree(outs, q, v, ops.k, ops.states)
 
 
 def _steps(plan: Plan, ops: Operands):
   """The forward's online-softmax step for one tile, as the (start, tile, finish) a walk runs:
   ``start(i)`` a query block's rows and carries, ``tile(rows, view, carry)`` one key block,
-  ``finish(i, carry)`` the block's output and lse."""
+  ``finish(i, carry)`` the block's output and lse (and max logits, with ``cfg.max_logits``)."""
   cfg = plan.cfg
   K, G = cfg.K, cfg.G
   bq, bk = plan.grid.block_q, plan.grid.block_kv
@@ -65,7 +73,6 @@ def _steps(plan: Plan, ops: Operands):
   sd = _tile.stat_dtype(q.dtype)
   inputs = (q, k, v, ops.states)
 
-  parallel = plan.schedule == "parallel"
   # The scale multiplies Q once, where that rounds no coarser than the logits do, instead of
   # every (bq, bk) tile of logits (the backward recomputes the logits the same way).
   q_scaled, scaled = _tile.prescaled_query(cfg, q)
@@ -74,10 +81,9 @@ def _steps(plan: Plan, ops: Operands):
     qb = q_tile(q_scaled, i, bq, K, G)
     # Carries are made from the tiles they accumulate, so they share the inputs' sharding when
     # that is part of the type (an Explicit-axis mesh): a fresh jnp.zeros would be replicated.
-    # The sink is one more logit in every row, with no value: it starts the running max and
-    # contributes exp(sink - m) to the sum (parallel: it joins once per row, in the merge).
-    sink = ops.sink if not parallel else None
-    m0, l0 = _softmax.start(jnp.zeros_like(qb[..., 0], dtype=sd), sink)  # (B, K, G, bq)
+    # The sink is one more logit in every row, with no value: it joins once per row after the
+    # walk (`finish`; parallel: after the merge), so the running max is over keys alone.
+    m0, l0 = _softmax.start(jnp.zeros_like(qb[..., 0], dtype=sd))  # (B, K, G, bq)
     # (B, K, G, bq, Hv): value's head size is its own.
     acc0 = jnp.repeat(jnp.zeros_like(qb[..., :1], dtype=sd), v.shape[-1], axis=-1)
     # The tile math and its carries are in rows layout, the G query heads of a group stacked as
@@ -105,7 +111,11 @@ def _steps(plan: Plan, ops: Operands):
 
   def finish(i, carry):
     m, l, acc = (_unrows(x, G) for x in carry)
-    return _softmax.normalize(acc, l, m, cfg.dropout_rate), _softmax.lse(m, l)
+    mx = _softmax.row_max(m, l) if cfg.max_logits else None
+    if ops.sink is not None:
+      m, l, acc = _softmax.join_sink(m, l, acc, ops.sink.astype(sd))
+    done = (_softmax.normalize(acc, l, m, cfg.dropout_rate), _softmax.lse(m, l))
+    return done if mx is None else (*done, mx)
 
   return start, tile, finish
 

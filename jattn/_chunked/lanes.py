@@ -202,7 +202,8 @@ def _lane_steps(
 
 def _forward_parallel(plan: Plan, ops: Operands, start, tile):
   """Every lane's next key/value block in one step (see `jattn._plan.lanes`); the parts of a
-  row are merged through their running max and sum, then the sink joins once."""
+  row are merged through their running max and sum, then the sink joins once. Returns (out,
+  lse), and the rows' max logits (their max before the sink joins) with ``cfg.max_logits``."""
   cfg = plan.cfg
   sd = _tile.stat_dtype(ops.q.dtype)
   schedule = _lanes(plan, plan.row_lanes, ops.states, plan.row_split)
@@ -222,6 +223,7 @@ def _forward_parallel(plan: Plan, ops: Operands, start, tile):
   rows, _ = _lane_steps(schedule, lane, rows0, _softmax.merge_into, name="fwd")
   # (R, B, K, G * bq[, H]) -> (R, B, K, G, bq[, H]).
   m_r, l_r, acc_r = (_unrows(x, cfg.G, lead=1) for x in rows)
+  mx = _softmax.row_max(m_r, l_r) if cfg.max_logits else None
   if ops.sink is not None:
     m_r, l_r, acc_r = _softmax.join_sink(m_r, l_r, acc_r, ops.sink.astype(sd)[None])
   out = _softmax.normalize(acc_r, l_r, m_r, cfg.dropout_rate).astype(ops.q.dtype)
@@ -231,8 +233,10 @@ def _forward_parallel(plan: Plan, ops: Operands, start, tile):
   out = _sharding.reshape(
     jnp.transpose(out, (1, 0, 4, 2, 3, 5)), (B, R * plan.grid.block_q, cfg.N, -1)
   )
-  lse = _sharding.reshape(jnp.transpose(lse, (1, 0, 4, 2, 3)), (B, R * plan.grid.block_q, cfg.N))
-  return out, lse
+  rows_of = lambda x: _sharding.reshape(
+    jnp.transpose(x, (1, 0, 4, 2, 3)), (B, R * plan.grid.block_q, cfg.N)
+  )
+  return (out, rows_of(lse)) if mx is None else (out, rows_of(lse), rows_of(mx))
 
 
 def _bias_sums(plan: Plan, bias, sd):

@@ -261,11 +261,13 @@ def _forward(problem: Problem, split: Split, mesh, operands: Operands, extra):
   # Each device's keys, merged across devices through their log-sum-exps (split-KV); the
   # sinks, one more logit per row, join once, after the merge.
   sink = ops.sink
-  out, lse = problem.local(ops._replace(sink=None), part)
+  out, lse, *mx = problem.local(ops._replace(sink=None), part)
   out, lse = _softmax.merge_over_devices(out, lse, split.keys)
   if sink is not None:
     out, lse = _softmax.add_sink(out, lse, sink.reshape(-1))
-  return out.astype(operands.q.dtype), lse
+  # The max logits (when asked for): the max of every device's over its keys.
+  mx = [_softmax.max_over_devices(x, split.keys) for x in mx]
+  return (out.astype(operands.q.dtype), lse, *mx)
 
 
 def _backward(problem: Problem, split: Split, mesh, operands: Operands, extra):
@@ -378,18 +380,19 @@ def _op(problem: Problem, body: Callable, operands: Operands, extra, out_roles: 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def attention(problem: Problem, operands: Operands):
-  """(out, lse) of the chunked kernels on the `Operands`, partitioned by the query's sharding when XLA partitions the program (see the module docstring)."""
-  return _op(problem, _forward, operands, (), ("q", "q"))
+  """(out, lse) of the chunked kernels on the `Operands`, partitioned by the query's sharding when XLA partitions the program (see the module docstring); (out, lse, max logits) when the
+  problem's ``local`` returns them too (``return_max_logits``: laid out like the lse)."""
+  return _op(problem, _forward, operands, (), ("q", "q", "q"))
 
 
 def _attention_fwd(problem, operands):
-  out, lse = attention(problem, operands)
-  return (out, lse), (operands, out, lse)
+  res = attention(problem, operands)
+  return res, (operands, res[0], res[1])
 
 
 def _attention_bwd(problem, res, cts):
   operands, out, lse = res
-  dout, dlse = cts
+  dout, dlse = cts[:2]  # the max logits' cotangent, if any, is dropped: they are a statistic
   dq, dk, dv, dbias, dsink = _op(
     problem, _backward, operands, (out, lse, dout, dlse), BACKWARD_ROLES
   )

@@ -194,7 +194,8 @@ def _send(rc: _RingConfig, tree):
 
 
 def _ring_forward(rc: _RingConfig, q, k, v, ro: _RingOperands):
-  """q (B,Tp,N,H), k/v (B,Sp,K,H) local shards -> out (B,Tp,N,H), lse (B,Tp,N)."""
+  """q (B,Tp,N,H), k/v (B,Sp,K,H) local shards -> out (B,Tp,N,H), lse (B,Tp,N), and with
+  ``rc.plan.cfg.max_logits`` the rows' max logits (B,Tp,N): the max over every pair's."""
   B, Tp, N, _ = q.shape
   Hv = v.shape[-1]
   sd = _tile.stat_dtype(q.dtype)
@@ -202,25 +203,28 @@ def _ring_forward(rc: _RingConfig, q, k, v, ro: _RingOperands):
   index = jax.lax.axis_index(rc.axis_name)
 
   def body(step, carry):
-    k, v, kv_tokens, out, lse = carry
+    k, v, kv_tokens, out, lse, *mx = carry
     # The send does not depend on this step's compute, so the transfer can overlap it.
     k_next, v_next, tokens_next = _send(rc, (k, v, kv_tokens))
     # After `step` sends, this device holds the shard of device index - step.
     ops = _pair(rc, ro, q, k, v, index, (index - step) % P, kv_tokens)
-    o, l = _chunked.forward(rc.plan, ops)
+    o, l, *m = _chunked.forward(rc.plan, ops)
     out, lse = _softmax.merge_pair(out, lse, o.astype(sd), l.astype(sd))
-    return k_next, v_next, tokens_next, out, lse
+    mx = [jnp.maximum(a, b.astype(sd)) for a, b in zip(mx, m)]  # exact: a max of maxes
+    return k_next, v_next, tokens_next, out, lse, *mx
 
   out0 = _sharding.varying(jnp.zeros((B, Tp, N, Hv), sd), q, k, v)
   lse0 = _sharding.varying(jnp.full((B, Tp, N), NEG, sd), q, k, v)
+  mx0 = [lse0 + jnp.asarray(-jnp.inf, sd)] if rc.plan.cfg.max_logits else []  # typed as lse0
   # The P-th send only returns the shards to their owners. Peeling the last step off the loop
   # would save it, but trace and compile the kernel twice; the send overlaps the last step's
   # compute anyway.
-  _, _, _, out, lse = jax.lax.fori_loop(0, P, body, (k, v, ro.kv_tokens, out0, lse0))
+  _, _, _, out, lse, *mx = jax.lax.fori_loop(0, P, body, (k, v, ro.kv_tokens, out0, lse0, *mx0))
   if ro.sink is not None:
-    # The sink is one term of the whole row's softmax: added once, after every shard's part.
+    # The sink is one term of the whole row's softmax: added once, after every shard's part
+    # (not a key: the max logits leave it out).
     out, lse = _softmax.add_sink(out, lse, ro.sink)
-  return out.astype(q.dtype), lse
+  return (out.astype(q.dtype), lse, *mx)
 
 
 class _Residuals(NamedTuple):
@@ -296,12 +300,12 @@ def _ring(rc, q, k, v, ro):
 
 
 def _ring_fwd(rc, q, k, v, ro):
-  out, lse = _ring_forward(rc, q, k, v, ro)
-  return (out, lse), _Residuals(q, k, v, ro, out, lse)
+  res = _ring_forward(rc, q, k, v, ro)
+  return res, _Residuals(q, k, v, ro, res[0], res[1])
 
 
 def _ring_bwd(rc, res, cts):
-  dout, dlse = cts
+  dout, dlse = cts[:2]  # the max logits' cotangent, if any, is dropped: they are a statistic
   return _ring_backward(rc, res, dout, dlse)
 
 
@@ -381,6 +385,7 @@ def ring_attention(
   implementation: Implementation | Sequence[Implementation] | None = None,
   q_positions: ArrayLike | None = None,
   kv_positions: ArrayLike | None = None,
+  return_max_logits: bool = False,
   _index_offsets=None,
 ):
   r"""Ring (context-parallel) attention; call it inside `jax.shard_map`.
@@ -443,10 +448,14 @@ def ring_attention(
       with padding inside, packed sequences whose positions restart. Blocks are skipped from
       each block's range of positions (`jattn.masks.positions`). Padding still needs its own
       mask (lengths, segment ids).
+    return_max_logits: also return this device's rows' max logits over every key they see on
+      the ring (B, Ts, N) float32, as in ``dot_product_attention`` (the max of each shard
+      pair's; sinks left out; -inf for a row that sees nothing; no gradient).
 
   Returns:
-    This device's output shard, shaped like ``query`` (and with
-    ``return_residual``, (output, lse)).
+    This device's output shard, shaped like ``query``; with ``return_residual`` or
+    ``return_max_logits`` a tuple: the output, then the lse, then the max logits (each if
+    asked for).
 
   Batch and head indices (seen by ``score_mod``, ``masks.from_function`` and the dropout hash)
   are those of this device's arrays; `ring_attention_sharded` makes them global when it also
@@ -492,6 +501,7 @@ def ring_attention(
       block_kv=block_kv,
       return_residual=return_residual,
       score_mod=score_mod,
+      return_max_logits=return_max_logits,
     ),
     tuned=False,
   )
@@ -569,13 +579,15 @@ def _ring_attention(given: _call.Given, mask, offsets, *, opts: _RingOptions):
 
   # Sequence-major as the chunked kernel takes them, padded to whole blocks: (B, Tp, N, H).
   q, k, v, _ = _plan.pad_to_blocks(rc.plan, query, key, value, None)
-  out, lse = _ring(rc, q, k, v, ro)
-  out, lse = out[:, :Ts], lse[:, :Ts]
+  out, lse, *mx = (x[:, :Ts] for x in _ring(rc, q, k, v, ro))
   if st.unbatched:
-    out, lse = out[0], lse[0]
-  if not opts.call.return_residual:
+    out, lse, mx = out[0], lse[0], [x[0] for x in mx]
+  if not (opts.call.return_residual or opts.call.return_max_logits):
     return out
-  return out, _softmax.returned_lse(lse, query.dtype)
+  res: tuple = (out,)
+  if opts.call.return_residual:
+    res += (_softmax.returned_lse(lse, query.dtype),)
+  return res + tuple(mx)
 
 
 def _ring_config(opts: _RingOptions, st, query, key):
@@ -651,8 +663,8 @@ def ring_attention_sharded(
     **kwargs: the other keyword arguments of `ring_attention` (is_causal, layout, scale, ...).
 
   Returns:
-    The global (B, T, N, H) output (and with ``return_residual``, the (B, T, N) lse), sharded
-    like the query.
+    The global (B, T, N, H) output (and with ``return_residual``, the (B, T, N) lse, with
+    ``return_max_logits`` the (B, T, N) max logits, in that order), sharded like the query.
   """
   _validation.instance("mesh", mesh, jax.sharding.Mesh, "a jax.sharding.Mesh")
   if "axis_name" in kwargs:
@@ -703,9 +715,11 @@ def ring_attention_sharded(
   ):
     if x is not None:
       extras[name], extra_specs[name] = x, spec
-  out_spec: Any = seq_spec  # the output's spec, or (output's, lse's)
-  if kwargs.get("return_residual", False):
-    out_spec = (seq_spec, PS(batch_axis, seq_axis, head_axis))
+  out_spec: Any = seq_spec  # the output's spec, or (output's, lse's, max logits')
+  rows_spec = PS(batch_axis, seq_axis, head_axis)
+  stats = [kwargs.get(f"return_{x}", False) for x in ("residual", "max_logits")]
+  if any(stats):
+    out_spec = (seq_spec,) + (rows_spec,) * sum(map(bool, stats))
 
   def body(q, k, v, extra):
     # Batch and head indices seen by score_mod, mask functions and the dropout hash are global:

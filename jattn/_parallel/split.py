@@ -30,15 +30,16 @@ from jattn._parallel import partition as _partition
 
 
 def chunked(call):
-  """The chunked backend's run: (out (B, T, N, Hv), lse (B, T, N)) of a bound call."""
+  """The chunked backend's run: (out (B, T, N, Hv), lse (B, T, N)) of a bound call, and its
+  max logits (B, T, N) with ``return_max_logits``."""
   s = call.static
   layout = s.layout
   if layout.q_shards is not None:
     axes, count = layout.q_shards
-    out, lse = sequence_sharded(call, axes, count, split_query=True)
+    res = sequence_sharded(call, axes, count, split_query=True)
   elif layout.kv_shards is not None:
     axes, count = layout.kv_shards
-    out, lse = sequence_sharded(call, axes, count, split_query=False)
+    res = sequence_sharded(call, axes, count, split_query=False)
   else:
     cfg, score_args = s.config((s.B, s.N) + s.block_sizes())
     if layout.spec is not None:
@@ -47,7 +48,7 @@ def chunked(call):
       operands = _partition.Operands(
         call.query, call.key, call.value, call.bias, call.mask, call.seed, call.sink
       )
-      out, lse = _partition.attention(
+      res = _partition.attention(
         _partition.Problem(
           s.B,
           s.T,
@@ -60,10 +61,11 @@ def chunked(call):
         operands,
       )
     else:
-      out, lse = _chunked.attend(call, cfg, score_args)
+      res = _chunked.attend(call, cfg, score_args)
+  out, *stats = res
   if layout.spec is not None and _sharding.spec_of(out) != layout.spec:
     out = jax.sharding.reshard(out, layout.spec)
-  return out, lse
+  return (out, *stats)
 
 
 def part(static, operands, cut, saved=None):
@@ -113,19 +115,23 @@ def sequence_sharded(call, axes, count, split_query: bool):
     offset = jax.lax.axis_index(axes) * (Tl if split_query else Sl)
     place = _call.Place(q_offset=offset) if split_query else _call.Place(kv_offset=offset)
     part = _call.Call(q, k, v, bias, mask, seed, sink, None, local, place)
-    out, lse = _chunked.attend(part, cfg, score_args)
-    return (out, lse) if split_query else _softmax.merge_over_devices(out, lse, axes)
+    out, lse, *mx = _chunked.attend(part, cfg, score_args)
+    if split_query:
+      return (out, lse, *mx)
+    # The max logits over all keys: the max of each device's (the sinks are in none).
+    mx = [_softmax.max_over_devices(x, axes) for x in mx]
+    return (*_softmax.merge_over_devices(out, lse, axes), *mx)
 
   rows = P(None, seq) if split_query else P()
   fn = jax.shard_map(
     body,
     mesh=jax.sharding.get_abstract_mesh(),
     in_specs=(P(None, seq), P(*(None,) * bias_dim, seq) if local_bias else P(), P()),
-    out_specs=(rows, rows),
+    out_specs=(rows,) * (3 if cfg.max_logits else 2),
     axis_names=frozenset(axes),
     check_vma=False,
   )
-  out, lse = fn(split, bias, whole)
+  out, lse, *mx = fn(split, bias, whole)
   if not split_query and call.given.sinks is not None:
     out, lse = _softmax.add_sink(out, lse, call.given.sinks)
-  return out.astype(s.dtype), lse
+  return (out.astype(s.dtype), lse, *mx)
