@@ -21,7 +21,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from jattn import _attention, _validation
+from jattn import _attention, _sharding, _validation
 from jattn import masks as _masks
 from jattn._types import ArrayLike, Implementation, IsCausal, LocalWindowSize
 
@@ -76,8 +76,14 @@ def attention_received(
   # Float32 throughout: the sums are returned in float32, and dot_product_attention returns its
   # value gradient in the value's dtype.
   q = qa.astype(jnp.float32)
-  k = jnp.repeat(ka.astype(jnp.float32), N // K, axis=-2)  # (B, S, N, H): head n sees n // G
-  ones = jnp.ones(k.shape[:-1] + (1,), jnp.float32)
+  k = ka.astype(jnp.float32)
+  if N != K:
+    # (B, S, N, H): head n sees n // G. Head-sharded keys stay sharded on the head axis (an
+    # Explicit mesh makes the sharding part of the type, and repeat must be told).
+    spec = _sharding.spec_of(k) if _sharding.explicit_mesh() else None
+    k = jnp.repeat(k, N // K, axis=-2, out_sharding=spec)
+  # Typed like the keys: under an Explicit mesh the values' sharding is the kernels' carry's.
+  ones = jnp.ones_like(k[..., :1])
 
   def total(v):
     out = _attention.dot_product_attention(

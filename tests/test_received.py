@@ -116,3 +116,62 @@ def test_errors_name_the_argument():
     jattn.attention_received(q, k[:, :, :1].repeat(3, axis=2))
   with pytest.raises(TypeError, match="query"):
     jattn.attention_received("q", k)
+
+
+MESH_WORKER = """
+import json, os
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+os.environ["JAX_PLATFORMS"] = "cpu"
+import jax, numpy as np, jattn
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+import test_received as t
+
+q, k = t._inputs()
+kw, visible, ref_kw = t._case("causal, window")
+want = t._want(q, k, visible, **ref_kw)
+errs = {}
+# Batch-, head- and key-sharded operands, under an Explicit mesh and an Auto one.
+for axes in ("explicit", "auto"):
+  typ = AxisType.Explicit if axes == "explicit" else AxisType.Auto
+  mesh = jax.make_mesh((2, 2), ("a", "b"), axis_types=(typ, typ))
+  for where, qs, ks in (
+    ("batch", P("a"), P("a")),
+    ("heads", P(None, None, "b"), P(None, None, "b")),
+    ("batch+heads", P("a", None, "b"), P("a", None, "b")),
+    ("keys", P(), P(None, ("a", "b"))),
+  ):
+    args = [jax.device_put(x, NamedSharding(mesh, s)) for x, s in ((q, qs), (k, ks))]
+    for impl, extra in t.IMPLS.items():
+      f = jax.jit(lambda q, k: jattn.attention_received(q, k, **kw, **extra))
+      name = f"{axes}/{where}/{impl}"
+      try:
+        if axes == "explicit":
+          with jax.set_mesh(mesh):
+            got = f(*args)
+        else:
+          got = f(*args)
+        errs[name] = float(np.abs(np.asarray(got, np.float64) - want).max())
+      except Exception as e:
+        errs[name] = f"{type(e).__name__}: {e}"[:400]
+print("RESULTS " + json.dumps(errs))
+"""
+
+
+def test_under_meshes():
+  import json
+  import os
+  import subprocess
+  import sys
+
+  env = dict(os.environ)
+  here = os.path.dirname(os.path.abspath(__file__))
+  env["PYTHONPATH"] = os.pathsep.join([here, env.get("PYTHONPATH", "")])
+  r = subprocess.run(
+    [sys.executable, "-c", MESH_WORKER], capture_output=True, text=True, timeout=600, env=env
+  )
+  line = [x for x in r.stdout.splitlines() if x.startswith("RESULTS ")]
+  assert line, r.stderr[-3000:]
+  errs = json.loads(line[0][len("RESULTS ") :])
+  assert len(errs) == 24, errs
+  bad = {k: e for k, e in errs.items() if not (isinstance(e, float) and e < 1e-5)}
+  assert not bad, bad
