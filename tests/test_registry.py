@@ -164,7 +164,8 @@ def test_the_bound_call_is_a_pytree():
   leaves, tree = jax.tree.flatten(call)
   assert all(hasattr(x, "shape") for x in leaves)
   assert jax.tree.unflatten(tree, leaves).static == call.static
-  out, _ = jax.jit(_dispatch.run)(call)
+  out, _, max_logits = jax.jit(_dispatch.run)(call)
+  assert max_logits is None  # the call did not ask for them
   want = jattn.dot_product_attention(
     q, k, v, is_causal=True, implementation="chunked", block_q=8, block_kv=8, sinks=jnp.zeros(4)
   )
