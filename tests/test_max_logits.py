@@ -11,9 +11,6 @@ attention.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import textwrap
 import warnings
 
@@ -21,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _subprocess import run_worker
 
 import jattn
 
@@ -321,17 +319,7 @@ MESH_WORKER = textwrap.dedent(
 
 
 def test_under_meshes_and_ring():
-  import os
-
-  here = os.path.dirname(os.path.abspath(__file__))
-  env = dict(os.environ)
-  env["PYTHONPATH"] = os.pathsep.join([here, env.get("PYTHONPATH", "")])
-  r = subprocess.run(
-    [sys.executable, "-c", MESH_WORKER], capture_output=True, text=True, timeout=600, env=env
-  )
-  line = [x for x in r.stdout.splitlines() if x.startswith("RESULTS ")]
-  assert line, r.stderr[-3000:]
-  errs = json.loads(line[0][len("RESULTS ") :])
+  errs = run_worker(MESH_WORKER)
   assert len(errs) >= 14, errs
   bad = {k: e for k, e in errs.items() if not (isinstance(e, float) and e < 2e-5)}
   assert not bad, bad

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import reference as ref
+from _subprocess import run_worker
 
 import jattn
 
@@ -158,20 +159,7 @@ print("RESULTS " + json.dumps(errs))
 
 
 def test_under_meshes():
-  import json
-  import os
-  import subprocess
-  import sys
-
-  env = dict(os.environ)
-  here = os.path.dirname(os.path.abspath(__file__))
-  env["PYTHONPATH"] = os.pathsep.join([here, env.get("PYTHONPATH", "")])
-  r = subprocess.run(
-    [sys.executable, "-c", MESH_WORKER], capture_output=True, text=True, timeout=600, env=env
-  )
-  line = [x for x in r.stdout.splitlines() if x.startswith("RESULTS ")]
-  assert line, r.stderr[-3000:]
-  errs = json.loads(line[0][len("RESULTS ") :])
+  errs = run_worker(MESH_WORKER)
   assert len(errs) == 24, errs
   bad = {k: e for k, e in errs.items() if not (isinstance(e, float) and e < 1e-5)}
   assert not bad, bad
