@@ -11,6 +11,8 @@ from jattn import masks as masks
 from jattn._attention import dot_product_attention as dot_product_attention
 from jattn._flax_fn import make_attention_fn as make_attention_fn
 from jattn._merge import merge_attention as merge_attention
+from jattn._page_write import KVPages as KVPages
+from jattn._page_write import write_pages as write_pages
 from jattn._paged import paged_attention as paged_attention
 from jattn._parallel.partition import auto_partitioning as auto_partitioning
 from jattn._parallel.ring import ring_attention as ring_attention
@@ -25,6 +27,7 @@ from jattn._tuning import tuning as tuning
 __version__ = "0.1.0"
 
 __all__ = [
+  "KVPages",
   "TuningTable",
   "attention_received",
   "auto_partitioning",
@@ -38,6 +41,7 @@ __all__ = [
   "ring_attention",
   "ring_attention_sharded",
   "tuning",
+  "write_pages",
   "zigzag_permute",
   "zigzag_unpermute",
 ]

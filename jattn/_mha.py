@@ -513,7 +513,7 @@ def attend_paged(opts: Options, q, k, v, cache: Cache, masking: Masking, per_cal
       f"shape {page_table.shape}"
     )
   q, k, index, new, _, slots = _at_fill_level(opts, q, k, cache_index, positions, query_seq_lengths)
-  pools = _pool.write(pools, page_table, slots, k, v)
+  pools = _write(pools, page_table, slots, k, v)
   # Query t sits at position index + t: bottom-right against index + T keys (the new ones,
   # padded or not, written), so padded queries see only real keys; their rows are zeroed.
   out = paged_attention(
@@ -533,6 +533,23 @@ def attend_paged(opts: Options, q, k, v, cache: Cache, masking: Masking, per_cal
     live = jnp.arange(T, dtype=jnp.int32)[None, :] < new[:, None]
     out = jnp.where(live[..., None, None], out, jnp.zeros((), out.dtype))
   return out, pools, index + new
+
+
+def _write(pools, page_table, slots, k, v):
+  """``pools`` (key, value pages[, their per-token scales]) with the new keys k (B, T, K, H) and
+  values v written at cache positions ``slots`` (B, T), as `jattn.write_pages` writes them."""
+  B, T = slots.shape
+  P, ps = pools[0].shape[:2]
+  seq = jnp.repeat(jnp.arange(B, dtype=jnp.int32), T)
+  at = _pool.slots(page_table, seq, slots.reshape(-1), jnp.ones((B * T,), bool), P, ps)
+  kinds = ("token", "token") if len(pools) == 4 else (None, None)
+  flat = lambda x: x.reshape((B * T,) + x.shape[2:])
+  scales = pools[2:] if len(pools) == 4 else (None, None)
+  pool = _pool.Pool(pools[0], pools[1], page_table, None, *scales)
+  written = _pool.write(pool, "NHD", at, flat(k), flat(v), kinds)
+  return (written.key_pages, written.value_pages) + (
+    (written.k_scale, written.v_scale) if len(pools) == 4 else ()
+  )
 
 
 def decode_step(opts: Options, q, k, v, cache: Cache, masking: Masking, per_call: PerCall):

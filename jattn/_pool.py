@@ -43,37 +43,91 @@ def is_quantized(dtype) -> bool:
   return any(jnp.dtype(dtype) == jnp.dtype(d) for d in QUANTIZED)
 
 
-def quantize(x, dtype):
-  """(x in ``dtype``, scale (..., K) float32): each token and head scaled so its largest
-  magnitude is the dtype's largest value (int8: 127, rounded to the nearest integer)."""
+def quantize(x, dtype, scale=None):
+  """(x in ``dtype``, scale float32): ``scale`` None: each token and head scaled so its largest
+  magnitude is the dtype's largest value (int8: 127, rounded to the nearest integer), the scale
+  (..., K) returned; a given scale (broadcasting against x without its last axis: a per-tensor
+  or per-head calibration) is used as it is and returned unchanged."""
   dtype = jnp.dtype(dtype)
   top = 127.0 if dtype == jnp.int8 else float(jnp.finfo(dtype).max)
-  amax = jnp.abs(x.astype(jnp.float32)).max(axis=-1)
-  scale = jnp.where(amax > 0, amax / top, jnp.ones((), jnp.float32))
-  y = x.astype(jnp.float32) / scale[..., None]
+  if scale is None:
+    amax = jnp.abs(x.astype(jnp.float32)).max(axis=-1)
+    scale = jnp.where(amax > 0, amax / top, jnp.ones((), jnp.float32))
+  y = x.astype(jnp.float32) / jnp.asarray(scale, jnp.float32)[..., None]
   if dtype == jnp.int8:
     y = jnp.round(y)
+  # Clipped first: a value past the dtype's range would become inf / NaN in float8.
   return jnp.clip(y, -top, top).astype(dtype), scale
 
 
-def write(pools, page_table, slots, k, v):
-  """``pools`` with the new keys k (B, T, K, H) and values v (B, T, K, Hv) written at cache
-  positions ``slots`` (B, T) through ``page_table`` (B, max_pages); a quantised pool's tokens
-  are quantised per token and head, their scales written beside them. A position past the
-  table (a full cache) is dropped, not clamped onto the last page."""
-  P, ps = pools[0].shape[:2]
-  col = slots // ps
-  page = jnp.take_along_axis(
-    page_table.astype(jnp.int32), jnp.minimum(col, page_table.shape[1] - 1), axis=1
+class Written(NamedTuple):
+  """Where each of n new tokens goes: pool page ``page`` (n,) -- an id past the pool (each
+  its own: P + i) for a token not written -- and ``offset`` (n,) within it."""
+
+  page: Any
+  offset: Any
+
+
+def slots(page_table, seq, position, live, P: int, page_size: int) -> Written:
+  """The pages and offsets of tokens at cache positions ``position`` (n,) of sequences ``seq``
+  (n,) through ``page_table`` (B, max_pages); tokens not ``live`` (n,) bool, and positions past
+  the table (a full cache), go nowhere (never clamped onto a page of another sequence)."""
+  col = position // page_size
+  cols = page_table.shape[1]
+  page = page_table.astype(jnp.int32)[seq, jnp.clip(col, 0, cols - 1)]
+  live = live & (position >= 0) & (col < cols) & (page >= 0) & (page < P)
+  # Distinct ids past the pool for the dropped tokens: the scatter's indices are then unique
+  # (no atomics on a GPU) and every one of them out of bounds is dropped.
+  nowhere = P + jnp.arange(seq.shape[0], dtype=jnp.int32)
+  return Written(jnp.where(live, page, nowhere), position % page_size)
+
+
+def write(pool: Pool, layout: str, at: Written, k, v, kinds) -> Pool:
+  """``pool`` (its pages and scales; the table and lengths untouched) with new keys k
+  (n, K, H) and values v (n, K, Hv) (None: a pool of keys only, absorbed MLA's latent) written
+  at ``at``. ``kinds`` = (k_scale's, v_scale's) `scale_kind`: quantised tokens take a per-token
+  scale computed from them ("token", written beside them) or the given per-tensor / per-head
+  one. A combined pool's values go to the odd heads of the key pages."""
+
+  def put(pages, x, heads=None):
+    # NHD pages (P, page_size, K', X), HND (P, K', page_size, X); ``heads`` a combined pool's
+    # key (0) or value (1) heads.
+    idx: tuple[Any, ...] = (
+      (at.page, slice(None), at.offset) if layout == "HND" else (at.page, at.offset)
+    )
+    if heads is not None:
+      idx = idx + (slice(heads, None, 2),)
+    return pages.at[idx].set(x, mode="drop", unique_indices=True)
+
+  def encode(pages, x, scale, kind):
+    if kind is None:
+      return x, scale, None
+    q, s = quantize(x, pages.dtype, None if kind == "token" else _heads_last(scale, kind))
+    return q, scale, s if kind == "token" else None
+
+  kq, k_scale, k_token = encode(pool.key_pages, k, pool.k_scale, kinds[0])
+  values = pool.value_pages if layout != "combined" else pool.key_pages
+  vq, v_scale, v_token = None, pool.v_scale, None
+  if v is not None:
+    vq, v_scale, v_token = encode(values, v, pool.v_scale, kinds[1])
+  key_pages = put(pool.key_pages, kq, 0 if layout == "combined" else None)
+  value_pages = pool.value_pages
+  if v is not None and layout == "combined":
+    key_pages = put(key_pages, vq, 1)
+  elif v is not None:
+    value_pages = put(value_pages, vq)
+  if k_token is not None:
+    k_scale = put(k_scale[..., None], k_token[..., None])[..., 0]
+  if v_token is not None:
+    v_scale = put(v_scale[..., None], v_token[..., None])[..., 0]
+  return pool._replace(
+    key_pages=key_pages, value_pages=value_pages, k_scale=k_scale, v_scale=v_scale
   )
-  page, off = jnp.where(col < page_table.shape[1], page, P), slots % ps
-  written: tuple[jax.Array, ...]
-  if len(pools) == 4:
-    (kq, k_scale), (vq, v_scale) = quantize(k, pools[0].dtype), quantize(v, pools[1].dtype)
-    written = (kq, vq, k_scale, v_scale)
-  else:
-    written = (k, v)
-  return tuple(pool.at[page, off].set(x, mode="drop") for pool, x in zip(pools, written))
+
+
+def _heads_last(scale, kind):
+  """A per-tensor () or per-head (K,) scale as it broadcasts against tokens (n, K)."""
+  return scale.astype(jnp.float32) if kind == "tensor" else scale.astype(jnp.float32)[None, :]
 
 
 # float8 layouts: (mantissa bits, exponent bias); the exponent takes the other bits but the sign.

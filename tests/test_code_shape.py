@@ -121,6 +121,7 @@ PUBLIC_SIGNATURES = {
   "_attention.py:dot_product_attention",
   "_attention.py:attention_weights",
   "_paged.py:paged_attention",
+  "_page_write.py:write_pages",
   "_parallel/ring.py:ring_attention",
   "_parallel/ring.py:ring_attention_sharded",
   "diagnostics.py:attention_stats",

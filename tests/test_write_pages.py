@@ -1,0 +1,233 @@
+"""`jattn.write_pages`: a serving engine's cache writes, checked through what is read after.
+
+An engine run (ragged prefill chunks and decodes of several requests, a finished request's pages
+given to a new one) writes each step's tokens with write_pages and attends with
+paged_attention; every step's output is compared with a float64 NumPy reference over each
+request's tokens kept contiguously -- quantised as the definition says (per token and head, the
+largest magnitude at the dtype's largest value), written plainly here.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jattn
+
+K, H, N, PS, P = 2, 8, 4, 4, 24
+
+
+def quantized(x, dtype):
+  """x (..., H) float32 as its pool stores it, dequantised (float64): each token and head
+  scaled so its largest magnitude is the dtype's largest, then rounded to the dtype."""
+  if dtype is None:
+    return np.asarray(x, np.float64)
+  x = np.asarray(x, np.float32)
+  dtype = np.dtype(dtype)
+  top = np.float32(127.0 if dtype == np.int8 else float(jnp.finfo(dtype).max))
+  amax = np.abs(x).max(axis=-1, keepdims=True)
+  scale = np.where(amax > 0, amax / top, np.float32(1))
+  y = np.clip(x / scale, -top, top)
+  y = np.round(y) if dtype == np.int8 else y
+  return y.astype(dtype).astype(np.float64) * scale
+
+
+def attend(q, keys, values, n):
+  """Float64: the last n of a request's len(keys) tokens, queries q (n, N, H), causal."""
+  L = keys.shape[0]
+  G = N // K
+  s = np.einsum("tnh,snh->nts", q, np.repeat(keys, G, axis=1)) / np.sqrt(H)
+  pos = np.arange(L - n, L)[:, None]
+  s = np.where(np.arange(L)[None, :] <= pos, s, -np.inf)
+  p = np.exp(s - s.max(-1, keepdims=True))
+  p /= p.sum(-1, keepdims=True)
+  return np.einsum("nts,snh->tnh", p, np.repeat(values, G, axis=1))
+
+
+def pools(dtype, layout):
+  pool_dtype = jnp.float32 if dtype is None else dtype
+  shape = (P, K, PS, H) if layout == "HND" else (P, PS, 2 * K if layout == "combined" else K, H)
+  kp = jnp.zeros(shape, pool_dtype)
+  vp = None if layout == "combined" else jnp.zeros(shape, pool_dtype)
+  scale_shape = (P, K, PS) if layout == "HND" else (P, PS, K)
+  scales = (None, None) if dtype is None else (jnp.ones(scale_shape), jnp.ones(scale_shape))
+  return kp, vp, scales
+
+
+# (request, new tokens) per step; request 1 finishes after step 2 and request 3 takes its pages.
+STEPS = [
+  [(0, 5), (1, 3)],
+  [(0, 1), (1, 4), (2, 6)],
+  [(0, 1), (2, 1), (3, 7)],
+  [(0, 1), (2, 1), (3, 1)],
+]
+PAGES = {0: [7, 2, 11], 1: [4, 9, 0], 2: [15, 1, 20], 3: [9, 4, 0]}  # 3 reuses 1's pages
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND", "combined"])
+@pytest.mark.parametrize("dtype", [None, jnp.int8, jnp.float8_e4m3fn])
+def test_engine_run_matches_contiguous_float64(dtype, layout):
+  rng = np.random.default_rng(0)
+  kp, vp, (ks, vs) = pools(dtype, layout)
+  history = {r: (np.zeros((0, K, H)), np.zeros((0, K, H))) for r in PAGES}
+  step = jax.jit(
+    lambda kp, vp, ks, vs, table, lens, qs, q, k, v: _step(
+      kp, vp, ks, vs, table, lens, qs, q, k, v, layout
+    ),
+    donate_argnums=(0, 1, 2, 3),
+  )
+  for batch in STEPS:
+    counts = [n for _, n in batch]
+    total = sum(counts) + 2  # two rows of padding past the last request
+    lens = np.array([history[r][0].shape[0] + n for r, n in batch], np.int32)
+    table = np.array([PAGES[r] for r, _ in batch], np.int32)
+    qs = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    q, k, v = (rng.normal(size=(total, n, H)).astype(np.float32) for n in (N, K, K))
+    out, (kp, vp, ks, vs) = step(kp, vp, ks, vs, table, lens, qs, q, k, v)
+    for i, (r, n) in enumerate(batch):
+      rows = slice(qs[i], qs[i + 1])
+      keys = np.concatenate([history[r][0], quantized(k[rows], dtype)])
+      values = np.concatenate([history[r][1], quantized(v[rows], dtype)])
+      history[r] = (keys, values)
+      want = attend(q[rows].astype(np.float64), keys, values, n)
+      np.testing.assert_allclose(np.asarray(out[rows]), want, atol=2e-5, rtol=2e-5)
+    np.testing.assert_array_equal(np.asarray(out[qs[-1] :]), 0)
+    if batch is STEPS[1]:  # request 1 finishes: a new request's tokens start over its pages
+      history[3] = (np.zeros((0, K, H)), np.zeros((0, K, H)))
+
+
+def _step(kp, vp, ks, vs, table, lens, qs, q, k, v, layout):
+  kp, vp, ks, vs = jattn.write_pages(
+    kp, vp, table, lens, k, v, query_start=qs, k_scale=ks, v_scale=vs, kv_layout=layout
+  )
+  out = jattn.paged_attention(
+    q, kp, vp, table, lens, query_start=qs, k_scale=ks, v_scale=vs, kv_layout=layout
+  )
+  return out, (kp, vp, ks, vs)
+
+
+@pytest.mark.parametrize("dtype", [None, jnp.int8])
+def test_donated_pools_are_updated_in_place(dtype):
+  """The compiled program aliases every donated pool and scale to its update and needs no
+  temporary the size of a pool (the scatter writes where the pool lies)."""
+  shape = (512, 16, K, 64)  # pools far larger than a step's tokens
+  kp, vp = (jnp.zeros(shape, jnp.float32 if dtype is None else dtype) for _ in "kv")
+  ks, vs = (None if dtype is None else jnp.ones(shape[:3]) for _ in "kv")
+  table = np.arange(2 * 3, dtype=np.int32).reshape(2, 3)
+  k = jnp.ones((2, 1, K, 64))
+  write = jax.jit(
+    jattn.write_pages, donate_argnames=("key_pages", "value_pages", "k_scale", "v_scale")
+  )
+  compiled = write.lower(kp, vp, table, np.array([3, 5]), k, k, k_scale=ks, v_scale=vs).compile()
+  donated = [x for x in (kp, vp, ks, vs) if x is not None]
+  stats = compiled.memory_analysis()
+  assert stats.alias_size_in_bytes == sum(x.nbytes for x in donated)
+  assert stats.temp_size_in_bytes < min(x.nbytes for x in donated) // 8
+  assert len(re.findall(r"may-alias|must-alias", compiled.as_text())) >= len(donated)
+
+
+def test_padded_tokens_land_at_the_fill_level_and_negative_positions_are_dropped():
+  kp, vp, _ = pools(None, "NHD")
+  table = np.array([[3, 5], [6, 2]], np.int32)
+  k = jnp.asarray(np.arange(2 * 3 * K * H, dtype=np.float32).reshape(2, 3, K, H) + 1)
+  new = jattn.write_pages(kp, vp, table, np.array([6, 2]), k, -k)
+  got = np.asarray(new.key_pages)
+  # request 0: positions 3, 4, 5 -> page 3 slot 3, page 5 slots 0, 1
+  np.testing.assert_array_equal(got[3, 3], k[0, 0])
+  np.testing.assert_array_equal(got[5, :2], k[0, 1:])
+  # request 1 (2 tokens cached, 3 new): the first new token would sit at position -1
+  np.testing.assert_array_equal(got[6, :2], k[1, 1:])
+  np.testing.assert_array_equal(np.asarray(new.value_pages)[6, :2], -k[1, 1:])
+  assert np.count_nonzero(got.any(axis=(2, 3))) == 5
+  assert new.k_scale is None and new.v_scale is None
+
+
+def test_keys_only_pool_and_calibrated_scales():
+  """A latent pool (absorbed MLA: value_pages=None, value=None) and per-head int8 scales: the
+  tokens divided by the given scale, rounded, the scale returned as it was."""
+  pages = jnp.zeros((P, PS, 1, H), jnp.int8)
+  scale = jnp.asarray([0.05], jnp.float32)
+  x = jnp.asarray(np.random.default_rng(1).normal(size=(1, 2, 1, H)), jnp.float32)
+  new = jattn.write_pages(pages, None, np.array([[4]]), np.array([2]), x, None, k_scale=scale)
+  assert new.value_pages is None and new.v_scale is None and new.k_scale is scale
+  want = np.clip(np.round(np.asarray(x[0]) / np.float32(0.05)), -127, 127)
+  np.testing.assert_array_equal(np.asarray(new.key_pages)[4, :2], want)
+
+
+def test_traced_faulty_metadata_writes_nothing_of_that_request():
+  """A page id out of range under jit (it cannot raise there) must not be clamped onto another
+  request's page: that request writes nothing, the others write their tokens."""
+  kp, vp, _ = pools(None, "NHD")
+  k = jnp.ones((2, 1, K, H))
+  table = np.array([[P + 3], [P - 1]], np.int32)
+  new = jax.jit(jattn.write_pages)(kp, vp, table, np.array([1, 1]), k, k)
+  written = np.asarray(new.key_pages).any(axis=(1, 2, 3))
+  assert written.tolist() == [False] * (P - 1) + [True]
+  with pytest.raises(ValueError, match=re.escape(f"page_table[0, 0]={P + 3} is not a page")):
+    jattn.write_pages(kp, vp, table, np.array([1, 1]), k, k)
+
+
+def test_checkify_names_the_faulty_request():
+  from jax.experimental import checkify
+
+  kp, vp, _ = pools(None, "NHD")
+  k = jnp.ones((2, 1, K, H))
+  f = checkify.checkify(
+    jax.jit(lambda t: jattn.write_pages(kp, vp, t, np.array([1, 1]), k, k, on_invalid="checkify"))
+  )
+  err, _ = f(jnp.array([[0], [-1]], jnp.int32))
+  assert "sequence 1 breaks metadata rule 2" in str(err.get())
+
+
+@pytest.mark.parametrize(
+  "change, error, message",
+  [
+    (dict(key=jnp.ones((2, 1, K + 1, H))), ValueError, "key must be (B, T, K, H) = (B, T, 2, 8)"),
+    (dict(value=jnp.ones((2, 2, K, H))), ValueError, "value must have key's tokens"),
+    (dict(key=jnp.ones((2, 1, K, H), jnp.bfloat16)), TypeError, "key.dtype=bfloat16"),
+    (dict(value=None), TypeError, "value must be an array"),
+    (dict(value_pages=None), ValueError, "pass value=None"),
+    (dict(page_table=np.zeros((3, 2), np.int32)), ValueError, "kv_lengths must be (B,) = (3,)"),
+    (dict(page_table=np.zeros((2, 2))), TypeError, "page_table must be an integer array"),
+    (dict(k_scale=jnp.ones(())), ValueError, "k_scale is for int8 / float8 pages"),
+    (dict(kv_layout="NDH"), ValueError, "kv_layout must be one of"),
+    (dict(on_invalid="nan"), ValueError, "on_invalid must be one of ('skip', 'checkify')"),
+    (dict(query_start=np.array([0, 1])), ValueError, "query_start must be (B + 1,) = (3,)"),
+    (dict(key="keys"), TypeError, "key must be a floating array"),
+  ],
+)
+def test_bad_calls_name_the_argument(change, error, message):
+  kp, vp, _ = pools(None, "NHD")
+  call = dict(
+    key_pages=kp,
+    value_pages=vp,
+    page_table=np.zeros((2, 2), np.int32),
+    kv_lengths=np.array([1, 1]),
+    key=jnp.ones((2, 1, K, H)),
+    value=jnp.ones((2, 1, K, H)),
+  )
+  call.update(change)
+  with pytest.raises(error, match=re.escape(message)):
+    jattn.write_pages(**call)
+
+
+def test_quantised_pool_needs_its_scales():
+  pages = jnp.zeros((P, PS, K, H), jnp.int8)
+  k = jnp.ones((1, 1, K, H))
+  with pytest.raises(ValueError, match="need k_scale"):
+    jattn.write_pages(pages, pages + 0, np.array([[0]]), np.array([1]), k, k)
+  with pytest.raises(ValueError, match=re.escape("k_scale must be () per tensor, (K,) = (2,)")):
+    jattn.write_pages(
+      pages,
+      pages + 0,
+      np.array([[0]]),
+      np.array([1]),
+      k,
+      k,
+      k_scale=jnp.ones(3),
+      v_scale=jnp.ones(()),
+    )
