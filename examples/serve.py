@@ -117,27 +117,19 @@ def uncached_logits(cfg: Config, params, tokens):
   return _norm(x) @ params["head"]
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def engine_step(
-  cfg: Config, params, pools, tokens, positions, row_seq, query_start, kv_lengths, page_table
-):
-  """One engine step: R ragged rows (tokens (R,), positions (R,), row_seq (R,): the slot of each
-  row, or B for an unused row) of B slots; writes their keys and values into the pools and
-  returns (pools, (R, V) logits)."""
-  P, ps = cfg.pages, cfg.page_size
-  B = page_table.shape[0]
-  used = row_seq < B
-  page = jnp.take_along_axis(
-    page_table[jnp.minimum(row_seq, B - 1)], (positions // ps)[:, None], axis=1
-  )[:, 0]
-  page = jnp.where(used, page, P)  # unused rows write nowhere (dropped)
-  slot = positions % ps
+# The pools are donated: write_pages updates them in place, as a serving engine must.
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
+def engine_step(cfg: Config, params, pools, tokens, positions, query_start, kv_lengths, page_table):
+  """One engine step: R ragged rows (tokens (R,), positions (R,); slot b's rows are
+  query_start[b] .. query_start[b + 1] - 1, rows past query_start[B] unused) of B slots; writes
+  their keys and values into the pools and returns (pools, (R, V) logits)."""
   x = params["embed"][tokens] + params["pos"][jnp.clip(positions, 0, cfg.max_len - 1)]
   new_pools = []
   for layer, (kp, vp) in zip(params["layers"], pools):
     q, k, v = _qkv(cfg, layer, x)
-    kp = kp.at[page, slot].set(k, mode="drop")
-    vp = vp.at[page, slot].set(v, mode="drop")
+    # The step's metadata serves the write and the read: sequence b's rows go to its last
+    # positions (kv_lengths counts them); rows past query_start[B] are not written.
+    kp, vp, _, _ = jattn.write_pages(kp, vp, page_table, kv_lengths, k, v, query_start=query_start)
     attended = jattn.paged_attention(q, kp, vp, page_table, kv_lengths, query_start=query_start)
     x = _after_attention(layer, x, attended)
     new_pools.append((kp, vp))
@@ -178,7 +170,7 @@ def serve(cfg: Config, params, requests, *, slots: int, budget: int, chunk: int)
         running[s], lengths[s] = waiting.pop(0), 0
         running[s].slot = s
     # Each running request's next piece of work, packed into at most `budget` rows.
-    tokens, positions, row_seq, counts = [], [], [], np.zeros(slots, np.int32)
+    tokens, positions, counts = [], [], np.zeros(slots, np.int32)
     for s, r in enumerate(running):
       if r is None:
         continue
@@ -189,7 +181,6 @@ def serve(cfg: Config, params, requests, *, slots: int, budget: int, chunk: int)
       for i, t in enumerate(piece):
         tokens.append(t)
         positions.append(int(lengths[s]) + i)
-        row_seq.append(s)
       counts[s] = len(piece)
       need = -(-(int(lengths[s]) + len(piece)) // cfg.page_size)
       while len(r.pages) < need:  # grow the sequence's pages
@@ -205,7 +196,6 @@ def serve(cfg: Config, params, requests, *, slots: int, budget: int, chunk: int)
       pools,
       jnp.asarray(tokens + [0] * pad, jnp.int32),
       jnp.asarray(positions + [0] * pad, jnp.int32),
-      jnp.asarray(row_seq + [slots] * pad, jnp.int32),
       jnp.asarray(query_start),
       jnp.asarray(lengths),
       jnp.asarray(table),
