@@ -998,3 +998,41 @@ max_memory_gib = 1.0
   assert decode_bench.main([bad]) == 2 and "page_dtypes" in capsys.readouterr().err
   bad = _write_config(tmp_path, 'page_layouts = ["NDH"]\n')
   assert decode_bench.main([bad]) == 2 and "page_layouts" in capsys.readouterr().err
+
+
+def test_decode_bench_times_a_shared_prefix_plain_and_as_a_cascade(tmp_path, capsys):
+  # With shared_prefix, `jattn-bench decode` times R requests over one prefix stored once: the
+  # plain paged call over each request's whole page table and the cascade (the prefix once,
+  # each request's own pages, merged by log-sum-exp) agree, and the ratio comes from the
+  # medians; a prefix that is not whole pages is an error naming it.
+  path = _write_config(
+    tmp_path,
+    """
+name = "tiny-shared-prefix"
+repeats = 2
+warmup = 0
+heads = 4
+kv_heads = 2
+head_dim = 16
+T = 2
+S = [64]
+shared_prefix = 48
+shared_requests = 3
+shared_own = 20
+shared_page_size = 16
+""",
+  )
+  out = tmp_path / "shared.json"
+  argv = ["decode", path, "--shared-prefix-only", "--shared-requests", "5", "--json", str(out)]
+  assert cli.main(argv) == 0
+  printed = capsys.readouterr().out
+  rows = {r["layout"]: r for r in json.loads(out.read_text())["rows"]}
+  assert set(rows) == {"NHD", "HND"}
+  for r in rows.values():
+    assert r["kind"] == "shared_prefix" and r["status"] == "ok" and r["B"] == 5, r
+    assert r["max_abs_diff"] < 1e-5, r
+    assert r["plain_vs_cascade"] == pytest.approx(r["ms"]["plain"] / r["ms"]["cascade"])
+    assert r["read_mib"]["plain"] > r["read_mib"]["cascade"]
+  assert sum(ln.startswith("| 48 | 5 | 20 | HND | 16 |") for ln in printed.splitlines()) == 1
+  bad = _write_config(tmp_path, "shared_prefix = 40\nshared_page_size = 16\n")
+  assert decode_bench.main([bad]) == 2 and "whole pages" in capsys.readouterr().err

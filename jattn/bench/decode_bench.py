@@ -1,6 +1,7 @@
 """One decoding step: a few new queries against a long KV cache, against the memory floor.
 
   jattn-bench decode [configs/decode.toml] [--S 4096 16384] [--dtypes bfloat16] [--json out]
+  jattn-bench decode --shared-prefix-only [--shared-prefix 4096] [--shared-requests 64]
   python -m jattn.bench.decode_bench [...]   # the same
 
 A decoding step reads the whole cache and does little arithmetic with it, so its floor is the
@@ -27,6 +28,16 @@ either can be the slow one: integer reductions are not vectorised, float8 conver
 software). Each paged row gives its time, the ratio to that floor, the ratio to the float32
 pool's step of the same S and page size, and the largest difference from jattn's chunked kernels
 on the same (dequantised) cache laid out contiguously.
+
+With ``shared_prefix`` (tokens, whole pages of ``shared_page_size``) it also times a shared-prefix
+step: ``shared_requests`` requests, each with ``shared_own`` tokens of its own after one prefix
+whose pages the pool holds once (a system prompt; float32 pages in shuffled order), per page
+layout. ``plain`` is one `jattn.paged_attention` call over every request's whole page table (the
+prefix's pages read once per request); ``cascade`` one call over the prefix for all requests
+(their query rows stacked as one sequence's, not causal) and one causal call over each request's
+own pages, merged by `jattn.merge_attention` (examples/shared_prefix.py shows it step by step).
+The row gives both times, plain / cascade (above 1: the cascade is faster), the pages each reads
+and the largest difference between the two (``--shared-prefix-only``: these rows alone).
 """
 
 from __future__ import annotations
@@ -59,6 +70,10 @@ KEYS = {
   "page_sizes",
   "page_dtypes",
   "page_layouts",
+  "shared_prefix",
+  "shared_requests",
+  "shared_own",
+  "shared_page_size",
 }
 PAGE_DTYPES = ("float32", "bfloat16", "int8", "float8_e4m3fn", "float8_e5m2")
 IMPLS = ("jattn", "jattn-chunked", "jattn-dense", "jax.nn", "floor")
@@ -82,6 +97,10 @@ def load_config(path, overrides=None) -> dict:
       "page_sizes": [],
       "page_dtypes": ["float32", "bfloat16", "int8", "float8_e4m3fn"],
       "page_layouts": ["NHD", "HND"],
+      "shared_prefix": 0,
+      "shared_requests": 64,
+      "shared_own": 256,
+      "shared_page_size": 16,
     },
   )
   cfg.update({k: v for k, v in (overrides or {}).items() if v is not None})
@@ -113,7 +132,23 @@ def load_config(path, overrides=None) -> dict:
   bad_layouts = set(cfg["page_layouts"]) - {"NHD", "HND"}
   if bad_layouts or not cfg["page_layouts"]:
     raise ValueError(f"{path}: page_layouts must be some of NHD, HND, got {cfg['page_layouts']}")
+  _check_shared(path, cfg)
   return cfg
+
+
+def _check_shared(path, cfg: dict) -> None:
+  """The shared-prefix row's sizes: a prefix of whole pages (0: no row), own tokens >= T."""
+  for name in ("shared_prefix", "shared_requests", "shared_own", "shared_page_size"):
+    least = 0 if name == "shared_prefix" else 1
+    if not isinstance(cfg[name], int) or cfg[name] < least:
+      raise ValueError(f"{path}: {name} must be an int >= {least}, got {cfg[name]!r}")
+  if cfg["shared_prefix"] % cfg["shared_page_size"]:
+    raise ValueError(
+      f"{path}: shared_prefix={cfg['shared_prefix']} must be whole pages of "
+      f"shared_page_size={cfg['shared_page_size']} (the pages every request shares)"
+    )
+  if cfg["shared_own"] < cfg["T"]:
+    raise ValueError(f"{path}: shared_own={cfg['shared_own']} must be at least T={cfg['T']}")
 
 
 def _functions():
@@ -389,6 +424,139 @@ def _ran(jitted, *args) -> str:
   return "chunked (XLA walk)"
 
 
+def _cascade(q, kp, vp, shared_table, shared_lens, own_table, own_lens, *, layout):
+  """One group's step over a shared prefix: the prefix once for all R requests (their query
+  rows stacked as one sequence's, not causal: all come after the prefix), each request's own
+  pages causal, merged by log-sum-exp. q (R, T, N, H) -> (R, T, N, Hv)."""
+  import jattn
+
+  R, T, N, H = q.shape
+  out_s, lse_s = jattn.paged_attention(
+    q.reshape(1, R * T, N, H),
+    kp,
+    vp,
+    shared_table,
+    shared_lens,
+    is_causal=False,
+    kv_layout=layout,
+    return_residual=True,
+  )
+  out_o, lse_o = jattn.paged_attention(
+    q, kp, vp, own_table, own_lens, kv_layout=layout, return_residual=True
+  )
+  out, _ = jattn.merge_attention(
+    [out_s.reshape(out_o.shape), out_o], [lse_s.reshape(lse_o.shape), lse_o]
+  )
+  return out
+
+
+def _shared_pool(cfg: dict):
+  """A float32 pool (NHD) holding one prefix of whole pages, stored once, and R requests' own
+  pages, in shuffled order: (kp, vp, the plain tables (R, all pages), the prefix's table (1,
+  prefix pages), the own tables (R, own pages))."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  K, H, ps = cfg["kv_heads"], cfg["head_dim"], cfg["shared_page_size"]
+  R, n_pre, n_own = cfg["shared_requests"], cfg["shared_prefix"] // ps, -(-cfg["shared_own"] // ps)
+  ids = np.random.default_rng(cfg["shared_prefix"]).permutation(n_pre + R * n_own).astype(np.int32)
+  shared, own = ids[:n_pre].reshape(1, n_pre), ids[n_pre:].reshape(R, n_own)
+  plain = np.concatenate([np.repeat(shared, R, 0), own], axis=1)
+  kp, vp = (
+    jax.random.normal(k, (ids.size, ps, K, H), jnp.float32)
+    for k in jax.random.split(jax.random.key(cfg["shared_prefix"]), 2)
+  )
+  # The prefix's table (1, 1) when it has no pages: a row is needed, its length 0 reads none.
+  shared = shared if n_pre else np.zeros((1, 1), np.int32)
+  return kp, vp, *(jnp.asarray(t) for t in (plain, shared, own))
+
+
+def run_shared_prefix(cfg: dict, log=print) -> list[dict]:
+  """The shared-prefix rows: R requests over one prefix, the plain paged call over each
+  request's whole page table against the cascade (`_cascade`), per page layout."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  import jattn
+  from jattn.bench.runner import settle
+
+  N, K, H, T = cfg["heads"], cfg["kv_heads"], cfg["head_dim"], cfg["T"]
+  R, prefix, own = cfg["shared_requests"], cfg["shared_prefix"], cfg["shared_own"]
+  kp, vp, plain_table, shared_table, own_table = _shared_pool(cfg)
+  hnd = jax.jit(lambda x: jnp.swapaxes(x, 1, 2))  # pages (P, K, page_size, H)
+  q = jax.random.normal(jax.random.key(1), (R, T, N, H), jnp.float32)
+  lens = jnp.full((R,), prefix + own, jnp.int32)
+  shared_lens, own_lens = jnp.full((1,), prefix, jnp.int32), jnp.full((R,), own, jnp.int32)
+  rows = []
+  for layout in cfg["page_layouts"]:
+    pools = (kp, vp) if layout == "NHD" else (hnd(kp), hnd(vp))
+    plain = jax.jit(functools.partial(jattn.paged_attention, kv_layout=layout))
+    cascade = jax.jit(functools.partial(_cascade, layout=layout))
+    calls = {
+      "plain": functools.partial(plain, q, *pools, plain_table, lens),
+      "cascade": functools.partial(
+        cascade, q, *pools, shared_table, shared_lens, own_table, own_lens
+      ),
+    }
+    outs = {name: np.asarray(jax.block_until_ready(f())) for name, f in calls.items()}
+    for _ in range(cfg["warmup"]):
+      for f in calls.values():
+        jax.block_until_ready(f())
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(cfg["repeats"]):
+      for name, f in calls.items():
+        settle()
+        start = time.perf_counter()
+        jax.block_until_ready(f())
+        times[name].append(time.perf_counter() - start)
+    ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+    token_mib = 2 * K * H * 4 / 2**20  # one token's keys and values, float32
+    rows.append(
+      dict(
+        kind="shared_prefix",
+        layout=layout,
+        page_dtype="float32",
+        page_size=cfg["shared_page_size"],
+        B=R,
+        N=N,
+        K=K,
+        H=H,
+        T=T,
+        prefix=prefix,
+        own=own,
+        status="ok",
+        ms=ms,
+        plain_vs_cascade=ms["plain"] / ms["cascade"],
+        # Pages each reads: every request's whole table, or the prefix once and the own pages.
+        read_mib=dict(plain=R * (prefix + own) * token_mib, cascade=(prefix + R * own) * token_mib),
+        max_abs_diff=float(np.abs(outs["cascade"] - outs["plain"]).max()),
+      )
+    )
+    log(
+      f"shared prefix {prefix} x {R} requests + {own} own, {layout}: plain {ms['plain']:.1f} ms, "
+      f"cascade {ms['cascade']:.1f} ms"
+    )
+  return rows
+
+
+def shared_prefix_table(rows: list[dict]) -> str:
+  head = (
+    "| shared prefix | requests | own tokens | layout | page size | plain ms | cascade ms | "
+    "plain / cascade | MiB read plain | MiB read cascade | max abs diff |"
+  )
+  lines = [head, "|---" * (head.count("|") - 1) + "|"]
+  for r in rows:
+    lines.append(
+      f"| {r['prefix']} | {r['B']} | {r['own']} | {r['layout']} | {r['page_size']} | "
+      f"{r['ms']['plain']:.1f} | {r['ms']['cascade']:.1f} | {r['plain_vs_cascade']:.2f}x | "
+      f"{r['read_mib']['plain']:.1f} | {r['read_mib']['cascade']:.1f} | "
+      f"{r['max_abs_diff']:.1e} |"
+    )
+  return "\n".join(lines)
+
+
 def paged_table(rows: list[dict]) -> str:
   head = (
     "| paged pool | layout | kernel | page size | S | pool MiB | paged ms | floor ms | "
@@ -459,6 +627,14 @@ def main(argv=None) -> int:
     "--page-layouts", nargs="+", choices=("NHD", "HND"), help="pool layouts (override the config)"
   )
   p.add_argument("--paged-only", action="store_true", help="only the paged rows")
+  p.add_argument(
+    "--shared-prefix",
+    type=int,
+    help="tokens of the shared-prefix row's prefix, 0: no such row (override the config)",
+  )
+  p.add_argument("--shared-requests", type=int, help="the shared-prefix row's requests")
+  p.add_argument("--shared-own", type=int, help="own tokens of each of its requests")
+  p.add_argument("--shared-prefix-only", action="store_true", help="only the shared-prefix rows")
   p.add_argument("--json", help="also write the rows to this JSON file")
   a = p.parse_args(argv)
   try:
@@ -471,14 +647,19 @@ def main(argv=None) -> int:
         page_sizes=a.page_sizes,
         page_dtypes=a.page_dtypes,
         page_layouts=a.page_layouts,
+        shared_prefix=a.shared_prefix,
+        shared_requests=a.shared_requests,
+        shared_own=a.shared_own,
       ),
     )
   except (OSError, ValueError) as e:
     print(f"jattn-bench decode: {e}", file=sys.stderr)
     return 2
   log = lambda s: print(s, file=sys.stderr, flush=True)
-  rows = [] if a.paged_only else run(cfg, log)
-  paged = run_paged(cfg, log) if cfg["page_sizes"] else []
+  only = a.paged_only or a.shared_prefix_only
+  rows = [] if only else run(cfg, log)
+  paged = run_paged(cfg, log) if cfg["page_sizes"] and not a.shared_prefix_only else []
+  shared = run_shared_prefix(cfg, log) if cfg["shared_prefix"] and not a.paged_only else []
   print(
     f"<!-- jattn-bench decode: B={cfg['batch']} N={cfg['heads']} K={cfg['kv_heads']} "
     f"H={cfg['head_dim']} T={cfg['T']}, medians of {cfg['repeats']} interleaved rounds -->"
@@ -487,7 +668,9 @@ def main(argv=None) -> int:
     print(table(rows))
   if paged:
     print(paged_table(paged))
-  rows = rows + paged
+  if shared:
+    print(shared_prefix_table(shared))
+  rows = rows + paged + shared
   if a.json:
     with open(a.json, "w") as f:
       json.dump(dict(config=cfg, rows=rows), f, indent=1)
