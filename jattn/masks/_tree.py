@@ -33,8 +33,10 @@ def tree_mask(parents):
       )
   # Ancestors by doubling: ``reach`` holds the ancestors within 2^s steps, and squaring it as a
   # boolean matrix product doubles that; log2(T) products reach the root of any path.
+  lead = (1,) * (parents.ndim - 1)
   tokens = jnp.arange(T)
-  reach = (parents[..., :, None] == tokens) | (tokens[:, None] == tokens)  # (..., T, T)
+  itself = (tokens[:, None] == tokens[None, :]).reshape(lead + (T, T))
+  reach = (parents[..., :, None] == tokens.reshape(lead + (1, T))) | itself  # (..., T, T)
   for _ in range(max(T - 1, 0).bit_length()):
     r = reach.astype(jnp.int32)
     reach = reach | (jnp.matmul(r, r) > 0)

@@ -1,0 +1,196 @@
+"""`jattn.paged_attention` with ``new_token_mask``: a tree of draft tokens verified in one call.
+
+The definition the reference is written from: sequence b's n new tokens fill its cache slots
+kv_lengths[b] - n .. kv_lengths[b] - 1 in row order; new token i, whose root-to-i path in the
+tree is p_0, ..., p_d = i, gets exactly what decoding that path alone gives -- a contiguous
+cache of the prefix's keys followed by the path's keys, attended causally (and within the
+window, in positions) by the path's last token, at position prefix + d.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_paged import _check, pool
+
+import jattn
+from jattn import masks
+
+# Trees of 8 draft tokens, parents before children (-1: the root, after the cached prefix).
+TREES = (
+  [-1, 0, 0, 1, 1, 2, 3, 5],  # branching at the root's child and below
+  [-1, 0, 1, 0, 3, 0, 5, 6],  # three branches from the root
+  [-1, 0, 1, 2, 3, 4, 5, 6],  # a chain: plain causal verification
+)
+N, K, H, PS = 4, 2, 16, 4  # GQA: two query heads per key/value head
+
+
+def path(parents, i):
+  """Token i's root-to-i path, root first."""
+  out = [i]
+  while parents[out[-1]] >= 0:
+    out.append(parents[out[-1]])
+  return out[::-1]
+
+
+def path_reference(q, kp, vp, table, lens, trees, qs=None, *, window=None, sinks=None):
+  """Float64 output, padded (B, T, N, H) or ragged (total, N, H): each new token attends to the
+  prefix and its own path as a contiguous causal cache, as sequential decoding would."""
+  q, kp, vp = (np.asarray(x, np.float64) for x in (q, kp, vp))
+  table, G = np.asarray(table), N // K
+  rows = np.arange(len(trees) + 1) * q.shape[1] if qs is None else np.asarray(qs)
+  flat = q.reshape(-1, N, H)
+  out = np.zeros_like(flat)
+  for b, parents in enumerate(trees):
+    L, n = int(lens[b]), len(parents)
+    pages = range(-(-L // PS))
+    keys = np.concatenate([kp[table[b, p]] for p in pages])[:L]
+    vals = np.concatenate([vp[table[b, p]] for p in pages])[:L]
+    prefix = L - n
+    for i in range(n):
+      slots = list(range(prefix)) + [prefix + a for a in path(parents, i)]
+      pos = len(slots) - 1  # the path's last token: causal sees every slot listed
+      vis = np.ones(len(slots), bool)
+      if window is not None:
+        vis &= np.arange(len(slots)) >= pos - window
+      for h in range(N):
+        s = keys[slots][vis, h // G] @ flat[rows[b] + i, h] / np.sqrt(H)
+        logits = s if sinks is None else np.append(s, sinks[h])
+        w = np.exp(logits - logits.max())
+        out[rows[b] + i, h] = (w[: len(s)] / w.sum()) @ vals[slots][vis, h // G]
+  return out.reshape(q.shape)
+
+
+def padded_case(seed, prefixes, dtype=jnp.float32):
+  """Three sequences with the trees above after ``prefixes`` cached tokens, pages shuffled."""
+  T = len(TREES[0])
+  lens = np.array(prefixes) + T
+  kp, vp, table = pool(jax.random.key(seed), 64, PS, K, H, H, len(TREES), lens, dtype=dtype)
+  q = jax.random.normal(jax.random.key(seed + 1), (len(TREES), T, N, H)).astype(dtype)
+  return q, kp, vp, table, lens
+
+
+def call(q, kp, vp, table, lens, mask, window=None, sinks=None, **kw):
+  """paged_attention with a window of ``window`` positions back (None: none) and sinks."""
+  return jattn.paged_attention(
+    q,
+    kp,
+    vp,
+    table,
+    jnp.asarray(lens),
+    new_token_mask=mask,
+    local_window_size=None if window is None else (window, 0),
+    sinks=sinks,
+    **kw,
+  )
+
+
+SINKS = np.linspace(-1.0, 2.0, N)
+OPTIONS = [(None, None), (3, None), (5, SINKS)]  # (window, sinks)
+
+
+@pytest.mark.parametrize("window, sinks", OPTIONS, ids=["causal", "window3", "window5_sinks"])
+def test_padded_tree_equals_decoding_each_path(window, sinks):
+  q, kp, vp, table, lens = padded_case(0, [37, 5, 70])
+  mask = masks.tree_mask(np.array(TREES))
+  got = call(q, kp, vp, table, lens, mask, window, sinks)
+  want = path_reference(q, kp, vp, table, lens, TREES, window=window, sinks=sinks)
+  _check(got, want)
+
+
+# Ragged: trees of different sizes, one of 20 tokens (two interleaved branches, cut into two
+# tiles of 16 rows), a single decode token and a sequence with no new tokens.
+RAGGED = (
+  TREES[0][:5],
+  [-1, 0, 1, 1, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14, 17, 16],
+  [-1],
+  [],
+  TREES[1],
+)
+
+
+def ragged_mask(trees, T_max):
+  """(total, T_max): each sequence's tree_mask rows, columns padded to T_max."""
+  rows = [
+    np.pad(np.asarray(masks.tree_mask(np.array(t))), ((0, 0), (0, T_max - len(t))))
+    for t in trees
+    if t
+  ]
+  return np.concatenate(rows)
+
+
+def ragged_case(seed, prefixes, trees=RAGGED, dtype=jnp.float32):
+  counts = np.array([len(t) for t in trees])
+  lens = np.array(prefixes) + counts
+  qs = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+  kp, vp, table = pool(jax.random.key(seed), 96, PS, K, H, H, len(trees), lens, dtype=dtype)
+  q = jax.random.normal(jax.random.key(seed + 1), (int(qs[-1]), N, H)).astype(dtype)
+  return q, kp, vp, table, lens, qs
+
+
+@pytest.mark.parametrize("window, sinks", OPTIONS, ids=["causal", "window3", "window5_sinks"])
+def test_ragged_trees_equal_decoding_each_path(window, sinks):
+  q, kp, vp, table, lens, qs = ragged_case(2, [11, 40, 9, 6, 64])
+  mask = ragged_mask(RAGGED, 24)  # T_max above every sequence's count
+  got = call(q, kp, vp, table, lens, mask, window, sinks, query_start=qs)
+  want = path_reference(q, kp, vp, table, lens, RAGGED, qs, window=window, sinks=sinks)
+  _check(got, want)
+
+
+def test_traced_mask_under_jit_and_head_major_pages():
+  q, kp, vp, table, lens, qs = ragged_case(4, [11, 40, 9, 6, 64])
+  mask = jnp.asarray(ragged_mask(RAGGED, 20))
+  kh, vh = jnp.swapaxes(kp, 1, 2), jnp.swapaxes(vp, 1, 2)
+  f = jax.jit(
+    lambda q, m, qs: jattn.paged_attention(
+      q,
+      kh,
+      vh,
+      table,
+      jnp.asarray(lens),
+      query_start=qs,
+      new_token_mask=m,
+      local_window_size=(3, 0),
+      kv_layout="HND",
+    )
+  )
+  want = path_reference(q, kp, vp, table, lens, RAGGED, qs, window=3)
+  _check(f(q, mask, jnp.asarray(qs)), want)
+
+
+def test_bf16_within_a_few_roundings():
+  q, kp, vp, table, lens = padded_case(6, [37, 5, 70], jnp.bfloat16)
+  mask = masks.tree_mask(np.array(TREES))
+  got = call(q, kp, vp, table, lens, mask, 5, SINKS)
+  assert got.dtype == jnp.bfloat16
+  up = lambda x: x.astype(jnp.float32)
+  want = path_reference(up(q), up(kp), up(vp), table, lens, TREES, window=5, sinks=SINKS)
+  rounding = np.abs(np.asarray(jnp.asarray(want, jnp.bfloat16), np.float64) - want).max()
+  assert np.abs(np.asarray(got, np.float64) - want).max() <= 4 * rounding + 1e-6
+
+
+@pytest.mark.parametrize("ragged", [False, True], ids=["padded", "ragged"])
+def test_lower_triangular_mask_is_the_causal_call(ragged):
+  # Every new row sees the earlier ones: positions are the slots, as without a mask.
+  if ragged:
+    trees = [list(range(-1, n - 1)) for n in (5, 20, 1, 0, 8)]
+    q, kp, vp, table, lens, qs = ragged_case(8, [11, 40, 9, 6, 64], trees)
+    mask, kw = ragged_mask(trees, 20), dict(query_start=qs)
+  else:
+    q, kp, vp, table, lens = padded_case(8, [37, 5, 70])
+    mask, kw = np.broadcast_to(np.tril(np.ones((8, 8), bool)), (3, 8, 8)), {}
+  for window, sinks in OPTIONS:
+    got = call(q, kp, vp, table, lens, mask, window, sinks, **kw)
+    plain = call(q, kp, vp, table, lens, None, window, sinks, **kw)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(plain), rtol=1e-6, atol=1e-6)
+
+
+def test_tree_differs_from_the_plain_causal_call():
+  # The test above would pass with the mask ignored; a branching tree must not.
+  q, kp, vp, table, lens = padded_case(0, [37, 5, 70])
+  got = call(q, kp, vp, table, lens, masks.tree_mask(np.array(TREES)))
+  plain = call(q, kp, vp, table, lens, None)
+  assert np.abs(np.asarray(got - plain))[:2].max() > 1e-2
+  np.testing.assert_allclose(np.asarray(got[2]), np.asarray(plain[2]), rtol=1e-6, atol=1e-6)
