@@ -9,14 +9,17 @@ window, in positions) by the path's last token, at position prefix + d.
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.pallas import tpu as pltpu
 from test_paged import _check, pool
 
 import jattn
-from jattn import masks
+from jattn import _paged_gpu, masks
 
 # Trees of 8 draft tokens, parents before children (-1: the root, after the cached prefix).
 TREES = (
@@ -181,10 +184,9 @@ def test_lower_triangular_mask_is_the_causal_call(ragged):
   else:
     q, kp, vp, table, lens = padded_case(8, [37, 5, 70])
     mask, kw = np.broadcast_to(np.tril(np.ones((8, 8), bool)), (3, 8, 8)), {}
-  for window, sinks in OPTIONS:
-    got = call(q, kp, vp, table, lens, mask, window, sinks, **kw)
-    plain = call(q, kp, vp, table, lens, None, window, sinks, **kw)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(plain), rtol=1e-6, atol=1e-6)
+  got = call(q, kp, vp, table, lens, mask, 3, SINKS, **kw)
+  plain = call(q, kp, vp, table, lens, None, 3, SINKS, **kw)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(plain), rtol=1e-6, atol=1e-6)
 
 
 def test_tree_differs_from_the_plain_causal_call():
@@ -194,3 +196,97 @@ def test_tree_differs_from_the_plain_causal_call():
   plain = call(q, kp, vp, table, lens, None)
   assert np.abs(np.asarray(got - plain))[:2].max() > 1e-2
   np.testing.assert_allclose(np.asarray(got[2]), np.asarray(plain[2]), rtol=1e-6, atol=1e-6)
+
+
+def test_traced_fault_makes_only_its_sequence_nan():
+  # A row that hides itself, known only at run time: its sequence's rows are NaN, the rest exact.
+  q, kp, vp, table, lens = padded_case(0, [37, 5, 70])
+  mask = np.array(masks.tree_mask(np.array(TREES)))
+  mask[1, 4, 4] = False
+  f = jax.jit(lambda m: call(q, kp, vp, table, lens, m, 3))
+  got = np.asarray(f(jnp.asarray(mask)))
+  assert np.isnan(got[1]).all()
+  want = path_reference(q, kp, vp, table, lens, TREES, window=3)
+  _check(got[[0, 2]], want[[0, 2]])
+
+
+@pytest.mark.parametrize("kernel", ["tpu", "gpu"])
+def test_kernels_refuse_the_mask_and_none_falls_to_the_walk(kernel):
+  mode = {"tpu": pltpu.force_tpu_interpret_mode, "gpu": _paged_gpu.interpret_mode}[kernel]
+  q, kp, vp, table, lens = padded_case(0, [37, 5, 70])
+  mask = masks.tree_mask(np.array(TREES))
+  with mode():
+    got = call(q, kp, vp, table, lens, mask, 3)
+    with pytest.raises(NotImplementedError, match="cannot take new_token_mask"):
+      call(q, kp, vp, table, lens, mask, 3, implementation="pallas")
+  _check(got, path_reference(q, kp, vp, table, lens, TREES, window=3))
+
+
+def _bad_diagonal():
+  m = np.array(masks.tree_mask(np.array(TREES)))
+  m[2, 6, 6] = False
+  return m
+
+
+def _bad_ragged_diagonal():
+  m = ragged_mask(RAGGED, 20)
+  m[5 + 3, 3] = False  # sequence 1's row 3
+  return m
+
+
+@pytest.mark.parametrize(
+  "ragged, mask, error, words",
+  [
+    (False, np.ones((3, 8, 8), np.int32), TypeError, "new_token_mask must be a boolean array"),
+    (False, np.ones((3, 8, 7), bool), ValueError, "(B, T, T) = (3, 8, 8)"),
+    (False, np.ones((8, 8), bool), ValueError, "got shape (8, 8)"),
+    (True, np.ones((3, 8, 8), bool), ValueError, "(total, T_max) = (34, T_max)"),
+    (False, _bad_diagonal(), ValueError, "new_token_mask[2, 6, 6] is False"),
+    (True, _bad_ragged_diagonal(), ValueError, "new_token_mask[8, 3] is False"),
+    (True, np.ones((34, 19), bool), ValueError, "sequence 1 has 20 new rows"),
+  ],
+)
+def test_malformed_masks_name_the_argument(ragged, mask, error, words):
+  if ragged:
+    q, kp, vp, table, lens, qs = ragged_case(2, [11, 40, 9, 6, 64])
+    kw = dict(query_start=qs)
+  else:
+    q, kp, vp, table, lens = padded_case(0, [37, 5, 70])
+    kw = {}
+  with pytest.raises(error, match=re.escape(words)):
+    call(q, kp, vp, table, lens, mask, **kw)
+
+
+def test_tree_mask():
+  got = np.asarray(masks.tree_mask(np.array([[-1, 0, 0, 1], [-1, -1, 1, 2]])))
+  want = np.array(
+    [
+      [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]],
+      [[1, 0, 0, 0], [0, 1, 0, 0], [0, 1, 1, 0], [0, 1, 1, 1]],
+    ],
+    bool,
+  )
+  np.testing.assert_array_equal(got, want)
+  for parents in ([-1, 1], [-1, 0, 3], [-2, 0]):
+    with pytest.raises(ValueError, match="tree_mask: parents"):
+      masks.tree_mask(np.array(parents))
+  with pytest.raises(TypeError, match="tree_mask: parents"):
+    masks.tree_mask(np.array([-1.0, 0.0]))
+
+
+def test_without_causality_a_tree_mask_still_hides_other_branches():
+  # Cached keys all precede the new rows and a tree row sees only its ancestors: the same.
+  q, kp, vp, table, lens = padded_case(0, [37, 5, 70])
+  got = call(q, kp, vp, table, lens, masks.tree_mask(np.array(TREES)), is_causal=False)
+  _check(got, path_reference(q, kp, vp, table, lens, TREES))
+
+
+def test_checkify_names_the_sequence():
+  from jax.experimental import checkify
+
+  q, kp, vp, table, lens = padded_case(0, [37, 5, 70])
+  mask = np.array(masks.tree_mask(np.array(TREES)))
+  mask[1, 4, 4] = False
+  f = checkify.checkify(jax.jit(lambda m: call(q, kp, vp, table, lens, m, on_invalid="checkify")))
+  err, _ = f(jnp.asarray(mask))
+  assert "sequence 1's new_token_mask" in str(err.get())
