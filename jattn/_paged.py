@@ -16,7 +16,9 @@ their tile config (`_tile.Config`: scale and soft cap through `_tile.scale_cap_b
 positions mask's rule (`masks.visible_by_position`), the softmax algebra of `jattn._softmax`
 (start, update, lanes merged, sinks joined, normalised), all through `jattn._paged_fold`, which
 the Pallas kernels share. Causality, windows and the cache's fill level are measured in
-positions. Pages are token-major (NHD: (page_size, K, H)) or
+positions. A tree of draft tokens (``new_token_mask``, speculative decoding) places each new
+row and its key at prefix + depth, and the walk hides the new keys the mask hides (`_tree_rows`,
+`_tree_keys`); the Pallas kernels take no mask. Pages are token-major (NHD: (page_size, K, H)) or
 head-major (HND: (K, page_size, H)); a block reaches the matmuls as *pieces* of keys batched
 with the tile and the head (`_block`). On the CPU one lane walks the blocks; on GPU and TPU
 (chosen where the program is lowered) the blocks are dealt over up to `_plan.SPLIT_KV_LANES`
@@ -451,9 +453,11 @@ def _tiles(st: _Static, query_start, kv_lengths, bad, new_token_mask=None) -> _T
   pos = kv_lengths[seq][:, None] - counts[seq][:, None] + offset
   first_new = kv_lengths[seq] - counts[seq]
   tree = {}
-  if st.tree:
-    tree["sees"], tree["new_pos"] = _tree_rows(st, new_token_mask, qs[seq], counts[seq], first_new)
-    pos = jnp.take_along_axis(tree["new_pos"], jnp.clip(offset, 0, st.tree - 1), axis=1)
+  if st.tree:  # a tree's rows sit at prefix + depth, not at their slots
+    sees, new_pos = _tree_rows(st, new_token_mask, qs[seq], counts[seq], first_new)
+    at = jnp.clip(offset, 0, st.tree - 1)  # (M, tq): the tile rows among the sequence's
+    pos = jnp.take_along_axis(new_pos, at, axis=1)
+    tree = dict(sees=jnp.take_along_axis(sees, at[..., None], 1), new_pos=new_pos)
   lo, hi = _key_range(
     st, jnp.where(valid, pos, jnp.int32(2**30)), jnp.where(valid, pos, -1), kv_lengths[seq]
   )
@@ -463,7 +467,6 @@ def _tiles(st: _Static, query_start, kv_lengths, bad, new_token_mask=None) -> _T
     some = valid.any(axis=1)
     lo = jnp.where(some, jnp.minimum(lo, first_new), lo)
     hi = jnp.where(some, kv_lengths[seq], hi)
-    tree["sees"] = jnp.take_along_axis(tree["sees"], jnp.clip(offset, 0, st.tree - 1)[..., None], 1)
     tree["first_new"] = first_new
   return _Tiles(seq, rows, pos, lo, hi, **tree)
 
