@@ -16,7 +16,9 @@ their tile config (`_tile.Config`: scale and soft cap through `_tile.scale_cap_b
 positions mask's rule (`masks.visible_by_position`), the softmax algebra of `jattn._softmax`
 (start, update, lanes merged, sinks joined, normalised), all through `jattn._paged_fold`, which
 the Pallas kernels share. Causality, windows and the cache's fill level are measured in
-positions. Pages are token-major (NHD: (page_size, K, H)) or
+positions. A tree of draft tokens (``new_token_mask``, speculative decoding) places each new
+row and its key at prefix + depth, and the walk hides the new keys the mask hides (`_tree_rows`,
+`_tree_keys`); the Pallas kernels take no mask. Pages are token-major (NHD: (page_size, K, H)) or
 head-major (HND: (K, page_size, H)); a block reaches the matmuls as *pieces* of keys batched
 with the tile and the head (`_block`). On the CPU one lane walks the blocks; on GPU and TPU
 (chosen where the program is lowered) the blocks are dealt over up to `_plan.SPLIT_KV_LANES`
@@ -33,6 +35,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jattn import (
   _fused,
@@ -85,6 +88,9 @@ class _Static(NamedTuple):
   upcast: bool = False
   # One of IMPLEMENTATIONS (the kernel or the walk is chosen where the program is lowered).
   implementation: str | None = None
+  # new_token_mask's columns (T padded, T_max ragged): the most new rows a sequence may have
+  # and what a tree is planned for; 0 without a mask (positions as usual).
+  tree: int = 0
 
   @property
   def B(self) -> int:
@@ -144,6 +150,7 @@ class _Arrays(NamedTuple):
   pool: _pool.Pool
   query_start: Any
   sinks: Any
+  new_token_mask: Any = None
 
 
 class _Options(NamedTuple):
@@ -178,6 +185,7 @@ def paged_attention(
   on_invalid="nan",
   implementation=None,
   return_residual=False,
+  new_token_mask=None,
 ):
   """Attention of new tokens against a paged KV cache (forward only; see the module docstring).
 
@@ -220,6 +228,22 @@ def paged_attention(
       (the XLA walk everywhere) or "pallas" (the kernel; on a CPU only under Pallas's TPU
       interpret mode).
     return_residual: also return the log-sum-exp per query row and head, (B, T, N) / (total, N).
+    new_token_mask: bool, which of its sequence's new rows each new row sees: a tree of draft
+      tokens verified in one step (speculative decoding; `jattn.masks.tree_mask` builds it
+      from parent indices). Padded: (B, T, T), row i of sequence b sees its new row c iff
+      mask[b, i, c]. Ragged: (total, T_max), row r (sequence b's i-th new row) sees b's c-th new
+      row iff mask[r, c]; columns from b's count of rows on are ignored, and a sequence may
+      have at most T_max rows. Sequence b's n new tokens fill cache slots kv_lengths[b] - n ..
+      kv_lengths[b] - 1 in the order of its rows, but a new row's *position* is prefix + (the
+      new rows it sees) - 1, prefix = kv_lengths[b] - n: prefix + depth in a tree. New keys
+      sit at their rows' positions, cached keys (slots below the prefix) at their slots. A
+      row sees a cached key as causality and the window allow in these positions, and a new
+      key iff the mask says so and causality and the window allow it: each root-to-leaf path
+      is attended exactly as if decoded alone, token after token. Every row must see itself
+      (mask[b, i, i] / mask[r, i]): known values are checked (ValueError); traced ones break
+      the sequence's metadata like any other rule (``on_invalid``). With ``is_causal=False``
+      the mask still hides new keys and a window is still measured in these positions.
+      The Pallas kernels take no mask: implementation=None runs the XLA walk, "pallas" raises.
 
   Returns:
     (B, T, N, Hv) or (total, N, Hv) in the query's dtype; a sequence with no cached tokens, or a
@@ -236,6 +260,7 @@ def paged_attention(
       _pool.Pool(key_pages, value_pages, page_table, kv_lengths, k_scale, v_scale),
       query_start,
       sinks,
+      new_token_mask,
     ),
     _Options(scale, is_causal, local_window_size, logits_soft_cap, kv_layout, implementation),
   )
@@ -246,6 +271,8 @@ def paged_attention(
         jnp, _geometry(st, pool.key_pages), pool.page_table, pool.kv_lengths, arrays.query_start
       )
     )
+    if st.tree:
+      _checkify_tree(st, arrays)
   out, lse = _attend(st, arrays)
   return (out, lse) if return_residual else out
 
@@ -279,8 +306,10 @@ def _jitted(st: _Static, arrays: _Arrays):
     )
     != _page_metadata.OK
   )
+  if st.tree:
+    bad = bad | _tree_faults(jnp, st, arrays.new_token_mask, query_start)
   pool = pool._replace(kv_lengths=jnp.where(bad, 0, pool.kv_lengths.astype(jnp.int32)))
-  tiles = _tiles(st, query_start, pool.kv_lengths, bad)
+  tiles = _tiles(st, query_start, pool.kv_lengths, bad, arrays.new_token_mask)
   q = _gather_queries(st, arrays.query, tiles)  # (M, K, G * tq, H)
   m, l, acc = _plan.by_platform(_walks(st, q, tiles, pool))
   if sinks is not None:
@@ -313,7 +342,7 @@ def _walks(st: _Static, q, tiles: _Tiles, pool: _pool.Pool):
     ("tpu", _paged_tpu, None),
     ("cuda", _paged_gpu, _paged_gpu.supports(st)),
   ):
-    why = _no_grid(st) or why
+    why = _no_grid(st) or _no_tree(st) or why
     kernels[platform] = (
       why
       if why is not None
@@ -356,6 +385,16 @@ def _no_grid(st: _Static) -> str | None:
   return f"a symbolic number of sequences B={st.B}: a Pallas grid is planned from known sizes"
 
 
+def _no_tree(st: _Static) -> str | None:
+  """Why the Pallas kernels cannot take the call's new_token_mask, or None (no mask)."""
+  if not st.tree:
+    return None
+  return (
+    "new_token_mask (a tree of new tokens): the Pallas kernels see keys by position only; "
+    "implementation=None or 'chunked' runs the XLA walk, which takes it"
+  )
+
+
 def _geometry(st: _Static, key_pages) -> _page_metadata.Geometry:
   return _page_metadata.Geometry(key_pages.shape[0], st.page_size * st.sub, st.rows, st.ragged)
 
@@ -382,12 +421,16 @@ class _Tiles(NamedTuple):
   pos: Any  # (M, tq) the position of each tile row (meaningless where rows is -1)
   lo: Any  # (M,) the first key position the tile needs
   hi: Any  # (M,) one past the last
+  # With a new_token_mask (a tree; None without), C = its columns:
+  sees: Any = None  # (M, tq, C) which new rows of its sequence each tile row sees
+  new_pos: Any = None  # (M, C) the positions of its sequence's new keys (prefix + depth)
+  first_new: Any = None  # (M,) the slot of its sequence's first new key (the prefix)
 
 
-def _tiles(st: _Static, query_start, kv_lengths, bad) -> _Tiles:
+def _tiles(st: _Static, query_start, kv_lengths, bad, new_token_mask=None) -> _Tiles:
   """Cut each sequence's query rows into tiles of at most tq rows (at run time: the offsets are
   data). A padded query has query_start = (0, T, 2T, ...) and one tile per sequence; a faulty
-  sequence (``bad``) has none."""
+  sequence (``bad``) has none. With a new_token_mask, rows sit at their depths in the tree."""
   kv_lengths = kv_lengths.astype(jnp.int32)
   if query_start is None:
     query_start = jnp.arange(st.B + 1, dtype=jnp.int32) * st.rows
@@ -408,10 +451,38 @@ def _tiles(st: _Static, query_start, kv_lengths, bad) -> _Tiles:
   rows = jnp.where(valid, qs[seq][:, None] + offset, -1)
   # Bottom-right: the sequence's last query sits at its last cached position.
   pos = kv_lengths[seq][:, None] - counts[seq][:, None] + offset
+  first_new = kv_lengths[seq] - counts[seq]
+  tree = {}
+  if st.tree:  # a tree's rows sit at prefix + depth, not at their slots
+    sees, new_pos = _tree_rows(st, new_token_mask, qs[seq], counts[seq], first_new)
+    at = jnp.clip(offset, 0, st.tree - 1)  # (M, tq): the tile rows among the sequence's
+    pos = jnp.take_along_axis(new_pos, at, axis=1)
+    tree = dict(sees=jnp.take_along_axis(sees, at[..., None], 1), new_pos=new_pos)
   lo, hi = _key_range(
     st, jnp.where(valid, pos, jnp.int32(2**30)), jnp.where(valid, pos, -1), kv_lengths[seq]
   )
-  return _Tiles(seq, rows, pos, lo, hi)
+  if st.tree:
+    # A tree's new keys lie at slots past their positions (prefix + i, not prefix + depth): a
+    # tile with rows reads every one of them; the cached blocks are still cut by the window.
+    some = valid.any(axis=1)
+    lo = jnp.where(some, jnp.minimum(lo, first_new), lo)
+    hi = jnp.where(some, kv_lengths[seq], hi)
+    tree["first_new"] = first_new
+  return _Tiles(seq, rows, pos, lo, hi, **tree)
+
+
+def _tree_rows(st: _Static, new_token_mask, start, count, first_new):
+  """A tree's rows per tile, of the tile's sequence (``start`` its first row, ``count`` its new
+  rows and ``first_new`` its prefix, each (M,)): (sees (M, C, C), which of the sequence's new
+  rows each sees, columns past its count cleared; new_pos (M, C), each new row's position,
+  prefix + the rows it sees - 1)."""
+  C = st.tree
+  flat = new_token_mask.reshape(-1, C)  # (B * T | total, C)
+  a = jnp.arange(C, dtype=jnp.int32)
+  ok = a[None, :] < count[:, None]  # (M, C)
+  sees = jnp.take(flat, jnp.clip(start[:, None] + a[None, :], 0, flat.shape[0] - 1), axis=0)
+  sees = sees & ok[:, :, None] & ok[:, None, :]
+  return sees, first_new[:, None] + sees.sum(axis=-1, dtype=jnp.int32) - 1
 
 
 def _key_range(st: _Static, pos_min, pos_max, kv_len):
@@ -606,9 +677,12 @@ def _half(st: _Static, x, heads):
 
 def _visible(st: _Static, tiles: _Tiles, kv_len, j):
   """(M, 1, G * tq, bk) bool: which keys of block j each tile row sees, in positions."""
-  key = j * st.block + jnp.arange(st.block, dtype=jnp.int32)[None, None, :]  # (1, 1, bk)
+  slot = j * st.block + jnp.arange(st.block, dtype=jnp.int32)  # (bk,)
+  key, real = slot[None, None, :], (tiles.rows >= 0)[:, :, None]
+  if st.tree:
+    key, real = _tree_keys(st, tiles, slot, real)
   vis = _paged_fold.visible(
-    st, key, tiles.pos[:, :, None], (tiles.rows >= 0)[:, :, None], kv_len[:, None, None]
+    st, key, tiles.pos[:, :, None], real, kv_len[:, None, None], slot=slot[None, None, :]
   )  # (M, tq, bk)
   M = vis.shape[0]
   vis = jnp.broadcast_to(vis[:, None], (M, st.G, st.tq, st.block))
@@ -620,6 +694,20 @@ def _visible(st: _Static, tiles: _Tiles, kv_len, j):
 # --------------------------------------------------------------------------------------------
 
 
+def _tree_keys(st: _Static, tiles: _Tiles, slot, real):
+  """A tree's keys at cache slots ``slot`` (bk,): (their positions (M, 1, bk) -- a cached key's
+  is its slot, a new key's its row's depth position -- and ``real`` (M, tq, 1) narrowed to the
+  keys each tile row sees by the mask, (M, tq, bk); cached keys pass it)."""
+  c = slot[None, :] - tiles.first_new[:, None]  # (M, bk): the new row each slot holds
+  new = c >= 0
+  at = jnp.clip(c, 0, st.tree - 1)
+  key = jnp.where(new, jnp.take_along_axis(tiles.new_pos, at, axis=1), slot[None, :])
+  M = at.shape[0]
+  at = jnp.broadcast_to(at[:, None, :], (M, st.tq, st.block))
+  seen = jnp.take_along_axis(tiles.sees, at, axis=2) | ~new[:, None, :]
+  return key[:, None, :], real & seen
+
+
 def _check(given: _Arrays, opts: _Options) -> tuple[_Static, _Arrays]:
   """(_Static, arrays) of a call, every argument checked (errors name the argument; concrete
   metadata by its values too): first each array's kind, then the pool's and the metadata's
@@ -627,6 +715,7 @@ def _check(given: _Arrays, opts: _Options) -> tuple[_Static, _Arrays]:
   _check_choices(opts)
   metadata = (given.pool.page_table, given.pool.kv_lengths, given.query_start)  # NumPy stays
   # concrete under jit: kept as given for `check_concrete`
+  mask_given = given.new_token_mask
   given = _as_arrays(given)
   query, pool, ragged = given.query, given.pool, given.query_start is not None
   if query.ndim != (3 if ragged else 4):
@@ -662,6 +751,7 @@ def _check(given: _Arrays, opts: _Options) -> tuple[_Static, _Arrays]:
   if given.sinks is not None and given.sinks.shape != (N,):
     raise ValueError(f"sinks must be (N,) = ({N},), got shape {given.sinks.shape}")
   _page_metadata.check_concrete(_page_metadata.Geometry(P, page_size, rows, ragged), *metadata)
+  tree = _check_tree(given.new_token_mask, mask_given, metadata[2], (B, rows, ragged))
   # Ragged tiles hold at most 16 rows (a sequence's rows fill one tile, the rest pad it);
   # padded queries one tile per sequence of all T rows.
   tq = min(16, rows) if ragged else rows
@@ -693,6 +783,7 @@ def _check(given: _Arrays, opts: _Options) -> tuple[_Static, _Arrays]:
     dtype=query.dtype,
     causal=causal,
     window=window,
+    tree=tree,
   )
   st = st.with_block(_plan.PAGED_BLOCK_KV["default"])._replace(implementation=opts.implementation)
   if opts.implementation == "pallas" and _no_grid(st):
@@ -742,6 +833,100 @@ def _as_arrays(given: _Arrays) -> _Arrays:
     pool,
     _validation.int_array("query_start", given.query_start, optional=True),
     None if sinks is None else _validation.float_array("sinks", sinks),
+    None
+    if given.new_token_mask is None
+    else _validation.bool_array(
+      "new_token_mask", given.new_token_mask, "a boolean array (True: the row sees that new row)"
+    ),
+  )
+
+
+def _check_tree(mask, given, query_start, sizes) -> int:
+  """new_token_mask's columns C (0: none), its shape checked against the query's (``sizes``:
+  B, rows, ragged) and, where the mask (``given``, as passed) and the offsets are known now,
+  its values: every row sees itself, no sequence has more rows than C (ValueError)."""
+  if mask is None:
+    return 0
+  B, rows, ragged = sizes
+  if ragged:
+    if mask.ndim != 2 or mask.shape[0] != rows or mask.shape[1] < 1:
+      raise ValueError(
+        f"new_token_mask must be (total, T_max) = ({rows}, T_max) with a ragged query (row r "
+        f"sees its sequence's new row c iff mask[r, c]), got shape {mask.shape}"
+      )
+  elif mask.shape != (B, rows, rows):
+    raise ValueError(
+      f"new_token_mask must be (B, T, T) = ({B}, {rows}, {rows}) with a padded query (row i "
+      f"of sequence b sees its new row c iff mask[b, i, c]), got shape {mask.shape}"
+    )
+  C = mask.shape[-1]
+  known = (given, query_start)
+  if any(isinstance(x, jax.core.Tracer) for x in known):
+    return C  # traced: a fault makes the sequence's rows NaN (`_tree_faults`)
+  m = np.asarray(given)
+  qs = None if query_start is None else np.asarray(query_start)
+  bad = np.flatnonzero(_tree_faults(np, _Sizes(B, rows, ragged, C), m, qs))
+  if bad.size:
+    raise ValueError(_describe_tree_fault(int(bad[0]), m, qs))
+  return C
+
+
+class _Sizes(NamedTuple):
+  """What `_tree_faults` reads of a plan (a `_Static` has these too)."""
+
+  B: int
+  rows: int
+  ragged: bool
+  tree: int
+
+
+def _tree_faults(xp, st, mask, query_start):
+  """(B,) bool: the sequences whose new_token_mask breaks its rules: one of their rows hides
+  itself, or (ragged) they have more rows than the mask's C columns."""
+  if not st.ragged:
+    return ~xp.diagonal(mask, axis1=1, axis2=2).all(axis=1)
+  qs = query_start.astype(np.int32)
+  r = xp.arange(st.rows, dtype=np.int32)[:, None]
+  i = r - qs[None, :-1]  # (total, B): the row's index among sequence b's rows
+  mine = (i >= 0) & (r < qs[None, 1:])
+  itself = xp.take_along_axis(mask, xp.clip(i, 0, st.tree - 1), axis=1)
+  return (mine & ((i >= st.tree) | ~itself)).any(axis=0)
+
+
+def _describe_tree_fault(b: int, mask, qs) -> str:
+  """The message for sequence b's new_token_mask fault (NumPy values)."""
+  if qs is None:
+    i = int(np.flatnonzero(~np.diagonal(mask[b]))[0])
+    return (
+      f"new_token_mask[{b}, {i}, {i}] is False: every new row must see itself (row {i} of "
+      f"sequence {b}; its position is counted from the rows it sees)"
+    )
+  n, C = int(qs[b + 1] - qs[b]), mask.shape[1]
+  if n > C:
+    return (
+      f"sequence {b} has {n} new rows (query_start[{b}]={int(qs[b])}, query_start[{b + 1}]="
+      f"{int(qs[b + 1])}) but new_token_mask has T_max={C} columns, one per new row"
+    )
+  i = int(np.flatnonzero(~mask[qs[b] + np.arange(n), np.arange(n)])[0])
+  return (
+    f"new_token_mask[{int(qs[b]) + i}, {i}] is False: every new row must see itself (row "
+    f"{int(qs[b]) + i} is sequence {b}'s new row {i}; its position is counted from the rows it "
+    f"sees)"
+  )
+
+
+def _checkify_tree(st: _Static, arrays: _Arrays) -> None:
+  """Under `jax.experimental.checkify` (on_invalid="checkify"): an error naming the first
+  sequence whose new_token_mask breaks its rules."""
+  from jax.experimental import checkify
+
+  bad = _tree_faults(jnp, st, arrays.new_token_mask, arrays.query_start)
+  first = jnp.argmax(bad)
+  checkify.check(
+    ~bad.any(),
+    "paged_attention: sequence {b}'s new_token_mask hides one of its rows from itself, or "
+    "(ragged) the sequence has more new rows than the mask's columns",
+    b=first,
   )
 
 

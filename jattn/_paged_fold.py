@@ -15,10 +15,13 @@ import jax.numpy as jnp
 from jattn import _softmax, _tile, masks
 
 
-def visible(st, key, pos, real, kv_len):
+def visible(st, key, pos, real, kv_len, slot=None):
   """Which keys each row sees (broadcasting bool): ``key`` key positions, ``pos`` the rows'
-  positions, ``real`` whether a row holds a query, ``kv_len`` the sequence's cached tokens."""
-  return real & (key < kv_len) & masks.visible_by_position(pos, key, st.causal, st.window)
+  positions, ``real`` whether a row holds a query, ``kv_len`` the sequence's cached tokens;
+  ``slot`` the keys' places in the cache where they differ from their positions (a tree of new
+  tokens: their positions are depths, their slots follow each other)."""
+  cached = (key if slot is None else slot) < kv_len
+  return real & cached & masks.visible_by_position(pos, key, st.causal, st.window)
 
 
 def scores(st, s, ks, vis):

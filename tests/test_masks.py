@@ -339,6 +339,7 @@ PUBLIC = {
   "segments",
   "static_array",
   "take_part",
+  "tree_mask",
   "visible_by_position",
 }
 # What the single-file module imported for itself and so showed in dir() besides its modules (jax,
@@ -365,4 +366,5 @@ def test_public_names_are_unchanged():
     "local_window",
     "prefix_lm",
     "segments",
+    "tree_mask",
   ]

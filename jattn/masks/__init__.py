@@ -19,8 +19,9 @@ Shapes: B batch, T query length, S key length, N query heads.
 
 The package, by job: `_grid` (the block grid and the block states), `_protocol` (the `Mask` base
 class, `Cut`, the combinations), the kinds (`_structural`, `_per_example`, `_arrays`,
-`_function`), `_arguments` (the call's keywords as one mask) and `_placement` (a mask on a
-device's part). Names with a leading underscore are private to the package; the names below are
+`_function`), `_arguments` (the call's keywords as one mask), `_placement` (a mask on a
+device's part) and `_tree` (`tree_mask`: a draft tree as the boolean array that
+`jattn.paged_attention`'s ``new_token_mask`` takes, not a `Mask`). Names with a leading underscore are private to the package; the names below are
 what users and the rest of jattn call.
 """
 
@@ -52,6 +53,7 @@ from jattn.masks._structural import chunked_local as chunked_local
 from jattn.masks._structural import full as full
 from jattn.masks._structural import local_window as local_window
 from jattn.masks._structural import prefix_lm as prefix_lm
+from jattn.masks._tree import tree_mask as tree_mask
 
 __all__ = [
   "EMPTY",
@@ -69,6 +71,7 @@ __all__ = [
   "local_window",
   "prefix_lm",
   "segments",
+  "tree_mask",
 ]
 
 # CausalAlignment (Literal["top_left", "bottom_right"]) is re-exported from jattn._types.
