@@ -178,8 +178,6 @@ def run(cfg: dict, log=print) -> list[dict]:
   import jax.numpy as jnp
   import numpy as np
 
-  from jattn.bench.runner import settle
-
   B, N, K, H, T = cfg["batch"], cfg["heads"], cfg["kv_heads"], cfg["head_dim"], cfg["T"]
   fns = {name: jax.jit(f) for name, f in _functions().items()}
   rows = []
@@ -212,14 +210,7 @@ def run(cfg: dict, log=print) -> list[dict]:
         compile_s[name] = time.perf_counter() - start
         for _ in range(cfg["warmup"]):
           jax.block_until_ready(f(*args))
-      times: dict[str, list[float]] = {name: [] for name in fns}
-      for _ in range(cfg["repeats"]):
-        for name, f in fns.items():
-          settle()
-          start = time.perf_counter()
-          jax.block_until_ready(f(*args))
-          times[name].append(time.perf_counter() - start)
-      ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+      ms = interleaved_ms({name: functools.partial(f, *args) for name, f in fns.items()}, cfg)
       want = np.asarray(outs["jattn-dense"], np.float32)
       row = dict(
         base,
@@ -236,6 +227,24 @@ def run(cfg: dict, log=print) -> list[dict]:
       rows.append(row)
       log(f"{dtype} S={S}: " + ", ".join(f"{n} {t:.1f} ms" for n, t in ms.items()))
   return rows
+
+
+def interleaved_ms(calls: dict, cfg: dict) -> dict:
+  """{name: median milliseconds} of ``calls`` (name -> a function of nothing), run in turn
+  ``cfg["repeats"]`` times after the caller's warm-up, each after the machine settles: a noisy
+  shared machine slows every call of a round alike, so the ratios hold."""
+  import jax
+
+  from jattn.bench.runner import settle
+
+  times: dict[Any, list[float]] = {name: [] for name in calls}
+  for _ in range(cfg["repeats"]):
+    for name, f in calls.items():
+      settle()
+      start = time.perf_counter()
+      jax.block_until_ready(f())
+      times[name].append(time.perf_counter() - start)
+  return {name: statistics.median(t) * 1e3 for name, t in times.items()}
 
 
 def _pool(key, B, S, K, H, page_size, dtype):
@@ -289,7 +298,6 @@ def run_paged(cfg: dict, log=print) -> list[dict]:
   import numpy as np
 
   import jattn
-  from jattn.bench.runner import settle
 
   B, N, K, H, T = cfg["batch"], cfg["heads"], cfg["kv_heads"], cfg["head_dim"], cfg["T"]
   # implementation=None, and on an accelerator also the XLA walk beside the kernel it picks (on
@@ -365,14 +373,7 @@ def run_paged(cfg: dict, log=print) -> list[dict]:
         for _ in range(cfg["warmup"] + 1):
           for f in calls.values():
             jax.block_until_ready(f())
-        times: dict[tuple[str, str | None] | str, list[float]] = {name: [] for name in calls}
-        for _ in range(cfg["repeats"]):
-          for name, f in calls.items():
-            settle()
-            start = time.perf_counter()
-            jax.block_until_ready(f())
-            times[name].append(time.perf_counter() - start)
-        ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+        ms = interleaved_ms(calls, cfg)
         floor = min(ms["floor-sum"], ms["floor-max"])
         want = np.asarray(contiguous(q.astype(jnp.float32), kc, vc, lens))
         for (layout, impl), out in outs.items():
@@ -480,7 +481,6 @@ def run_shared_prefix(cfg: dict, log=print) -> list[dict]:
   import numpy as np
 
   import jattn
-  from jattn.bench.runner import settle
 
   N, K, H, T = cfg["heads"], cfg["kv_heads"], cfg["head_dim"], cfg["T"]
   R, prefix, own = cfg["shared_requests"], cfg["shared_prefix"], cfg["shared_own"]
@@ -504,14 +504,7 @@ def run_shared_prefix(cfg: dict, log=print) -> list[dict]:
     for _ in range(cfg["warmup"]):
       for f in calls.values():
         jax.block_until_ready(f())
-    times: dict[str, list[float]] = {name: [] for name in calls}
-    for _ in range(cfg["repeats"]):
-      for name, f in calls.items():
-        settle()
-        start = time.perf_counter()
-        jax.block_until_ready(f())
-        times[name].append(time.perf_counter() - start)
-    ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+    ms = interleaved_ms(calls, cfg)
     token_mib = 2 * K * H * 4 / 2**20  # one token's keys and values, float32
     rows.append(
       dict(
