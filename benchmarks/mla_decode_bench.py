@@ -58,13 +58,6 @@ def step(q, kp, vp, table, lens, value_head_dim):
   return jattn.paged_attention(q, kp, vp, table, lens, value_head_dim=value_head_dim)
 
 
-@jax.jit
-def floor(kp, vp):
-  """The pools read once, two ways; the faster is the floor."""
-  pages = (kp,) if vp is None else (kp, vp)
-  return tuple(f(x) for x in pages for f in (_floor_sum, _floor_max))
-
-
 def timed(f, repeats):
   """Median milliseconds of f() after a warm-up, each run started on an idle process."""
   jax.block_until_ready(f())
@@ -108,7 +101,6 @@ def main(argv=None) -> int:
         f"| {name} | {dtype} | {nbytes / 2**20:.0f} | {ms:.1f} | {fl:.2f} | {ms / fl:.1f}x | "
         f"{nbytes / fl / 1e6:.1f} |"
       )
-      del kp, vp
   return 0
 
 
