@@ -21,6 +21,8 @@ head-major (HND: (K, page_size, H)); a block reaches the matmuls as *pieces* of 
 with the tile and the head (`_block`). On the CPU one lane walks the blocks; on GPU and TPU
 (chosen where the program is lowered) the blocks are dealt over up to `_plan.SPLIT_KV_LANES`
 lanes side by side and merged by log-sum-exp (split-KV). Block sizes: `_plan.PAGED_BLOCK_KV`.
+Absorbed MLA (``value_pages=None, value_head_dim=Hv``) has no value pool: each block's values
+are its gathered keys' first Hv features (`_latent_values`), so the latent pool is read once.
 
 Shapes: B sequences, T new tokens each (or ``total`` ragged rows), N query heads, K key/value
 heads, G = N // K, H query/key head size, Hv value head size, P pages of ``page_size`` tokens.

@@ -143,7 +143,8 @@ def check_layout(key_pages, value_pages, kv_layout, page_size, num_kv_heads):
     raise ValueError(
       "key_pages and value_pages are the same array: a pool holding keys and "
       "values together, heads interleaved (vLLM's TPU cache), is "
-      "kv_layout='combined' with value_pages=None"
+      "kv_layout='combined' with value_pages=None; one whose keys' first Hv features are "
+      "the values (absorbed MLA's latent pool) is value_pages=None with value_head_dim=Hv"
     )
   heads = 2 if kv_layout == "combined" else 1  # a combined pool holds K key and K value heads
   for name, want, axis in (

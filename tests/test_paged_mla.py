@@ -241,3 +241,9 @@ def test_pallas_kernels_refuse_with_the_reason_and_none_falls_back():
       with pytest.raises(NotImplementedError, match="absorbed MLA"):
         absorbed(q, latent, table, lens, implementation="pallas")
       close(absorbed(q, latent, table, lens), want, 0)
+
+
+def test_the_same_pool_as_keys_and_values_points_to_value_head_dim():
+  q, latent, table, lens = _args()
+  with pytest.raises(ValueError, match="value_pages=None with value_head_dim=Hv"):
+    jattn.paged_attention(q, latent, latent, table, lens)
