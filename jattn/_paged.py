@@ -23,6 +23,8 @@ head-major (HND: (K, page_size, H)); a block reaches the matmuls as *pieces* of 
 with the tile and the head (`_block`). On the CPU one lane walks the blocks; on GPU and TPU
 (chosen where the program is lowered) the blocks are dealt over up to `_plan.SPLIT_KV_LANES`
 lanes side by side and merged by log-sum-exp (split-KV). Block sizes: `_plan.PAGED_BLOCK_KV`.
+Absorbed MLA (``value_pages=None, value_head_dim=Hv``) has no value pool: each block's values
+are its gathered keys' first Hv features (`_latent_values`), so the latent pool is read once.
 
 Shapes: B sequences, T new tokens each (or ``total`` ragged rows), N query heads, K key/value
 heads, G = N // K, H query/key head size, Hv value head size, P pages of ``page_size`` tokens.
@@ -91,6 +93,8 @@ class _Static(NamedTuple):
   # new_token_mask's columns (T padded, T_max ragged): the most new rows a sequence may have
   # and what a tree is planned for; 0 without a mask (positions as usual).
   tree: int = 0
+  # Absorbed MLA: no value pool, the values are the keys' first Hv features (read with them).
+  latent: bool = False
 
   @property
   def B(self) -> int:
@@ -180,6 +184,7 @@ def paged_attention(
   k_scale=None,
   v_scale=None,
   kv_layout="NHD",
+  value_head_dim=None,
   page_size=None,
   num_kv_heads=None,
   on_invalid="nan",
@@ -194,7 +199,8 @@ def paged_attention(
       kv_lengths[b] - T + t -- or, with ``query_start``, ragged (total, N, H).
     key_pages: (P, page_size, K, H) pool of key pages (``kv_layout="HND"``: (P, K, page_size,
       H)): float (the query's dtype), or int8 / float8_e4m3fn / float8_e5m2 with ``k_scale``.
-    value_pages: (P, page_size, K, Hv) (HND: (P, K, page_size, Hv)), likewise with ``v_scale``.
+    value_pages: (P, page_size, K, Hv) (HND: (P, K, page_size, Hv)), likewise with ``v_scale``;
+      or None with ``value_head_dim`` (absorbed MLA, below).
     page_table: int (B, max_pages): sequence b's pages in order, each in [0, P); entries past
       its last page are ignored (any value, including out of range).
     kv_lengths: int (B,): the valid cached tokens of each sequence, the new ones included, in
@@ -216,6 +222,12 @@ def paged_attention(
       pages, FlashInfer's other layout: each head's keys of a page contiguous; faster on the
       CPU, see docs/benchmarks.md) or "combined" (one pool (P, page_size, 2K, H), key head k
       at 2k and its values at 2k + 1, as vLLM's TPU cache; ``value_pages=None``).
+    value_head_dim: Hv with ``value_pages=None``: absorbed MLA (DeepSeek), one *latent* pool
+      whose keys are also the values, these being their first Hv features (the compressed
+      latent c of a key [c, k_rope]; H = Hc + Hr, Hv = Hc). The pool is read once per block;
+      quantised latent pages take ``k_scale`` only (the values share it: ``v_scale`` must be
+      None). With ``value_pages`` given it only cross-checks their last size. Not with
+      ``kv_layout="combined"`` (a pool of interleaved key and value heads).
     page_size, num_kv_heads: optional cross-checks of the pools' shapes under ``kv_layout``
       (a token-major pool read as head-major has the right rank and may have fitting sizes).
     on_invalid: what a sequence whose metadata breaks the rules above gets when the metadata
@@ -250,6 +262,7 @@ def paged_attention(
     query that sees none, gives zeros.
   """
   _pool.check_layout(key_pages, value_pages, kv_layout, page_size, num_kv_heads)
+  latent = _pool.check_value_head_dim(key_pages, value_pages, kv_layout, value_head_dim, v_scale)
   if on_invalid not in _page_metadata.ON_INVALID:
     raise ValueError(
       f"on_invalid must be one of {_page_metadata.ON_INVALID}, got on_invalid={on_invalid!r}"
@@ -263,6 +276,7 @@ def paged_attention(
       new_token_mask,
     ),
     _Options(scale, is_causal, local_window_size, logits_soft_cap, kv_layout, implementation),
+    value_head_dim if latent else None,
   )
   if on_invalid == "checkify":
     pool = arrays.pool
@@ -342,7 +356,7 @@ def _walks(st: _Static, q, tiles: _Tiles, pool: _pool.Pool):
     ("tpu", _paged_tpu, None),
     ("cuda", _paged_gpu, _paged_gpu.supports(st)),
   ):
-    why = _no_grid(st) or _no_tree(st) or why
+    why = _no_grid(st) or _no_tree(st) or _no_latent(st) or why
     kernels[platform] = (
       why
       if why is not None
@@ -376,6 +390,16 @@ def _walks(st: _Static, q, tiles: _Tiles, pool: _pool.Pool):
       for p, k in kernels.items()
     }
   return dict(run, **{p: k for p, k in kernels.items() if not isinstance(k, str)})
+
+
+def _no_latent(st: _Static) -> str | None:
+  """Why the Pallas kernels cannot take an absorbed-MLA call (they read a value pool), or None."""
+  if not st.latent:
+    return None
+  return (
+    f"absorbed MLA (value_pages=None, value_head_dim={st.Hv}): the Pallas kernels read a "
+    "separate value pool; the XLA walk reads the latent pool once"
+  )
 
 
 def _no_grid(st: _Static) -> str | None:
@@ -583,7 +607,10 @@ def _block(st: _Static, q, tiles: _Tiles, needed, kv_len, pool: _pool.Pool, j, c
   # of garbage, past a sequence's last token, must not leak).
   M, c = q.shape[0], st.pieces
   keep = vis.any(axis=(1, 2)).reshape(M, c, 1, st.block // c, 1)
-  v, vs = _read(st, pool.value_pages, ids, pool.v_scale, st.v_scale, q.dtype, keep, heads=1)
+  if st.latent:
+    v, vs = _latent_values(st, k, ks, keep)
+  else:
+    v, vs = _read(st, pool.value_pages, ids, pool.v_scale, st.v_scale, q.dtype, keep, heads=1)
   qp = jnp.broadcast_to(q[:, None].astype(k.dtype), (M, c) + q.shape[1:])
   s = jnp.einsum("mckxh,mckrh->mckrx", k, qp, preferred_element_type=jnp.float32)
   # (M, c, K, R, bk / c): the softmax runs on the pieces as they come
@@ -595,6 +622,16 @@ def _block(st: _Static, q, tiles: _Tiles, needed, kv_len, pool: _pool.Pool, j, c
   pv = jnp.einsum("mckrx,mckxh->mckrh", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
   pv = _softmax.ordered_sum(pv, 1)
   return m_new, l, acc * corr[..., None] + pv
+
+
+def _latent_values(st: _Static, k, ks, keep):
+  """Absorbed MLA's values and their scale from the block's keys (M, c, K, bk / c, H) as read:
+  their first Hv features and the keys' scale (no second gather of the pages), hidden keys'
+  values and per-token scales zeroed as `_read` zeroes a value pool's."""
+  v = jnp.where(keep, k[..., : st.Hv], jnp.zeros((), k.dtype))
+  if ks is not None and st.k_scale == "token":
+    ks = jnp.where(jnp.swapaxes(keep, -1, -2), ks, jnp.zeros((), ks.dtype))
+  return v, ks
 
 
 def _pieces(st: _Static, x):
@@ -708,10 +745,11 @@ def _tree_keys(st: _Static, tiles: _Tiles, slot, real):
   return key[:, None, :], real & seen
 
 
-def _check(given: _Arrays, opts: _Options) -> tuple[_Static, _Arrays]:
+def _check(given: _Arrays, opts: _Options, latent_dim=None) -> tuple[_Static, _Arrays]:
   """(_Static, arrays) of a call, every argument checked (errors name the argument; concrete
   metadata by its values too): first each array's kind, then the pool's and the metadata's
-  shapes against each other, then concrete metadata's values."""
+  shapes against each other, then concrete metadata's values. ``latent_dim``: Hv of absorbed
+  MLA (value_pages None, already checked by `_pool.check_value_head_dim`), or None."""
   _check_choices(opts)
   metadata = (given.pool.page_table, given.pool.kv_lengths, given.query_start)  # NumPy stays
   # concrete under jit: kept as given for `check_concrete`
@@ -723,21 +761,9 @@ def _check(given: _Arrays, opts: _Options) -> tuple[_Static, _Arrays]:
       f"query must be {'(total, N, H) with query_start' if ragged else '(B, T, N, H)'}, got "
       f"query.shape={query.shape}"
     )
-  key_pages, value_pages, (P, page_size, K, H) = _pool.checked_pools(
-    pool.key_pages, pool.value_pages, opts.kv_layout
-  )
+  latent = latent_dim is not None
+  key_pages, value_pages, (P, page_size, K, H), kinds = _check_pool(query, pool, opts, latent_dim)
   N = query.shape[-2]
-  if query.shape[-1] != H:
-    raise ValueError(f"query's head size must be key_pages' H={H}: query.shape={query.shape}")
-  if N % K:
-    raise ValueError(f"the query heads N={N} must be a multiple of the key/value heads K={K}")
-  kinds = tuple(
-    _pool.scale_kind(name, sc, pages, query.dtype, _pool.DIMS[opts.kv_layout], K)
-    for name, sc, pages in (
-      ("k_scale", pool.k_scale, key_pages),
-      ("v_scale", pool.v_scale, value_pages),
-    )
-  )
   B, max_pages = _page_metadata.check_shapes(
     pool.page_table, pool.kv_lengths, given.query_start, None if ragged else query.shape[0]
   )
@@ -769,7 +795,7 @@ def _check(given: _Arrays, opts: _Options) -> tuple[_Static, _Arrays]:
   )
   st = _Static(
     cfg=cfg,
-    Hv=value_pages.shape[-1],
+    Hv=latent_dim if latent else value_pages.shape[-1],
     page_size=page_size,
     layout=opts.kv_layout,
     pages_per_block=1,
@@ -784,11 +810,40 @@ def _check(given: _Arrays, opts: _Options) -> tuple[_Static, _Arrays]:
     causal=causal,
     window=window,
     tree=tree,
+    latent=latent,
   )
   st = st.with_block(_plan.PAGED_BLOCK_KV["default"])._replace(implementation=opts.implementation)
   if opts.implementation == "pallas" and _no_grid(st):
     raise NotImplementedError(f"implementation='pallas' cannot take {_no_grid(st)}")
+  value_pages = None if latent else value_pages
   return st, given._replace(pool=pool._replace(key_pages=key_pages, value_pages=value_pages))
+
+
+def _check_pool(query, pool: _pool.Pool, opts: _Options, latent_dim):
+  """The pools against the query: (key_pages, value_pages, (P, page_size, K, H), the scales'
+  kinds); absorbed MLA's latent pool (``latent_dim`` its Hv) is checked as keys and values."""
+  latent = latent_dim is not None  # the latent pool is checked as keys and values both
+  key_pages, value_pages, (P, page_size, K, H) = _pool.checked_pools(
+    pool.key_pages, pool.key_pages if latent else pool.value_pages, opts.kv_layout
+  )
+  if latent and latent_dim > H:
+    raise ValueError(
+      f"value_head_dim={latent_dim} must be in 1 .. H={H} (the values are the first "
+      f"value_head_dim features of the latent pool), key_pages.shape={key_pages.shape}"
+    )
+  N = query.shape[-2]
+  if query.shape[-1] != H:
+    raise ValueError(f"query's head size must be key_pages' H={H}: query.shape={query.shape}")
+  if N % K:
+    raise ValueError(f"the query heads N={N} must be a multiple of the key/value heads K={K}")
+  kinds = tuple(
+    _pool.scale_kind(name, sc, pages, query.dtype, _pool.DIMS[opts.kv_layout], K)
+    for name, sc, pages in (
+      ("k_scale", pool.k_scale, key_pages),
+      ("v_scale", pool.v_scale, value_pages),
+    )[: 1 if latent else 2]
+  ) + ((None,) if latent else ())
+  return key_pages, value_pages, (P, page_size, K, H), kinds
 
 
 def _check_choices(opts: _Options) -> None:

@@ -197,7 +197,8 @@ def check_layout(key_pages, value_pages, kv_layout, page_size, num_kv_heads):
     raise ValueError(
       "key_pages and value_pages are the same array: a pool holding keys and "
       "values together, heads interleaved (vLLM's TPU cache), is "
-      "kv_layout='combined' with value_pages=None"
+      "kv_layout='combined' with value_pages=None; one whose keys' first Hv features are "
+      "the values (absorbed MLA's latent pool) is value_pages=None with value_head_dim=Hv"
     )
   heads = 2 if kv_layout == "combined" else 1  # a combined pool holds K key and K value heads
   for name, want, axis in (
@@ -212,6 +213,44 @@ def check_layout(key_pages, value_pages, kv_layout, page_size, num_kv_heads):
         f"for 'NHD', (P, K, page_size, H) for 'HND'): is the pool in the other "
         f"layout?"
       )
+
+
+def check_value_head_dim(key_pages, value_pages, kv_layout, value_head_dim, v_scale) -> bool:
+  """Whether a call is absorbed MLA (value_pages None, values the latent pool's first
+  ``value_head_dim`` features), ``value_head_dim`` checked against the other arguments (its
+  upper bound, the pool's H, where the pool is checked)."""
+  if value_head_dim is None:
+    if value_pages is None and kv_layout != "combined":
+      raise TypeError(
+        "value_pages must be an array of pages, got None (absorbed MLA, a latent pool whose "
+        "first Hv features are the values, takes value_pages=None with value_head_dim=Hv; a "
+        "pool of interleaved key and value heads is kv_layout='combined')"
+      )
+    return False
+  if isinstance(value_head_dim, bool) or not hasattr(value_head_dim, "__index__"):
+    raise TypeError(f"value_head_dim must be an int (Hv), got {value_head_dim!r}")
+  if kv_layout == "combined":
+    raise ValueError(
+      "value_head_dim is for absorbed MLA (value_pages=None, one latent pool whose first Hv "
+      "features are the values); kv_layout='combined' interleaves key and value heads of "
+      "equal size: pass value_head_dim=None"
+    )
+  if value_head_dim <= 0:
+    raise ValueError(f"value_head_dim must be in 1 .. H, got value_head_dim={value_head_dim}")
+  if value_pages is not None:  # a cross-check of a value pool's last size, no MLA
+    shape = getattr(value_pages, "shape", ())
+    if shape and shape[-1] != value_head_dim:
+      raise ValueError(
+        f"value_head_dim={value_head_dim} but value_pages.shape={tuple(shape)} has Hv="
+        f"{shape[-1]}; for absorbed MLA (values inside the latent pool) pass value_pages=None"
+      )
+    return False
+  if v_scale is not None:
+    raise ValueError(
+      "v_scale must be None with value_pages=None (absorbed MLA): the values are the latent "
+      "pool's first value_head_dim features and share its k_scale"
+    )
+  return True
 
 
 def checked_pages(name, x, dims):
