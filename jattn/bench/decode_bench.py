@@ -654,7 +654,8 @@ def main(argv=None) -> int:
   paged = run_paged(cfg, log) if cfg["page_sizes"] and not a.shared_prefix_only else []
   shared = run_shared_prefix(cfg, log) if cfg["shared_prefix"] and not a.paged_only else []
   print(
-    f"<!-- jattn-bench decode: B={cfg['batch']} N={cfg['heads']} K={cfg['kv_heads']} "
+    f"<!-- jattn-bench decode: B={cfg['batch']} (the shared-prefix rows: their requests) "
+    f"N={cfg['heads']} K={cfg['kv_heads']} "
     f"H={cfg['head_dim']} T={cfg['T']}, medians of {cfg['repeats']} interleaved rounds -->"
   )
   if rows:
