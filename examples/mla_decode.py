@@ -10,8 +10,8 @@ the weighted sum of c is up-projected once per head. That is
 ``jattn.paged_attention(q, latent_pages, None, ..., value_head_dim=Hc)``: one pool
 (P, page_size, 1, Hc + Hr), read once per step, its first Hc features the values.
 
-A tiny random one-layer model prefills B prompts of different lengths (one ragged call), then
-decodes greedily, one token per sequence per step, writing each token's latent into its page
+A tiny random one-layer model (``LatentAttention``, a Flax nnx module whose cache is the latent
+pool) prefills B prompts of different lengths (one ragged call), then decodes greedily, one token per sequence per step, writing each token's latent into its page
 (``jattn.write_pages`` with ``value_pages=None``: a pool of keys only). At every step the logits
 are compared with an uncached float64 NumPy forward of the non-absorbed model (per-head keys and
 values up-projected, plain softmax attention) over the sequence so far; the run returns 1 if
@@ -27,14 +27,17 @@ from __future__ import annotations
 
 import argparse
 
-import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 import jattn
 
 V, D, N, HC, HR, HN, HV = 64, 48, 8, 32, 8, 16, 16
 H = HC + HR  # the latent's (and absorbed query's) size
+
+
+WEIGHTS = ("embed", "w_dkv", "w_kr", "w_qn", "w_qr", "w_uk", "w_uv", "w_o")
 
 
 def init(rng):
@@ -110,35 +113,47 @@ def uncached_logits(w, tokens):
   return (x + np.einsum("qnh,nhd->qd", o, w["w_o"])) @ w["embed"].T
 
 
-@jax.jit
-def prefill(w, pool, table, tokens, qs, pos):
-  """Ragged prompts (total,) (sequence b's rows qs[b] .. qs[b + 1] - 1) at positions ``pos``: their latents written,
-  then one ragged absorbed call; (pool, each sequence's last logits (B, V))."""
-  x, latent, q_nope, q_rope = project(w, tokens, pos.astype(jnp.float32))
-  lens = qs[1:] - qs[:-1]
-  # A pool of keys only (value_pages=None, value=None): each token's one latent, K = 1.
-  pool = jattn.write_pages(pool, None, table, lens, latent[:, None], None, query_start=qs)[0]
-  out = jattn.paged_attention(
-    absorbed_query(w, q_nope, q_rope),
-    pool,
-    None,
-    table,
-    lens,
-    query_start=qs,
-    scale=SCALE,
-    value_head_dim=HC,
-  )  # (total, N, Hc)
-  return pool, head_out(w, x, out)[qs[1:] - 1]
+class LatentAttention(nnx.Module):
+  """An absorbed-MLA model layer that caches the latent: its weights (``nnx.Param``) and a
+  paged latent cache (``nnx.Cache``): the pool (P, page_size, 1, Hc + Hr), the page table
+  (B, max_pages) and each sequence's cached tokens (B,)."""
+
+  def __init__(self, w, table, page_size: int):
+    for name, x in w.items():
+      setattr(self, name, nnx.Param(x))
+    pages = int(np.asarray(table).max()) + 1
+    self.pool = nnx.Cache(jnp.zeros((pages, page_size, 1, H), jnp.float32))
+    self.table = nnx.Cache(jnp.asarray(table, jnp.int32))
+    self.lens = nnx.Cache(jnp.zeros((table.shape[0],), jnp.int32))
+
+  def __call__(self, tokens, positions, query_start):
+    """Ragged rows (tokens (R,) at ``positions`` (R,); sequence b's rows query_start[b] ..
+    query_start[b + 1] - 1): their latents written into the cache, one absorbed call; logits
+    (R, V). Prefill chunks and decode tokens alike."""
+    w = {name: getattr(self, name)[...] for name in WEIGHTS}
+    x, latent, q_nope, q_rope = project(w, tokens, positions.astype(jnp.float32))
+    lens = self.lens[...] + (query_start[1:] - query_start[:-1])
+    # A pool of keys only (value_pages=None, value=None): each token's one latent, K = 1.
+    pool, *_ = jattn.write_pages(
+      self.pool[...], None, self.table[...], lens, latent[:, None], None, query_start=query_start
+    )
+    out = jattn.paged_attention(
+      absorbed_query(w, q_nope, q_rope),
+      pool,
+      None,
+      self.table[...],
+      lens,
+      query_start=query_start,
+      scale=SCALE,
+      value_head_dim=HC,
+    )  # (R, N, Hc)
+    self.pool[...], self.lens[...] = pool, lens
+    return head_out(w, x, out)
 
 
-@jax.jit
-def decode(w, pool, table, token, lens):
-  """One token per sequence (B,) at positions lens (its cache before the step): (pool, (B, V))."""
-  x, latent, q_nope, q_rope = project(w, token[:, None], lens[:, None].astype(jnp.float32))
-  pool = jattn.write_pages(pool, None, table, lens + 1, latent[:, :, None], None)[0]
-  q = absorbed_query(w, q_nope, q_rope)  # (B, 1, N, Hc + Hr)
-  out = jattn.paged_attention(q, pool, None, table, lens + 1, scale=SCALE, value_head_dim=HC)
-  return pool, head_out(w, x, out)[:, 0]
+@nnx.jit
+def step(model, tokens, positions, query_start):
+  return model(tokens, positions, query_start)
 
 
 def main(argv=None) -> int:
@@ -152,18 +167,18 @@ def main(argv=None) -> int:
   prompts = [rng.integers(0, V, n) for n in (5, 11, 1)]
   B, ps = len(prompts), a.page_size
   pages = -(-(max(map(len, prompts)) + a.steps) // ps)
-  table = jnp.asarray(rng.permutation(B * pages).reshape(B, pages), jnp.int32)
-  pool = jnp.zeros((B * pages, ps, 1, H), jnp.float32)  # the latent cache, K = 1
+  model = LatentAttention(w, rng.permutation(B * pages).reshape(B, pages), ps)
   qs = jnp.asarray(np.cumsum([0] + [len(t) for t in prompts]), jnp.int32)
-  pos = jnp.asarray(np.concatenate([np.arange(len(t)) for t in prompts]))
-  pool, logits = prefill(w, pool, table, jnp.asarray(np.concatenate(prompts)), qs, pos)
+  pos = jnp.asarray(np.concatenate([np.arange(len(t)) for t in prompts]), jnp.int32)
+  logits = step(model, jnp.asarray(np.concatenate(prompts), jnp.int32), pos, qs)[qs[1:] - 1]
   seqs, lens, steps = [list(t) for t in prompts], np.array([len(t) for t in prompts]), []
+  one_each = jnp.arange(B + 1, dtype=jnp.int32)  # decoding: one row per sequence
   for _ in range(a.steps):
     token = jnp.argmax(logits, axis=-1)
     steps.append(logits)
     for b in range(B):
       seqs[b].append(int(token[b]))
-    pool, logits = decode(w, pool, table, token.astype(jnp.int32), jnp.asarray(lens, jnp.int32))
+    logits = step(model, token.astype(jnp.int32), jnp.asarray(lens, jnp.int32), one_each)
     lens = lens + 1
   steps.append(logits)
   # Causal: one uncached forward over each finished sequence gives every step's logits.
@@ -173,7 +188,8 @@ def main(argv=None) -> int:
     got = np.stack([np.asarray(x[b], np.float64) for x in steps])
     worst = max(worst, float(np.abs(got - want).max() / np.abs(want).max()))
   ok = worst < 1e-4
-  print(f"{B} sequences, {a.steps} absorbed-MLA decoding steps from a latent pool {pool.shape}")
+  shape = model.pool[...].shape
+  print(f"{B} sequences, {a.steps} absorbed-MLA decoding steps from a latent pool {shape}")
   print(f"max |cached - uncached non-absorbed logits| / max |logits| = {worst:.2e}")
   print("absorbed MLA equals the non-absorbed model" if ok else "MISMATCH")
   return 0 if ok else 1

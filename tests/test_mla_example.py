@@ -1,4 +1,4 @@
-"""examples/mla_decode.py: absorbed-MLA decoding from a paged latent cache.
+"""examples/mla_decode.py: absorbed-MLA decoding from a paged latent cache (a Flax nnx module).
 
 The example prefills prompts of different lengths into a latent pool (P, page_size, 1, Hc + Hr),
 decodes greedily with ``paged_attention(..., value_head_dim=Hc)`` and returns 1 unless every
