@@ -15,7 +15,7 @@ pool) prefills B prompts of different lengths (one ragged call), then decodes gr
 (``jattn.write_pages`` with ``value_pages=None``: a pool of keys only). At every step the logits
 are compared with an uncached float64 NumPy forward of the non-absorbed model (per-head keys and
 values up-projected, plain softmax attention) over the sequence so far; the run returns 1 if
-they differ beyond float32 rounding or a token differs.
+they differ beyond float32 rounding.
 
   python examples/mla_decode.py [--steps 8] [--page-size 4] [--seed 0]
 

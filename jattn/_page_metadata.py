@@ -72,7 +72,9 @@ def faults(xp, g: Geometry, page_table, kv_lengths, query_start):
   return code.astype(table.dtype)
 
 
-def check_shapes(page_table, kv_lengths, query_start, query_batch) -> tuple[int, int]:
+def check_shapes(
+  page_table, kv_lengths, query_start, query_batch, query="query"
+) -> tuple[int, int]:
   """(B, max_pages): page_table (B, max_pages), kv_lengths (B,) and query_start (B + 1,) or
   None, checked against each other and ``query_batch``, a padded query's B (None: ragged)."""
   if page_table.ndim != 2:
@@ -85,7 +87,7 @@ def check_shapes(page_table, kv_lengths, query_start, query_batch) -> tuple[int,
   if query_start is not None and query_start.shape != (B + 1,):
     raise ValueError(f"query_start must be (B + 1,) = ({B + 1},), got shape {query_start.shape}")
   if query_batch is not None and query_batch != B:
-    raise ValueError(f"query's batch B={query_batch} must be page_table's B={B}")
+    raise ValueError(f"{query}'s batch B={query_batch} must be page_table's B={B}")
   return B, page_table.shape[1]
 
 

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jattn import _page_metadata, _pool, _validation
 from jattn._validation import concrete
@@ -57,7 +59,9 @@ def write_pages(
 
   Under ``jax.jit`` with the pools (and scales) donated -- ``jax.jit(step,
   donate_argnames=...)`` -- the write happens in place: the compiled program aliases each pool
-  to its update and copies nothing.
+  to its update and copies nothing. Each new token must have a slot of its own: pages that
+  several sequences share (a prefix, a forked beam) are read-only until copied (the scatter
+  assumes unique destinations; two tokens on one slot leave either).
 
   Args:
     key_pages: (P, page_size, K, H) pool (``kv_layout="HND"``: (P, K, page_size, H);
@@ -77,9 +81,9 @@ def write_pages(
       rows past query_start[B] are not written.
     k_scale, v_scale: a quantised pool's scales as paged_attention takes them. Per token and
       head ((P, page_size, K); HND (P, K, page_size)): each new token and head is scaled so its
-      largest magnitude is the dtype's largest (int8: 127), its scale written beside it. Per
-      tensor () or per head (K,) (a calibration): tokens are divided by it, rounded (int8)
-      and clipped, the scale returned unchanged.
+      largest magnitude is the dtype's largest (int8: 127), its scale (rounded to the scales'
+      dtype first) written beside it. Per tensor () or per head (K,) (a calibration, > 0):
+      tokens are divided by it, rounded (int8) and clipped, the scale returned unchanged.
     kv_layout, page_size, num_kv_heads: as in paged_attention.
     on_invalid: traced metadata that breaks paged_attention's rules (concrete metadata raises
       a ValueError first): "skip" (the faulty sequence's tokens are not written; every other
@@ -101,7 +105,8 @@ def write_pages(
     query_start,
     kv_layout,
   )
-  P, ps = _pool_sizes(pool.key_pages, kv_layout)
+  P = pool.key_pages.shape[0]
+  ps = pool.key_pages.shape[2 if kv_layout == "HND" else 1]
   geometry = _page_metadata.Geometry(
     P, ps, key.shape[0] if query_start is not None else key.shape[1], query_start is not None
   )
@@ -120,13 +125,6 @@ def write_pages(
   )
 
 
-def _pool_sizes(key_pages, kv_layout) -> tuple[int, int]:
-  """(P, page_size) of a checked pool."""
-  if kv_layout == "HND":
-    return key_pages.shape[0], key_pages.shape[2]
-  return key_pages.shape[0], key_pages.shape[1]
-
-
 def _destinations(pool: _pool.Pool, query_start, bad, g: _page_metadata.Geometry, shape):
   """Each new token's page and offset (`_pool.Written`): position kv_lengths[b] - n_b + i for
   the i-th of sequence b's n_b tokens; nowhere for a faulty sequence's, a ragged row past the
@@ -135,19 +133,20 @@ def _destinations(pool: _pool.Pool, query_start, bad, g: _page_metadata.Geometry
   B = lens.shape[0]
   if query_start is None:
     T = shape[1]
-    seq = jnp.repeat(jnp.arange(B, dtype=jnp.int32), T)
-    within = jnp.tile(jnp.arange(T, dtype=jnp.int32), B)
+    r = jnp.arange(B * T, dtype=jnp.int32)  # (by arithmetic, so that B may be symbolic)
+    seq, within = r // T, r % T
     count = jnp.full((B,), T, jnp.int32)
     live = jnp.ones(seq.shape, bool)
   else:
     qs = query_start.astype(jnp.int32)
-    r = jnp.arange(shape[0], dtype=jnp.int32)
-    # A row's sequence: how many sequences start at or before it (a count, so that B may be
-    # symbolic), among those whose runs are sound (a faulty one's rows are nobody's).
-    seq = jnp.clip((qs[None, 1:-1] <= r[:, None]).sum(axis=1, dtype=jnp.int32), 0, B - 1)
-    within = r - qs[seq]
+    r = jnp.arange(shape[0], dtype=jnp.int32)[:, None]
+    # A row's sequence: the sound one whose run holds it. A faulty sequence's offsets (a start
+    # out of order) must not move a sound sequence's rows, so runs are matched, not counted.
+    own = (qs[None, :-1] <= r) & (r < qs[None, 1:]) & ~bad[None, :]  # (total, B)
+    seq = jnp.argmax(own, axis=1).astype(jnp.int32)
+    live = own.any(axis=1)
+    within = r[:, 0] - qs[seq]
     count = qs[1:] - qs[:-1]
-    live = (r >= qs[seq]) & (r < qs[seq + 1])
   live = live & ~bad[seq]
   position = lens[seq] - count[seq] + within
   return _pool.slots(pool.page_table, seq, position, live, g.P, g.page_size)
@@ -164,10 +163,14 @@ def _check(pool: _pool.Pool, key, value, query_start, kv_layout):
   if keys_only and value is not None:
     raise ValueError(
       "value_pages=None is a pool of keys only (absorbed MLA's latent, its values the keys' "
-      "first features): pass value=None, or pass the value pool"
+      f"first features): pass value=None, or pass the value pool; got value of shape "
+      f"{getattr(value, 'shape', type(value).__name__)}"
     )
   if not keys_only and value is None:
-    raise TypeError("value must be an array of new values (None only with value_pages=None)")
+    raise TypeError(
+      "value must be the new values, (B, T, K, Hv) or ragged (total, K, Hv), got None (None "
+      "only with value_pages=None: a pool of keys only)"
+    )
   key = _validation.float_array("key", key)
   value = None if value is None else _validation.float_array("value", value)
   pages = _validation.as_array("key_pages", pool.key_pages, "an array of pages")
@@ -175,15 +178,9 @@ def _check(pool: _pool.Pool, key, value, query_start, kv_layout):
   if vpages is not None:
     vpages = _validation.as_array("value_pages", vpages, "an array of pages")
   dims = _pool.DIMS[kv_layout]
-  _pool.checked_pages("key_pages", pages, dims)
-  if keys_only:
-    vpages_checked = pages
-  else:
-    pages, vpages_checked, _ = _pool.checked_pools(pages, vpages, kv_layout)
-  K = (
-    pages.shape[1]
-    if kv_layout == "HND"
-    else pages.shape[2] // (2 if kv_layout == "combined" else 1)
+  # A pool of keys only is checked as its own values (absorbed MLA's latent).
+  pages, vpages_checked, (_, _, K, _) = _pool.checked_pools(
+    pages, pages if keys_only else vpages, kv_layout
   )
   H, Hv = pages.shape[-1], vpages_checked.shape[-1]
   pool = _pool.Pool(
@@ -197,7 +194,7 @@ def _check(pool: _pool.Pool, key, value, query_start, kv_layout):
   query_start = _validation.int_array("query_start", query_start, optional=True)
   ragged = query_start is not None
   _page_metadata.check_shapes(
-    pool.page_table, pool.kv_lengths, query_start, None if ragged else key.shape[0]
+    pool.page_table, pool.kv_lengths, query_start, None if ragged else key.shape[0], "key"
   )
   lead = "(total, " if ragged else "(B, T, "
   for name, x, X in (("key", key, H), ("value", value, Hv)):
@@ -210,7 +207,7 @@ def _check(pool: _pool.Pool, key, value, query_start, kv_layout):
     raise ValueError(
       f"value must have key's tokens: key.shape={key.shape}, value.shape={value.shape}"
     )
-  if not concrete(*key.shape[:-2], *pages.shape):
+  if not concrete(*key.shape[1 - ragged : -2], *pages.shape):
     raise NotImplementedError(
       f"write_pages takes known token and pool sizes (only B may be symbolic), got "
       f"key.shape={key.shape}, key_pages.shape={pages.shape}"
@@ -229,4 +226,15 @@ def _check(pool: _pool.Pool, key, value, query_start, kv_layout):
     if value is None
     else _pool.scale_kind("v_scale", pool.v_scale, vpages_checked, value.dtype, dims, K),
   )
+  for name, kind, scale in (
+    ("k_scale", kinds[0], pool.k_scale),
+    ("v_scale", kinds[1], pool.v_scale),
+  ):
+    # A calibration divides the tokens: 0 or a negative scale would store inf / NaN / flipped
+    # signs without a word (a traced one cannot be checked here).
+    if kind in ("tensor", "head") and not isinstance(scale, jax.core.Tracer):
+      if not (np.asarray(scale) > 0).all():
+        raise ValueError(
+          f"{name} must be > 0 (a calibration the tokens are divided by), got {scale}"
+        )
   return pool, key, value, query_start, kinds

@@ -813,8 +813,9 @@ def _check(given: _Arrays, opts: _Options, latent_dim=None) -> tuple[_Static, _A
     latent=latent,
   )
   st = st.with_block(_plan.PAGED_BLOCK_KV["default"])._replace(implementation=opts.implementation)
-  if opts.implementation == "pallas" and _no_grid(st):
-    raise NotImplementedError(f"implementation='pallas' cannot take {_no_grid(st)}")
+  why = _no_grid(st) or _no_tree(st) or _no_latent(st)
+  if opts.implementation == "pallas" and why:
+    raise NotImplementedError(f"implementation='pallas' cannot take {why}")
   value_pages = None if latent else value_pages
   return st, given._replace(pool=pool._replace(key_pages=key_pages, value_pages=value_pages))
 

@@ -43,16 +43,17 @@ def is_quantized(dtype) -> bool:
   return any(jnp.dtype(dtype) == jnp.dtype(d) for d in QUANTIZED)
 
 
-def quantize(x, dtype, scale=None):
-  """(x in ``dtype``, scale float32): ``scale`` None: each token and head scaled so its largest
+def quantize(x, dtype, scale=None, scale_dtype=jnp.float32):
+  """(x in ``dtype``, scale): ``scale`` None: each token and head scaled so its largest
   magnitude is the dtype's largest value (int8: 127, rounded to the nearest integer), the scale
-  (..., K) returned; a given scale (broadcasting against x without its last axis: a per-tensor
-  or per-head calibration) is used as it is and returned unchanged."""
+  (..., K) returned in ``scale_dtype`` (the tokens divided by the scale as stored, so that
+  stored scale times stored token is the dequantised value); a given scale (broadcasting
+  against x without its last axis: a per-tensor or per-head calibration) is used as it is."""
   dtype = jnp.dtype(dtype)
   top = 127.0 if dtype == jnp.int8 else float(jnp.finfo(dtype).max)
   if scale is None:
     amax = jnp.abs(x.astype(jnp.float32)).max(axis=-1)
-    scale = jnp.where(amax > 0, amax / top, jnp.ones((), jnp.float32))
+    scale = jnp.where(amax > 0, amax / top, jnp.ones((), jnp.float32)).astype(scale_dtype)
   y = x.astype(jnp.float32) / jnp.asarray(scale, jnp.float32)[..., None]
   if dtype == jnp.int8:
     y = jnp.round(y)
@@ -102,7 +103,8 @@ def write(pool: Pool, layout: str, at: Written, k, v, kinds) -> Pool:
   def encode(pages, x, scale, kind):
     if kind is None:
       return x, scale, None
-    q, s = quantize(x, pages.dtype, None if kind == "token" else _heads_last(scale, kind))
+    given = None if kind == "token" else _heads_last(scale, kind)
+    q, s = quantize(x, pages.dtype, given, scale.dtype)
     return q, scale, s if kind == "token" else None
 
   kq, k_scale, k_token = encode(pool.key_pages, k, pool.k_scale, kinds[0])

@@ -189,7 +189,7 @@ def test_checkify_names_the_faulty_request():
     (dict(key=jnp.ones((2, 1, K + 1, H))), ValueError, "key must be (B, T, K, H) = (B, T, 2, 8)"),
     (dict(value=jnp.ones((2, 2, K, H))), ValueError, "value must have key's tokens"),
     (dict(key=jnp.ones((2, 1, K, H), jnp.bfloat16)), TypeError, "key.dtype=bfloat16"),
-    (dict(value=None), TypeError, "value must be an array"),
+    (dict(value=None), TypeError, "value must be the new values, (B, T, K, Hv)"),
     (dict(value_pages=None), ValueError, "pass value=None"),
     (dict(page_table=np.zeros((3, 2), np.int32)), ValueError, "kv_lengths must be (B,) = (3,)"),
     (dict(page_table=np.zeros((2, 2))), TypeError, "page_table must be an integer array"),
@@ -229,5 +229,77 @@ def test_quantised_pool_needs_its_scales():
       k,
       k,
       k_scale=jnp.ones(3),
+      v_scale=jnp.ones(()),
+    )
+
+
+def test_a_faulty_query_start_moves_no_sound_sequence_rows():
+  """Traced offsets where sequence 2 starts before sequence 1 ends: sequence 2 (and 3, whose
+  run starts before 2's end) are faulty and write nothing; 0 and 1 write every token, each at
+  its own position (rows are matched to the sound run holding them, not counted by starts)."""
+  table = np.arange(8, dtype=np.int32).reshape(4, 2)
+  lens = np.array([2, 2, 4, 4], np.int32)
+  pages = jnp.zeros((8, 4, 1, 2))
+  key = jnp.arange(1.0, 6.0)[:, None, None] * jnp.ones((5, 1, 2))
+  write = jax.jit(
+    lambda qs: jattn.write_pages(pages, pages + 0, table, lens, key, key, query_start=qs)
+  )
+  got = np.asarray(write(jnp.array([0, 2, 4, 1, 5], jnp.int32)).key_pages)[..., 0, 0]
+  np.testing.assert_array_equal(got[0, :2], [1, 2])  # sequence 0: rows 0, 1 at positions 0, 1
+  np.testing.assert_array_equal(got[2, :2], [3, 4])  # sequence 1: rows 2, 3
+  assert not got[4:].any()  # sequences 2, 3: nothing
+
+
+def test_padded_write_exports_with_a_symbolic_batch():
+  b = jax.export.symbolic_shape("b")[0]
+  spec = lambda shape, dtype=jnp.float32: jax.ShapeDtypeStruct(shape, dtype)
+  exported = jax.export.export(jax.jit(jattn.write_pages))(
+    spec((P, PS, K, H)),
+    spec((P, PS, K, H)),
+    spec((b, 3), jnp.int32),
+    spec((b,), jnp.int32),
+    spec((b, 2, K, H)),
+    spec((b, 2, K, H)),
+  )
+  kp, vp, _ = pools(None, "NHD")
+  k = jnp.ones((2, 2, K, H))
+  new = exported.call(
+    kp, vp, np.array([[0, 1, 2], [5, 6, 7]], np.int32), np.array([2, 6]), k, 2 * k
+  )
+  want = jattn.write_pages(kp, vp, np.array([[0, 1, 2], [5, 6, 7]]), np.array([2, 6]), k, 2 * k)
+  np.testing.assert_array_equal(new[1], want.value_pages)
+  assert np.asarray(want.value_pages)[6, :2].min() == 2
+
+
+def test_bfloat16_token_scales_are_stored_as_the_tokens_were_divided():
+  """Per-token scales kept in bfloat16: the tokens are divided by the scale as stored, so the
+  stored scale times the stored int8 is within int8 rounding of the token."""
+  pages = jnp.zeros((P, PS, K, H), jnp.int8)
+  scales = jnp.ones((P, PS, K), jnp.bfloat16)
+  x = jnp.asarray(np.random.default_rng(4).normal(size=(1, 2, K, H)) * 3, jnp.float32)
+  new = jattn.write_pages(
+    pages, pages + 0, np.array([[2]]), np.array([2]), x, x, k_scale=scales, v_scale=scales
+  )
+  assert new.k_scale.dtype == jnp.bfloat16
+  got = (
+    np.asarray(new.key_pages[2, :2], np.float64)
+    * np.asarray(new.k_scale[2, :2], np.float64)[..., None]
+  )
+  step = np.asarray(new.k_scale[2, :2], np.float64)[..., None]
+  assert (np.abs(got - np.asarray(x[0])) <= 0.5 * step + 1e-7).all()
+
+
+def test_a_calibration_must_be_positive():
+  pages = jnp.zeros((P, PS, K, H), jnp.int8)
+  k = jnp.ones((1, 1, K, H))
+  with pytest.raises(ValueError, match=re.escape("k_scale must be > 0")):
+    jattn.write_pages(
+      pages,
+      pages + 0,
+      np.array([[0]]),
+      np.array([1]),
+      k,
+      k,
+      k_scale=jnp.zeros(()),
       v_scale=jnp.ones(()),
     )
