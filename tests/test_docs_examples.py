@@ -58,15 +58,17 @@ def test_the_docs_keep_their_examples():
   assert {"README.md", "docs/serving.md", "docs/ring.md", "docs/flax.md"} <= set(DOCS)
   assert "dot_product_attention" in blocks("README.md")[0][1]
   assert set(HOST_DEVICES) <= set(DOCS)
-  # docs/serving.md: vLLM (float and fp8 pages), FlashAttention (kvcache and varlen), the checks.
+  # docs/serving.md: vLLM (float and fp8 pages), FlashAttention (kvcache and varlen), the
+  # checks, the write.
   serving = blocks("docs/serving.md")
-  assert len(serving) == 3
+  assert len(serving) == 4
   code = "".join(c for _, c in serving)
   for needed in (
     "ref_ragged_paged_attention",
     "checkify",
     "return_residual",
     "dot_product_attention",
+    "write_pages",
   ):
     assert needed in code
   # tests/_ring_worker.py runs docs/ring.md's split-KV recipe by itself, found by this marker.
