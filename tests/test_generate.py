@@ -9,10 +9,9 @@ enough, through dense): which kernel each generation traced is recorded and chec
 """
 
 import functools
-import importlib.util
 import os
-import sys
 
+import _examples
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,12 +23,7 @@ import jattn
 _ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
 
-def _load(name):
-  spec = importlib.util.spec_from_file_location(name, os.path.join(_ROOT, "examples", f"{name}.py"))
-  module = importlib.util.module_from_spec(spec)
-  sys.modules[name] = module  # dataclasses look their module up there
-  spec.loader.exec_module(module)
-  return module
+_load = _examples.load
 
 
 generate = _load("generate")

@@ -6,21 +6,12 @@ as sequences grow and freed when they end. The example checks every request's to
 uncached greedy run of that request alone and returns 1 if any differs.
 """
 
-import importlib.util
-import os
-import sys
-
+import _examples
 import pytest
-
-_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples", "serve.py")
 
 
 def _serve():
-  spec = importlib.util.spec_from_file_location("serve", _PATH)
-  module = importlib.util.module_from_spec(spec)
-  sys.modules["serve"] = module  # dataclasses look their module up there
-  spec.loader.exec_module(module)
-  return module
+  return _examples.load("serve")
 
 
 @pytest.mark.parametrize(

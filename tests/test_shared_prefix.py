@@ -6,24 +6,13 @@ over each request's whole page table, and both equal a float64 NumPy reference o
 attention over each request's tokens; the example itself runs and reports both times.
 """
 
-import importlib.util
-import os
-import sys
-
+import _examples
 import numpy as np
 import pytest
 
-_PATH = os.path.join(
-  os.path.dirname(os.path.abspath(__file__)), "..", "examples", "shared_prefix.py"
-)
-
 
 def _example():
-  spec = importlib.util.spec_from_file_location("shared_prefix", _PATH)
-  module = importlib.util.module_from_spec(spec)
-  sys.modules["shared_prefix"] = module  # dataclasses look their module up there
-  spec.loader.exec_module(module)
-  return module
+  return _examples.load("shared_prefix")
 
 
 def _reference(query, keys, values):

@@ -1,19 +1,13 @@
 """A few steps of examples/train_recall.py: the loss falls, and dense and chunked attention train
 identically (same seed, same data, same dropout masks)."""
 
-import importlib.util
 import os
-import sys
 
+import _examples
 import numpy as np
 
 _ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-_spec = importlib.util.spec_from_file_location(
-  "train_recall", os.path.join(_ROOT, "examples", "train_recall.py")
-)
-train_recall = importlib.util.module_from_spec(_spec)
-sys.modules["train_recall"] = train_recall  # dataclasses look their module up there
-_spec.loader.exec_module(train_recall)
+train_recall = _examples.load("train_recall")
 
 
 def _config(**model):
