@@ -177,7 +177,6 @@ def _check(pool: _pool.Pool, key, value, query_start, kv_layout):
   vpages = pool.value_pages
   if vpages is not None:
     vpages = _validation.as_array("value_pages", vpages, "an array of pages")
-  dims = _pool.DIMS[kv_layout]
   # A pool of keys only is checked as its own values (absorbed MLA's latent).
   pages, vpages_checked, (_, _, K, _) = _pool.checked_pools(
     pages, pages if keys_only else vpages, kv_layout
@@ -196,6 +195,17 @@ def _check(pool: _pool.Pool, key, value, query_start, kv_layout):
   _page_metadata.check_shapes(
     pool.page_table, pool.kv_lengths, query_start, None if ragged else key.shape[0], "key"
   )
+  _check_tokens(key, value, ragged, (K, H, Hv), pages)
+  if value is None and pool.v_scale is not None:
+    raise ValueError("v_scale is for value pages; a pool of keys only has none: pass v_scale=None")
+  kinds = _scale_kinds(pool, (pages, vpages_checked), key, value, kv_layout, K)
+  return pool, key, value, query_start, kinds
+
+
+def _check_tokens(key, value, ragged: bool, heads: tuple, pages) -> None:
+  """The new tokens against the pool's heads ``heads`` = (K, H, Hv): key (B, T, K, H) or ragged
+  (total, K, H), value likewise with Hv and the same tokens, sizes known but B."""
+  K, H, Hv = heads
   lead = "(total, " if ragged else "(B, T, "
   for name, x, X in (("key", key, H), ("value", value, Hv)):
     if x is not None and (x.ndim != (3 if ragged else 4) or x.shape[-2:] != (K, X)):
@@ -212,8 +222,14 @@ def _check(pool: _pool.Pool, key, value, query_start, kv_layout):
       f"write_pages takes known token and pool sizes (only B may be symbolic), got "
       f"key.shape={key.shape}, key_pages.shape={pages.shape}"
     )
-  if value is None and pool.v_scale is not None:
-    raise ValueError("v_scale is for value pages; a pool of keys only has none: pass v_scale=None")
+
+
+def _scale_kinds(pool: _pool.Pool, pools: tuple, key, value, kv_layout, K: int):
+  """(k_scale's kind, v_scale's kind) (`_pool.scale_kind`; v None for a pool of keys only),
+  float pools holding the tokens' dtype and calibrations > 0 checked. ``pools`` = the key
+  pool and the pool the values go to, as checked."""
+  dims = _pool.DIMS[kv_layout]
+  pages, vpages_checked = pools
   for name, pages_x, x in (("key_pages", pages, key), ("value_pages", vpages_checked, value)):
     if x is not None and not _pool.is_quantized(pages_x.dtype) and pages_x.dtype != x.dtype:
       raise TypeError(
@@ -237,4 +253,4 @@ def _check(pool: _pool.Pool, key, value, query_start, kv_layout):
         raise ValueError(
           f"{name} must be > 0 (a calibration the tokens are divided by), got {scale}"
         )
-  return pool, key, value, query_start, kinds
+  return kinds
