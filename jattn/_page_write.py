@@ -155,10 +155,7 @@ def _destinations(pool: _pool.Pool, query_start, bad, g: _page_metadata.Geometry
 def _check(pool: _pool.Pool, key, value, query_start, kv_layout):
   """The call's arrays checked (errors name the argument and what was passed): (pool, key,
   value, query_start, (k_scale's kind, v_scale's kind))."""
-  if kv_layout not in _pool.LAYOUTS:
-    raise ValueError(
-      f"kv_layout must be one of {_pool.LAYOUTS} (pages {_pool.DIMS}), got kv_layout={kv_layout!r}"
-    )
+  _pool.check_layout_name(kv_layout)
   keys_only = pool.value_pages is None and kv_layout != "combined"
   if keys_only and value is not None:
     raise ValueError(

@@ -849,11 +849,7 @@ def _check_pool(query, pool: _pool.Pool, opts: _Options, latent_dim):
 
 def _check_choices(opts: _Options) -> None:
   """The layout and the implementation are among the names paged_attention knows."""
-  if opts.kv_layout not in _pool.LAYOUTS:
-    raise ValueError(
-      f"kv_layout must be one of {_pool.LAYOUTS} (pages {_pool.DIMS}), got "
-      f"kv_layout={opts.kv_layout!r}"
-    )
+  _pool.check_layout_name(opts.kv_layout)
   implementation = opts.implementation
   if implementation not in IMPLEMENTATIONS:
     error = NotImplementedError if isinstance(implementation, (str, tuple)) else ValueError

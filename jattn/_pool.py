@@ -192,6 +192,14 @@ def checked_pools(key_pages, value_pages, kv_layout):
   return key_pages, value_pages, (P, page_size, K, H)
 
 
+def check_layout_name(kv_layout) -> None:
+  """``kv_layout`` is one of LAYOUTS, else a ValueError naming them."""
+  if kv_layout not in LAYOUTS:
+    raise ValueError(
+      f"kv_layout must be one of {LAYOUTS} (pages {DIMS}), got kv_layout={kv_layout!r}"
+    )
+
+
 def check_layout(key_pages, value_pages, kv_layout, page_size, num_kv_heads):
   """What shapes cannot tell: one pool passed as both keys and values, and (when the caller
   says page_size / num_kv_heads) a pool of the other layout whose sizes happen to fit."""
