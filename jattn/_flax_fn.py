@@ -65,6 +65,9 @@ def make_attention_fn(
   The options are fixed for every call of the returned function and mean what they mean in
   :func:`jattn.dot_product_attention`. ``is_causal`` here adds a causal mask on top of the mask
   flax passes (flax's own call-time ``is_causal`` is honoured too, top-left aligned as in flax).
+  For a layer that also decodes (flax's ``decode=True`` calls it with one query against the
+  cache's S slots) pass ``is_causal="bottom_right"``: it equals top-left when T == S and is the
+  right mask when T < S. ``is_causal=True`` (top-left) with T < S raises a ValueError saying so.
 
   What the returned function does with flax's arguments:
     * ``mask``: flax's boolean or 0/1 float mask, broadcastable to [batch..., N, T, S]
@@ -143,6 +146,7 @@ def make_attention_fn(
     nb = math.prod(batch)
     q4, k4, v4 = (x.reshape((nb,) + x.shape[-3:]) for x in (query, key, value))
     mask, bias = _flat_mask_and_bias(mask, bias, batch)
+    _refuse_top_left_decoding(causal_option, query.shape[-3], key.shape[-3])
     causal = _call_causal(causal_option, is_causal)
 
     drop = (not deterministic) and dropout_rate > 0.0
@@ -201,6 +205,23 @@ def _flat_mask_and_bias(mask, bias, batch):
   if bias is not None:
     bias = _flatten_batch("bias", jnp.asarray(bias), batch)
   return mask, bias
+
+
+def _refuse_top_left_decoding(causal_option, T: int, S: int) -> None:
+  """make_attention_fn(is_causal=True) with fewer queries than keys: refused.
+
+  flax's layers call the function with T < S in one case, decoding (``decode=True``: one query
+  against the S slots of the cache, the cache index in flax's mask). Top-left causality there lets
+  query 0 see key 0 only, whatever the step: a silently wrong layer. Bottom-right causality is
+  the same mask when T == S (training) and the right one when T < S, so it is what to ask for."""
+  if causal_option == "top_left" and T < S:
+    raise ValueError(
+      f"make_attention_fn(is_causal=True) is top-left causal: query t sees keys 0..t. Called "
+      f"with T={T} queries against S={S} keys (as flax's decode cache does, one query against "
+      f"its S slots), every query would see the first keys only. Pass "
+      f'make_attention_fn(is_causal="bottom_right") (the same mask when T == S, and the right '
+      f"one against a cache), or leave causality to flax's own mask (nn.make_causal_mask)"
+    )
 
 
 def _call_causal(causal_option, is_causal):

@@ -48,6 +48,7 @@ def write_pages(
   value,
   *,
   query_start=None,
+  new_lengths=None,
   k_scale=None,
   v_scale=None,
   kv_layout="NHD",
@@ -73,12 +74,18 @@ def write_pages(
     page_table: int (B, max_pages), kv_lengths: int (B,): as in paged_attention, the lengths
       counting the new tokens (FlashAttention's cache_seqlens + new tokens).
     key: the new keys in the pool's dtype (a quantised pool: any float dtype), (B, T, K, H) --
-      sequence b's token t at position kv_lengths[b] - T + t; one at a negative position is
-      not written -- or ragged (total, K, H) with ``query_start``.
+      sequence b's row t at position kv_lengths[b] - T + t; with ``new_lengths`` only its last
+      new_lengths[b] rows are written; a row at a negative position is not written -- or ragged
+      (total, K, H) with ``query_start``.
     value: the new values, (B, T, K, Hv) or (total, K, Hv); None for a pool of keys only.
     query_start: int (B + 1,) offsets of ragged tokens (paged_attention's): sequence b's are
       rows query_start[b] .. query_start[b + 1] - 1, the last at position kv_lengths[b] - 1;
       rows past query_start[B] are not written.
+    new_lengths: int (B,), padded form only: how many new tokens sequence b has, in [0, T] and
+      at most kv_lengths[b]. They are its last rows (left padding: rows T - new_lengths[b] ..
+      T - 1, at positions kv_lengths[b] - new_lengths[b] .. kv_lengths[b] - 1); the rows before
+      them are padding and are not written, so a sequence that accepted fewer draft tokens than
+      another keeps its cached tokens. None: every row of every sequence is new (T each).
     k_scale, v_scale: a quantised pool's scales as paged_attention takes them. Per token and
       head ((P, page_size, K); HND (P, K, page_size)): each new token and head is scaled so its
       largest magnitude is the dtype's largest (int8: 127), its scale (rounded to the scales'
@@ -105,6 +112,7 @@ def write_pages(
     query_start,
     kv_layout,
   )
+  new_lengths = _new_lengths(new_lengths, key, query_start, pool.kv_lengths)
   P = pool.key_pages.shape[0]
   ps = pool.key_pages.shape[2 if kv_layout == "HND" else 1]
   geometry = _page_metadata.Geometry(
@@ -114,7 +122,12 @@ def write_pages(
   faults = _page_metadata.faults(jnp, geometry, pool.page_table, pool.kv_lengths, query_start)
   if on_invalid == "checkify":
     _page_metadata.checkify_faults(faults)
-  at = _destinations(pool, query_start, faults != _page_metadata.OK, geometry, key.shape)
+  bad = faults != _page_metadata.OK
+  if new_lengths is not None:
+    # Traced counts out of [0, min(T, kv_lengths[b])]: that sequence writes nothing.
+    n = new_lengths.astype(jnp.int32)
+    bad = bad | (n < 0) | (n > key.shape[1]) | (n > pool.kv_lengths.astype(jnp.int32))
+  at = _destinations(pool, query_start, bad, geometry, key.shape, new_lengths)
   flat = lambda x: None if x is None else x.reshape((-1,) + x.shape[-2:])
   written = _pool.write(pool, kv_layout, at, flat(key), flat(value), kinds)
   return KVPages(
@@ -125,10 +138,13 @@ def write_pages(
   )
 
 
-def _destinations(pool: _pool.Pool, query_start, bad, g: _page_metadata.Geometry, shape):
+def _destinations(
+  pool: _pool.Pool, query_start, bad, g: _page_metadata.Geometry, shape, new_lengths=None
+):
   """Each new token's page and offset (`_pool.Written`): position kv_lengths[b] - n_b + i for
-  the i-th of sequence b's n_b tokens; nowhere for a faulty sequence's, a ragged row past the
-  last sequence's, or one at a negative position."""
+  the i-th of sequence b's n_b tokens; nowhere for a faulty sequence's, a padded row before its
+  sequence's ``new_lengths`` last ones, a ragged row past the last sequence's, or one at a
+  negative position."""
   lens = pool.kv_lengths.astype(jnp.int32)
   B = lens.shape[0]
   if query_start is None:
@@ -137,6 +153,8 @@ def _destinations(pool: _pool.Pool, query_start, bad, g: _page_metadata.Geometry
     seq, within = r // T, r % T
     count = jnp.full((B,), T, jnp.int32)
     live = jnp.ones(seq.shape, bool)
+    if new_lengths is not None:
+      live = within >= T - new_lengths.astype(jnp.int32)[seq]  # left padding is not written
   else:
     qs = query_start.astype(jnp.int32)
     r = jnp.arange(shape[0], dtype=jnp.int32)[:, None]
@@ -150,6 +168,35 @@ def _destinations(pool: _pool.Pool, query_start, bad, g: _page_metadata.Geometry
   live = live & ~bad[seq]
   position = lens[seq] - count[seq] + within
   return _pool.slots(pool.page_table, seq, position, live, g.P, g.page_size)
+
+
+def _new_lengths(new_lengths, key, query_start, kv_lengths):
+  """``new_lengths`` checked: int (B,), padded form only; concrete counts within [0, T] and at
+  most kv_lengths[b] (a ValueError naming the first faulty sequence)."""
+  if new_lengths is None:
+    return None
+  if query_start is not None:
+    raise ValueError(
+      "new_lengths is for the padded form (B, T, K, H); ragged rows count their new tokens "
+      "by query_start: pass one or the other"
+    )
+  new_lengths = _validation.int_array("new_lengths", new_lengths)
+  B, T = key.shape[:2]
+  if new_lengths.shape != (B,):
+    raise ValueError(
+      f"new_lengths must be (B,) = ({B},), one count per sequence of key's (B, T, K, H), got "
+      f"shape {new_lengths.shape}"
+    )
+  if not any(isinstance(x, jax.core.Tracer) for x in (new_lengths, kv_lengths)):
+    n, lens = np.asarray(new_lengths), np.asarray(kv_lengths)
+    wrong = np.flatnonzero((n < 0) | (n > T) | (n > lens))
+    if wrong.size:
+      b = int(wrong[0])
+      raise ValueError(
+        f"new_lengths[{b}]={int(n[b])} must be in [0, T={T}] and at most "
+        f"kv_lengths[{b}]={int(lens[b])} (the new tokens are the last cached ones)"
+      )
+  return new_lengths
 
 
 def _check(pool: _pool.Pool, key, value, query_start, kv_layout):

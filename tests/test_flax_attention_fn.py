@@ -122,6 +122,67 @@ def test_nnx_decode_path_matches_flax(impl):
   np.testing.assert_allclose(outs["jattn"], outs["flax"], atol=2e-6, rtol=0)
 
 
+CAUSAL_OPTIONS = [False, True, "top_left", "bottom_right"]
+
+
+def _decode_nnx(fn, x):
+  layer = nnx.MultiHeadAttention(
+    num_heads=N, in_features=D, num_kv_heads=2, decode=True, rngs=nnx.Rngs(0)
+  )
+  layer.attention_fn = fn
+  layer.init_cache((B, T, D))
+  return jnp.concatenate([layer(x[:, t : t + 1]) for t in range(T)], axis=1)
+
+
+def _decode_linen(fn, x):
+  kw = dict(num_heads=N, decode=True)
+  params = nn.MultiHeadDotProductAttention(**kw).init(jax.random.key(3), x)["params"]
+  layer = nn.MultiHeadDotProductAttention(**kw, attention_fn=fn)
+  cache = layer.init(jax.random.key(3), x)["cache"]
+  outs = []
+  for t in range(T):
+    out, upd = layer.apply({"params": params, "cache": cache}, x[:, t : t + 1], mutable=["cache"])
+    cache = upd["cache"]
+    outs.append(out)
+  return jnp.concatenate(outs, axis=1), params
+
+
+@pytest.mark.parametrize("is_causal", CAUSAL_OPTIONS, ids=str)
+@pytest.mark.parametrize("api", ["nnx", "linen"])
+def test_decode_cache_with_every_is_causal_option(api, is_causal):
+  """flax's own decode cache calls the function with T = 1 against its S slots. Bottom-right
+  causality (or none: flax's cache mask) equals the layer run on the whole sequence with a causal
+  mask; top-left would let every step see key 0 only, so it is refused, naming the fix."""
+  x = _inputs(4)
+  fn = jattn.make_attention_fn(is_causal=is_causal)
+  if api == "nnx":
+    full_layer = nnx.MultiHeadAttention(
+      num_heads=N, in_features=D, num_kv_heads=2, decode=False, rngs=nnx.Rngs(0)
+    )
+    full = full_layer(x, mask=nn.make_causal_mask(x[..., 0]))
+    run = lambda: _decode_nnx(fn, x)
+  else:
+    params = nn.MultiHeadDotProductAttention(num_heads=N, decode=True).init(
+      jax.random.key(3), x
+    )["params"]
+    full = nn.MultiHeadDotProductAttention(num_heads=N).apply(
+      {"params": params}, x, mask=nn.make_causal_mask(x[..., 0])
+    )
+    run = lambda: _decode_linen(fn, x)[0]
+  if is_causal in (True, "top_left"):
+    with pytest.raises(ValueError, match='is_causal="bottom_right"'):
+      run()
+    # Training-shaped calls (T == S) keep top-left causality: it equals flax's causal mask.
+    layer = nnx.MultiHeadAttention(
+      num_heads=N, in_features=D, num_kv_heads=2, decode=False, rngs=nnx.Rngs(0)
+    )
+    ref = layer(x, mask=nn.make_causal_mask(x[..., 0]))
+    layer.attention_fn = fn
+    np.testing.assert_allclose(layer(x), ref, atol=2e-6, rtol=0)
+    return
+  np.testing.assert_allclose(run(), full, atol=2e-6, rtol=0)
+
+
 def test_deterministic_dropout_equals_flax():
   """dropout_rate > 0 but deterministic: no dropout, flax's numbers."""
   x = _inputs(4)

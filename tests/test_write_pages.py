@@ -146,6 +146,60 @@ def test_padded_tokens_land_at_the_fill_level_and_negative_positions_are_dropped
   assert new.k_scale is None and new.v_scale is None
 
 
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "jit"])
+def test_padded_write_with_fewer_new_tokens_keeps_the_cache(traced):
+  """Speculative decoding accepts a different number of drafts per sequence: padded (B, T) with
+  left padding. new_lengths says how many rows are new; the padding rows before them must not
+  overwrite cached tokens (the issue's reproduction: sequence 1 has 3 cached tokens of 7.0 and
+  one new token, its row 0 padding), and the next decode step equals float64 on the
+  contiguous tokens."""
+  kp = jnp.zeros((P, PS, K, H), jnp.float32).at[2, :3].set(7.0)
+  table = np.array([[0, 1], [2, 3]], np.int32)
+  rng = np.random.default_rng(5)
+  acc = rng.normal(size=(2, 2, K, H)).astype(np.float32)
+  acc[1, 0] = 0.0  # padding
+  write = jax.jit(jattn.write_pages) if traced else jattn.write_pages
+  new = write(kp, kp + 0, table, np.array([2, 4]), acc, acc, new_lengths=np.array([2, 1]))
+  got = np.asarray(new.key_pages)
+  np.testing.assert_array_equal(got[2, :3], 7.0)  # the cached tokens survive
+  np.testing.assert_array_equal(got[2, 3], acc[1, 1])  # the one new token at position 3
+  np.testing.assert_array_equal(got[0, :2], acc[0])  # sequence 0: both rows new
+  assert np.count_nonzero(got.any(axis=(2, 3))) == 2 + 4
+  # The next step of sequence 1 (one query, 5 tokens: 4 cached + itself) against float64.
+  q = rng.normal(size=(2, 1, N, H)).astype(np.float32)
+  nk = rng.normal(size=(2, 1, K, H)).astype(np.float32)
+  step = write(new.key_pages, new.value_pages, table, np.array([3, 5]), nk, nk)
+  out = jattn.paged_attention(q, step.key_pages, step.value_pages, table, np.array([3, 5]))
+  seq1 = np.concatenate([np.full((3, K, H), 7.0), acc[1, 1:], nk[1]]).astype(np.float64)
+  np.testing.assert_allclose(out[1], attend(q[1].astype(np.float64), seq1, seq1, 1), atol=2e-6)
+  # Without new_lengths every row is new: row 0 of sequence 1 lands on position 2.
+  plain = np.asarray(jattn.write_pages(kp, kp + 0, table, np.array([2, 4]), acc, acc).key_pages)
+  np.testing.assert_array_equal(plain[2, 2], 0.0)
+
+
+def test_new_lengths_is_checked():
+  kp, vp, _ = pools(None, "NHD")
+  k = jnp.ones((2, 2, K, H))
+  table = np.array([[0, 1], [2, 3]], np.int32)
+  lens = np.array([2, 1])
+  with pytest.raises(ValueError, match=re.escape("new_lengths[1]=2 must be in [0, T=2] and at most kv_lengths[1]=1")):
+    jattn.write_pages(kp, vp, table, lens, k, k, new_lengths=np.array([1, 2]))
+  with pytest.raises(ValueError, match=re.escape("new_lengths[0]=3 must be in [0, T=2]")):
+    jattn.write_pages(kp, vp, table, lens, k, k, new_lengths=np.array([3, 0]))
+  with pytest.raises(ValueError, match=re.escape("new_lengths must be (B,) = (2,)")):
+    jattn.write_pages(kp, vp, table, lens, k, k, new_lengths=np.array([1]))
+  with pytest.raises(TypeError, match="new_lengths must be an integer array"):
+    jattn.write_pages(kp, vp, table, lens, k, k, new_lengths=np.array([1.0, 1.0]))
+  with pytest.raises(ValueError, match="new_lengths is for the padded form"):
+    jattn.write_pages(
+      kp, vp, table, lens, k[0], k[0], query_start=np.array([0, 1, 2]), new_lengths=lens
+    )
+  # Traced counts out of range: that sequence writes nothing, the other writes its tokens.
+  new = jax.jit(jattn.write_pages)(kp, vp, table, lens, k, 2 * k, new_lengths=jnp.array([1, 5]))
+  written = np.asarray(new.key_pages).any(axis=(1, 2, 3))
+  assert written.tolist() == [True] + [False] * (P - 1)
+
+
 def test_keys_only_pool_and_calibrated_scales():
   """A latent pool (absorbed MLA: value_pages=None, value=None) and per-head int8 scales: the
   tokens divided by the given scale, rounded, the scale returned as it was."""
