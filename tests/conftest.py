@@ -33,6 +33,18 @@ import pytest
 
 import jattn
 
+# The cost table (--jattn-costs): its hooks are this conftest's.
+from _costs import (  # noqa: F401
+  pytest_addoption,
+  pytest_configure as _costs_configure,
+  pytest_runtest_logreport,
+  pytest_runtest_makereport,
+  pytest_runtest_protocol,
+  pytest_sessionfinish,
+  pytest_terminal_summary,
+  pytest_testnodedown,
+)
+
 # The suite tests the jattn this process imports: the installed package (CI runs it from tests/,
 # so the checkout is not on the path) or a checkout on PYTHONPATH. Subprocess tests (ring and
 # matrix workers) inherit the same one through PYTHONPATH.
@@ -47,6 +59,7 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 
 
 def pytest_configure(config):
+  _costs_configure(config)
   config.addinivalue_line(
     "markers", "long: one of the few tests that run for a minute or more; started first"
   )
