@@ -10,6 +10,7 @@ next. Shape vocabulary: B T S N K H.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -122,21 +123,31 @@ def run(call):
       hidden = hidden | (kv_len[:, None, None] <= 0)
     return out, jnp.where(hidden, -jnp.inf, lse)
 
-  def plain(q, k, v, b, mask, q_len, kv_len):
+  def plain(q, k, v, b, mask, q_len, kv_len, implementation="cudnn"):
     return jax.nn.dot_product_attention(
-      q, k, v, b, mask, query_seq_lengths=q_len, key_value_seq_lengths=kv_len, **kw
+      q,
+      k,
+      v,
+      b,
+      mask,
+      query_seq_lengths=q_len,
+      key_value_seq_lengths=kv_len,
+      **{**kw, "implementation": implementation},
     )
+
+  # jax.nn's XLA computation of the same call: cuDNN's definition in plain JAX, for forward
+  # mode and for a derivative of the backward, which the kernel has neither of.
+  pure = functools.partial(plain, implementation="xla")
 
   def lse_of(q, k, v, b, mask, q_len, kv_len):
     del v
     return _lse(q, k, b, mask, q_len, kv_len, nn)
 
   try:
-    # No second derivative on this path (pure=None): jax.nn's cuDNN backward has none either.
     return _fused.zero_empty_rows(
       forward,
       plain,
-      None,
+      pure,
       _empty_rows,
       lse_of,
       (call.query, call.key, call.value, g.bias),

@@ -272,21 +272,53 @@ def flash_attention(call, interpret: bool = False):
   return out[:, :T], jnp.transpose(lse, (0, 2, 1))[:, :T]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _flash(plan, ops: Padded):
-  """(out (B, Tp, N, Hv), lse (B, N, Tp) float32) on the padded problem (see `Padded`)."""
-  return _forward(plan, ops)
+  """(out (B, Tp, N, Hv), lse (B, N, Tp) float32) on the padded problem (see `Padded`):
+  differentiable in every mode (`jattn._fused.with_derivatives`): reverse mode by the backward
+  kernels from the saved output and log-sum-exp, forward mode by `_definition`'s jvp."""
+  return _fused.with_derivatives(
+    lambda diff, aux: (_forward(plan, Padded(*diff, *aux)), ()),
+    lambda diff, aux, saved: _definition(plan, Padded(*diff, *aux)),
+    lambda diff, aux, outs, saved, cts: _cotangents(plan, Padded(*diff, *aux), outs, cts),
+    (ops.q, ops.k, ops.v, ops.sinks),
+    (ops.q_ids, ops.kv_ids, ops.info),
+  )
 
 
-def _flash_fwd(plan, ops: Padded):
-  out, lse = _forward(plan, ops)
-  return (out, lse), (ops, out, lse)
+def _cotangents(plan, ops: Padded, outs, cts):
+  out, lse = outs
+  d_out, d_lse = (jnp.zeros_like(x) if ct is None else ct for ct, x in zip(cts, outs))
+  return _backward(plan, ops, out, lse, d_out, d_lse)
 
 
-def _flash_bwd(plan, res, cts):
-  dq, dk, dv, d_sinks = _backward(plan, *res, *cts)
-  # The ids and info are integers: no cotangent.
-  return (Padded(dq, dk, dv, d_sinks, None, None, None),)
+def _definition(plan, ops: Padded):
+  """What the kernels compute, in plain JAX with (Tp, Sp) scores: (out (B, Tp, N, Hv), lse
+  (B, N, Tp)). Forward mode (jvp, jacfwd, linearize) takes its tangent: the Triton kernels have
+  no derivative of their own but the gradient."""
+  q, k, v, sinks, q_ids, kv_ids, _ = ops
+  B, Tp, N, H = q.shape
+  Sp, K = k.shape[1], k.shape[2]
+  G = plan.G
+  f32 = jnp.float32
+  qg = q.reshape(B, Tp, K, G, H).astype(f32)
+  s = jnp.einsum("btkgh,bskh->bkgts", qg, k.astype(f32)) * plan.scale
+  if plan.cap is not None:
+    s = plan.cap * jnp.tanh(s / plan.cap)
+  rows = jnp.arange(Tp).reshape(1, 1, 1, Tp, 1)
+  cols = jnp.arange(Sp).reshape(1, 1, 1, 1, Sp)
+  vis = jnp.ones((1, 1, 1, Tp, Sp), bool)
+  if plan.ids:
+    vis = vis & (q_ids[:, None, None, :, None] == kv_ids[:, None, None, None, :])
+  if plan.lo is not None:
+    vis = vis & (cols >= rows + plan.lo)
+  if plan.hi is not None:
+    vis = vis & (cols <= rows + plan.hi)
+  s = jnp.where(vis, s, NEG)
+  sink = None if sinks is None else sinks.astype(f32).reshape(1, K, G, 1)
+  p, l, m = _softmax.exp_rows(s, sink)
+  out = _softmax.normalize(jnp.einsum("bkgts,bskh->bkgth", p, v.astype(f32)), l, m, 0.0)
+  out = jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(B, Tp, N, -1).astype(q.dtype)
+  return out, _softmax.lse(m, l).reshape(B, N, Tp)
 
 
 def _refuse_derivative(plan, primals, tangents):
@@ -327,9 +359,6 @@ def _backward(plan, ops: Padded, out, lse, d_out, d_lse):
       sinks.reshape(1, K, plan.G, 1), jnp.transpose(lse, (0, 2, 1)), jnp.transpose(delta, (0, 2, 1))
     ).reshape(N)
   return dq, dk, dv, d_sinks
-
-
-_flash.defvjp(_flash_fwd, _flash_bwd)
 
 
 # --------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from typing import NoReturn
 import jax
 import jax.numpy as jnp
 from jax.extend import core as _core
+from jax.interpreters import ad
 from jax.interpreters import ad as _ad
 from jax.interpreters import batching as _batching
 from jax.interpreters import mlir as _mlir
@@ -40,34 +41,51 @@ def missing_input(kernel: str, inputs) -> str | None:
   return None
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
 def zero_empty_rows(forward, plain, pure, empty_rows, lse_of, diff, aux):
   """(out, lse) of ``forward(*diff, *aux)``, with the rows where ``empty_rows(lse)`` holds set
   to 0 (lse NEG); differentiable in ``diff`` (a tuple whose first entry is the query, laid out
-  like the output; None entries are skipped) through ``plain(*diff, *aux) -> out`` and, for the
-  log-sum-exp, ``lse_of(*diff, *aux) -> lse`` (plain JAX; differentiated only where the lse's
-  cotangent is not a symbolic zero: the lse is used, as in a merge of parts). ``aux``: a tuple
-  of arrays without gradient (segment ids).
+  like the output; None entries are skipped) in every mode (`with_derivatives`).
 
-  ``pure`` (same signature as ``plain``, in plain JAX, or None) differentiates the backward
-  itself (a gradient of a gradient): the kernels have no derivative of their own backward, and
-  a platform_dependent call differentiates every platform's branch, so without it a second
-  derivative would fail on every platform, also where the kernel is never lowered."""
+  Reverse mode runs the kernel's own backward: ``plain(*diff, *aux) -> out`` (the kernel's
+  differentiable call) recomputed inside its VJP, with the empty rows' output cotangent zeroed
+  and their query gradient set to 0 (an empty row adds nothing to any gradient), and, where the
+  lse's cotangent is not a symbolic zero (the lse is used, as in a merge of parts),
+  ``lse_of(*diff, *aux) -> lse`` (plain JAX). ``aux``: a tuple of arrays without gradient
+  (segment ids).
+
+  ``pure`` (same signature as ``plain``, in plain JAX) is the kernel's definition: forward mode
+  (jvp, jacfwd, linearize) takes its tangent (with ``lse_of``'s), and a derivative of the
+  backward (a gradient of a gradient) differentiates it, since the kernels have neither. A
+  platform_dependent call differentiates every platform's branch, so without it forward mode
+  would fail on every platform, also where the kernel is never lowered."""
+  kernel = functools.partial(_zeroed_kernel, forward, empty_rows)
+  reference = functools.partial(_reference, pure, lse_of)
+  backward = functools.partial(_zeroed_backward, plain, pure, lse_of)
+  return with_derivatives(kernel, reference, backward, diff, aux)
+
+
+def _zeroed_kernel(forward, empty_rows, diff, aux):
   out, lse = forward(*diff, *aux)
   empty = empty_rows(lse)
   # jattn's log-sum-exp of an empty row is NEG on every path (the kernel's may be -inf or its
   # own sentinel).
+  outs = (
+    jnp.where(empty[..., None], jnp.zeros((), out.dtype), out),
+    jnp.where(empty, jnp.asarray(NEG, lse.dtype), lse),
+  )
+  # Saved as a float array: its tangent is a zero array, which a symbolic shape can have.
+  return outs, (empty.astype(jnp.float32),)
+
+
+def _reference(pure, lse_of, diff, aux, saved):
+  """The kernel's (out, lse) by its plain-JAX definition, empty rows constant (0, NEG)."""
+  empty = saved[0] > 0
+  out, lse = pure(*diff, *aux), lse_of(*diff, *aux)
+  lse = lse.reshape(empty.shape)
   return (
     jnp.where(empty[..., None], jnp.zeros((), out.dtype), out),
     jnp.where(empty, jnp.asarray(NEG, lse.dtype), lse),
   )
-
-
-def _fwd(forward, plain, pure, empty_rows, lse_of, diff, aux):
-  # symbolic_zeros: the primals come wrapped (their .value), the cotangents may be SymbolicZero.
-  diff, aux = jax.tree.map(lambda x: x.value, (diff, aux))
-  out, lse = zero_empty_rows(forward, plain, pure, empty_rows, lse_of, diff, aux)
-  return (out, lse), (diff, aux, empty_rows(lse))
 
 
 def _pullback(fn, diff, given, xs, aux, d_out):
@@ -83,31 +101,36 @@ def _pullback(fn, diff, given, xs, aux, d_out):
   return pull(d_out)
 
 
-def _bwd(forward, plain, pure, empty_rows, lse_of, res, cts):
-  diff, aux, empty = res
+def _zeroed_backward(plain, pure, lse_of, diff, aux, outs, saved, cts):
+  """The cotangents of ``diff`` (None where an entry is None) for those of (out, lse) (None: a
+  symbolic zero), by the kernel's own VJP with the empty rows' cotangents zeroed."""
+  del outs
+  empty = saved[0] > 0
   d_out, d_lse = cts
   zero = lambda x: jnp.where(empty[..., None], jnp.zeros((), x.dtype), x)
   given = [i for i, x in enumerate(diff) if x is not None]
   xs = tuple(diff[i] for i in given)
   shape = [None if x is None else 0 for x in diff]  # the structure, without the arrays
-  if isinstance(d_out, _SymbolicZero):
-    d_out = jnp.zeros(d_out.shape, d_out.dtype)
 
   def pullback(fn):
     return lambda xs, d_out, aux: _pullback(fn, shape, given, xs, aux, d_out)
 
-  if pure is None:
-    grads = pullback(plain)(xs, zero(d_out), aux)
+  if d_out is None:
+    grads = tuple(jnp.zeros_like(x) for x in xs)
   else:
-    grads_of = jax.custom_jvp(pullback(plain))
-    # aux (integer ids) has no tangent: the rule differentiates in xs and d_out only.
-    grads_of.defjvp(
-      lambda primals, tangents: jax.jvp(
-        lambda xs, d: pullback(pure)(xs, d, primals[2]), primals[:2], tangents[:2]
-      )
+    # The kernel's backward has no derivative of its own: differentiated (a gradient of a
+    # gradient, a Hessian), it is the definition's backward that is.
+    defined = lambda diff, aux: tuple(pullback(pure)(diff[:-1], diff[-1], aux))
+    grads = with_derivatives(
+      lambda diff, aux: (tuple(pullback(plain)(diff[:-1], diff[-1], aux)), ()),
+      lambda diff, aux, saved: defined(diff, aux),
+      lambda diff, aux, outs, saved, cts: jax.vjp(lambda d: defined(d, aux), diff)[1](
+        tuple(jnp.zeros_like(o) if c is None else c for c, o in zip(cts, outs))
+      )[0],
+      (*xs, zero(d_out)),
+      aux,
     )
-    grads = grads_of(xs, zero(d_out), aux)
-  if not isinstance(d_lse, _SymbolicZero):
+  if d_lse is not None:
     # d lse / d logits = P: the lse's own gradient, from the plain computation of it (empty
     # rows' lse is a constant).
     d_lse = jnp.where(empty, jnp.zeros((), d_lse.dtype), d_lse)
@@ -115,11 +138,165 @@ def _bwd(forward, plain, pure, empty_rows, lse_of, res, cts):
     grads = jax.tree.map(jnp.add, tuple(grads), tuple(pullback(lse_like)(xs, d_lse, aux)))
   grads = dict(zip(given, grads))
   grads[0] = zero(grads[0])
-  return tuple(grads.get(i) for i in range(len(diff))), tuple(None for _ in aux)
+  return tuple(grads.get(i) for i in range(len(diff)))
 
 
-_SymbolicZero = jax.custom_derivatives.SymbolicZero
-zero_empty_rows.defvjp(_fwd, _bwd, symbolic_zeros=True)
+# --------------------------------------------------------------------------------------------
+# A kernel with a reverse mode of its own and forward mode from its plain-JAX definition.
+# --------------------------------------------------------------------------------------------
+#
+# JAX gives a function a custom JVP or a custom VJP, not both (jax#3996), and cannot run a
+# custom VJP forwards: a fused kernel with only a VJP fails under jvp, jacfwd, hessian and
+# linearize -- and inside `platform_dependent`, whose every branch is differentiated, it fails
+# on every platform. So, as for jattn's chunked kernels (`jattn._chunked.derivatives`), the
+# kernel is a custom JVP whose tangent is a primitive linear in the operands' tangents:
+# evaluating it is forward mode (the jvp of the kernel's plain-JAX definition); transposing it
+# is the kernel's own backward, from the residuals the forward saved (reverse mode is what it
+# was: no extra forward kernel).
+
+
+def with_derivatives(kernel, reference, backward, diff, aux):
+  """``kernel(diff, aux)``'s outputs, differentiable in ``diff`` in every mode.
+
+  ``kernel(diff, aux) -> (outs, saved)``: outs a tuple of float arrays (the call's outputs),
+  saved a tuple of float arrays the backward reads that have no derivative (masks as 0/1: their
+  tangent is zero).
+  ``reference(diff, aux, saved) -> outs``: the same outputs in plain JAX (forward mode is its
+  jvp). ``backward(diff, aux, outs, saved, cts) -> the cotangents of diff``: cts one per out,
+  None for a symbolic zero; None for a None entry of diff. ``diff``, ``aux``: tuples of arrays or
+  None (aux without gradient)."""
+  return _differentiable(kernel, reference, backward)(tuple(diff), tuple(aux))[0]
+
+
+class _Rule:
+  """What the tangent primitive knows besides its operands (hashed by identity): the three
+  functions, the operands' trees and how many of each kind of leaf there are."""
+
+  def __init__(self, kernel, reference, backward, diff, aux, n_outs, n_saved):
+    self.kernel, self.reference, self.backward = kernel, reference, backward
+    self.diff_tree = jax.tree.structure(diff)
+    self.aux_tree = jax.tree.structure(aux)
+    self.n_diff, self.n_aux = self.diff_tree.num_leaves, self.aux_tree.num_leaves
+    self.n_outs, self.n_saved = n_outs, n_saved
+
+  @property
+  def n_primal(self) -> int:
+    return self.n_diff + self.n_aux + self.n_outs + self.n_saved
+
+  def split(self, args):
+    """Operands -> (diff, aux, outs, saved, tangents of diff's leaves)."""
+    n = [self.n_diff, self.n_aux, self.n_outs, self.n_saved]
+    at = [sum(n[:i]) for i in range(5)]
+    diff = jax.tree.unflatten(self.diff_tree, list(args[: at[1]]))
+    aux = jax.tree.unflatten(self.aux_tree, list(args[at[1] : at[2]]))
+    return diff, aux, tuple(args[at[2] : at[3]]), tuple(args[at[3] : at[4]]), args[at[4] :]
+
+  def tangent(self, *args):
+    diff, aux, outs, saved, dots = self.split(args)
+    leaves = jax.tree.leaves(diff)
+    f = lambda leaves: self.reference(jax.tree.unflatten(self.diff_tree, leaves), aux, saved)
+    _, d_outs = jax.jvp(f, (leaves,), (list(dots),))
+    return [d.astype(o.dtype) for d, o in zip(d_outs, outs)]
+
+  def transpose(self, cts, *args):
+    diff, aux, outs, saved, _ = self.split(args)
+    grads = self.backward(diff, aux, outs, saved, tuple(cts))
+    leaves = jax.tree.leaves(diff)
+    got = self.diff_tree.flatten_up_to(tuple(grads))
+    return [jnp.zeros_like(x) if g is None else g.astype(x.dtype) for g, x in zip(got, leaves)]
+
+
+def _differentiable(kernel, reference, backward):
+  """The custom JVP around ``kernel``: (diff, aux) -> (outs, saved)."""
+
+  @jax.custom_jvp
+  def fn(diff, aux):
+    outs, saved = kernel(diff, aux)
+    return tuple(outs), tuple(saved)
+
+  @fn.defjvp
+  def fn_jvp(primals, tangents):
+    diff, aux = primals
+    outs, saved = fn(diff, aux)  # under an outer forward mode, differentiated the same way
+    rule = _Rule(kernel, reference, backward, diff, aux, len(outs), len(saved))
+    dots = [ad.instantiate_zeros(t) for t in jax.tree.leaves(tangents[0])]
+    args = [*jax.tree.leaves(diff), *jax.tree.leaves(aux), *outs, *saved, *dots]
+    avals = tuple(jax.typeof(x) for x in outs)
+    d_outs = _tangent_p.bind(*args, rule=rule, sizes=(), avals=avals)
+    zeros = tuple(jnp.zeros_like(x) for x in saved)
+    return (outs, saved), (tuple(d_outs), zeros)
+
+  return fn
+
+
+def _vmapped(fn, sizes):
+  """``fn`` vmapped once per batching level, every operand mapped along its leading axis."""
+  for _ in sizes:
+    fn = jax.vmap(fn)
+  return fn
+
+
+_tangent_p = _core.Primitive("jattn_fused_tangent")
+_tangent_p.multiple_results = True
+
+
+def _evaluate(*args, rule: _Rule, sizes, avals):
+  return _vmapped(rule.tangent, sizes)(*args)
+
+
+def _transpose(cts, *args, rule: _Rule, sizes, avals):
+  n = rule.n_primal
+  assert not any(ad.is_undefined_primal(x) for x in args[:n])
+  given = [None if type(ct) is ad.Zero else ct for ct in cts]
+  if all(ct is None for ct in given):
+    return [None] * len(args)
+  if sizes:
+    # Under vmap the backward sees every operand batched: symbolic zeros become real ones.
+    given = [
+      jnp.zeros(a.shape, a.dtype) if ct is None else ct
+      for ct, a in zip(given, _batched(avals, sizes))
+    ]
+  back = lambda *a: rule.transpose(a[n:], *a[:n])
+  return [None] * n + list(_vmapped(back, sizes)(*args[:n], *given))
+
+
+def _batched(avals, sizes):
+  # Each batching level moved its axis to the front: the latest level's size comes first.
+  return [jax.core.ShapedArray(tuple(reversed(sizes)) + tuple(a.shape), a.dtype) for a in avals]
+
+
+def _batch(args, dims, *, rule: _Rule, sizes, avals):
+  size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
+  args = [
+    jnp.broadcast_to(x, (size, *x.shape)) if d is None else jnp.moveaxis(x, d, 0)
+    for x, d in zip(args, dims)
+  ]
+  out = _tangent_p.bind(*args, rule=rule, sizes=(*sizes, size), avals=avals)
+  return out, [0] * len(out)
+
+
+def _jvp(primals, tangents, *, rule: _Rule, sizes, avals):
+  # Linear in its tangent operands; through the others, forward mode of the reference's
+  # tangent, which a reverse mode over it (grad of a jvp) can transpose.
+  n = rule.n_primal
+  params = dict(rule=rule, sizes=sizes, avals=avals)
+  out = _tangent_p.bind(*primals, **params)
+  linear = _tangent_p.bind(*primals[:n], *map(ad.instantiate_zeros, tangents[n:]), **params)
+  walk = lambda *p: _evaluate(*p, *primals[n:], **params)
+  _, through = jax.jvp(walk, tuple(primals[:n]), tuple(map(ad.instantiate_zeros, tangents[:n])))
+  return out, [a + b for a, b in zip(linear, through)]
+
+
+def _abstract_batched(*args, rule: _Rule, sizes, avals):
+  return _batched(avals, sizes)
+
+
+_tangent_p.def_impl(_evaluate)
+_tangent_p.def_abstract_eval(_abstract_batched)
+_mlir.register_lowering(_tangent_p, _mlir.lower_fun(_evaluate, multiple_results=True))
+_ad.primitive_jvps[_tangent_p] = _jvp
+_ad.primitive_transposes[_tangent_p] = _transpose
+_batching.primitive_batchers[_tangent_p] = _batch
 
 
 # --------------------------------------------------------------------------------------------
@@ -153,40 +330,39 @@ def _unavailable_batched(args, dims, *, avals, message):
 
 
 def _unavailable_jvp(primals, tangents, *, avals, message):
-  # Never evaluated (its primal fails to lower): zero tangents let a gradient of a gradient
-  # trace through the branch.
-  del tangents
+  # Never evaluated (its primal fails to lower): tangents that fail the same way (a program
+  # that keeps only the tangent must not lower to zeros), linear in the operands' tangents so
+  # that reverse mode can transpose them.
   out = _unavailable_p.bind(*primals, avals=avals, message=message)
-  return out, [jnp.zeros(shape, dtype) for shape, dtype in avals]
+  dots = [_ad.instantiate_zeros(t) for t in tangents]
+  return out, _unavailable_p.bind(*primals, *dots, avals=avals, message=message)
+
+
+def _unavailable_transpose(cts, *args, avals, message):
+  known = [x for x in args if not _ad.is_undefined_primal(x)]
+  cts = [_ad.instantiate_zeros(ct) for ct in cts]
+  return [
+    _unavailable_p.bind(*known, *cts, avals=((x.aval.shape, x.aval.dtype),), message=message)[0]
+    if _ad.is_undefined_primal(x)
+    else None
+    for x in args
+  ]
 
 
 _unavailable_p.def_abstract_eval(_unavailable_abstract)
 _ad.primitive_jvps[_unavailable_p] = _unavailable_jvp
+_ad.primitive_transposes[_unavailable_p] = _unavailable_transpose
 _mlir.register_lowering(_unavailable_p, _unavailable_lowering)
 _batching.primitive_batchers[_unavailable_p] = _unavailable_batched
 
 
 def unavailable(message: str, like, *operands):
   """Arrays shaped like the pytree ``like`` (abstract values) whose lowering raises
-  NotImplementedError(``message``); differentiable in ``operands`` (their cotangents lower to
-  the same error)."""
+  NotImplementedError(``message``); differentiable in ``operands`` in every mode (their
+  tangents and cotangents lower to the same error)."""
   leaves, tree = jax.tree.flatten(like)
   avals = tuple((tuple(x.shape), jnp.dtype(x.dtype)) for x in leaves)
-
-  @jax.custom_vjp
-  def stand_in(*xs):
-    return _unavailable_p.bind(*xs, avals=avals, message=message)
-
-  def fwd(*xs):
-    return stand_in(*xs), xs
-
-  def bwd(xs, cts):
-    del cts
-    back = tuple((tuple(x.shape), jnp.dtype(x.dtype)) for x in xs)
-    return tuple(_unavailable_p.bind(*xs, avals=back, message=message))
-
-  stand_in.defvjp(fwd, bwd)
-  return jax.tree.unflatten(tree, stand_in(*operands))
+  return jax.tree.unflatten(tree, _unavailable_p.bind(*operands, avals=avals, message=message))
 
 
 def only_on(platform: str, go, call, message: str):

@@ -31,12 +31,9 @@ else:
 import jax
 import pytest
 
-import jattn
-
 # The cost table (--jattn-costs): its hooks are this conftest's.
 from _costs import (  # noqa: F401
   pytest_addoption,
-  pytest_configure as _costs_configure,
   pytest_runtest_logreport,
   pytest_runtest_makereport,
   pytest_runtest_protocol,
@@ -44,6 +41,11 @@ from _costs import (  # noqa: F401
   pytest_terminal_summary,
   pytest_testnodedown,
 )
+from _costs import (
+  pytest_configure as _costs_configure,
+)
+
+import jattn
 
 # The suite tests the jattn this process imports: the installed package (CI runs it from tests/,
 # so the checkout is not on the path) or a checkout on PYTHONPATH. Subprocess tests (ring and

@@ -162,9 +162,9 @@ def test_decode_cache_with_every_is_causal_option(api, is_causal):
     full = full_layer(x, mask=nn.make_causal_mask(x[..., 0]))
     run = lambda: _decode_nnx(fn, x)
   else:
-    params = nn.MultiHeadDotProductAttention(num_heads=N, decode=True).init(
-      jax.random.key(3), x
-    )["params"]
+    params = nn.MultiHeadDotProductAttention(num_heads=N, decode=True).init(jax.random.key(3), x)[
+      "params"
+    ]
     full = nn.MultiHeadDotProductAttention(num_heads=N).apply(
       {"params": params}, x, mask=nn.make_causal_mask(x[..., 0])
     )

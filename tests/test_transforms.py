@@ -215,3 +215,123 @@ def test_grad_and_jvp_under_remat_and_scan(wrap):
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
   got, want = jax.jvp(layer(impl), x, x)[1], jax.jvp(layer(dense), x, x)[1]
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------
+# Forward mode with implementation=None: the fused kernels' branches of the platform switch
+# (splash for a TPU, cuDNN or pallas_gpu for a GPU) are traced on every platform, so each must
+# have a forward-mode rule (its plain-JAX definition's tangent), also where it is not lowered.
+# --------------------------------------------------------------------------------------------
+
+DEFAULT_CASES = {
+  "plain": dict(),
+  "causal": dict(is_causal=True),
+  "soft_cap": dict(logits_soft_cap=3.0),
+}
+
+
+def _small(seed=3, T=24, N=4, K=2, H=8):
+  ks = jax.random.split(jax.random.key(seed), 4)
+  q = jax.random.normal(ks[0], (1, T, N, H))
+  k = jax.random.normal(ks[1], (1, T, K, H))
+  v = jax.random.normal(ks[2], (1, T, K, H))
+  return q, k, v, jax.random.normal(ks[3], q.shape)
+
+
+def _default_and_dense(kw):
+  return (
+    functools.partial(jattn.dot_product_attention, **kw),
+    functools.partial(jattn.dot_product_attention, implementation="dense", **kw),
+  )
+
+
+@pytest.mark.parametrize("case", DEFAULT_CASES)
+def test_forward_mode_with_the_default_implementation(case):
+  """jacfwd, hessian (also in a traced scale), vmap of jvp and linearize then vmap, with
+  implementation=None, equal the same transforms of dense (float32, tested against float64
+  above)."""
+  q, k, v, w = _small()
+  default, dense = _default_and_dense(DEFAULT_CASES[case])
+  for attend in (default, dense):
+    assert attend(q, k, v).shape == q.shape
+  got, want = {}, {}
+  for name, attend in (("default", default), ("dense", dense)):
+    r = got if name == "default" else want
+    loss = lambda q, scale: jnp.vdot(attend(q, k, v, scale=scale), w[:, : q.shape[1]])
+    r["jacfwd"] = jax.jit(jax.jacfwd(lambda q: attend(q, k, v)[0, :3, 0]))(q)
+    r["hessian"] = jax.jit(jax.hessian(loss, argnums=(0, 1)))(q[:, :6], jnp.float32(0.4))
+    tangents = jnp.stack([q, w, -q])
+    r["vmap_jvp"] = jax.vmap(lambda t: jax.jvp(lambda q: attend(q, k, v), (q,), (t,))[1])(tangents)
+    _, lin = jax.linearize(lambda q: attend(q, k, v), q)
+    r["linearize_vmap"] = jax.vmap(lin)(tangents)
+  for name in want:
+    for g, x in zip(jax.tree.leaves(got[name]), jax.tree.leaves(want[name])):
+      np.testing.assert_allclose(g, x, atol=2e-5, rtol=2e-5, err_msg=name)
+
+
+def test_jacfwd_through_the_nnx_layer_with_the_default_implementation():
+  x = jax.random.normal(jax.random.key(1), (1, 12, 16))
+  from flax import nnx
+
+  m = jattn.nnx.MultiHeadAttention(num_heads=2, in_features=16, is_causal=True, rngs=nnx.Rngs(0))
+  got = jax.jacfwd(lambda x: m(x)[0, -1])(x)
+  want = jax.jacrev(lambda x: m(x)[0, -1])(x)
+  np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("case", DEFAULT_CASES)
+def test_forward_mode_exported_for_tpu_and_cuda(case):
+  """The programs a TPU and a GPU get from this CPU: jacfwd and hessian with
+  implementation=None lower for tpu (splash in them, its tangent the definition's) and for cuda
+  (where cuDNN cannot be traced without a GPU, jattn's kernels). One program for several
+  platforms at once cannot hold a Pallas TPU kernel (Pallas lowers it for every platform); the
+  CPU's program is checked against dense above."""
+  q, k, v, w = _small()
+  default, _ = _default_and_dense(DEFAULT_CASES[case])
+  fns = {
+    "jacfwd": (lambda q: default(q, k, v)[0, :3, 0], q),
+    "hessian": (jax.hessian(lambda q: jnp.vdot(default(q, k, v), w[:, :6])), q[:, :6]),
+    "vmap_jvp": (
+      lambda q: jax.vmap(lambda t: jax.jvp(lambda q: default(q, k, v), (q,), (t,))[1])(
+        jnp.stack([q, w])
+      ),
+      q,
+    ),
+  }
+  for name, (fn, x) in fns.items():
+    fn = jax.jacfwd(fn) if name == "jacfwd" else fn
+    tpu = jax.export.export(jax.jit(fn), platforms=["tpu"])(x)
+    assert "tpu_custom_call" in tpu.mlir_module(), name  # splash's kernels
+    cuda = jax.export.export(jax.jit(fn), platforms=["cuda"])(x)
+    assert cuda.out_avals == tpu.out_avals, name
+
+
+@pytest.mark.parametrize("kernel", ["splash", "pallas_gpu"])
+def test_fused_kernels_forward_mode_and_hessian_in_interpret_mode(kernel):
+  """The fused kernels as a TPU and a GPU run them (Pallas's interpret mode): jvp takes the
+  definition's tangent, reverse mode the kernel's backward, a Hessian both (splash: its
+  backward differentiated through the definition); each equals dense. pallas_gpu's backward has
+  no derivative: a Hessian is refused naming it."""
+  from jax.experimental.pallas import tpu as pltpu
+
+  q, k, v, w = _small(T=20, H=16)  # Triton: head sizes of 16 or more
+  kw = dict(is_causal=True, logits_soft_cap=4.0)
+  ctx = pltpu.force_tpu_interpret_mode if kernel == "splash" else jattn._paged_gpu.interpret_mode
+  fused = functools.partial(jattn.dot_product_attention, implementation=kernel, **kw)
+  dense = functools.partial(jattn.dot_product_attention, implementation="dense", **kw)
+  with ctx():
+    for name, run in (
+      ("jvp", lambda f: jax.jvp(lambda q, k: f(q, k, v), (q, k), (w, -k))),
+      ("grad", lambda f: jax.grad(lambda q, v: jnp.vdot(f(q, k, v), w), (0, 1))(q, v)),
+    ):
+      got, want = jax.jit(lambda: run(fused))(), jax.jit(lambda: run(dense))()
+      for g, x in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(g, x, atol=2e-5, rtol=2e-5, err_msg=name)
+    hessian = lambda f: jax.hessian(lambda q: jnp.vdot(f(q[None], k, v), w[:, :4]))(q[0, :4])
+    if kernel == "pallas_gpu":
+      with pytest.raises(NotImplementedError, match="implementation='pallas_gpu'"):
+        jax.jit(lambda: hessian(fused))()
+    else:
+      np.testing.assert_allclose(
+        jax.jit(lambda: hessian(fused))(), jax.jit(lambda: hessian(dense))(), atol=2e-5, rtol=2e-5
+      )

@@ -182,7 +182,9 @@ def test_new_lengths_is_checked():
   k = jnp.ones((2, 2, K, H))
   table = np.array([[0, 1], [2, 3]], np.int32)
   lens = np.array([2, 1])
-  with pytest.raises(ValueError, match=re.escape("new_lengths[1]=2 must be in [0, T=2] and at most kv_lengths[1]=1")):
+  with pytest.raises(
+    ValueError, match=re.escape("new_lengths[1]=2 must be in [0, T=2] and at most kv_lengths[1]=1")
+  ):
     jattn.write_pages(kp, vp, table, lens, k, k, new_lengths=np.array([1, 2]))
   with pytest.raises(ValueError, match=re.escape("new_lengths[0]=3 must be in [0, T=2]")):
     jattn.write_pages(kp, vp, table, lens, k, k, new_lengths=np.array([3, 0]))
