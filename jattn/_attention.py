@@ -70,8 +70,9 @@ def dot_product_attention(
       ``"bottom_right"`` (query i sees keys <= i + S - T: the last query aligns with the last
       key, as when decoding with a KV cache or prefilling in chunks). The alignment also sets
       the diagonal that ``local_window_size`` is measured from.
-    query_seq_lengths: int (B,) valid query lengths; rows past it output 0.
-    key_value_seq_lengths: int (B,) valid key/value lengths.
+    query_seq_lengths: int (B,) valid query lengths, >= 0; rows at and past it output 0. A
+      length above T means all T rows (jax.nn's reading); a known negative one raises.
+    key_value_seq_lengths: int (B,) valid key/value lengths, >= 0 (above S: all S keys).
     local_window_size: ``w`` or ``(left, right)``: query i sees keys in [i - left, i + right]
       (relative to the causal diagonal when ``is_causal="bottom_right"``).
     q_segment_ids: int (B, T) packed-document ids; a query sees only keys with an equal id.

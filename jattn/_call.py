@@ -58,6 +58,8 @@ class Given(NamedTuple):
       name = _ARGUMENT_NAMES.get(field, field)
       what = "a boolean array or a jattn.masks object" if field == "mask" else "an array"
       _validation.as_array(name, x, what)
+    _validation.known_lengths("query_seq_lengths", self.q_lengths)
+    _validation.known_lengths("key_value_seq_lengths", self.kv_lengths)
     return self
 
 
@@ -309,7 +311,7 @@ def options(kw: Keywords, *, tuned=True):
     schedule=_validation.one_of("schedule", kw.schedule, _validation.SCHEDULES + (None,)),
     step_width=_validation.positive_int("step_width", kw.step_width, optional=True),
     return_residual=_validation.flag("return_residual", kw.return_residual),
-    score_mod=_validation.callable_or_none("score_mod", kw.score_mod),
+    score_mod=_validation.score_function("score_mod", kw.score_mod),
     return_max_logits=_validation.flag("return_max_logits", kw.return_max_logits),
   )
   if tuned and opts.tunable():

@@ -102,7 +102,7 @@ def make_attention_fn(
     local_window_size=_validation.window(local_window_size),
     logits_soft_cap=_validation.soft_cap(logits_soft_cap),
     scale=_validation.scale(scale),
-    score_mod=_validation.callable_or_none("score_mod", score_mod),
+    score_mod=_validation.score_function("score_mod", score_mod),
   )
   causal_option = _validation.causal(is_causal)
 

@@ -161,6 +161,10 @@ def _destinations(
     # A row's sequence: the sound one whose run holds it. A faulty sequence's offsets (a start
     # out of order) must not move a sound sequence's rows, so runs are matched, not counted.
     own = (qs[None, :-1] <= r) & (r < qs[None, 1:]) & ~bad[None, :]  # (total, B)
+    if B == 0:  # no sequences: every row is padding (argmax has nothing to reduce)
+      return _pool.slots(
+        jnp.zeros((1, 1), jnp.int32), r[:, 0] * 0, r[:, 0], jnp.zeros(r.shape[:1], bool), g.P, 1
+      )
     seq = jnp.argmax(own, axis=1).astype(jnp.int32)
     live = own.any(axis=1)
     within = r[:, 0] - qs[seq]

@@ -287,8 +287,22 @@ def paged_attention(
     )
     if st.tree:
       _checkify_tree(st, arrays)
-  out, lse = _attend(st, arrays)
+  if concrete(st.cfg.B) and st.cfg.B * st.rows == 0:
+    out, lse = _nothing_to_attend(st, arrays.query)
+  else:
+    out, lse = _attend(st, arrays)
   return (out, lse) if return_residual else out
+
+
+def _nothing_to_attend(st: _Static, query):
+  """No sequences (B = 0) or no query rows: every row there is (ragged rows past
+  query_start[0] = 0) belongs to no sequence, output 0 and log-sum-exp NEG, as documented."""
+  N = st.cfg.K * st.cfg.G
+  lead = query.shape[:-2]
+  return (
+    jnp.zeros(lead + (N, st.Hv), st.dtype),
+    jnp.full(lead + (N,), _softmax.NEG, _tile.stat_dtype(st.dtype)),
+  )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -780,7 +794,7 @@ def _check(given: _Arrays, opts: _Options, latent_dim=None) -> tuple[_Static, _A
   tree = _check_tree(given.new_token_mask, mask_given, metadata[2], (B, rows, ragged))
   # Ragged tiles hold at most 16 rows (a sequence's rows fill one tile, the rest pad it);
   # padded queries one tile per sequence of all T rows.
-  tq = min(16, rows) if ragged else rows
+  tq = max(1, min(16, rows) if ragged else rows)
   scale, causal, window, soft_cap = _score_options(H, opts)
   cfg = _tile.Config(
     B=B,

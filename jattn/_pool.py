@@ -279,8 +279,8 @@ def scale_kind(name, scale, pages, dtype, dims, K):
   if not quantized:
     if pages.dtype != dtype:
       raise TypeError(
-        f"{pages_name} must have the query's dtype {dtype} or be int8 / float8 "
-        f"(with {name}), got {pages.dtype}"
+        f"query and {pages_name} must have one dtype (or the pages int8 / float8 with "
+        f"{name}): query.dtype={dtype}, {pages_name}.dtype={pages.dtype}; cast one of them"
       )
     if scale is not None:
       raise ValueError(f"{name} is for int8 / float8 pages; {pages_name} are {pages.dtype}")

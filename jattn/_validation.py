@@ -27,6 +27,7 @@ one. The option checks (`scale`, `causal`, `window`, `soft_cap`, `dropout`, `imp
 
 from __future__ import annotations
 
+import inspect
 import numbers
 import typing
 
@@ -194,6 +195,27 @@ def callable_or_none(name: str, value):
   return function(name, value, optional=True)
 
 
+def score_function(name: str, value):
+  """A score_mod: None, or a function that takes (score, batch, head, q_index, kv_index); else
+  a TypeError naming it and that signature (Python's own says only how many arguments it
+  got, from deep inside a trace)."""
+  fn = callable_or_none(name, value)
+  if fn is None:
+    return None
+  try:
+    signature = inspect.signature(fn)
+  except (TypeError, ValueError):  # a builtin without a signature: let the call tell
+    return fn
+  try:
+    signature.bind(*range(5))
+  except TypeError as e:
+    raise TypeError(
+      f"{name} must take five positional arguments, f(score, batch, head, q_index, kv_index) "
+      f"-> score, got {getattr(fn, '__name__', type(fn).__name__)}{signature} ({e})"
+    ) from None
+  return fn
+
+
 def instance(name: str, value, types, expected: str):
   """``isinstance(value, types)``, else TypeError ("{name} must be {expected}, got ...")."""
   if not isinstance(value, types):
@@ -234,7 +256,11 @@ def as_array(name, x, expected):
 
 
 def float_array(name: str, x):
-  """An array (or array-like) with a floating dtype, else TypeError."""
+  """An array (or array-like) with a floating dtype, else TypeError. A NumPy array becomes a
+  jax array as ``jax.jit`` would make it (float64 is float32 unless x64 is on): NumPy's default
+  float64 must not set the dtype of a call that is not jitted at its entry."""
+  if isinstance(x, np.ndarray):
+    x = jnp.asarray(x)
   x = as_array(name, x, "a floating array")
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise TypeError(f"{name} must have a floating dtype, got {name}.dtype={x.dtype}")
@@ -412,6 +438,26 @@ def mask_array(x, shape):
       f"got dtype {x.dtype}; pass additive masks as bias"
     )
   return broadcastable("mask", jnp.asarray(x), shape, "(B, N, T, S)")
+
+
+def known_lengths(name: str, x) -> None:
+  """Lengths known now (not traced) must not be negative: ValueError naming the argument, the
+  first bad entry and its value. A length above the sequence means the whole sequence, as in
+  jax.nn (it only hides positions at and past it)."""
+  if x is None or isinstance(x, jax.core.Tracer):
+    return
+  try:
+    values = np.asarray(x)
+  except (TypeError, ValueError):
+    return  # not an array: the dtype and shape checks name it
+  if values.dtype.kind not in "iu" or values.ndim != 1:
+    return
+  bad = np.flatnonzero(values < 0)
+  if bad.size:
+    i = int(bad[0])
+    raise ValueError(
+      f"{name} must be >= 0 (a valid length per example), got {name}[{i}]={int(values[i])}"
+    )
 
 
 def int_vector(name, x, B, *, checked=False):

@@ -97,3 +97,31 @@ def test_empty_sequences_keep_their_clear_error(impl, T, S):
   q, k = jnp.ones((1, T, 2, 8)), jnp.ones((1, S, 2, 8))
   with pytest.raises(ValueError, match="empty attention"):
     jattn.dot_product_attention(q, k, k, implementation=impl)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize(
+  "form,rows",
+  [("padded", None), ("ragged", 0), ("ragged", 2)],
+  ids=["padded", "ragged0", "ragged2"],
+)
+def test_paged_calls_without_sequences(form, rows, jit):
+  """paged_attention and write_pages with B = 0 (an engine step with no running request): empty
+  outputs; ragged rows past query_start[0] = 0 belong to no sequence (output 0, lse NEG) and
+  write nothing."""
+  P, PS, K, H, N = 4, 4, 2, 8, 4
+  pool = jnp.arange(P * PS * K * H, dtype=jnp.float32).reshape(P, PS, K, H)
+  table, lens = np.zeros((0, 2), np.int32), np.zeros((0,), np.int32)
+  kw = {} if form == "padded" else dict(query_start=np.array([0]))
+  q = jnp.ones((0, 3, N, H) if form == "padded" else (rows, N, H))
+  new = jnp.ones(q.shape[:-2] + (K, H))
+  attend = jax.jit(jattn.paged_attention, static_argnames="return_residual") if jit else None
+  attend = attend or jattn.paged_attention
+  out, lse = attend(q, pool, pool + 1, table, lens, return_residual=True, **kw)
+  assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == q.shape[:-1]
+  np.testing.assert_array_equal(out, 0.0)
+  assert (np.asarray(lse) < -1e30).all()
+  write = jax.jit(jattn.write_pages) if jit else jattn.write_pages
+  written = write(pool, pool + 1, table, lens, new, new, **kw)
+  np.testing.assert_array_equal(written.key_pages, pool)
+  np.testing.assert_array_equal(written.value_pages, pool + 1)

@@ -915,3 +915,54 @@ def test_an_argument_of_the_wrong_python_type_is_named(keyword, value, name):
   ):
     with pytest.raises(TypeError, match=f"^{name} must be"):
       f(q, q, q, **{keyword: value}, **extra)
+
+
+def test_a_numpy_float64_query_is_a_float32_call_as_under_jit():
+  """NumPy's default dtype is float64: paged_attention (not jitted at its entry) takes it as
+  jax.jit takes it, float32 without x64, like dot_product_attention."""
+  kp = jnp.ones((4, 4, 2, 8), jnp.float32)
+  q = np.random.default_rng(0).normal(size=(1, 1, 4, 8))
+  out = jattn.paged_attention(q, kp, kp + 1, np.array([[0, 1]]), np.array([3]))
+  assert out.dtype == jnp.float32
+  np.testing.assert_allclose(out, 2.0, rtol=1e-6)
+  with pytest.raises(
+    TypeError, match=r"query and key_pages must have one dtype .*query.dtype=bfloat16"
+  ):
+    jattn.paged_attention(q.astype(jnp.bfloat16), kp, kp + 1, np.array([[0, 1]]), np.array([3]))
+
+
+@pytest.mark.parametrize(
+  "call",
+  [
+    lambda x, n: jattn.dot_product_attention(x, x, x, key_value_seq_lengths=n),
+    lambda x, n: jattn.dot_product_attention(x, x, x, query_seq_lengths=n),
+    lambda x, n: jattn.dot_product_attention(x, x, x, mask=jattn.masks.lengths(kv_lengths=n)),
+    lambda x, n: jattn.attention_received(x, x, key_value_seq_lengths=n),
+  ],
+  ids=["kv", "q", "mask", "received"],
+)
+def test_a_known_negative_length_is_refused(call):
+  x = jnp.ones((2, 4, 2, 8))
+  with pytest.raises(ValueError, match=r"lengths.* must be >= 0 .*\[1\]=-2"):
+    call(x, np.array([3, -2], np.int32))
+  # Above the sequence: all of it, as jax.nn reads it.
+  np.testing.assert_allclose(
+    jattn.dot_product_attention(x, x, x, key_value_seq_lengths=np.array([9, 4], np.int32)),
+    jax.nn.dot_product_attention(x, x, x, key_value_seq_lengths=np.array([9, 4], np.int32)),
+    rtol=1e-6,
+  )
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_a_score_mod_of_the_wrong_arity_is_named(jit):
+  x = jnp.ones((1, 4, 2, 8))
+  call = lambda x: jattn.dot_product_attention(x, x, x, score_mod=lambda s, b: s)
+  with pytest.raises(TypeError, match=r"score_mod must take five positional arguments"):
+    (jax.jit(call) if jit else call)(x)
+  with pytest.raises(TypeError, match=r"score_mod must take five"):
+    jattn.make_attention_fn(score_mod=lambda s, b, h: s)
+  # Defaults and *args are fine.
+  ok = lambda s, *idx: s
+  np.testing.assert_array_equal(
+    jattn.dot_product_attention(x, x, x, score_mod=ok), jattn.dot_product_attention(x, x, x)
+  )

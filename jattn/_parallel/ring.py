@@ -526,7 +526,7 @@ def ring_attention(
     kv_positions=kv_positions,
   )
   offsets = (jnp.asarray(batch0, jnp.int32), jnp.asarray(head0, jnp.int32))
-  return _ring_attention(given, mask, offsets, opts=opts)
+  return _ring_attention(given.passable(), mask, offsets, opts=opts)
 
 
 @functools.partial(jax.jit, static_argnames=("opts",))

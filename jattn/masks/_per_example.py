@@ -68,11 +68,13 @@ _register(_Lengths, data_fields=("q_lengths", "kv_lengths"))
 
 
 def lengths(q_lengths: ArrayLike | None = None, kv_lengths: ArrayLike | None = None) -> Mask:
-  """Padding mask from per-example valid lengths, int arrays of shape (B,)."""
-  return _Lengths(
-    _int_array("masks.lengths: q_lengths", q_lengths),
-    _int_array("masks.lengths: kv_lengths", kv_lengths),
-  )
+  """Padding mask from per-example valid lengths, int arrays of shape (B,), >= 0 (a length
+  past the sequence means all of it)."""
+  q = _int_array("masks.lengths: q_lengths", q_lengths)
+  kv = _int_array("masks.lengths: kv_lengths", kv_lengths)
+  _validation.known_lengths("masks.lengths: q_lengths", q)
+  _validation.known_lengths("masks.lengths: kv_lengths", kv)
+  return _Lengths(q, kv)
 
 
 def _int_array(name, x):
