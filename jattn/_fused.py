@@ -18,12 +18,11 @@ from typing import NoReturn
 import jax
 import jax.numpy as jnp
 from jax.extend import core as _core
-from jax.interpreters import ad
 from jax.interpreters import ad as _ad
 from jax.interpreters import batching as _batching
 from jax.interpreters import mlir as _mlir
 
-from jattn import _plan
+from jattn import _linear_tangent, _plan
 from jattn._tile import NEG
 
 
@@ -41,7 +40,7 @@ def missing_input(kernel: str, inputs) -> str | None:
   return None
 
 
-def zero_empty_rows(forward, plain, pure, empty_rows, lse_of, diff, aux):
+def zero_empty_rows(forward, plain, pure, empty_rows, lse_of, diff, aux, *, int32=False):
   """(out, lse) of ``forward(*diff, *aux)``, with the rows where ``empty_rows(lse)`` holds set
   to 0 (lse NEG); differentiable in ``diff`` (a tuple whose first entry is the query, laid out
   like the output; None entries are skipped) in every mode (`with_derivatives`).
@@ -57,10 +56,15 @@ def zero_empty_rows(forward, plain, pure, empty_rows, lse_of, diff, aux):
   (jvp, jacfwd, linearize) takes its tangent (with ``lse_of``'s), and a derivative of the
   backward (a gradient of a gradient) differentiates it, since the kernels have neither. A
   platform_dependent call differentiates every platform's branch, so without it forward mode
-  would fail on every platform, also where the kernel is never lowered."""
+  would fail on every platform, also where the kernel is never lowered.
+
+  ``int32``: the kernel's forward and backward are traced with jax_enable_x64 off (Mosaic's
+  TPU kernels take no 64-bit integers, which x64 makes of Python's in their index arithmetic)."""
+  if int32:
+    forward = _without_x64(forward)
   kernel = functools.partial(_zeroed_kernel, forward, empty_rows)
   reference = functools.partial(_reference, pure, lse_of)
-  backward = functools.partial(_zeroed_backward, plain, pure, lse_of)
+  backward = functools.partial(_zeroed_backward, plain, pure, lse_of, int32)
   return with_derivatives(kernel, reference, backward, diff, aux)
 
 
@@ -101,7 +105,15 @@ def _pullback(fn, diff, given, xs, aux, d_out):
   return pull(d_out)
 
 
-def _zeroed_backward(plain, pure, lse_of, diff, aux, outs, saved, cts):
+def _without_x64(fn):
+  def traced(*args):
+    with jax.enable_x64(False):
+      return fn(*args)
+
+  return traced
+
+
+def _zeroed_backward(plain, pure, lse_of, int32, diff, aux, outs, saved, cts):
   """The cotangents of ``diff`` (None where an entry is None) for those of (out, lse) (None: a
   symbolic zero), by the kernel's own VJP with the empty rows' cotangents zeroed."""
   del outs
@@ -112,8 +124,9 @@ def _zeroed_backward(plain, pure, lse_of, diff, aux, outs, saved, cts):
   xs = tuple(diff[i] for i in given)
   shape = [None if x is None else 0 for x in diff]  # the structure, without the arrays
 
-  def pullback(fn):
-    return lambda xs, d_out, aux: _pullback(fn, shape, given, xs, aux, d_out)
+  def pullback(fn, int32=False):
+    back = lambda xs, d_out, aux: _pullback(fn, shape, given, xs, aux, d_out)
+    return _without_x64(back) if int32 else back
 
   if d_out is None:
     grads = tuple(jnp.zeros_like(x) for x in xs)
@@ -122,7 +135,7 @@ def _zeroed_backward(plain, pure, lse_of, diff, aux, outs, saved, cts):
     # gradient, a Hessian), it is the definition's backward that is.
     defined = lambda diff, aux: tuple(pullback(pure)(diff[:-1], diff[-1], aux))
     grads = with_derivatives(
-      lambda diff, aux: (tuple(pullback(plain)(diff[:-1], diff[-1], aux)), ()),
+      lambda diff, aux: (tuple(pullback(plain, int32)(diff[:-1], diff[-1], aux)), ()),
       lambda diff, aux, saved: defined(diff, aux),
       lambda diff, aux, outs, saved, cts: jax.vjp(lambda d: defined(d, aux), diff)[1](
         tuple(jnp.zeros_like(o) if c is None else c for c, o in zip(cts, outs))
@@ -145,14 +158,12 @@ def _zeroed_backward(plain, pure, lse_of, diff, aux, outs, saved, cts):
 # A kernel with a reverse mode of its own and forward mode from its plain-JAX definition.
 # --------------------------------------------------------------------------------------------
 #
-# JAX gives a function a custom JVP or a custom VJP, not both (jax#3996), and cannot run a
-# custom VJP forwards: a fused kernel with only a VJP fails under jvp, jacfwd, hessian and
-# linearize -- and inside `platform_dependent`, whose every branch is differentiated, it fails
-# on every platform. So, as for jattn's chunked kernels (`jattn._chunked.derivatives`), the
-# kernel is a custom JVP whose tangent is a primitive linear in the operands' tangents:
-# evaluating it is forward mode (the jvp of the kernel's plain-JAX definition); transposing it
-# is the kernel's own backward, from the residuals the forward saved (reverse mode is what it
-# was: no extra forward kernel).
+# A fused kernel with only a VJP fails under jvp, jacfwd, hessian and linearize -- and inside
+# `platform_dependent`, whose every branch is differentiated, it fails on every platform. So,
+# as jattn's chunked kernels, it is a custom JVP whose tangent is a primitive linear in the
+# operands' tangents (`jattn._linear_tangent`): evaluating it is forward mode (the jvp of the
+# kernel's plain-JAX definition); transposing it is the kernel's own backward, from the
+# residuals the forward saved (reverse mode is what it was: no extra forward kernel).
 
 
 def with_derivatives(kernel, reference, backward, diff, aux):
@@ -169,8 +180,9 @@ def with_derivatives(kernel, reference, backward, diff, aux):
 
 
 class _Rule:
-  """What the tangent primitive knows besides its operands (hashed by identity): the three
-  functions, the operands' trees and how many of each kind of leaf there are."""
+  """The tangent primitive's rule (`jattn._linear_tangent`), hashed by identity: the three
+  functions and the operands' trees. Primal operands: diff's and aux's leaves, the outputs and
+  the saved arrays; tangent operands: diff's leaves' tangents."""
 
   def __init__(self, kernel, reference, backward, diff, aux, n_outs, n_saved):
     self.kernel, self.reference, self.backward = kernel, reference, backward
@@ -178,10 +190,7 @@ class _Rule:
     self.aux_tree = jax.tree.structure(aux)
     self.n_diff, self.n_aux = self.diff_tree.num_leaves, self.aux_tree.num_leaves
     self.n_outs, self.n_saved = n_outs, n_saved
-
-  @property
-  def n_primal(self) -> int:
-    return self.n_diff + self.n_aux + self.n_outs + self.n_saved
+    self.n_primal = self.n_diff + self.n_aux + n_outs + n_saved
 
   def split(self, args):
     """Operands -> (diff, aux, outs, saved, tangents of diff's leaves)."""
@@ -198,8 +207,10 @@ class _Rule:
     _, d_outs = jax.jvp(f, (leaves,), (list(dots),))
     return [d.astype(o.dtype) for d, o in zip(d_outs, outs)]
 
-  def transpose(self, cts, *args):
-    diff, aux, outs, saved, _ = self.split(args)
+  tangent_differentiable = tangent  # the reference is plain JAX
+
+  def transpose(self, primal, cts):
+    diff, aux, outs, saved, _ = self.split(primal)
     grads = self.backward(diff, aux, outs, saved, tuple(cts))
     leaves = jax.tree.leaves(diff)
     got = self.diff_tree.flatten_up_to(tuple(grads))
@@ -219,84 +230,13 @@ def _differentiable(kernel, reference, backward):
     diff, aux = primals
     outs, saved = fn(diff, aux)  # under an outer forward mode, differentiated the same way
     rule = _Rule(kernel, reference, backward, diff, aux, len(outs), len(saved))
-    dots = [ad.instantiate_zeros(t) for t in jax.tree.leaves(tangents[0])]
-    args = [*jax.tree.leaves(diff), *jax.tree.leaves(aux), *outs, *saved, *dots]
-    avals = tuple(jax.typeof(x) for x in outs)
-    d_outs = _tangent_p.bind(*args, rule=rule, sizes=(), avals=avals)
+    dots = [_ad.instantiate_zeros(t) for t in jax.tree.leaves(tangents[0])]
+    primal = [*jax.tree.leaves(diff), *jax.tree.leaves(aux), *outs, *saved]
+    d_outs = _linear_tangent.bind(rule, primal, dots, tuple(jax.typeof(x) for x in outs))
     zeros = tuple(jnp.zeros_like(x) for x in saved)
     return (outs, saved), (tuple(d_outs), zeros)
 
   return fn
-
-
-def _vmapped(fn, sizes):
-  """``fn`` vmapped once per batching level, every operand mapped along its leading axis."""
-  for _ in sizes:
-    fn = jax.vmap(fn)
-  return fn
-
-
-_tangent_p = _core.Primitive("jattn_fused_tangent")
-_tangent_p.multiple_results = True
-
-
-def _evaluate(*args, rule: _Rule, sizes, avals):
-  return _vmapped(rule.tangent, sizes)(*args)
-
-
-def _transpose(cts, *args, rule: _Rule, sizes, avals):
-  n = rule.n_primal
-  assert not any(ad.is_undefined_primal(x) for x in args[:n])
-  given = [None if type(ct) is ad.Zero else ct for ct in cts]
-  if all(ct is None for ct in given):
-    return [None] * len(args)
-  if sizes:
-    # Under vmap the backward sees every operand batched: symbolic zeros become real ones.
-    given = [
-      jnp.zeros(a.shape, a.dtype) if ct is None else ct
-      for ct, a in zip(given, _batched(avals, sizes))
-    ]
-  back = lambda *a: rule.transpose(a[n:], *a[:n])
-  return [None] * n + list(_vmapped(back, sizes)(*args[:n], *given))
-
-
-def _batched(avals, sizes):
-  # Each batching level moved its axis to the front: the latest level's size comes first.
-  return [jax.core.ShapedArray(tuple(reversed(sizes)) + tuple(a.shape), a.dtype) for a in avals]
-
-
-def _batch(args, dims, *, rule: _Rule, sizes, avals):
-  size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
-  args = [
-    jnp.broadcast_to(x, (size, *x.shape)) if d is None else jnp.moveaxis(x, d, 0)
-    for x, d in zip(args, dims)
-  ]
-  out = _tangent_p.bind(*args, rule=rule, sizes=(*sizes, size), avals=avals)
-  return out, [0] * len(out)
-
-
-def _jvp(primals, tangents, *, rule: _Rule, sizes, avals):
-  # Linear in its tangent operands; through the others, forward mode of the reference's
-  # tangent, which a reverse mode over it (grad of a jvp) can transpose.
-  n = rule.n_primal
-  params = dict(rule=rule, sizes=sizes, avals=avals)
-  out = _tangent_p.bind(*primals, **params)
-  linear = _tangent_p.bind(*primals[:n], *map(ad.instantiate_zeros, tangents[n:]), **params)
-  walk = lambda *p: _evaluate(*p, *primals[n:], **params)
-  _, through = jax.jvp(walk, tuple(primals[:n]), tuple(map(ad.instantiate_zeros, tangents[:n])))
-  return out, [a + b for a, b in zip(linear, through)]
-
-
-def _abstract_batched(*args, rule: _Rule, sizes, avals):
-  return _batched(avals, sizes)
-
-
-_tangent_p.def_impl(_evaluate)
-_tangent_p.def_abstract_eval(_abstract_batched)
-_mlir.register_lowering(_tangent_p, _mlir.lower_fun(_evaluate, multiple_results=True))
-_ad.primitive_jvps[_tangent_p] = _jvp
-_ad.primitive_transposes[_tangent_p] = _transpose
-_batching.primitive_batchers[_tangent_p] = _batch
 
 
 # --------------------------------------------------------------------------------------------

@@ -3,16 +3,17 @@ the FlashAttention backward (grad), and reverse over reverse (grad of grad, Hess
 
 JAX's public API gives a function a custom JVP or a custom VJP, not both (jax#3996). Forward
 mode needs the first (JAX cannot run a custom VJP forwards), reverse mode at O(T + S) the second
-(JAX cannot transpose the forward's loops). One function gets both through a primitive:
+(JAX cannot transpose the forward's loops). One function gets both through a primitive
+(`jattn._linear_tangent`):
 
 - `_kernel` (chunked attention of padded operands -> (out, lse)) is a custom JVP whose tangent
-  is `_tangent_p`, linear in the operands' tangents;
-- evaluating `_tangent_p` is the tangent walk (`jattn._chunked.tangent`): forward mode;
+  is that primitive, linear in the operands' tangents, with `_Rule`;
+- evaluating it is the tangent walk (`jattn._chunked.tangent`): forward mode;
 - transposing it is the custom backward (`jattn._chunked.kernel.backward`): so reverse mode is
   what it was, the residuals the operands, the output and its log-sum-exp;
-- under vmap every mapped axis moves to the front and both are vmapped; a derivative of the
-  tangent (forward over forward, reverse over forward) differentiates its walk with fixed trip
-  counts by JAX's own AD.
+- under vmap both are vmapped, the block map unmapped (blocks still skipped); a derivative of
+  the tangent (forward over forward, reverse over forward) differentiates its walk with fixed
+  trip counts by JAX's own AD.
 
 Reverse over reverse differentiates the backward, whose loops run over data-dependent ranges.
 `_backward` is a custom JVP: its value is the fast backward; its tangent differentiates
@@ -29,11 +30,9 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.extend.core
 import jax.numpy as jnp
-from jax.interpreters import ad, batching, mlir
 
-from jattn import _plan, _sharding, _tile
+from jattn import _linear_tangent, _plan, _sharding, _tile
 from jattn._chunked.kernel import Residuals, backward, forward, forward_fixed
 from jattn._chunked.tangent import tangent
 from jattn._plan import Operands, Plan
@@ -51,22 +50,24 @@ def _kernel_jvp(plan: Plan, primals, tangents):
   out, lse = res[:2]
   rule = _Rule(plan, ops)
   dleaves = _up_to(rule.treedef, dot)
-  args = [jnp.asarray(x) for x in _up_to(rule.treedef, ops)]
-  args += [out, lse] + [d for d, f in zip(dleaves, rule.diff) if f]
-  dout, dlse = _tangent_p.bind(*args, rule=rule, sizes=(), avals=(jax.typeof(out), jax.typeof(lse)))
+  primal = [jnp.asarray(x) for x in _up_to(rule.treedef, ops)] + [out, lse]
+  dots = [d for d, f in zip(dleaves, rule.diff) if f]
+  dout, dlse = _linear_tangent.bind(rule, primal, dots, (jax.typeof(out), jax.typeof(lse)))
   # The max logits (with ``plan.cfg.max_logits``) are a statistic: their tangent is zero, and
   # a cotangent given to them is dropped.
   return res, (dout, dlse, *(jnp.zeros_like(x) for x in res[2:]))
 
 
 class _Rule:
-  """What the primitive's rules know besides its operands: the plan, the operands' tree and
-  which of its leaves are differentiable (floating point). Hashed by identity."""
+  """The tangent primitive's rule (`jattn._linear_tangent`): the plan, the operands' tree and
+  which of its leaves are differentiable (floating point). Primal operands: the operands'
+  leaves, out and lse; tangent operands: the differentiable leaves' tangents."""
 
   def __init__(self, plan: Plan, ops: Operands):
     leaves, self.treedef = jax.tree.flatten(ops)
     self.plan = plan
     self.diff = tuple(jnp.issubdtype(jnp.result_type(x), jnp.inexact) for x in leaves)
+    self.n_primal = len(self.diff) + 2
 
   def ops(self, leaves) -> Operands:
     return jax.tree.unflatten(self.treedef, list(leaves))
@@ -79,68 +80,15 @@ class _Rule:
     dot = self.ops(next(tangents) if f else None for f in self.diff)
     return list(tangent(self.plan, self.ops(args[:n]), args[n], args[n + 1], dot, fixed))
 
-  def transpose(self, *args):
-    """(operand leaves, out, lse, out's and lse's cotangents) -> differentiable leaves'."""
+  def tangent_differentiable(self, *args):
+    return self.tangent(*args, fixed=True)
+
+  def transpose(self, primal, cts):
+    """(operand leaves, out, lse), (out's and lse's cotangents) -> differentiable leaves'."""
     n = len(self.diff)
-    return _backward(self.plan, self.ops(args[:n]), *args[n : n + 4])
-
-
-def _vmapped(fn, sizes):
-  """``fn`` vmapped once per batching level, every operand mapped along its leading axis."""
-  for _ in sizes:
-    fn = jax.vmap(fn)
-  return fn
-
-
-_tangent_p = jax.extend.core.Primitive("jattn_chunked_tangent")
-_tangent_p.multiple_results = True
-
-
-def _evaluate(*args, rule: _Rule, sizes, avals):
-  return _vmapped(rule.tangent, sizes)(*args)
-
-
-def _abstract(*args, rule: _Rule, sizes, avals):
-  return list(avals)
-
-
-def _transpose(cts, *args, rule: _Rule, sizes, avals):
-  n = len(rule.diff) + 2
-  assert not any(ad.is_undefined_primal(x) for x in args[:n])
-  cts = [ad.instantiate_zeros(ct) for ct in cts]
-  return [None] * n + list(_vmapped(rule.transpose, sizes)(*args[:n], *cts))
-
-
-def _batch(args, dims, *, rule: _Rule, sizes, avals):
-  size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
-  args = [
-    jnp.broadcast_to(x, (size, *x.shape)) if d is None else jnp.moveaxis(x, d, 0)
-    for x, d in zip(args, dims)
-  ]
-  avals = tuple(jax.core.ShapedArray((size, *a.shape), a.dtype) for a in avals)
-  out = _tangent_p.bind(*args, rule=rule, sizes=(*sizes, size), avals=avals)
-  return out, [0] * len(out)
-
-
-def _jvp(primals, tangents, *, rule: _Rule, sizes, avals):
-  # Linear in its tangent operands; through the others, forward mode of the tangent walk with
-  # fixed trip counts, which a reverse mode over it (grad of a jvp) can transpose.
-  n = len(rule.diff) + 2
-  params = dict(rule=rule, sizes=sizes, avals=avals)
-  out = _tangent_p.bind(*primals, **params)
-  linear = _tangent_p.bind(*primals[:n], *map(ad.instantiate_zeros, tangents[n:]), **params)
-  fixed = functools.partial(rule.tangent, fixed=True)
-  walk = lambda *p: _vmapped(fixed, sizes)(*p, *primals[n:])
-  _, through = jax.jvp(walk, tuple(primals[:n]), tuple(map(ad.instantiate_zeros, tangents[:n])))
-  return out, [a + b for a, b in zip(linear, through)]
-
-
-_tangent_p.def_impl(_evaluate)
-_tangent_p.def_abstract_eval(_abstract)
-mlir.register_lowering(_tangent_p, mlir.lower_fun(_evaluate, multiple_results=True))
-ad.primitive_jvps[_tangent_p] = _jvp
-ad.primitive_transposes[_tangent_p] = _transpose
-batching.primitive_batchers[_tangent_p] = _batch
+    out, lse = primal[n], primal[n + 1]
+    cts = [jnp.zeros_like(x) if ct is None else ct for ct, x in zip(cts, (out, lse))]
+    return _backward(self.plan, self.ops(primal[:n]), out, lse, *cts)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
