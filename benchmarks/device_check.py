@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
 import time
 import traceback
@@ -39,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jattn
+from jattn.bench import interleaved
 
 # Dense bfloat16 matmul peak and memory bandwidth per device kind (vendors' figures).
 PEAKS = {
@@ -274,19 +274,6 @@ def batch_invariance(smoke: bool):
   return rows
 
 
-def _median_ms(fns: dict, repeats: int):
-  """Interleaved medians (ms) of several zero-argument callables."""
-  for f in fns.values():
-    jax.block_until_ready(f())
-  times = {name: [] for name in fns}
-  for _ in range(repeats):
-    for name, f in fns.items():
-      start = time.perf_counter()
-      jax.block_until_ready(f())
-      times[name].append(time.perf_counter() - start)
-  return {name: statistics.median(t) * 1e3 for name, t in times.items()}
-
-
 def speed(smoke: bool):
   """Forward+backward TFLOP/s against jax.nn (xla, cudnn) per case and length."""
   _, (peak, _) = peaks()
@@ -323,7 +310,7 @@ def speed(smoke: bool):
       for impl, f in fns.items():
         row = dict(case=name, T=T, implementation=impl)
         try:
-          ms = _median_ms({impl: lambda f=f: f(q, k, v)}, repeats)[impl]
+          ms = interleaved({impl: lambda f=f: f(q, k, v)}, repeats)[impl]
           row.update(status="ok", ms=ms, tflops=flops / ms / 1e9)
           if peak:
             row["pct_peak"] = 100 * flops / (ms / 1e3) / peak
@@ -355,7 +342,7 @@ def decode(smoke: bool):
       )
       row = dict(S=S, B=B, implementation=str(impl))
       try:
-        ms = _median_ms({"f": lambda f=f: f(q, kp, vp, table, lens)}, 1 if smoke else 20)["f"]
+        ms = interleaved({"f": lambda f=f: f(q, kp, vp, table, lens)}, 1 if smoke else 20)["f"]
         outs[impl] = np.asarray(f(q, kp, vp, table, lens), np.float32)
         read = 2 * kp.size * kp.dtype.itemsize
         row.update(status="ok", ms=ms, gb_per_s=read / ms / 1e6)

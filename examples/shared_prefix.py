@@ -34,15 +34,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import jattn
+from jattn.bench import interleaved
 
 
 @dataclasses.dataclass
@@ -163,19 +162,6 @@ def make_problem(
   )
 
 
-def _time(fns: dict, repeats: int) -> dict:
-  """Median milliseconds of each call, interleaved (A B A B ...), after a first call each."""
-  for f in fns.values():
-    jax.block_until_ready(f())
-  times = {name: [] for name in fns}
-  for _ in range(repeats):
-    for name, f in fns.items():
-      start = time.perf_counter()
-      jax.block_until_ready(f())
-      times[name].append(time.perf_counter() - start)
-  return {name: statistics.median(t) * 1e3 for name, t in times.items()}
-
-
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--groups", type=int, default=2, help="prefixes (one per group of requests)")
@@ -214,7 +200,7 @@ def main(argv=None) -> int:
     ),
   }
   want, got = (np.asarray(f()) for f in fns.values())
-  ms = _time(fns, a.repeats)
+  ms = interleaved(fns, a.repeats)
   # Pages read, in tokens: the plain call reads every request's whole table, the cascade each
   # group's shared pages once and every request's own pages.
   plain_tokens = int(pb.lengths.sum())

@@ -54,7 +54,7 @@ def faults(xp, g: Geometry, page_table, kv_lengths, query_start):
   bad_len = (lens < 0) | (lens > capacity)
   covered = xp.clip(lens, 0, capacity)
   pages = (covered + g.page_size - 1) // g.page_size  # (B,) pages each sequence reads
-  used = xp.arange(max_pages)[None, :] < pages[:, None]
+  used = xp.arange(max_pages, dtype=table.dtype)[None, :] < pages[:, None]
   bad_page = (used & ((table < 0) | (table >= g.P))).any(axis=1)
   code = xp.where(bad_page, PAGE, OK)
   code = xp.where(bad_len, LENGTH, code)
@@ -63,7 +63,7 @@ def faults(xp, g: Geometry, page_table, kv_lengths, query_start):
   qs = query_start.astype(table.dtype)
   start, end = qs[:-1], qs[1:]
   # The furthest row any earlier sequence reaches: a later one may not start before it.
-  b = xp.arange(B)
+  b = xp.arange(B, dtype=table.dtype)
   earlier = xp.where(b[None, :] < b[:, None], end[None, :], 0).max(axis=1, initial=0)
   bad_start = (start < 0) | (end < start) | (end > g.rows) | (start < earlier)
   bad_start = bad_start | ((b == 0) & (qs[0] != 0))

@@ -221,10 +221,11 @@ def _check(pool: _pool.Pool, key, value, query_start, kv_layout):
     )
   key = _validation.float_array("key", key)
   value = None if value is None else _validation.float_array("value", value)
-  pages = _validation.as_array("key_pages", pool.key_pages, "an array of pages")
+  # NumPy pools are taken (paged_attention takes them): the write returns jax arrays.
+  pages = jnp.asarray(_validation.as_array("key_pages", pool.key_pages, "an array of pages"))
   vpages = pool.value_pages
   if vpages is not None:
-    vpages = _validation.as_array("value_pages", vpages, "an array of pages")
+    vpages = jnp.asarray(_validation.as_array("value_pages", vpages, "an array of pages"))
   # A pool of keys only is checked as its own values (absorbed MLA's latent).
   pages, vpages_checked, (_, _, K, _) = _pool.checked_pools(
     pages, pages if keys_only else vpages, kv_layout

@@ -478,7 +478,7 @@ def _tiles(st: _Static, query_start, kv_lengths, bad, new_token_mask=None) -> _T
   # Tiles of sequences 0 .. b, a running sum written as a triangular one: jaxlib 0.12's CPU
   # compiler aborts on the cumsum lowered for cuda (the accelerators' program run here).
   b = jnp.arange(st.B, dtype=jnp.int32)
-  ends = jnp.where(b[:, None] >= b[None, :], per_seq[None, :], 0).sum(axis=1)
+  ends = jnp.where(b[:, None] >= b[None, :], per_seq[None, :], 0).sum(axis=1, dtype=jnp.int32)
   m = jnp.arange(st.tiles, dtype=jnp.int32)
   # The tile's sequence: how many sequences' tiles end at or before it (a count, not a
   # searchsorted, so that B may be a symbolic dimension of an exported program).
@@ -592,7 +592,8 @@ def _walk(st: _Static, lanes: int, q, tiles: _Tiles, pool: _pool.Pool):
   first, last = _block_range(st, tiles)
   step = functools.partial(_block, st, q, tiles, (first, last), kv_len, pool)
   if lanes == 1:
-    lo, hi = first.min(), last.max()
+    # int32 both (under jax_enable_x64 the range's arithmetic may come out int64).
+    lo, hi = first.min().astype(jnp.int32), last.max().astype(jnp.int32)
     return jax.lax.fori_loop(lo, jnp.maximum(hi, lo), step, (m0, l0, acc0))
   steps = -(-st.blocks // lanes)
 

@@ -91,7 +91,7 @@ def walk(st, q, tiles, pool, kv_len, *, interpret: bool = False):
   lo = jnp.clip(tiles.lo // ps, 0, st.max_pages)
   hi = jnp.maximum(jnp.clip(-(-tiles.hi // ps), 0, st.max_pages), lo)
   info = jnp.stack(
-    [tiles.seq, lo, hi, kv_len, tiles.pos[:, 0], (tiles.rows >= 0).sum(axis=1)]
+    [tiles.seq, lo, hi, kv_len, tiles.pos[:, 0], (tiles.rows >= 0).sum(axis=1, dtype=jnp.int32)]
     + [jnp.zeros_like(lo)] * 2,
     axis=1,
   ).astype(jnp.int32)  # (M, 8)

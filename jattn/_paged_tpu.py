@@ -55,8 +55,8 @@ def walk(st, q, tiles, pool, kv_len):
   ppb = pages_per_step(st.page_size, st.max_pages)
   steps = -(-st.max_pages // ppb)
   # First and last needed page of each tile, from its key range [lo, hi).
-  lo_page = jnp.clip(tiles.lo // st.page_size, 0, st.max_pages)
-  hi_page = jnp.clip(-(-tiles.hi // st.page_size), 0, st.max_pages)
+  lo_page = jnp.clip(tiles.lo // st.page_size, 0, st.max_pages).astype(jnp.int32)
+  hi_page = jnp.clip(-(-tiles.hi // st.page_size), 0, st.max_pages).astype(jnp.int32)
   hi_page = jnp.maximum(hi_page, lo_page)
   base = tiles.pos[:, 0].astype(jnp.int32)  # position of each tile's row 0
   count = (tiles.rows >= 0).sum(axis=1).astype(jnp.int32)
@@ -107,17 +107,20 @@ def walk(st, q, tiles, pool, kv_len):
     jax.ShapeDtypeStruct((M, K, R, st.Hv), jnp.float32)
   ]
   kernel = functools.partial(_kernel, st, ppb, len(pools))
-  return tuple(
-    pl.pallas_call(
-      kernel,
-      grid_spec=pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=len(scalars), grid=(M, steps), in_specs=specs, out_specs=out_specs
-      ),
-      out_shape=out_shape,
-      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
-      name="jattn_paged_attention",
-    )(*scalars, *operands)
-  )
+  # Mosaic takes no 64-bit types: the kernel is traced with x64 off, whatever the caller has
+  # (its operands are int32 and float32 already).
+  with jax.enable_x64(False):
+    return tuple(
+      pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=len(scalars), grid=(M, steps), in_specs=specs, out_specs=out_specs
+        ),
+        out_shape=out_shape,
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+        name="jattn_paged_attention",
+      )(*scalars, *operands)
+    )
 
 
 def _kernel(st, ppb, npools, _table, _seq, lo, hi, kv_len, base, count, *refs):

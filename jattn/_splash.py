@@ -597,6 +597,7 @@ def _attend(setup: Setup, query, key, value, sinks, ids):
     _pure(groups, soft_cap, lse=True),
     (q, k, v, snk),
     (q_ids, kv_ids),
+    int32=True,  # Mosaic: no int64 in the kernels' index arithmetic under jax_enable_x64
   )
   out = jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(B, Tp, N, -1)[:, :T]
   lse = jnp.transpose(lse.reshape(B, K, G, Tp), (0, 3, 1, 2)).reshape(B, Tp, N)[:, :T]

@@ -359,3 +359,30 @@ def test_a_calibration_must_be_positive():
       k_scale=jnp.zeros(()),
       v_scale=jnp.ones(()),
     )
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND", "combined"])
+@pytest.mark.parametrize("dtype", [None, jnp.int8])
+def test_numpy_pools_on_every_layout(layout, dtype):
+  """paged_attention takes NumPy pools, so write_pages does (it returns jax arrays): the same
+  pools as jax arrays give the same result, bit for bit."""
+  kp, vp, (ks, vs) = pools(dtype, layout)
+  k = jnp.asarray(np.random.default_rng(2).normal(size=(2, 2, K, H)), jnp.float32)
+  table, lens = np.array([[3, 5], [6, 2]], np.int32), np.array([6, 3], np.int32)
+  as_numpy = lambda x: None if x is None else np.asarray(x)
+  want = jattn.write_pages(kp, vp, table, lens, k, -k, k_scale=ks, v_scale=vs, kv_layout=layout)
+  got = jattn.write_pages(
+    *map(as_numpy, (kp, vp)),
+    table,
+    lens,
+    k,
+    -k,
+    k_scale=as_numpy(ks),
+    v_scale=as_numpy(vs),
+    kv_layout=layout,
+  )
+  for g, w in zip(got, want):
+    if w is None:
+      assert g is None
+    else:
+      np.testing.assert_array_equal(g, w)

@@ -6,5 +6,8 @@ import this package.
 Modules: ``config`` (TOML sweeps -> cases), ``masks`` (mask specs and exact visible-pair counts),
 ``flops`` (FLOP and memory estimates), ``impls`` (the implementations compared), ``torch_peer``
 (PyTorch in its own process), ``runner`` (compile, warm up, interleaved timing), ``report``
-(table, JSON, CSV, machine info), ``plots`` (PNG figures) and ``cli`` (the command line).
+(table, JSON, CSV, machine info), ``plots`` (PNG figures), ``cli`` (the command line) and
+``timing`` (`interleaved`: the one timing loop of every benchmark and example).
 """
+
+from jattn.bench.timing import interleaved as interleaved

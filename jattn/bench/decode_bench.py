@@ -45,13 +45,13 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import statistics
 import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
 from jattn.bench.config import configs_dir, read_table
+from jattn.bench.timing import interleaved
 
 DEFAULT_CONFIG = configs_dir() / "decode.toml"
 KEYS = {
@@ -210,7 +210,12 @@ def run(cfg: dict, log=print) -> list[dict]:
         compile_s[name] = time.perf_counter() - start
         for _ in range(cfg["warmup"]):
           jax.block_until_ready(f(*args))
-      ms = interleaved_ms({name: functools.partial(f, *args) for name, f in fns.items()}, cfg)
+      ms = interleaved(
+        {name: functools.partial(f, *args) for name, f in fns.items()},
+        cfg["repeats"],
+        warmup=False,
+        settle=True,
+      )
       want = np.asarray(outs["jattn-dense"], np.float32)
       row = dict(
         base,
@@ -227,24 +232,6 @@ def run(cfg: dict, log=print) -> list[dict]:
       rows.append(row)
       log(f"{dtype} S={S}: " + ", ".join(f"{n} {t:.1f} ms" for n, t in ms.items()))
   return rows
-
-
-def interleaved_ms(calls: dict, cfg: dict) -> dict:
-  """{name: median milliseconds} of ``calls`` (name -> a function of nothing), run in turn
-  ``cfg["repeats"]`` times after the caller's warm-up, each after the machine settles: a noisy
-  shared machine slows every call of a round alike, so the ratios hold."""
-  import jax
-
-  from jattn.bench.runner import settle
-
-  times: dict[Any, list[float]] = {name: [] for name in calls}
-  for _ in range(cfg["repeats"]):
-    for name, f in calls.items():
-      settle()
-      start = time.perf_counter()
-      jax.block_until_ready(f())
-      times[name].append(time.perf_counter() - start)
-  return {name: statistics.median(t) * 1e3 for name, t in times.items()}
 
 
 def _pool(key, B, S, K, H, page_size, dtype):
@@ -373,7 +360,7 @@ def run_paged(cfg: dict, log=print) -> list[dict]:
         for _ in range(cfg["warmup"] + 1):
           for f in calls.values():
             jax.block_until_ready(f())
-        ms = interleaved_ms(calls, cfg)
+        ms = interleaved(calls, cfg["repeats"], warmup=False, settle=True)
         floor = min(ms["floor-sum"], ms["floor-max"])
         want = np.asarray(contiguous(q.astype(jnp.float32), kc, vc, lens))
         for (layout, impl), out in outs.items():
@@ -504,7 +491,7 @@ def run_shared_prefix(cfg: dict, log=print) -> list[dict]:
     for _ in range(cfg["warmup"]):
       for f in calls.values():
         jax.block_until_ready(f())
-    ms = interleaved_ms(calls, cfg)
+    ms = interleaved(calls, cfg["repeats"], warmup=False, settle=True)
     token_mib = 2 * K * H * 4 / 2**20  # one token's keys and values, float32
     rows.append(
       dict(
