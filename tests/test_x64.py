@@ -110,7 +110,7 @@ def test_kernels_lower_under_x64(kernel, platform):
   """Mosaic (TPU) takes no 64-bit integers, which x64 makes of Python's in index arithmetic:
   each kernel lowers, forward and gradient, with x64 on as with it off."""
   if kernel == "paged":
-    kp, vp, table, lens = _pages()
+    kp, _, table, lens = _pages()
     q = jnp.ones((B, 1, N, H), f32)
     fns = {
       "forward": lambda q, kp: jattn.paged_attention(
