@@ -59,9 +59,9 @@ def test_the_docs_keep_their_examples():
   assert "dot_product_attention" in blocks("README.md")[0][1]
   assert set(HOST_DEVICES) <= set(DOCS)
   # docs/serving.md: vLLM (float and fp8 pages), FlashAttention (kvcache and varlen), the
-  # checks, the write.
+  # checks, the write, a draft tree's move and its NaN rule.
   serving = blocks("docs/serving.md")
-  assert len(serving) == 4
+  assert len(serving) == 5
   code = "".join(c for _, c in serving)
   for needed in (
     "ref_ragged_paged_attention",
@@ -69,6 +69,7 @@ def test_the_docs_keep_their_examples():
     "return_residual",
     "dot_product_attention",
     "write_pages",
+    "tree_mask",
   ):
     assert needed in code
   # tests/_ring_worker.py runs docs/ring.md's split-KV recipe by itself, found by this marker.
