@@ -22,12 +22,12 @@ import json
 import os
 import sys
 import time
+import tomllib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import tomllib
 from flax import nnx
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))

@@ -65,6 +65,11 @@ def pytest_configure(config):
   config.addinivalue_line(
     "markers", "long: one of the few tests that run for a minute or more; started first"
   )
+  config.addinivalue_line(
+    "markers",
+    "slow: needs several processes (host devices of a mesh, a distributed run); deselected by "
+    "pyproject's addopts, run by `pytest -m slow` (.ci/run runs both)",
+  )
 
 
 def pytest_report_header(config):

@@ -550,6 +550,7 @@ masks = ["full"]
 # ------------------------------------------------------------------------------ the ring benchmark
 
 
+@pytest.mark.slow
 def test_ring_bench_runs_on_four_host_devices(tmp_path, capsys):
   # T = 64 over P = 4 devices: shards of Ts = 16; block 16 is one block per contiguous shard and
   # is clipped to a zigzag chunk (8). GQA (N=2, K=1) so the step bytes count K, the FLOPs N.
@@ -603,6 +604,7 @@ passes = ["forward", "forward+backward"]
     assert line.split()[7:10] == [r["layout"], r["passes"], f"{r['one_s']:.3f}"]
 
 
+@pytest.mark.slow
 def test_sharding_bench_reads_collectives_of_each_sharding(tmp_path, capsys):
   # `jattn-bench sharding` on 4 host devices (its own child process), dense and ring only: batch
   # and head sharding move nothing; a sequence-sharded dense call gathers K and V (GQA: N = 8,

@@ -85,7 +85,11 @@ def _prepare(doc, cwd):
     jattn.TuningTable().save(cwd / "tuning.json")
 
 
-@pytest.mark.parametrize("doc", DOCS)
+@pytest.mark.parametrize(
+  "doc",
+  # A doc whose meshes need several devices runs in a process of its own: the slow lane.
+  [pytest.param(d, marks=pytest.mark.slow) if d in HOST_DEVICES else d for d in DOCS],
+)
 def test_doc_examples_run(doc, tmp_path, monkeypatch):
   _prepare(doc, tmp_path)
   if doc not in HOST_DEVICES:

@@ -17,6 +17,7 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+@pytest.mark.slow
 @pytest.mark.long
 @pytest.mark.parametrize("layout", ["batch", "heads", "sequence"])
 @pytest.mark.parametrize("mesh", ["auto", "explicit"])

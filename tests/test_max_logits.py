@@ -318,6 +318,7 @@ MESH_WORKER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_under_meshes_and_ring():
   errs = run_worker(MESH_WORKER)
   assert len(errs) >= 14, errs

@@ -158,6 +158,7 @@ print("RESULTS " + json.dumps(errs))
 """
 
 
+@pytest.mark.slow
 def test_under_meshes():
   errs = run_worker(MESH_WORKER)
   assert len(errs) == 24, errs

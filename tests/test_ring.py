@@ -87,18 +87,21 @@ def _check_case(results, name):
   assert not insane, f"{name}: plain {c['dtype']} baseline errors out of range: {insane}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [n for n, c in _ring_worker.CASES.items() if c["devices"] == 8])
 def test_ring_8_devices(ring8, name):
   """Forward, lse and dq/dk/dv equal the float64 reference on 8 host devices."""
   _check_case(ring8, name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [n for n, c in _ring_worker.CASES.items() if c["devices"] == 4])
 def test_ring_4_devices(ring4, name):
   """Same on 4 devices; the ``single`` cases also match single-device dot_product_attention."""
   _check_case(ring4, name)
 
 
+@pytest.mark.slow
 def test_split_kv_decoding_recipe_from_the_docs(ring4):
   """docs/ring.md's split-KV decoding code block, run as written on 4 devices (a cache sharded
   over them, per-device lengths, all_gather, merge_attention): equal to the float64 reference
@@ -109,6 +112,7 @@ def test_split_kv_decoding_recipe_from_the_docs(ring4):
   assert res["out"] < TOL and res["lse"] < TOL, res
 
 
+@pytest.mark.slow
 def test_ring_memory_does_not_grow_with_devices(ring8):
   """Compiled per-device temporaries of forward+backward, same shard length, P = 4 and 8."""
   mem = ring8["memory"]
@@ -121,6 +125,7 @@ def test_ring_memory_does_not_grow_with_devices(ring8):
 NO_CPU_COLLECTIVES = "Multiprocess computations aren't implemented on the CPU backend"
 
 
+@pytest.mark.slow
 def test_ring_two_processes_distributed():
   """Two processes x 2 CPU devices, jax.distributed, gloo collectives over TCP on this host.
 
@@ -327,6 +332,7 @@ SINGLE_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("devices", [4, 8])
 @pytest.mark.parametrize("case", SINGLE_CASES)
 def test_ring_equals_single_device(ring4, ring8, devices, case):
@@ -347,6 +353,7 @@ def test_ring_equals_single_device(ring4, ring8, devices, case):
   assert not bad, f"{case} on {devices} devices: ring vs single-device errors above {TOL}: {bad}"
 
 
+@pytest.mark.slow
 def test_ring_in_checked_shard_map_sums_invariant_gradients_once(ring4):
   """ring_attention in a hand-written shard_map(check_vma=True): the sinks and score_mod's
   table are the same on every device, and their gradients are the single-device ones."""

@@ -405,6 +405,7 @@ WORKER = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.slow
 @pytest.mark.long
 def test_sharded_calls_under_explicit_and_auto_meshes():
   r = subprocess.run([sys.executable, "-c", WORKER], capture_output=True, text=True, timeout=900)
@@ -501,6 +502,7 @@ NO_CONTEXT_WORKER = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.slow
 def test_arrays_of_an_explicit_mesh_without_a_context_mesh():
   # jax.nn takes an Explicit mesh's arrays under plain jit, without jax.set_mesh: jattn traces
   # the call under the mesh their types carry (batch-, head- and sequence-sharded, every

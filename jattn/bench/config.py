@@ -30,20 +30,12 @@ import dataclasses
 import importlib.resources
 import itertools
 import os
-import sys
+import tomllib as _toml
 from pathlib import Path
 from typing import Any
 
 from jattn.bench import flops as _flops
 from jattn.bench import masks as _masks
-
-if sys.version_info >= (3, 11):
-  import tomllib as _toml
-else:  # pragma: no cover - exercised on Python 3.10 only
-  try:
-    import tomli as _toml
-  except ImportError:
-    _toml = None
 
 IMPLEMENTATIONS = (
   "jattn-dense",
@@ -232,8 +224,6 @@ def resolve_path(arg: str | None) -> Path:
 
 def load(path: str | os.PathLike) -> Config:
   """Read and check a config file; every bad key or value is a ConfigError naming it."""
-  if _toml is None:  # pragma: no cover - Python 3.10 without tomli
-    raise ConfigError("reading configs needs Python >= 3.11 (tomllib) or the 'tomli' package")
   path = Path(path)
   try:
     with open(path, "rb") as f:

@@ -28,7 +28,7 @@ def machine_info() -> dict[str, Any]:
   import numpy as np
 
   info = {
-    "timestamp_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    "timestamp_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     "python": sys.version.split()[0],
     "platform": platform.platform(),
     "processor": platform.processor() or platform.machine(),
