@@ -1,6 +1,8 @@
-"""Issue #30's and #41's mutations (realistic single bugs), put into the library one at a time: runs
-the tests meant to catch each and reports which fail, then restores the file. Not collected by
-pytest; run `python tests/_mutations.py [PYTHON] [INDEX...]` from a checkout."""
+"""Realistic single bugs (issues #30, #41, #51, #52), put into the library one at a time: runs the
+tests meant to catch each and reports which fail, then restores the file; a mutation no test
+catches is reported as SURVIVED and the run exits 1. Not collected by pytest; run
+`python tests/_mutations.py [PYTHON] [INDEX...]` from a checkout (PYTHON: the interpreter whose
+jattn is this checkout's, e.g. an editable install or PYTHONPATH=.)."""
 
 import pathlib
 import subprocess
@@ -81,15 +83,147 @@ MUTATIONS = [
       "tests/test_positions.py::test_block_states_of_every_example_are_sound",
     ],
   ),
+  # Issue #52: the three regressions and the seven bugs the last suite let through.
+  (
+    "vmap: the block map broadcast with the batch in the tangent primitive (_linear_tangent)",
+    "jattn/_linear_tangent.py",
+    "  mapped = tuple(d is not None for d in dims[:n])",
+    "  primal = [jnp.broadcast_to(x, (size, *x.shape)) if d is None else x"
+    " for x, d in zip(primal, dims[:n])]\n  mapped = (True,) * n",
+    ["tests/test_structure.py::test_vmapped_causal_gradients_keep_block_skipping"],
+  ),
+  (
+    "write_pages: NumPy pools kept as NumPy arrays (_page_write)",
+    "jattn/_page_write.py",
+    '  pages = jnp.asarray(_validation.as_array("key_pages", pool.key_pages, "an array of pages"))',
+    '  pages = _validation.as_array("key_pages", pool.key_pages, "an array of pages")',
+    ["tests/test_write_pages.py", "tests/test_x64.py"],
+  ),
+  (
+    "x64: the paged tiles' sums and loop bounds left as computed (int64 meets int32) (_paged)",
+    "jattn/_paged.py",
+    (
+      (
+        "    lo, hi = first.min().astype(jnp.int32), last.max().astype(jnp.int32)",
+        "    lo, hi = first.min(), last.max()",
+      ),
+      ("per_seq[None, :], 0).sum(axis=1, dtype=jnp.int32)", "per_seq[None, :], 0).sum(axis=1)"),
+    ),
+    None,
+    ["tests/test_x64.py"],
+  ),
+  (
+    "x64: splash's kernels traced with x64 on (_splash)",
+    "jattn/_splash.py",
+    "    int32=True,  # Mosaic: no int64 in the kernels' index arithmetic under jax_enable_x64",
+    "    int32=False,",
+    ["tests/test_x64.py"],
+  ),
+  (
+    "per-token scales: tokens divided by the scale before it is rounded to its dtype (_pool)",
+    "jattn/_pool.py",
+    "    scale = jnp.where(amax > 0, amax / top, jnp.ones((), jnp.float32)).astype(scale_dtype)\n"
+    "  y = x.astype(jnp.float32) / jnp.asarray(scale, jnp.float32)[..., None]",
+    "    exact = jnp.where(amax > 0, amax / top, jnp.ones((), jnp.float32))\n"
+    "    scale = exact.astype(scale_dtype)\n"
+    "    y = x.astype(jnp.float32) / exact[..., None]\n"
+    "  else:\n"
+    "    y = x.astype(jnp.float32) / jnp.asarray(scale, jnp.float32)[..., None]",
+    ["tests/test_write_pages.py", "tests/test_flax_modules.py"],
+  ),
+  (
+    "write_pages: a traced faulty sequence's tokens still written (_page_write)",
+    "jattn/_page_write.py",
+    (
+      (
+        "    own = (qs[None, :-1] <= r) & (r < qs[None, 1:]) & ~bad[None, :]  # (total, B)",
+        "    own = (qs[None, :-1] <= r) & (r < qs[None, 1:])  # (total, B)",
+      ),
+      ("  live = live & ~bad[seq]\n", ""),
+    ),
+    None,
+    ["tests/test_write_pages.py"],
+  ),
+  (
+    "write_pages: ragged padding rows written as sequence 0's tokens (_page_write)",
+    "jattn/_page_write.py",
+    "    live = own.any(axis=1)",
+    "    live = jnp.ones(own.shape[:1], bool)",
+    ["tests/test_write_pages.py"],
+  ),
+  (
+    "parallel schedule: the merge order never holds a part (_plan.merge_order)",
+    "jattn/_plan.py",
+    "      hold[v, ends[0]] = True",
+    "      pass",
+    ["tests/test_batch_invariance.py"],
+  ),
+  (
+    "tree mask: the key range cut at the rows' depth positions, not their slots (_paged)",
+    "jattn/_paged.py",
+    "    lo = jnp.where(some, jnp.minimum(lo, first_new), lo)\n"
+    "    hi = jnp.where(some, kv_lengths[seq], hi)\n",
+    "",
+    ["tests/test_paged_tree.py"],
+  ),
+  (
+    "forward mode: the sinks' tangent dropped (_chunked/tangent)",
+    "jattn/_chunked/tangent.py",
+    "      dlse0 = jnp.exp(sink - lse_b) * dot.sink.astype(sd)",
+    "      dlse0 = jnp.exp(sink - lse_b) * jnp.zeros_like(dot.sink).astype(sd)",
+    ["tests/test_transforms.py"],
+  ),
+  (
+    "forward mode: dropout's 1 / (1 - rate) dropped (_chunked/tangent)",
+    "jattn/_chunked/tangent.py",
+    "      acc = acc * jnp.asarray(1.0 / (1.0 - cfg.dropout_rate), sd)",
+    "      acc = acc * jnp.asarray(1.0, sd)",
+    ["tests/test_transforms.py"],
+  ),
+  # Issue #51: the traps a new user hit.
+  (
+    "make_attention_fn: top-left causality against flax's decode cache not refused (_flax_fn)",
+    "jattn/_flax_fn.py",
+    "    _refuse_top_left_decoding(causal_option, query.shape[-3], key.shape[-3])\n",
+    "",
+    ["tests/test_flax_attention_fn.py"],
+  ),
+  (
+    "write_pages: new_lengths ignored, left padding written over the cache (_page_write)",
+    "jattn/_page_write.py",
+    "      live = within >= T - new_lengths.astype(jnp.int32)[seq]  # left padding is not written",
+    "      pass",
+    ["tests/test_write_pages.py"],
+  ),
+  (
+    "fused kernels: forward mode's tangent dropped (_fused)",
+    "jattn/_fused.py",
+    "    _, d_outs = jax.jvp(f, (leaves,), (list(dots),))",
+    "    _, d_outs = jax.jvp(f, (leaves,), ([d * 0 for d in dots],))",
+    ["tests/test_transforms.py"],
+  ),
+  (
+    "paged_attention: B = 0 runs the planned walk (_paged)",
+    "jattn/_paged.py",
+    "  if concrete(st.cfg.B) and st.cfg.B * st.rows == 0:",
+    "  if False:",
+    ["tests/test_empty.py"],
+  ),
 ]
 only = sys.argv[2:]
+survivors: list[str] = []
 for i, (name, path, old, new, tests) in enumerate(MUTATIONS):
   if only and str(i) not in only:
     continue
   f = ROOT / path
   src = f.read_text()
-  assert src.count(old) == 1, (name, src.count(old))
-  f.write_text(src.replace(old, new))
+  # One replacement, or several in the same file (``old`` a tuple of (old, new) pairs).
+  edits = old if isinstance(old, tuple) else ((old, new),)
+  mutated = src
+  for a, b in edits:
+    assert mutated.count(a) == 1, (name, a, mutated.count(a))
+    mutated = mutated.replace(a, b)
+  f.write_text(mutated)
   try:
     r = subprocess.run(
       [PY, "-m", "pytest", "-q", "-n", "2", "-p", "no:cacheprovider", *tests],
@@ -97,9 +231,14 @@ for i, (name, path, old, new, tests) in enumerate(MUTATIONS):
       capture_output=True,
       text=True,
     )
-    failed = [l.split(" ")[1] for l in r.stdout.splitlines() if l.startswith("FAILED")]
-    print(f"== {name}: {len(failed)} failed", flush=True)
+    failed = [l.split(" ")[1] for l in r.stdout.splitlines() if l.startswith(("FAILED", "ERROR"))]
+    verdict = "caught" if r.returncode != 0 else "SURVIVED"
+    if r.returncode == 0:
+      survivors.append(name)
+    print(f"== [{i}] {name}: {verdict}, {len(failed)} failed", flush=True)
     for l in failed[:12]:
       print("   ", l)
   finally:
     f.write_text(src)
+print(f"{len(survivors)} survived" + (": " + "; ".join(survivors) if survivors else ""))
+sys.exit(1 if survivors else 0)

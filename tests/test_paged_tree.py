@@ -306,3 +306,14 @@ def test_split_kv_program_for_accelerators():
   want = path_reference(q, kp, vp, table, lens, TREES, window=3)
   _check(exp.call(q, mask), want)
   _check(f(q, mask), want)  # the CPU's walk: blocks of 128 keys, one lane
+
+
+def test_ancestors_in_another_key_block_than_the_rows_position():
+  """A 122-token prefix: a new row at position prefix + depth sits in the first key block (of
+  128) while its ancestors' slots (prefix + i, row order) run into the next one. The rows must
+  read every slot of the tree, not the range their positions would give."""
+  q, kp, vp, table, lens = padded_case(5, [122, 5, 124], P=80)
+  mask = masks.tree_mask(np.array(TREES))
+  for window in (None, 6):
+    got = call(q, kp, vp, table, lens, mask, window)
+    _check(got, path_reference(q, kp, vp, table, lens, TREES, window=window))

@@ -386,3 +386,111 @@ def test_numpy_pools_on_every_layout(layout, dtype):
       assert g is None
     else:
       np.testing.assert_array_equal(g, w)
+
+
+@pytest.mark.parametrize("scale_dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("dtype", [jnp.int8, jnp.float8_e4m3fn])
+def test_token_scales_divide_the_tokens_exactly_as_stored(dtype, scale_dtype):
+  """Per-token scales: each stored token is the token divided by its scale *as stored* (rounded
+  to the scales' dtype first), rounded (int8) and clipped, bit for bit: dividing by the
+  unrounded scale leaves the dequantised value up to 0.75 int8 steps off (bf16 scales)."""
+  pages = jnp.zeros((P, PS, K, H), dtype)
+  scales = jnp.ones((P, PS, K), scale_dtype)
+  x = np.random.default_rng(7).normal(size=(2, 8, K, H)).astype(np.float32) * 3
+  table = np.array([[0, 1], [2, 3]], np.int32)
+  new = jattn.write_pages(
+    pages, pages + 0, table, np.array([8, 8]), x, x, k_scale=scales, v_scale=scales
+  )
+  stored = np.asarray(new.k_scale, np.float32)[table].reshape(2, 8, K)
+  top = np.float32(127.0 if dtype == jnp.int8 else float(jnp.finfo(dtype).max))
+  want = np.clip(x / stored[..., None], -top, top)
+  want = (np.round(want) if dtype == jnp.int8 else want).astype(dtype)
+  got = np.asarray(new.key_pages)[table].reshape(2, 8, K, H)
+  np.testing.assert_array_equal(got.astype(np.float32), want.astype(np.float32))
+  # The scale itself: the largest magnitude over the dtype's largest (XLA may divide by a
+  # reciprocal: within an ulp), in the scales' dtype.
+  amax = np.abs(x).max(axis=-1)
+  want_scale = (amax / top).astype(scale_dtype).astype(np.float32)
+  np.testing.assert_allclose(stored, want_scale, rtol=float(jnp.finfo(scale_dtype).eps), atol=0)
+
+
+def _marked_pools():
+  """Key and value pools whose every slot holds its own value: a write shows where it landed
+  and that nothing else moved."""
+  base = np.arange(P * PS, dtype=np.float32).reshape(P, PS, 1, 1) + 1000
+  kp = np.broadcast_to(base, (P, PS, K, H)).copy()
+  return jnp.asarray(kp), jnp.asarray(-kp)
+
+
+def _expected_write(pool, table, lens, runs, new, faulty):
+  """The pool after write_pages, by its definition: sound sequence b's i-th of its n_b new
+  tokens (rows ``runs[b]``) at position lens[b] - n_b + i, through its table; a position below
+  0 or past the table nowhere; a faulty sequence's nowhere."""
+  pool = np.array(pool)
+  for b, rows in enumerate(runs):
+    if b in faulty:
+      continue
+    for i, r in enumerate(rows):
+      p = lens[b] - len(rows) + i
+      if 0 <= p < table.shape[1] * PS:
+        pool[table[b, p // PS], p % PS] = np.asarray(new[r])
+  return pool
+
+
+@pytest.mark.parametrize(
+  "fault,form",
+  [
+    ("length", "padded"),
+    ("page", "padded"),
+    ("length", "ragged"),
+    ("page", "ragged"),
+    ("start", "ragged"),
+    ("rows", "ragged"),
+  ],
+)
+def test_a_traced_faulty_sequence_writes_nothing_of_any_fault_kind(fault, form):
+  """Under jit a faulty sequence writes nothing -- also where its own page ids are in range
+  (the page-range check alone would not stop it) -- and every other sequence writes exactly
+  its tokens: both pools compared bit for bit with the definition's."""
+  kp, vp = _marked_pools()
+  # Sequence 0 (pages 4, 5) and 2 (pages 8, 9) sound, sequence 1 (pages 6, 7) faulty.
+  table = np.array([[4, 5], [6, 7], [8, 9]], np.int32)
+  lens = np.array([5, 6, 3], np.int32)
+  faulty = {1}
+  if fault == "length":
+    lens[1] = 2 * PS + 1  # past the table's capacity; its new tokens would land in page 7
+  elif fault == "page":
+    table[1, 0] = P + 3  # out of range in a column its length covers; page 7 is in range
+  elif fault == "rows":
+    lens[1] = 1  # two new rows, one cached token
+  if form == "padded":
+    runs = [[0, 1], [2, 3], [4, 5]]
+    new = jnp.asarray(np.arange(6 * K * H, dtype=np.float32).reshape(6, K, H))
+    key, kw = new.reshape(3, 2, K, H), {}
+  else:
+    runs = [[0, 1], [2, 3], [4]]
+    qs = np.array([0, 2, 4, 5], np.int32)
+    if fault == "start":
+      qs = np.array([0, 2, 1, 5], np.int32)  # sequence 1 ends before it starts; 2 overlaps
+      faulty, runs = {1, 2}, [[0, 1], [], [1, 2, 3, 4]]
+    new = jnp.asarray(np.arange(6 * K * H, dtype=np.float32).reshape(6, K, H))
+    key, kw = new, dict(query_start=qs)
+  got = jax.jit(jattn.write_pages)(kp, vp, table, lens, key, -key, **kw)
+  want = _expected_write(kp, table, lens, runs, new, faulty)
+  np.testing.assert_array_equal(np.asarray(got.key_pages), want)
+  np.testing.assert_array_equal(np.asarray(got.value_pages), -want)
+
+
+def test_ragged_padding_rows_write_nothing():
+  """Rows past query_start[B] belong to no sequence: they write nowhere (not as sequence 0's
+  tokens over its cached ones), eager and traced; whole pools compared bit for bit."""
+  kp, vp = _marked_pools()
+  table = np.array([[4, 5], [8, 9]], np.int32)
+  lens = np.array([7, 3], np.int32)
+  qs = np.array([0, 1, 2], np.int32)
+  new = jnp.asarray(np.arange(5 * K * H, dtype=np.float32).reshape(5, K, H))  # 3 padding rows
+  want = _expected_write(kp, table, lens, [[0], [1]], new, set())
+  for write in (jattn.write_pages, jax.jit(jattn.write_pages)):
+    got = write(kp, vp, table, lens, new, -new, query_start=qs)
+    np.testing.assert_array_equal(np.asarray(got.key_pages), want)
+    np.testing.assert_array_equal(np.asarray(got.value_pages), -want)
