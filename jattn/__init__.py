@@ -9,7 +9,7 @@ import importlib as _importlib
 from jattn import diagnostics as diagnostics
 from jattn import masks as masks
 from jattn._attention import dot_product_attention as dot_product_attention
-from jattn._flax_fn import make_attention_fn as make_attention_fn
+from jattn._flax.attention_fn import make_attention_fn as make_attention_fn
 from jattn._merge import merge_attention as merge_attention
 from jattn._page_write import KVPages as KVPages
 from jattn._page_write import write_pages as write_pages

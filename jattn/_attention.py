@@ -12,8 +12,9 @@ from collections.abc import Callable, Sequence
 
 import jax
 
-from jattn import _call, _dense, _dispatch, _sharding, _softmax
+from jattn import _call, _dispatch, _sharding, _softmax
 from jattn import masks as _masks
+from jattn._backends import dense as _dense
 from jattn._types import ArrayLike, Implementation, IsCausal, LocalWindowSize, Schedule
 
 

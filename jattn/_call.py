@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn import _dropout, _plan, _registry, _sharding, _tile, _tuning, _validation
+from jattn import _dropout, _registry, _sharding, _tile, _tuning, _validation
 from jattn import masks as _masks
 from jattn._tile import Config
 from jattn._validation import concrete
@@ -379,7 +379,7 @@ class Static:
 
   def block_sizes(self, T: int | None = None, S: int | None = None) -> tuple[int, int]:
     """The chunked block sizes for T query rows and S keys (the whole call's by default)."""
-    return _plan.block_sizes(
+    return _tile.block_sizes(
       self.T if T is None else T,
       self.S if S is None else S,
       self.tuned.block_q,
@@ -390,10 +390,10 @@ class Static:
     """(Config, score_mod's hoisted arrays) for tiles of ``tile_shape`` over this call (a
     device's part of a call has its own `Static`); ``replay``: score_mod is to be called inside
     a shard_map; ``varying_like``: the arrays (q, k) there that score_mod's arguments are typed
-    device-varying like (ring attention, see `jattn._plan.closure_convert_score_mod`)."""
+    device-varying like (ring attention, see `jattn._tile.closure_convert_score_mod`)."""
     score_mod, score_args = None, ()
     if self.opts.score_mod is not None:
-      score_mod, score_args = _plan.closure_convert_score_mod(
+      score_mod, score_args = _tile.closure_convert_score_mod(
         self.opts.score_mod, tile_shape, self.stat_dtype, varying_like, replay=replay
       )
       if not varying_like:

@@ -3,10 +3,10 @@
 It reads only the registry (`jattn._registry`): a name given alone runs as asked; a sequence is
 tried in order, skipping one that cannot take the call (its ``supports`` gives a reason, or it
 raises NotImplementedError while tracing: a warning gives that reason) and one that lowers for
-another platform than the program's; ``None`` follows `jattn._plan.implementation_by_platform`,
+another platform than the program's; ``None`` follows `implementation_by_platform` (below),
 with a backend that asks to go first for long calls (splash on a TPU) and a tuning table's
 fastest fused kernel in front.
-Per-platform choices are made where the program is lowered (`jattn._plan.by_platform`).
+Per-platform choices are made where the program is lowered (`jattn._lowering.by_platform`).
 """
 
 from __future__ import annotations
@@ -16,8 +16,14 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from jattn import _backends, _plan, _registry, _softmax, _validation  # noqa: F401  (registers)
+from jattn import _backends, _lowering, _registry, _softmax, _validation  # noqa: F401
+from jattn import masks as _masks
+from jattn._chunked import plan as _chunked_plan
+from jattn._tile import block_sizes
+from jattn._validation import concrete
+from jattn.masks import BlockGrid
 
 
 def run(call):
@@ -37,7 +43,7 @@ def run(call):
     res = runners[names[0]]()
   else:
     fns = _takers(names, runners, say_skipped=True) if names else automatic(call, runners)
-    res = _plan.by_platform(fns)
+    res = _lowering.by_platform(fns)
   out, lse, *mx = res
   return out, lse, (mx[0] if mx else None)
 
@@ -69,18 +75,18 @@ def automatic(call, runners) -> dict:
 def order(call) -> dict:
   """The decision behind implementation=None: {platform or "default": names to try in order}.
 
-  `jattn._plan.implementation_by_platform`'s rule, with each registered backend whose ``first``
+  `implementation_by_platform`'s rule, with each registered backend whose ``first``
   holds for the call in front on its platforms (splash on a TPU, cuDNN on a GPU). A tuning table
   entry for the case says otherwise where it measured otherwise (measured wins over reasoned):
   a fused kernel it names goes first; "chunked" or "dense" goes first and the fused kernel is
   not tried."""
   s = call.static
-  decoding = _plan.decoding(s.T, s.S, s.G)
+  decoding = _chunked_plan.decoding(s.T, s.S, s.G)
   first = {}  # platform -> the backend that asks to go first there
   for name, backend in _registry.REGISTRY.items():
     if backend.first is not None and backend.first(call) and backend.traced_cheaply(call):
       first.update(dict.fromkeys(backend.platforms or (), name))
-  choice = _plan.implementation_by_platform(
+  choice = implementation_by_platform(
     (s.B, s.N, s.T, s.S),
     s.G,
     s.dtype,
@@ -147,3 +153,95 @@ def _takers(names, runners, say_skipped=False):
   if say_skipped and errors:
     warnings.warn(f"implementation={names!r} fell through: " + "; ".join(errors), stacklevel=2)
   return fns
+
+
+# --------------------------------------------------------------------------------------------
+# The rule behind implementation=None.
+# --------------------------------------------------------------------------------------------
+
+# implementation=None picks chunked once the (T, S) score matrix per head reaches this many
+# entries. Below it dense's single fused pass wins; above it dense is limited by the (T, S)
+# temporaries falling out of cache (and by their memory). Measured crossover: see README (and
+# docs/benchmarks.md).
+AUTO_CHUNKED_MIN_SCORES = 1024 * 1024
+
+
+# implementation=None on GPU and TPU, where no fused kernel takes the call: dense while the
+# (B, N, T, S) float32 scores fit in this many bytes, chunked beyond. Reasoned, not measured: an
+# accelerator's dense pass (one batched matmul, one softmax) is fast while its score tensor is a
+# small part of device memory; its backward holds about four such tensors, so 256 MiB of scores
+# keeps it near the chunked kernels' 1 GiB (B=4, N=16, T=S=2048 was 1 GiB of scores and 3.6 GiB
+# of temporaries forward+backward; the chunked kernels' is ~0.5 GiB there).
+ACCELERATOR_DENSE_SCORES_BYTES = 256 << 20
+
+
+def choose_implementation(T: int, S: int, G: int = 1, dtype=None, mask=None, shape=None) -> str:
+  """The CPU's rule behind implementation=None: dense for small score matrices, chunked
+  otherwise (the crossover measured here), and chunked for decoding-shaped calls.
+
+  Measured here for decoding (B = 4, N = 32, K = 8, H = 128, chunked against dense): T = 1,
+  float32, no mask 7 against 11 ms at S = 512 and 148 against 354 at S = 16384; T = 8 and 64
+  (G = 4: 32 and 256 rows) at S = 4096, 77 against 178 and 270 against 406; with the cache's fill
+  level given at run time (lengths or a causal offset as arrays, what a decoding loop has) see
+  docs/implementations.md "Decoding" (bfloat16 at S = 16384: 145 against 399). The exception: a
+  16-bit call whose ``mask`` (the call's `jattn.masks` object over ``shape``) has a block map
+  known at trace time. XLA's CPU backend then converts the whole cache to float32 ahead of the
+  kernel's loop, and dense wins for a few rows (bfloat16, no mask, T = 1, G = 4: 249 against 331
+  ms at S = 16384); from T x G = 32 rows on chunked wins again (T = 8: 81 against 126 ms at S =
+  4096)."""
+  if T * S >= AUTO_CHUNKED_MIN_SCORES:
+    return "chunked"
+  if not _chunked_plan.decoding(T, S, G):
+    return "dense"
+  narrow = dtype is not None and jnp.dtype(dtype).itemsize < 4
+  return "dense" if narrow and T * G <= 8 and static_block_map(mask, T, S, shape) else "chunked"
+
+
+def static_block_map(mask, T: int, S: int, shape) -> bool:
+  """Whether ``mask`` (a `jattn.masks` object or None) has a block map known at trace time."""
+  if mask is None:
+    return True
+  grid = BlockGrid(T, S, *block_sizes(T, S, None, None))
+  return isinstance(_masks.reduce_states(mask.block_states(grid, shape), shape), np.ndarray)
+
+
+def implementation_by_platform(
+  scores: tuple[int, int, int, int],
+  G: int = 1,
+  dtype=None,
+  mask=None,
+  fused=None,
+  keys_split: bool = False,
+) -> dict[str, tuple[str, ...]]:
+  """implementation=None per platform ({"cpu": names, "default": names, maybe "tpu": names}):
+  the implementations to try in order, picked where the program is lowered. ``scores``: the
+  call's (B, N, T, S), the shape of its score matrices (as `choose_implementation` takes it).
+
+  GPU and TPU (reasoned, not measured): decoding-shaped calls go to the chunked kernels (their
+  parallel schedule splits the cache over lanes, split-KV), others to dense while the
+  (B, N, T, S) float32 scores fit ACCELERATOR_DENSE_SCORES_BYTES, and beyond that to the chunked
+  kernels -- and before either, at every size, to the platform's fused kernel where ``fused``
+  ({platform: name}) names one that takes the call (`jattn._registry.Backend.first`: splash on
+  a TPU, cuDNN on a GPU for 16-bit calls, where the program cannot be partitioned). A fused
+  kernel reads each score tile once from on-chip memory, where XLA's dense pass writes the
+  (B, N, T, S) scores to HBM and reads them back; published figures put cuDNN's and
+  FlashAttention-3's forward at about 65% of an H100's peak and XLA-only attention several
+  times slower. Decoding-shaped calls keep split-KV (a fused kernel would pad their few query
+  rows to a whole block). ``keys_split``: K and V are split along S over devices (an Explicit
+  mesh): the chunked kernels merge per-shard parts across devices, where dense would gather
+  the whole of K and V (a decoding step's cache). A tuning table can say otherwise for its case
+  (see `jattn._dispatch.order`)."""
+  # A symbolic batch or head count (jax.export) bounds nothing: the program must serve every
+  # size, so the scores are taken not to fit.
+  if keys_split:
+    return {"default": ("chunked",)}
+  B, N, T, S = scores
+  decode = _chunked_plan.decoding(T, S, G)
+  cpu = choose_implementation(T, S, G, dtype, mask, scores)
+  fits = concrete(B, N) and B * N * T * S * 4 <= ACCELERATOR_DENSE_SCORES_BYTES
+  accelerator = "dense" if fits and not decode else "chunked"
+  choice: dict[str, tuple[str, ...]] = {"cpu": (cpu,), "default": (accelerator,)}
+  if not decode:
+    for platform, name in (fused or {}).items():
+      choice[platform] = (name, accelerator)
+  return choice

@@ -21,8 +21,8 @@ row and its key at prefix + depth, and the walk hides the new keys the mask hide
 `_tree_keys`); the Pallas kernels take no mask. Pages are token-major (NHD: (page_size, K, H)) or
 head-major (HND: (K, page_size, H)); a block reaches the matmuls as *pieces* of keys batched
 with the tile and the head (`_block`). On the CPU one lane walks the blocks; on GPU and TPU
-(chosen where the program is lowered) the blocks are dealt over up to `_plan.SPLIT_KV_LANES`
-lanes side by side and merged by log-sum-exp (split-KV). Block sizes: `_plan.PAGED_BLOCK_KV`.
+(chosen where the program is lowered) the blocks are dealt over up to `SPLIT_KV_PARTS` lanes
+side by side and merged by log-sum-exp (split-KV). Block sizes: `PAGED_BLOCK_KV`.
 Absorbed MLA (``value_pages=None, value_head_dim=Hv``) has no value pool: each block's values
 are its gathered keys' first Hv features (`_latent_values`), so the latent pool is read once.
 
@@ -40,18 +40,25 @@ import jax.numpy as jnp
 import numpy as np
 
 from jattn import (
-  _fused,
+  _lowering,
   _page_metadata,
   _paged_fold,
   _paged_gpu,
   _paged_tpu,
-  _plan,
   _pool,
   _softmax,
   _tile,
   _validation,
 )
+from jattn._chunked.plan import SPLIT_KV_PARTS
+from jattn._tile import DEFAULT_BLOCK_KV
 from jattn._validation import concrete
+
+# Keys per step of the paged walk: whole pages adding up to about this many (a page larger than
+# it is cut). On the CPU a block read from the pool stays in the core's cache until the matmuls
+# use it (128 keys: measured, docs/benchmarks.md "Tuning constants"); elsewhere the chunked
+# kernels' key block. Its split-KV parts on GPU and TPU are the chunked kernels' decoding split.
+PAGED_BLOCK_KV = {"cpu": 128, "default": DEFAULT_BLOCK_KV}
 
 # None: jattn's Pallas kernel on a TPU or NVIDIA GPU where it takes the call, the XLA walk
 # elsewhere; "chunked": the XLA walk everywhere; "pallas": the kernel (`jattn._paged_tpu`,
@@ -339,7 +346,7 @@ def _jitted(st: _Static, arrays: _Arrays):
   pool = pool._replace(kv_lengths=jnp.where(bad, 0, pool.kv_lengths.astype(jnp.int32)))
   tiles = _tiles(st, query_start, pool.kv_lengths, bad, arrays.new_token_mask)
   q = _gather_queries(st, arrays.query, tiles)  # (M, K, G * tq, H)
-  m, l, acc = _plan.by_platform(_walks(st, q, tiles, pool))
+  m, l, acc = _lowering.by_platform(_walks(st, q, tiles, pool))
   if sinks is not None:
     sink = jnp.repeat(sinks.astype(jnp.float32).reshape(1, st.K, st.G, 1), st.tq, axis=-1)
     m, l, acc = _softmax.join_sink(m, l, acc, sink.reshape(1, st.K, st.G * st.tq))
@@ -360,8 +367,8 @@ def _walks(st: _Static, q, tiles: _Tiles, pool: _pool.Pool):
   jattn's Pallas kernels on a TPU and an NVIDIA GPU (or anywhere in their interpret modes)."""
   run: dict[str, Any] = {}
   for platform in ("cpu", "default"):
-    sp = st.with_block(_plan.PAGED_BLOCK_KV[platform])._replace(upcast=platform == "cpu")
-    lanes = 1 if platform == "cpu" else min(_plan.SPLIT_KV_LANES, sp.blocks)
+    sp = st.with_block(PAGED_BLOCK_KV[platform])._replace(upcast=platform == "cpu")
+    lanes = 1 if platform == "cpu" else min(SPLIT_KV_PARTS, sp.blocks)
     run[platform] = functools.partial(_walk, sp, lanes, q, tiles, pool)
   if st.implementation == "chunked":
     return run
@@ -376,7 +383,9 @@ def _walks(st: _Static, q, tiles: _Tiles, pool: _pool.Pool):
       if why is not None
       else functools.partial(module.walk, st, q, tiles, pool, pool.kv_lengths[tiles.seq])
     )
-  interpreted = "tpu" if _fused.interpreting() else "cuda" if _paged_gpu.interpreting() else None
+  interpreted = (
+    "tpu" if _lowering.tpu_interpreting() else "cuda" if _lowering.gpu_interpreting() else None
+  )
   if interpreted is not None:
     kernel = kernels[interpreted]
     if not isinstance(kernel, str):
@@ -397,7 +406,7 @@ def _walks(st: _Static, q, tiles: _Tiles, pool: _pool.Pool):
       "tests), or use implementation=None (the kernels where they run, the XLA walk "
       "elsewhere)"
     )
-    fail = lambda why: lambda: _fused.unavailable(why, like, q)
+    fail = lambda why: lambda: _lowering.unavailable(why, like, q)
     run = {"default": fail(message)}
     kernels = {
       p: fail(f"implementation='pallas' on {p} cannot take {k}") if isinstance(k, str) else k
@@ -827,7 +836,7 @@ def _check(given: _Arrays, opts: _Options, latent_dim=None) -> tuple[_Static, _A
     tree=tree,
     latent=latent,
   )
-  st = st.with_block(_plan.PAGED_BLOCK_KV["default"])._replace(implementation=opts.implementation)
+  st = st.with_block(PAGED_BLOCK_KV["default"])._replace(implementation=opts.implementation)
   why = _no_grid(st) or _no_tree(st) or _no_latent(st)
   if opts.implementation == "pallas" and why:
     raise NotImplementedError(f"implementation='pallas' cannot take {why}")

@@ -15,44 +15,25 @@ lanes are merged by log-sum-exp in XLA, in a fixed order: no atomics, so the res
 from run to run, and a sequence's split never depends on the other sequences of the batch.
 
 Reasoned, not measured: no GPU was available. The kernel is tested in Pallas's interpret mode on
-the CPU (`interpret_mode`) and lowered for CUDA (Pallas to Triton) from the CPU.
+the CPU (`jattn._lowering.gpu_interpret_mode`) and lowered for CUDA (Pallas to Triton) from the CPU.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 
 import jax
 import jax.numpy as jnp
 
-from jattn import _paged_fold, _plan, _softmax
+from jattn import _paged_fold, _softmax
+from jattn._chunked.plan import SPLIT_KV_PARTS
 
 # Keys per step: Triton's matmul tiles want 16 or more rows and powers of two; 64 keys keep a
 # step's keys and values of head size 128 within a streaming multiprocessor's shared memory.
 STEP_KEYS = 64
 # Split-KV lanes: as many as the XLA walk's and the chunked kernels' (with B x K programs per
 # lane, 16 lanes fill an H100/H200's 132 SMs at B x K >= 8; reasoned).
-LANES = _plan.SPLIT_KV_LANES
-_INTERPRET = contextvars.ContextVar("jattn_paged_gpu_interpret", default=False)
-
-
-@contextlib.contextmanager
-def interpret_mode():
-  """Run jattn's Pallas GPU kernels -- this one (``paged_attention(implementation="pallas")``)
-  and the flash attention of `jattn._flash_gpu` (``implementation="pallas_gpu"``) -- in
-  Pallas's interpret mode, on any platform (tests: the kernels a GPU gets, walked on the
-  CPU)."""
-  token = _INTERPRET.set(True)
-  try:
-    yield
-  finally:
-    _INTERPRET.reset(token)
-
-
-def interpreting() -> bool:
-  return _INTERPRET.get()
+SPLIT_PARTS = SPLIT_KV_PARTS
 
 
 def _pow2(n: int) -> bool:
@@ -84,7 +65,7 @@ def walk(st, q, tiles, pool, kv_len, *, interpret: bool = False):
   ps = st.page_size
   ppb = max(1, STEP_KEYS // ps)
   steps = -(-st.max_pages // ppb)
-  lanes = max(1, min(LANES, steps))
+  lanes = max(1, min(SPLIT_PARTS, steps))
   Rp = max(16, 1 << (R - 1).bit_length())  # Triton's matmul rows: a power of two, 16 or more
   q = jnp.pad(q, ((0, 0), (0, 0), (0, Rp - R), (0, 0)))
   table = jnp.pad(page_table.astype(jnp.int32), ((0, 0), (0, steps * ppb - st.max_pages)))

@@ -33,9 +33,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn import _call, _chunked, _plan, _tile, _validation
+from jattn import _call, _chunked, _dispatch, _tile, _validation
 from jattn import masks as _masks
-from jattn._plan import Operands
+from jattn._chunked import plan as _plan
+from jattn._chunked.plan import Operands
 from jattn._tile import Config
 from jattn._types import ArrayLike, Implementation, IsCausal, LocalWindowSize
 
@@ -204,7 +205,7 @@ def _stats(given: _call.Given, *, opts: _Options):
   B, T, N, H, S, K, G = s.B, s.T, s.N, s.H, s.S, s.K, s.G
   query, key, combined, bias5, sink = call.query, call.key, call.mask, call.bias, call.sink
   sd = s.stat_dtype
-  impl = opts.call.implementation or _plan.choose_implementation(
+  impl = opts.call.implementation or _dispatch.choose_implementation(
     T, S, G, query.dtype, combined, (B, N, T, S)
   )
   bq, bk = (T, S) if impl == "dense" else s.block_sizes()

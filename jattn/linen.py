@@ -13,8 +13,9 @@ from typing import Any
 import jax.numpy as jnp
 from flax import linen as nn
 
-from jattn import _mha, _pool, _validation
+from jattn import _pool, _validation
 from jattn import masks as _masks
+from jattn._flax import modules as _mha
 from jattn._types import ArrayLike, Implementation, IsCausal, LocalWindowSize
 
 __all__ = ["MultiHeadAttention"]

@@ -12,8 +12,9 @@ from typing import Any
 import jax.numpy as jnp
 from flax import nnx
 
-from jattn import _mha, _validation
+from jattn import _validation
 from jattn import masks as _masks
+from jattn._flax import modules as _mha
 from jattn._types import ArrayLike, Implementation, IsCausal, LocalWindowSize
 
 __all__ = ["MultiHeadAttention"]

@@ -30,7 +30,8 @@ BLOCKS = dict(block_q=8, block_kv=8)
 
 def implementations() -> dict[str, dict]:
   """name -> dot_product_attention keywords, from jattn's registry of implementations."""
-  from jattn import _plan, _registry
+  from jattn import _registry
+  from jattn._chunked import plan as _plan
 
   out = {"None": dict(implementation=None)}
   for name in _registry.REGISTRY:

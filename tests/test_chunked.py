@@ -7,7 +7,7 @@ import pytest
 import reference as ref
 
 import jattn
-from jattn import _plan
+from jattn._chunked import plan as _plan
 from jattn import masks as M
 from jattn._chunked import blocks as chunked_blocks
 

@@ -17,7 +17,8 @@ import pytest
 import reference as ref
 
 import jattn
-from jattn import _plan, masks
+from jattn import masks
+from jattn._chunked import plan as _plan
 from jattn.bench import structure
 
 B, K, G, H, S = 3, 2, 3, 8, 300
@@ -158,7 +159,7 @@ def test_decoding_step_lowered_for_an_accelerator(platform):
   f = lambda q, k, v: jattn.dot_product_attention(q, k, v, is_causal="bottom_right")
   hlo = structure.lowered_for(f, (q, kv, kv), platform)
   st = structure.loop_structure(hlo)
-  assert st.steps == Sc // (256 * _plan.SPLIT_KV_LANES) == 4, st
+  assert st.steps == Sc // (256 * _plan.SPLIT_KV_PARTS) == 4, st
   assert structure.loop_structure(structure.lowered_for(f, (q, kv, kv))).loops == 0  # CPU: dense
   f32 = (q.update(dtype=jnp.float32),) + (kv.update(dtype=jnp.float32),) * 2
   assert structure.loop_structure(structure.lowered_for(f, f32)).steps == Sc // 256  # CPU: serial

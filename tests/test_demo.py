@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from jattn import demo
+from jattn.bench import demo
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
-"""jattn's Pallas GPU (Triton) flash attention (`jattn._flash_gpu`, implementation="pallas_gpu")
+"""jattn's Pallas GPU (Triton) flash attention (`jattn._backends.pallas_gpu`, implementation="pallas_gpu")
 against the float64 reference, forward and gradients.
 
-The kernels run here in Pallas's interpret mode (`jattn._paged_gpu.interpret_mode`): the very
+The kernels run here in Pallas's interpret mode (`jattn._lowering.gpu_interpret_mode`): the very
 kernels a GPU gets, their grids walked on the CPU (slowly: the shapes are small). Lengths are
 not multiples of the blocks, so padding is always in play; every case has several query and key
 blocks, and GQA (or MQA) groups. The lowering for CUDA (Pallas to Triton) is made from this CPU.
@@ -17,7 +17,7 @@ import reference as ref
 from test_paged_kernels import _abstract_gpu
 
 import jattn
-from jattn import _paged_gpu
+from jattn import _lowering
 
 B, N = 2, 4
 BLOCKS = dict(block_q=16, block_kv=32)
@@ -44,7 +44,7 @@ def _kernel(args, sinks, kw):
       q, k, v, sinks=sinks, implementation="pallas_gpu", return_residual=True, **BLOCKS, **kw
     )
 
-  with _paged_gpu.interpret_mode():
+  with _lowering.gpu_interpret_mode():
     (out, lse), pull = jax.vjp(f, q, k, v, sinks)
     grads = pull((dout, dlse.astype(lse.dtype)))
   return out, lse, grads
@@ -172,7 +172,7 @@ def test_under_vmap_equals_dense():
     )
     return lambda q: (jax.vmap(f)(q) ** 2).sum()
 
-  with _paged_gpu.interpret_mode():
+  with _lowering.gpu_interpret_mode():
     got = jax.value_and_grad(loss("pallas_gpu"))(q)
   want = jax.value_and_grad(loss("dense"))(q)
   for a, b in zip(got, want):
@@ -231,7 +231,7 @@ def test_what_it_cannot_take_is_refused_by_name(kw, words):
   H = kw.pop("H", 16)
   q = jnp.ones((B, 40, N, H))
   k = v = jnp.ones((B, 40, 2, H))
-  with _paged_gpu.interpret_mode(), pytest.raises(NotImplementedError, match=words):
+  with _lowering.gpu_interpret_mode(), pytest.raises(NotImplementedError, match=words):
     jattn.dot_product_attention(q, k, v, implementation="pallas_gpu", **kw)
 
 
@@ -239,7 +239,7 @@ def test_a_gradient_of_the_gradient_is_refused_by_name():
   q = jnp.ones((1, 16, 2, 16))
   f = lambda q: jattn.dot_product_attention(q, q, q, implementation="pallas_gpu").sum()
   with (
-    _paged_gpu.interpret_mode(),
+    _lowering.gpu_interpret_mode(),
     pytest.raises(NotImplementedError, match="higher-order AD.*pallas_gpu"),
   ):
     jax.grad(lambda q: (jax.grad(f)(q) ** 2).sum())(q)

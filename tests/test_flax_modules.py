@@ -731,7 +731,7 @@ def _dequantized_forward(lin, params, x, dtype):
   def rounded(q, k, v, *a, **kw):
     return real(q, round_trip(k), round_trip(v), *a, **kw)
 
-  import jattn._mha as mha_module
+  import jattn._flax.modules as mha_module
 
   saved = mha_module.dot_product_attention
   mha_module.dot_product_attention = rounded

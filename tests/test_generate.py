@@ -53,7 +53,7 @@ def test_cached_generation_equals_recomputing(monkeypatch):
   tokens = {}
   # Which kernels each model's programs trace (jit traces every new shape once).
   traced = []
-  for name, module in (("chunked", jattn._chunked.entry), ("dense", jattn._dense)):
+  for name, module in (("chunked", jattn._chunked.entry), ("dense", jattn._backends.dense)):
     fn = {"chunked": "chunked_attention", "dense": "dense_attention"}[name]
     original = getattr(module, fn)
     monkeypatch.setattr(

@@ -136,7 +136,7 @@ def test_a_symbolic_batch_keeps_splash_on_tpu():
   """Exported for tpu with a symbolic batch, a training step holds splash as with batch 8: its
   block masks do not depend on the example (lengths and segment ids are run-time ids), so
   the kernels are built once and run per example; the very kernels of batch 8 are reused."""
-  from jattn import _splash
+  from jattn._backends import splash as _splash
 
   (b,) = jax.export.symbolic_shape("b")
   step = _training_step(is_causal=True)
@@ -164,7 +164,7 @@ def test_splash_skips_what_a_symbolic_batch_or_head_count_hides_and_says_why():
   """What splash cannot take symbolically -- a mask that reads the example index, a symbolic
   head count -- it refuses by name with the reason; ("splash", "chunked") falls through to
   jattn's kernels with a warning giving it; implementation=None keeps jattn's kernels."""
-  from jattn import _splash
+  from jattn._backends import splash as _splash
 
   (b,) = jax.export.symbolic_shape("b")
   by_example = jattn.masks.from_function(lambda b, h, q, k: k <= q + b)

@@ -202,7 +202,7 @@ def test_cudnn_lse_of_the_call_equals_reference():
   """The cuDNN path's lse gradient comes from a plain-JAX lse of the call (jax.nn's cuDNN call
   returns its lse without one): that lse, with a bias, a mask array, causal, a window and
   lengths, equals the reference's (cuDNN itself needs a GPU)."""
-  from jattn import _cudnn
+  from jattn._backends import cudnn as _cudnn
 
   q, k, v, _, _ = _inputs()
   rng = np.random.default_rng(1)

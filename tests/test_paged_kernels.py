@@ -2,7 +2,7 @@
 Triton) -- against the float64 reference.
 
 The kernels run here in Pallas's interpret mode (TPU: `force_tpu_interpret_mode`; GPU:
-`jattn._paged_gpu.interpret_mode`): the very kernel a TPU or GPU gets, its grid walked on the
+`jattn._lowering.gpu_interpret_mode`): the very kernel a TPU or GPU gets, its grid walked on the
 CPU. Their lowerings (Pallas to Mosaic, Pallas to Triton) are made from this CPU; what
 `implementation=None` picks is read from the lowered programs.
 """
@@ -19,10 +19,10 @@ from jax.experimental.pallas import tpu as pltpu
 from test_paged import _check, combined, head_major, options, pool, reference
 
 import jattn
-from jattn import _paged_gpu
+from jattn import _lowering
 
 N, K, H = 4, 2, 16  # the GPU kernel (Triton) takes head sizes that are powers of two >= 16
-KERNELS = {"tpu": pltpu.force_tpu_interpret_mode, "gpu": _paged_gpu.interpret_mode}
+KERNELS = {"tpu": pltpu.force_tpu_interpret_mode, "gpu": _lowering.gpu_interpret_mode}
 
 
 @pytest.fixture(params=sorted(KERNELS))
@@ -268,7 +268,7 @@ def test_interpret_mode_refuses_what_the_kernel_cannot_take_as_the_device_would(
   q = jax.random.normal(jax.random.key(52), (2, 1, N, 8))
   args = (q, kp, vp, table, jnp.asarray(lens))
   want = jattn.paged_attention(*args, implementation="chunked")
-  with _paged_gpu.interpret_mode():
+  with _lowering.gpu_interpret_mode():
     np.testing.assert_array_equal(jattn.paged_attention(*args), want)
     with pytest.raises(NotImplementedError, match="pallas.*cuda cannot take H=8: Triton"):
       jattn.paged_attention(*args, implementation="pallas")

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import jattn
-from jattn import _paged_gpu
+from jattn import _lowering
 
 HC, HR, N = 32, 8, 8  # latent (compressed) and rotary sizes; query heads (K = 1)
 H = HC + HR
@@ -236,7 +236,7 @@ def test_pallas_kernels_refuse_with_the_reason_and_none_falls_back():
 
   q, latent, table, lens = _args()
   want = np.asarray(absorbed(q, latent, table, lens), np.float64)
-  for mode in (pltpu.force_tpu_interpret_mode, _paged_gpu.interpret_mode):
+  for mode in (pltpu.force_tpu_interpret_mode, _lowering.gpu_interpret_mode):
     with mode():
       with pytest.raises(NotImplementedError, match="absorbed MLA"):
         absorbed(q, latent, table, lens, implementation="pallas")

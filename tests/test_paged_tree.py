@@ -19,7 +19,7 @@ from jax.experimental.pallas import tpu as pltpu
 from test_paged import _check, pool
 
 import jattn
-from jattn import _paged_gpu, masks
+from jattn import _lowering, masks
 
 # Trees of 8 draft tokens, parents before children (-1: the root, after the cached prefix).
 TREES = (
@@ -214,7 +214,7 @@ def test_traced_fault_makes_only_its_sequence_nan():
 
 @pytest.mark.parametrize("kernel", ["tpu", "gpu"])
 def test_kernels_refuse_the_mask_and_none_falls_to_the_walk(kernel):
-  mode = {"tpu": pltpu.force_tpu_interpret_mode, "gpu": _paged_gpu.interpret_mode}[kernel]
+  mode = {"tpu": pltpu.force_tpu_interpret_mode, "gpu": _lowering.gpu_interpret_mode}[kernel]
   q, kp, vp, table, lens = padded_case(0, [37, 5, 70])
   mask = masks.tree_mask(np.array(TREES))
   with mode():

@@ -165,7 +165,7 @@ def test_lanes_compute_the_work_the_mask_leaves(platform):
   # default 512 x 256 blocks: the causal program does ~0.53x the unmasked one's work forward
   # and forward+backward (not the 0.8x of lanes padded to the depth), a causal window of 1024
   # within 1.15x of its non-empty tiles, at the depth of before (17 / 43 steps).
-  from jattn import _plan
+  from jattn._chunked import plan as _plan
 
   T, N, H = 8192, 4, 64
   args = (jax.ShapeDtypeStruct((1, T, N, H), jnp.bfloat16),) * 3
@@ -198,10 +198,10 @@ def test_lanes_compute_the_work_the_mask_leaves(platform):
 
 def test_transient_memory_is_bounded_by_the_step_budget():
   # B=4 N=16 K=4 H=128 bf16, causal, exported for cuda and compiled here: the step's tiles
-  # stay within jattn._plan.STEP_BYTES (lanes run group after group), so the temporaries are
+  # stay within jattn._chunked.plan.STEP_BYTES (lanes run group after group), so the temporaries are
   # the budget plus arrays of the size of the query in float32 (the output's accumulator, dQ's,
   # and XLA's CPU compile converting the 16-bit q, dO and O to float32), growing linearly in T.
-  from jattn import _plan
+  from jattn._chunked import plan as _plan
 
   B, N, K, H = 4, 16, 4, 128
 

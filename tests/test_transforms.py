@@ -316,7 +316,7 @@ def test_fused_kernels_forward_mode_and_hessian_in_interpret_mode(kernel):
 
   q, k, v, w = _small(T=20, H=16)  # Triton: head sizes of 16 or more
   kw = dict(is_causal=True, logits_soft_cap=4.0)
-  ctx = pltpu.force_tpu_interpret_mode if kernel == "splash" else jattn._paged_gpu.interpret_mode
+  ctx = pltpu.force_tpu_interpret_mode if kernel == "splash" else jattn._lowering.gpu_interpret_mode
   fused = functools.partial(jattn.dot_product_attention, implementation=kernel, **kw)
   dense = functools.partial(jattn.dot_product_attention, implementation="dense", **kw)
   with ctx():

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import jattn
-from jattn import _plan, _tuning
+from jattn import _tuning
+from jattn._chunked import plan as _plan
 from jattn.bench import structure
 from jattn.bench import tune as bench_tune
 

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jattn import _sharding, _tile
-from jattn._plan import Operands, Plan
+from jattn._chunked.plan import Operands, Plan
 
 # A test hook: when set (at trace time) to a Python callable, every computed block calls it with
 # (pass, q_block, kv_block, state) through `jax.debug.callback`. It lets tests check that EMPTY

@@ -4,7 +4,7 @@ the FlashAttention backward (grad), and reverse over reverse (grad of grad, Hess
 JAX's public API gives a function a custom JVP or a custom VJP, not both (jax#3996). Forward
 mode needs the first (JAX cannot run a custom VJP forwards), reverse mode at O(T + S) the second
 (JAX cannot transpose the forward's loops). One function gets both through a primitive
-(`jattn._linear_tangent`):
+(`jattn._derivatives`):
 
 - `_kernel` (chunked attention of padded operands -> (out, lse)) is a custom JVP whose tangent
   is that primitive, linear in the operands' tangents, with `_Rule`;
@@ -32,10 +32,11 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jattn import _linear_tangent, _plan, _sharding, _tile
+from jattn import _derivatives, _sharding, _tile
+from jattn._chunked import plan as _plan
 from jattn._chunked.kernel import Residuals, backward, forward, forward_fixed
+from jattn._chunked.plan import Operands, Plan
 from jattn._chunked.tangent import tangent
-from jattn._plan import Operands, Plan
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
@@ -52,14 +53,14 @@ def _kernel_jvp(plan: Plan, primals, tangents):
   dleaves = _up_to(rule.treedef, dot)
   primal = [jnp.asarray(x) for x in _up_to(rule.treedef, ops)] + [out, lse]
   dots = [d for d, f in zip(dleaves, rule.diff) if f]
-  dout, dlse = _linear_tangent.bind(rule, primal, dots, (jax.typeof(out), jax.typeof(lse)))
+  dout, dlse = _derivatives.bind(rule, primal, dots, (jax.typeof(out), jax.typeof(lse)))
   # The max logits (with ``plan.cfg.max_logits``) are a statistic: their tangent is zero, and
   # a cotangent given to them is dropped.
   return res, (dout, dlse, *(jnp.zeros_like(x) for x in res[2:]))
 
 
 class _Rule:
-  """The tangent primitive's rule (`jattn._linear_tangent`): the plan, the operands' tree and
+  """The tangent primitive's rule (`jattn._derivatives`): the plan, the operands' tree and
   which of its leaves are differentiable (floating point). Primal operands: the operands'
   leaves, out and lse; tangent operands: the differentiable leaves' tangents."""
 

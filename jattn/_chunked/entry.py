@@ -12,10 +12,11 @@ import functools
 
 import jax.numpy as jnp
 
-from jattn import _plan
+from jattn import _lowering, _tile
 from jattn import masks as _masks
+from jattn._chunked import plan as _plan
 from jattn._chunked.derivatives import chunked_attention, chunked_attention_grads
-from jattn._plan import Operands
+from jattn._chunked.plan import Operands
 
 
 def attend(call, cfg, score_args, saved=None):
@@ -30,7 +31,7 @@ def attend(call, cfg, score_args, saved=None):
   cotangents (an `Operands`) are returned instead. The schedule is the call's, else the
   platform's default, chosen where the program is lowered."""
   tuned, place, mask = call.static.tuned, call.place, call.mask
-  bq, bk = _plan.block_sizes(cfg.T, cfg.S, tuned.block_q, tuned.block_kv)
+  bq, bk = _tile.block_sizes(cfg.T, cfg.S, tuned.block_q, tuned.block_kv)
   positions = None
   if any(x is not None for x in place):
     q_table = _position_table(place.q_offset, cfg.T, bq)
@@ -66,7 +67,7 @@ def attend(call, cfg, score_args, saved=None):
     )
   if tuned.schedule:
     return run[tuned.schedule]()
-  return _plan.by_platform({p: run[s] for p, s in _plan.SCHEDULE_DEFAULTS.items()})
+  return _lowering.by_platform({p: run[s] for p, s in _plan.SCHEDULE_DEFAULTS.items()})
 
 
 def _position_table(offset, n: int, block: int):

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from jattn import _softmax, _tile
 from jattn._chunked.blocks import TileView, _key_major, _query_major, _row_tile, q_tile
-from jattn._plan import Operands, Plan
+from jattn._chunked.plan import Operands, Plan
 
 
 class _Backward(NamedTuple):

@@ -19,12 +19,12 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jattn import _plan, _sharding, _softmax, _tile
+from jattn import _derivatives, _sharding, _softmax, _tile
 from jattn._chunked.blocks import TileView, _rows, _unrows, kv_tile, q_tile
 from jattn._chunked.grads import _Backward, _bias_contribution_shape, _tile_grads
 from jattn._chunked.lanes import _backward_parallel, _forward_parallel
+from jattn._chunked.plan import Operands, Plan
 from jattn._chunked.serial import _backward_serial, walk_rows, walk_rows_fixed
-from jattn._plan import Operands, Plan
 
 
 def forward(plan: Plan, ops: Operands):
@@ -171,7 +171,7 @@ def backward(plan: Plan, res: Residuals, dout, dlse=None) -> Operands:
   dsink = None
   if ops.sink is not None:
     dsink = _softmax.sink_gradient(ops.sink, res.lse, delta)
-  zeros = lambda tree: jax.tree.map(_plan.zero_cotangent, tree)
+  zeros = lambda tree: jax.tree.map(_derivatives.zero_cotangent, tree)
   return Operands(
     q=dq.astype(q.dtype),
     k=dk,

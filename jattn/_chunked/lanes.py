@@ -19,10 +19,11 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jattn import _plan, _sharding, _softmax, _tile
+from jattn import _sharding, _softmax, _tile
+from jattn._chunked import plan as _plan
 from jattn._chunked.blocks import _hook, _unrows, kv_tile, q_tile, tile_view
 from jattn._chunked.grads import _bias_contribution_shape
-from jattn._plan import Operands, Plan
+from jattn._chunked.plan import Operands, Plan
 from jattn.masks import EMPTY, PARTIAL
 
 

@@ -27,7 +27,7 @@ from jattn._chunked.blocks import (
   tile_view,
 )
 from jattn._chunked.grads import _Backward
-from jattn._plan import Operands, Plan
+from jattn._chunked.plan import Operands, Plan
 from jattn.masks import EMPTY, FULL, PARTIAL
 
 

@@ -30,8 +30,8 @@ from jattn._chunked.blocks import (
   kv_tile,
   q_tile,
 )
+from jattn._chunked.plan import Operands, Plan
 from jattn._chunked.serial import walk_rows, walk_rows_fixed
-from jattn._plan import Operands, Plan
 
 
 def tangent(plan: Plan, ops: Operands, out, lse, dot: Operands, fixed: bool = False):

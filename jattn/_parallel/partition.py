@@ -55,7 +55,7 @@ from jax.experimental.custom_partitioning import (
 )
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jattn import _call, _plan, _sharding, _softmax
+from jattn import _call, _derivatives, _sharding, _softmax
 from jattn import masks as _masks
 
 # Part of jit's cache key (a function traced with the rule on is traced anew with it off).
@@ -396,7 +396,7 @@ def _attention_bwd(problem, res, cts):
   dq, dk, dv, dbias, dsink = _op(
     problem, _backward, operands, (out, lse, dout, dlse), BACKWARD_ROLES
   )
-  zeros = lambda tree: jax.tree.map(_plan.zero_cotangent, tree)
+  zeros = lambda tree: jax.tree.map(_derivatives.zero_cotangent, tree)
   # The cotangent has the primal's structure: an `Operands`.
   return (Operands(dq, dk, dv, dbias, zeros(operands.mask), zeros(operands.seed), dsink),)
 

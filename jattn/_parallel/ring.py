@@ -50,8 +50,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn import _call, _chunked, _plan, _registry, _sharding, _softmax, _tile, _validation
+from jattn import _call, _chunked, _derivatives, _registry, _sharding, _softmax, _tile, _validation
 from jattn import masks as _masks
+from jattn._chunked import plan as _plan
 from jattn._parallel.zigzag import shard_positions
 from jattn._tile import NEG, Config
 from jattn._types import ArrayLike, Implementation, IsCausal, Layout, LocalWindowSize
@@ -280,7 +281,7 @@ def _ring_backward(rc: _RingConfig, res: _Residuals, dout, dlse):
     # The lse's cotangent lowers delta, as in _chunked.backward.
     delta = _softmax.output_delta(dout, out) - dlse.astype(sd)
     dsink = total(_softmax.sink_gradient(ro.sink, lse, delta))
-  zeros = lambda tree: jax.tree.map(_plan.zero_cotangent, tree)
+  zeros = lambda tree: jax.tree.map(_derivatives.zero_cotangent, tree)
   dro = _RingOperands(
     mask=zeros(ro.mask),
     q_tokens=zeros(ro.q_tokens),
@@ -599,7 +600,7 @@ def _ring_config(opts: _RingOptions, st, query, key):
     # The whole pair in one tile (no block may straddle two zigzag chunks).
     bq, bk = (Ts // 2, Ss // 2) if zigzag else (Ts, Ss)
   else:
-    bq, bk = _plan.block_sizes(
+    bq, bk = _tile.block_sizes(
       Ts,
       Ss,
       opts.call.block_q,

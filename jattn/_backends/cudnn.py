@@ -3,7 +3,7 @@
 `jax.nn.dot_product_attention(implementation="cudnn")` runs NVIDIA's fused kernel for 16-bit
 inputs. jattn hands it the calls it can express (a boolean or additive mask array, top-left
 causal, a window, lengths, GQA) and restores what it leaves undefined: a row with nothing to
-attend to returns 0 and gets zero gradients (`jattn._fused`). What it cannot express raises
+attend to returns 0 and gets zero gradients (`jattn._backends.foreign`). What it cannot express raises
 NotImplementedError naming the argument, so a sequence of implementations falls through to the
 next. Shape vocabulary: B T S N K H.
 """
@@ -16,8 +16,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jattn import _fused, _softmax
+from jattn import _softmax
 from jattn import masks as _masks
+from jattn._backends import foreign
 from jattn._tile import NEG
 
 
@@ -35,7 +36,7 @@ def supports(call) -> str | None:
   """None, or what of the bound call (`jattn._call.Call`) jax.nn's cuDNN call cannot take and
   why."""
   g, opts = call.given, call.opts
-  missing = _fused.missing_input(
+  missing = foreign.missing_input(
     "jax.nn's cuDNN call",
     (
       ("mask objects", isinstance(g.mask, _masks.Mask)),
@@ -144,7 +145,7 @@ def run(call):
     return _lse(q, k, b, mask, q_len, kv_len, nn)
 
   try:
-    return _fused.zero_empty_rows(
+    return foreign.zero_empty_rows(
       forward,
       plain,
       pure,

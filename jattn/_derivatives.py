@@ -7,7 +7,8 @@ both this way: its custom JVP returns the tangent as `bind(rule, primal operands
 operands, avals)`. JAX's reverse mode linearizes and transposes that primitive, which is the
 rule's backward from the primal operands (the residuals: operands, output, log-sum-exp); forward
 mode evaluates it, which is the rule's tangent. Users of it: the chunked kernels
-(`jattn._chunked.derivatives`) and the fused kernels (`jattn._fused.with_derivatives`).
+(`jattn._chunked.derivatives`) and the fused kernels (`with_derivatives`, below: a kernel with a
+backward of its own whose forward mode is its plain-JAX definition's tangent).
 
 A rule (hashed by identity) has ``n_primal`` (how many leading operands are primal: the rest are
 tangents, each shaped like one of the primal operands it is linear in) and
@@ -28,7 +29,10 @@ from __future__ import annotations
 import jax
 import jax.extend.core
 import jax.numpy as jnp
+import numpy as np
 from jax.interpreters import ad, batching, mlir
+
+from jattn._validation import concrete
 
 
 def bind(rule, primal, tangents, avals) -> list:
@@ -117,3 +121,101 @@ mlir.register_lowering(_p, mlir.lower_fun(_evaluate, multiple_results=True))
 ad.primitive_jvps[_p] = _jvp
 ad.primitive_transposes[_p] = _transpose
 batching.primitive_batchers[_p] = _batch
+
+
+# --------------------------------------------------------------------------------------------
+# A kernel with a reverse mode of its own and forward mode from its plain-JAX definition.
+# --------------------------------------------------------------------------------------------
+#
+# A fused kernel with only a VJP fails under jvp, jacfwd, hessian and linearize -- and inside
+# `platform_dependent`, whose every branch is differentiated, it fails on every platform. So,
+# as jattn's chunked kernels, it is a custom JVP whose tangent is a primitive linear in the
+# operands' tangents (the primitive above): evaluating it is forward mode (the jvp of the
+# kernel's plain-JAX definition); transposing it is the kernel's own backward, from the
+# residuals the forward saved (reverse mode is what it was: no extra forward kernel).
+
+
+def with_derivatives(kernel, reference, backward, diff, aux):
+  """``kernel(diff, aux)``'s outputs, differentiable in ``diff`` in every mode.
+
+  ``kernel(diff, aux) -> (outs, saved)``: outs a tuple of float arrays (the call's outputs),
+  saved a tuple of float arrays the backward reads that have no derivative (masks as 0/1: their
+  tangent is zero).
+  ``reference(diff, aux, saved) -> outs``: the same outputs in plain JAX (forward mode is its
+  jvp). ``backward(diff, aux, outs, saved, cts) -> the cotangents of diff``: cts one per out,
+  None for a symbolic zero; None for a None entry of diff. ``diff``, ``aux``: tuples of arrays or
+  None (aux without gradient)."""
+  return _differentiable(kernel, reference, backward)(tuple(diff), tuple(aux))[0]
+
+
+class _Rule:
+  """The tangent primitive's rule (for a kernel with a backward of its own), hashed by identity: the three
+  functions and the operands' trees. Primal operands: diff's and aux's leaves, the outputs and
+  the saved arrays; tangent operands: diff's leaves' tangents."""
+
+  def __init__(self, kernel, reference, backward, diff, aux, n_outs, n_saved):
+    self.kernel, self.reference, self.backward = kernel, reference, backward
+    self.diff_tree = jax.tree.structure(diff)
+    self.aux_tree = jax.tree.structure(aux)
+    self.n_diff, self.n_aux = self.diff_tree.num_leaves, self.aux_tree.num_leaves
+    self.n_outs, self.n_saved = n_outs, n_saved
+    self.n_primal = self.n_diff + self.n_aux + n_outs + n_saved
+
+  def split(self, args):
+    """Operands -> (diff, aux, outs, saved, tangents of diff's leaves)."""
+    n = [self.n_diff, self.n_aux, self.n_outs, self.n_saved]
+    at = [sum(n[:i]) for i in range(5)]
+    diff = jax.tree.unflatten(self.diff_tree, list(args[: at[1]]))
+    aux = jax.tree.unflatten(self.aux_tree, list(args[at[1] : at[2]]))
+    return diff, aux, tuple(args[at[2] : at[3]]), tuple(args[at[3] : at[4]]), args[at[4] :]
+
+  def tangent(self, *args):
+    diff, aux, outs, saved, dots = self.split(args)
+    leaves = jax.tree.leaves(diff)
+    f = lambda leaves: self.reference(jax.tree.unflatten(self.diff_tree, leaves), aux, saved)
+    _, d_outs = jax.jvp(f, (leaves,), (list(dots),))
+    return [d.astype(o.dtype) for d, o in zip(d_outs, outs)]
+
+  tangent_differentiable = tangent  # the reference is plain JAX
+
+  def transpose(self, primal, cts):
+    diff, aux, outs, saved, _ = self.split(primal)
+    grads = self.backward(diff, aux, outs, saved, tuple(cts))
+    leaves = jax.tree.leaves(diff)
+    got = self.diff_tree.flatten_up_to(tuple(grads))
+    return [jnp.zeros_like(x) if g is None else g.astype(x.dtype) for g, x in zip(got, leaves)]
+
+
+def _differentiable(kernel, reference, backward):
+  """The custom JVP around ``kernel``: (diff, aux) -> (outs, saved)."""
+
+  @jax.custom_jvp
+  def fn(diff, aux):
+    outs, saved = kernel(diff, aux)
+    return tuple(outs), tuple(saved)
+
+  @fn.defjvp
+  def fn_jvp(primals, tangents):
+    diff, aux = primals
+    outs, saved = fn(diff, aux)  # under an outer forward mode, differentiated the same way
+    rule = _Rule(kernel, reference, backward, diff, aux, len(outs), len(saved))
+    dots = [ad.instantiate_zeros(t) for t in jax.tree.leaves(tangents[0])]
+    primal = [*jax.tree.leaves(diff), *jax.tree.leaves(aux), *outs, *saved]
+    d_outs = bind(rule, primal, dots, tuple(jax.typeof(x) for x in outs))
+    zeros = tuple(jnp.zeros_like(x) for x in saved)
+    return (outs, saved), (tuple(d_outs), zeros)
+
+  return fn
+
+
+def zero_cotangent(x):
+  """The cotangent of a non-differentiable operand: zeros, or float0 for integer arrays."""
+  if x is None:
+    return None
+  x = jnp.asarray(x)
+  if jnp.issubdtype(x.dtype, jnp.inexact):
+    return jnp.zeros_like(x)
+  if not concrete(*x.shape):
+    # A symbolic shape (jax.export) has no NumPy float0 array: None is the custom VJP's zero.
+    return None
+  return np.zeros(x.shape, jax.dtypes.float0)

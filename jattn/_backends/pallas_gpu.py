@@ -10,7 +10,7 @@ takes every option of jattn's call that is a function of positions and per-examp
   only the key (or query) blocks that meet the band, and only the blocks its edges cross are
   masked by position (`_walk`);
 - lengths, padding of the keys to whole blocks and segment ids, folded into one pair of int32
-  id vectors (`jattn._splash.segment_ids`): query t sees key s iff their ids are equal (and the
+  id vectors (`jattn._backends.splash.segment_ids`): query t sees key s iff their ids are equal (and the
   band allows it), compared in every tile when any of them is in play; the key loop also stops
   at the example's key length;
 - a logit soft cap ``cap * tanh(s / cap)`` after the scale; sinks (one logit per query head with
@@ -30,7 +30,7 @@ programs write the same rows and nothing is summed with atomics; one kernel per 
 (`jattn._softmax.sink_gradient`).
 
 Reasoned, not measured: no GPU was available. The kernels are tested in Pallas's interpret mode
-on the CPU (`jattn._paged_gpu.interpret_mode`) and lowered for CUDA (Pallas to Triton) from the
+on the CPU (`jattn._lowering.gpu_interpret_mode`) and lowered for CUDA (Pallas to Triton) from the
 CPU. Shape vocabulary: B T S N K H, Hv the value head size, G = N // K.
 """
 
@@ -43,7 +43,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jattn import _fused, _paged_gpu, _sharding, _softmax, _splash
+from jattn import _derivatives, _lowering, _sharding, _softmax
+from jattn._backends import foreign, splash
 from jattn._softmax import NEG
 from jattn._validation import concrete
 
@@ -108,7 +109,7 @@ def block_sizes(call) -> tuple[int, int]:
 def supports(call) -> str | None:
   """None, or what of the bound call (`jattn._call.Call`) the kernel cannot take and why."""
   s = call.static
-  missing = _fused.missing_input(
+  missing = foreign.missing_input(
     "the Pallas GPU flash kernel",
     (
       ("bias", call.given.bias is not None),
@@ -200,18 +201,18 @@ class Padded(NamedTuple):
 
 def run(call):
   """The kernel on a bound call: (out (B, T, N, Hv), lse (B, T, N) float32). Lowered for another
-  platform than CUDA (outside `jattn._paged_gpu.interpret_mode`), the program fails there with a
+  platform than CUDA (outside `jattn._lowering.gpu_interpret_mode`), the program fails there with a
   message naming the fallbacks."""
-  interpret = _paged_gpu.interpreting()
+  interpret = _lowering.gpu_interpreting()
   go = functools.partial(flash_attention, call, interpret)
   if interpret:
     return go()
   message = (
     "implementation='pallas_gpu' needs an NVIDIA GPU: this program is lowered for "
-    "{platform}. Run it on a GPU, or on a CPU inside jattn._paged_gpu.interpret_mode() "
+    "{platform}. Run it on a GPU, or on a CPU inside jattn._lowering.gpu_interpret_mode() "
     "(slow; for tests), or name a fallback: implementation=('pallas_gpu', 'chunked')"
   )
-  return _fused.only_on("cuda", go, call, message)
+  return _lowering.only_on("cuda", go, call, message)
 
 
 def flash_attention(call, interpret: bool = False):
@@ -229,13 +230,13 @@ def flash_attention(call, interpret: bool = False):
   _, S, K, _ = key.shape
   parts = mask_parts(call.mask)
   if isinstance(parts, str):
-    _fused.refuse("pallas_gpu", *parts.split(": ", 1))
+    foreign.refuse("pallas_gpu", *parts.split(": ", 1))
   band, lengths, segments = parts
   lo, hi = band if band is not None else (None, None)
   Tp, Sp = -(-T // block_q) * block_q, -(-S // block_kv) * block_kv
   q_ids, kv_ids, q_ok, kv_ok = (
     jnp.broadcast_to(x, (B,) + x.shape[1:])
-    for x in _splash.segment_ids(B, T, S, Tp, Sp, lengths, segments)
+    for x in splash.segment_ids(B, T, S, Tp, Sp, lengths, segments)
   )
   # Loop bounds: each example's key length (a block past it is never visited).
   kv_len = jnp.full((B,), S, jnp.int32)
@@ -274,9 +275,9 @@ def flash_attention(call, interpret: bool = False):
 
 def _flash(plan, ops: Padded):
   """(out (B, Tp, N, Hv), lse (B, N, Tp) float32) on the padded problem (see `Padded`):
-  differentiable in every mode (`jattn._fused.with_derivatives`): reverse mode by the backward
+  differentiable in every mode (`jattn._derivatives.with_derivatives`): reverse mode by the backward
   kernels from the saved output and log-sum-exp, forward mode by `_definition`'s jvp."""
-  return _fused.with_derivatives(
+  return _derivatives.with_derivatives(
     lambda diff, aux: (_forward(plan, Padded(*diff, *aux)), ()),
     lambda diff, aux, saved: _definition(plan, Padded(*diff, *aux)),
     lambda diff, aux, outs, saved, cts: _cotangents(plan, Padded(*diff, *aux), outs, cts),

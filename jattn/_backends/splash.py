@@ -40,7 +40,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn import _fused, _sharding, _softmax, _tuning
+from jattn import _lowering, _sharding, _softmax, _tuning
+from jattn._backends import foreign
 from jattn._tile import NEG
 from jattn._validation import concrete
 
@@ -70,7 +71,7 @@ def block_size(name: str, value: int | None, length: int) -> int:
   return value
 
 
-refuse = functools.partial(_fused.refuse, "splash")
+refuse = functools.partial(foreign.refuse, "splash")
 
 
 # --------------------------------------------------------------------------------------------
@@ -400,7 +401,7 @@ def _kernels(groups, bq, bk, soft_cap, save_residuals):
 def supports(call) -> str | None:
   """None, or what of the bound call (`jattn._call.Call`) splash cannot take and why."""
   s = call.static
-  missing = _fused.missing_input(
+  missing = foreign.missing_input(
     "the fused kernel",
     (
       ("bias", call.given.bias is not None),
@@ -463,7 +464,7 @@ def run(call):
   the fallbacks (where the program is lowered: one exported for tpu from a CPU is traced here
   too)."""
   go = functools.partial(splash_attention, call, shards(call))
-  if _fused.interpreting():
+  if _lowering.tpu_interpreting():
     return go()
   message = (
     "implementation='splash' needs a TPU: this program is lowered for {platform}. "
@@ -471,7 +472,7 @@ def run(call):
     "jax.experimental.pallas.tpu.force_tpu_interpret_mode() (slow; for tests), or "
     "name a fallback: implementation=('splash', 'chunked')"
   )
-  return _fused.only_on("tpu", go, call, message)
+  return _lowering.only_on("tpu", go, call, message)
 
 
 def splash_attention(call, shard=None):
@@ -589,7 +590,7 @@ def _attend(setup: Setup, query, key, value, sinks, ids):
   v = jnp.transpose(pad_kv(value), (0, 2, 1, 3))
   snk = None if sinks is None else sinks.astype(jnp.float32).reshape(K, G)
 
-  out, lse = _fused.zero_empty_rows(
+  out, lse = foreign.zero_empty_rows(
     _kernels(groups, bq, bk, soft_cap, True),
     lambda *a: _kernels(groups, bq, bk, soft_cap, False)(*a)[0],
     _pure(groups, soft_cap),
@@ -606,7 +607,7 @@ def _attend(setup: Setup, query, key, value, sinks, ids):
 
 def _pure(groups, soft_cap, lse: bool = False):
   """What the kernels compute, in plain JAX with (T, S) scores: the derivative of splash's
-  backward (a gradient of a gradient), which its kernels do not have (see _fused); with
+  backward (a gradient of a gradient), which its kernels do not have (see `foreign`); with
   ``lse``, the log-sum-exp (B, K, G, Tp) instead of the output (its gradient, for a caller
   that uses the lse)."""
 

@@ -1,4 +1,4 @@
-"""`jattn-demo` / `python -m jattn.demo`: the numerical-stability experiments of the article.
+"""`jattn-demo` / `python -m jattn.bench.demo`: the numerical-stability experiments of the article.
 
 1. sharpness  Scaled vs unscaled softmax over head dims d: q, k ~ N(0, 1) make Var(q.k) = d, so
               without the 1/sqrt(d) scale the softmax saturates and its gradient vanishes.

@@ -5,23 +5,23 @@ one `register` call here; the dispatcher, tuning tables, ring attention and the 
 matrix read the table.
 """
 
-from jattn import _cudnn, _dense, _flash_gpu, _splash
+from jattn._backends import cudnn, dense, pallas_gpu, splash
 from jattn._parallel import split as _split
 from jattn._registry import Backend, register
 
-register(Backend("dense", _dense.run, aliases=("xla",), max_logits=None))
+register(Backend("dense", dense.run, aliases=("xla",), max_logits=None))
 # The chunked kernels, through the parallel layer (Explicit-mesh splits, the Auto partitioning
 # rule) where the call is sharded.
 register(Backend("chunked", _split.chunked, max_logits=None))
 register(
   Backend(
     "splash",
-    _splash.run,
+    splash.run,
     platforms=("tpu",),
-    supports=_splash.supports,
+    supports=splash.supports,
     fused=True,
-    first=_splash.first,
-    traced_cheaply=lambda call: _splash.builds_lazily(call.mask),
+    first=splash.first,
+    traced_cheaply=lambda call: splash.builds_lazily(call.mask),
     ring="while splash attention compiles its mask in",
     traced_mask=True,
     max_logits="splash attention does not return its running max",
@@ -30,11 +30,11 @@ register(
 register(
   Backend(
     "cudnn",
-    _cudnn.run,
+    cudnn.run,
     platforms=("cuda",),
-    supports=_cudnn.supports,
+    supports=cudnn.supports,
     fused=True,
-    first=_cudnn.first,
+    first=cudnn.first,
     ring="while cuDNN's kernel takes only its own causal/window/length options",
     max_logits="cuDNN's kernel does not return its running max",
   )
@@ -42,9 +42,9 @@ register(
 register(
   Backend(
     "pallas_gpu",
-    _flash_gpu.run,
+    pallas_gpu.run,
     platforms=("cuda",),
-    supports=_flash_gpu.supports,
+    supports=pallas_gpu.supports,
     fused=True,
     ring="while the Pallas GPU kernel's causal and window band is fixed when the call is traced",
     max_logits="the Pallas GPU kernel does not return its running max",

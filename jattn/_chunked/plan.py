@@ -1,7 +1,7 @@
-"""The plan of one attention call: which implementation, which blocks, which tile variants.
+"""The chunked kernels' plan: which blocks, which tile variants, which lanes.
 
-Every caller -- `dot_product_attention`, `ring_attention` and `diagnostics.attention_stats` --
-has one `jattn.masks` object for everything that hides positions (`masks.from_arguments`) and
+Every chunked call -- `dot_product_attention`, `ring_attention` and `diagnostics.attention_stats`
+-- has one `jattn.masks` object for everything that hides positions (`masks.from_arguments`) and
 gets the same two things here for the kernels:
 
   * a `Plan` (static, hashable: part of the jit cache key): the call's `Config`, the block grid,
@@ -11,9 +11,9 @@ gets the same two things here for the kernels:
     arguments), whose ``states`` field is the (nq, nk) int8 block map: NumPy-derived constants
     for structural masks, computed at run time for data-dependent ones.
 
-Defaults that every caller shares also live here, once: the block sizes, the implementation
-rule (`implementation_by_platform`: names per platform, chosen where the program is lowered by
-`by_platform`), and padding to whole blocks.
+Also here: the block map and its ranges, the parallel schedule's lanes and their merge order,
+the step width, decoding's split-KV and padding to whole blocks. Measured figures behind the
+constants: docs/benchmarks.md ("Tuning constants").
 
 Shapes: B batch, T query length, S key/value length, N query heads, K key/value heads,
 H head dimension, G = N // K.
@@ -24,32 +24,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, NamedTuple
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn import _sharding
 from jattn import masks as _masks
 from jattn._tile import Config
 from jattn._validation import concrete
 from jattn.masks import EMPTY, FULL, PARTIAL, BlockGrid
-
-# Default block sizes, measured with jattn-bench on a 2-core AVX2 CPU (B=1, N=8, H=64, float32):
-# 512 x 256 ran forward at 127-130 GFLOP/s (512 x 512: 94-110, 65% vs 47-57% of the matmul peak)
-# and forward+backward ~25% faster than 512 x 512 at T = 4096. 1024 x 128 was as fast unmasked but
-# its taller diagonal tiles made causal forward+backward 0.63x of unmasked, against 0.56x here.
-# Re-measured with the current kernels (T = 4096, one interleaved run each; forward / fwd+bwd):
-# 512x256 0.245 / 0.88 s, 512x512 0.267 / 0.88, 1024x256 0.251 / 0.95, 256x512 0.269 / 0.85,
-# 256x256 0.424 / 1.33.
-DEFAULT_BLOCK_Q = 512
-DEFAULT_BLOCK_KV = 256
-
-# implementation=None picks chunked once the (T, S) score matrix per head reaches this many
-# entries. Below it dense's single fused pass wins; above it dense is limited by the (T, S)
-# temporaries falling out of cache (and by their memory). Measured crossover: see README (and
-# docs/benchmarks.md).
-AUTO_CHUNKED_MIN_SCORES = 1024 * 1024
-
 
 SCHEDULES = ("serial", "parallel")
 
@@ -64,31 +45,15 @@ SCHEDULE_DEFAULTS = {"cpu": "serial", "default": "parallel"}
 # row's key blocks over lanes side by side and merges their partial softmaxes by log-sum-exp.
 # Reasoned, not measured (no accelerator here): a call is decoding-shaped (`decoding`) when its
 # query rows (T x G per key/value head) fit one query block of at most DECODE_MAX_ROWS rows,
-# and its row is dealt over up to SPLIT_KV_LANES lanes: with B x K (batch x key/value heads)
+# and its row is dealt over up to SPLIT_KV_PARTS parts: with B x K (batch x key/value heads)
 # tiles per lane that is enough side by side to fill a GPU's or TPU's cores at B x K >= 8, and
-# the steps fall from S / block_kv to S / (block_kv x SPLIT_KV_LANES) (4 at S = 16384 and
+# the steps fall from S / block_kv to S / (block_kv x SPLIT_KV_PARTS) (4 at S = 16384 and
 # 256-key blocks). DECODE_MIN_KEYS: below it the whole cache is a few blocks and dense's one
 # pass is as good (on this CPU chunked already wins at S = 512 in float32; see
 # `choose_implementation`).
 DECODE_MAX_ROWS = 256
 DECODE_MIN_KEYS = 512
-SPLIT_KV_LANES = 16
-
-# The paged walk (`jattn._paged`): keys per step, whole pages adding up to about this many (a
-# page larger than it is cut). On the CPU a block's keys and values, read from the pool, stay
-# in the core's cache until the matmuls use them: 128 keys (measured: 256 was 1.2-1.5x slower
-# a step at B=4 K=8 H=128); elsewhere the chunked kernels' key block. Its split-KV lanes on
-# GPU and TPU are SPLIT_KV_LANES, as the chunked kernels' decoding split.
-PAGED_BLOCK_KV = {"cpu": 128, "default": DEFAULT_BLOCK_KV}
-
-
-# implementation=None on GPU and TPU, where no fused kernel takes the call: dense while the
-# (B, N, T, S) float32 scores fit in this many bytes, chunked beyond. Reasoned, not measured: an
-# accelerator's dense pass (one batched matmul, one softmax) is fast while its score tensor is a
-# small part of device memory; its backward holds about four such tensors, so 256 MiB of scores
-# keeps it near the chunked kernels' 1 GiB (B=4, N=16, T=S=2048 was 1 GiB of scores and 3.6 GiB
-# of temporaries forward+backward; the chunked kernels' is ~0.5 GiB there).
-ACCELERATOR_DENSE_SCORES_BYTES = 256 << 20
+SPLIT_KV_PARTS = 16
 
 
 def decoding(T: int, S: int, G: int = 1) -> bool:
@@ -97,111 +62,6 @@ def decoding(T: int, S: int, G: int = 1) -> bool:
   (a few new tokens against a KV cache). The chunked kernels then read the cache block by block
   where it lies; dense attention transposes the whole cache to head-major on every call."""
   return T * G <= DECODE_MAX_ROWS and S >= DECODE_MIN_KEYS
-
-
-def choose_implementation(T: int, S: int, G: int = 1, dtype=None, mask=None, shape=None) -> str:
-  """The CPU's rule behind implementation=None: dense for small score matrices, chunked
-  otherwise (the crossover measured here), and chunked for decoding-shaped calls.
-
-  Measured here for decoding (B = 4, N = 32, K = 8, H = 128, chunked against dense): T = 1,
-  float32, no mask 7 against 11 ms at S = 512 and 148 against 354 at S = 16384; T = 8 and 64
-  (G = 4: 32 and 256 rows) at S = 4096, 77 against 178 and 270 against 406; with the cache's fill
-  level given at run time (lengths or a causal offset as arrays, what a decoding loop has) see
-  docs/implementations.md "Decoding" (bfloat16 at S = 16384: 145 against 399). The exception: a
-  16-bit call whose ``mask`` (the call's `jattn.masks` object over ``shape``) has a block map
-  known at trace time. XLA's CPU backend then converts the whole cache to float32 ahead of the
-  kernel's loop, and dense wins for a few rows (bfloat16, no mask, T = 1, G = 4: 249 against 331
-  ms at S = 16384); from T x G = 32 rows on chunked wins again (T = 8: 81 against 126 ms at S =
-  4096)."""
-  if T * S >= AUTO_CHUNKED_MIN_SCORES:
-    return "chunked"
-  if not decoding(T, S, G):
-    return "dense"
-  narrow = dtype is not None and jnp.dtype(dtype).itemsize < 4
-  return "dense" if narrow and T * G <= 8 and static_block_map(mask, T, S, shape) else "chunked"
-
-
-def static_block_map(mask, T: int, S: int, shape) -> bool:
-  """Whether ``mask`` (a `jattn.masks` object or None) has a block map known at trace time."""
-  if mask is None:
-    return True
-  grid = BlockGrid(T, S, *block_sizes(T, S, None, None))
-  return isinstance(_masks.reduce_states(mask.block_states(grid, shape), shape), np.ndarray)
-
-
-def implementation_by_platform(
-  scores: tuple[int, int, int, int],
-  G: int = 1,
-  dtype=None,
-  mask=None,
-  fused=None,
-  keys_split: bool = False,
-) -> dict[str, tuple[str, ...]]:
-  """implementation=None per platform ({"cpu": names, "default": names, maybe "tpu": names}):
-  the implementations to try in order, picked where the program is lowered. ``scores``: the
-  call's (B, N, T, S), the shape of its score matrices (as `choose_implementation` takes it).
-
-  GPU and TPU (reasoned, not measured): decoding-shaped calls go to the chunked kernels (their
-  parallel schedule splits the cache over lanes, split-KV), others to dense while the
-  (B, N, T, S) float32 scores fit ACCELERATOR_DENSE_SCORES_BYTES, and beyond that to the chunked
-  kernels -- and before either, at every size, to the platform's fused kernel where ``fused``
-  ({platform: name}) names one that takes the call (`jattn._registry.Backend.first`: splash on
-  a TPU, cuDNN on a GPU for 16-bit calls, where the program cannot be partitioned). A fused
-  kernel reads each score tile once from on-chip memory, where XLA's dense pass writes the
-  (B, N, T, S) scores to HBM and reads them back; published figures put cuDNN's and
-  FlashAttention-3's forward at about 65% of an H100's peak and XLA-only attention several
-  times slower. Decoding-shaped calls keep split-KV (a fused kernel would pad their few query
-  rows to a whole block). ``keys_split``: K and V are split along S over devices (an Explicit
-  mesh): the chunked kernels merge per-shard parts across devices, where dense would gather
-  the whole of K and V (a decoding step's cache). A tuning table can say otherwise for its case
-  (see `jattn._dispatch.order`)."""
-  # A symbolic batch or head count (jax.export) bounds nothing: the program must serve every
-  # size, so the scores are taken not to fit.
-  if keys_split:
-    return {"default": ("chunked",)}
-  B, N, T, S = scores
-  decode = decoding(T, S, G)
-  cpu = choose_implementation(T, S, G, dtype, mask, scores)
-  fits = concrete(B, N) and B * N * T * S * 4 <= ACCELERATOR_DENSE_SCORES_BYTES
-  accelerator = "dense" if fits and not decode else "chunked"
-  choice: dict[str, tuple[str, ...]] = {"cpu": (cpu,), "default": (accelerator,)}
-  if not decode:
-    for platform, name in (fused or {}).items():
-      choice[platform] = (name, accelerator)
-  return choice
-
-
-def by_platform(fns):
-  """Call ``fns[platform]`` (a "default" entry, if any, for the rest), chosen where the program
-  is lowered, not where it is traced: a program exported for cuda or tpu from this CPU gets the
-  accelerator's choice. One distinct function for every platform is simply called."""
-  if len(set(fns.values())) == 1 and "default" in fns:
-    return next(iter(fns.values()))()
-  rest = {p: f for p, f in fns.items() if p != "default"}
-  return jax.lax.platform_dependent(**rest, default=fns.get("default"))
-
-
-def block_sizes(
-  T: int,
-  S: int,
-  block_q: int | None,
-  block_kv: int | None,
-  *,
-  cap_q: int | None = None,
-  cap_kv: int | None = None,
-) -> tuple[int, int]:
-  """The block sizes a call runs with: the request or the default, never more than T and S.
-
-  ``cap_q``/``cap_kv`` bound only the defaults (ring attention keeps a default block inside one
-  zigzag chunk; a block the caller asks for is the caller's choice)."""
-  bq = block_q or min(DEFAULT_BLOCK_Q, cap_q or DEFAULT_BLOCK_Q)
-  bk = block_kv or min(DEFAULT_BLOCK_KV, cap_kv or DEFAULT_BLOCK_KV)
-  return min(bq, T), min(bk, S)
-
-
-# --------------------------------------------------------------------------------------------
-# One mask object for the call.
-# --------------------------------------------------------------------------------------------
 
 
 # --------------------------------------------------------------------------------------------
@@ -438,47 +298,8 @@ def _loop_bounds(ranges, states):
   return (lambda i: lo[i]), (lambda i: hi[i])
 
 
-def closure_convert_score_mod(score_mod, tile_shape, dtype, varying_like=(), replay=False):
-  """Hoist the arrays a score_mod closes over into explicit arguments, so the chunked custom VJP
-  can return their gradients (a learned relative-position table gets its gradient).
-
-  Inside `shard_map` (ring attention) the function is traced on arguments typed device-varying
-  like ``varying_like``, and must then be called with arguments typed that way: the jaxpr it
-  becomes is replayed as traced, with no automatic casts between varying and invariant values.
-  ``replay=True`` returns it as a `jattn._sharding.VaryingReplay`, whose equations are bound
-  without the mesh context they were traced under: what a function traced outside a shard_map
-  (or in one, on arguments already varying) needs to be called inside it.
-  """
-  B, N, tq, tk = tile_shape
-  ex = (
-    jax.ShapeDtypeStruct((B, N, tq, tk), dtype),
-    jax.ShapeDtypeStruct((B, 1, 1, 1), jnp.int32),
-    jax.ShapeDtypeStruct((1, N, 1, 1), jnp.int32),
-    jax.ShapeDtypeStruct((1, 1, tq, 1), jnp.int32),
-    jax.ShapeDtypeStruct((1, 1, 1, tk), jnp.int32),
-  )
-  out = jax.eval_shape(score_mod, *ex)
-  if not hasattr(out, "shape") or tuple(out.shape) != (B, N, tq, tk):
-    raise ValueError(
-      f"score_mod must return an array of the score's shape (B, N, tq, tk)={(B, N, tq, tk)} "
-      f"(it is applied tile by tile, so a broadcast result would differ between "
-      f"implementations), got {getattr(out, 'shape', type(out).__name__)}"
-    )
-  if not jnp.issubdtype(out.dtype, jnp.floating):
-    raise TypeError(
-      f"score_mod must return floating scores, got dtype {out.dtype} "
-      f"(to hide positions, use a mask: jattn.masks.from_function)"
-    )
-  if varying_like:
-    ex = tuple(_sharding.varying(jnp.zeros(x.shape, x.dtype), *varying_like) for x in ex)
-  converted, consts = jax.closure_convert(score_mod, *ex)
-  if replay:
-    converted = _sharding.VaryingReplay(jax.make_jaxpr(converted)(*ex, *consts))
-  return converted, tuple(consts)
-
-
 # --------------------------------------------------------------------------------------------
-# The plan and the operands.
+# The plan.
 # --------------------------------------------------------------------------------------------
 
 
@@ -563,7 +384,7 @@ def split_kv_lanes(cfg: Config, grid: BlockGrid, width: int) -> int:
   rows fit one block of at most DECODE_MAX_ROWS (1: no split)."""
   if grid.num_q_blocks != 1 or cfg.T * cfg.G > DECODE_MAX_ROWS:
     return 1
-  return max(1, min(SPLIT_KV_LANES, width, grid.num_kv_blocks))
+  return max(1, min(SPLIT_KV_PARTS, width, grid.num_kv_blocks))
 
 
 def make_plan(
@@ -646,16 +467,3 @@ def pad_to_blocks(plan: Plan, q, k, v, bias):
       ((0, 0),) * 3 + ((0, pt if bias.shape[3] != 1 else 0), (0, ps if bias.shape[4] != 1 else 0)),
     )
   return q, k, v, bias
-
-
-def zero_cotangent(x):
-  """The cotangent of a non-differentiable operand: zeros, or float0 for integer arrays."""
-  if x is None:
-    return None
-  x = jnp.asarray(x)
-  if jnp.issubdtype(x.dtype, jnp.inexact):
-    return jnp.zeros_like(x)
-  if not concrete(*x.shape):
-    # A symbolic shape (jax.export) has no NumPy float0 array: None is the custom VJP's zero.
-    return None
-  return np.zeros(x.shape, jax.dtypes.float0)
