@@ -8,6 +8,7 @@ import importlib as _importlib
 
 from jattn import diagnostics as diagnostics
 from jattn import masks as masks
+from jattn._attention import attention_received as attention_received
 from jattn._attention import dot_product_attention as dot_product_attention
 from jattn._flax.attention_fn import make_attention_fn as make_attention_fn
 from jattn._merge import merge_attention as merge_attention
@@ -19,12 +20,10 @@ from jattn._parallel.ring import ring_attention as ring_attention
 from jattn._parallel.ring import ring_attention_sharded as ring_attention_sharded
 from jattn._parallel.zigzag import zigzag_permute as zigzag_permute
 from jattn._parallel.zigzag import zigzag_unpermute as zigzag_unpermute
-from jattn._received import attention_received as attention_received
 from jattn._tuning import TuningTable as TuningTable
 from jattn._tuning import load as load_tuning
 from jattn._tuning import tuning as tuning
-
-__version__ = "0.1.0"
+from jattn._version import __version__ as __version__
 
 __all__ = [
   "KVPages",

@@ -2,7 +2,7 @@
 
 `options` turns the keyword arguments into `Options` (static, hashable: part of jit's cache key);
 `bind` turns the array arguments into a `Call` inside the jitted function: arrays as pytree
-leaves, the static description (`Static`: options, shapes, scale, the Explicit-mesh layout) as
+leaves, the static description (`Static`: options, shapes, scale, how an Explicit mesh splits the sequence) as
 metadata. Backends, the parallel layer and the kernels read the call; none re-validates it.
 
 Shapes: B batch, T query length, S key/value length, N query heads, K key/value heads,
@@ -336,7 +336,7 @@ def static_mask(mask, opts: Options):
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
+class SequenceSplit:
   """Where an Explicit mesh splits the sequence (else all None): ``spec`` the query's
   PartitionSpec; ``q_shards`` (mesh axes, count) when only the query's T is split (each device
   runs its rows against the whole K, V); ``kv_shards`` likewise when the query is whole and K, V
@@ -365,7 +365,7 @@ class Static:
   H: int
   Hv: int
   dtype: Any
-  layout: Layout
+  split: SequenceSplit
   unbatched: bool
   tuned: _tuning.Tuned = _tuning.Tuned()
 
@@ -432,7 +432,7 @@ class Place(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class Call:
   """One bound call. ``query`` (B, T, N, H) (times an array scale, if given), ``key``, ``value``
-  (B, S, K, H) (whole along S under an Explicit mesh: see `Layout`); ``bias`` grouped
+  (B, S, K, H) (whole along S under an Explicit mesh: see `SequenceSplit`); ``bias`` grouped
   (B|1, K|1, G|1, T|1, S|1); ``mask`` every masking argument combined (a `jattn.masks` object, or
   None); ``seed`` dropout's (2,) words; ``sink`` (1, K, G, 1) in the statistics dtype; ``given``
   the validated arguments as passed (rank 4), for the kernels that take them as jax.nn does and
@@ -495,10 +495,10 @@ def bind(given: Given, opts: Options) -> Call:
   )
   args = _sharding.aligned_to_query(args)
   query, key, value = args.query, args.key, args.value
-  layout = Layout(unpartitioned=_sharding.unpartitioned())
+  split = SequenceSplit(unpartitioned=_sharding.unpartitioned())
   if _sharding.explicit_mesh():
     spec, q_shards, kv_shards = _sharding.sequence_layout(query, key, value)
-    layout = Layout(spec, q_shards, kv_shards, unpartitioned=layout.unpartitioned)
+    split = SequenceSplit(spec, q_shards, kv_shards, unpartitioned=split.unpartitioned)
     # Every query needs every key: K and V are gathered along S (as jax.nn's XLA path does).
     key, value = _sharding.unshard_axis(key, 1), _sharding.unshard_axis(value, 1)
   combined = _masks.from_arguments(
@@ -519,7 +519,7 @@ def bind(given: Given, opts: Options) -> Call:
   else:
     scale = opts.scale if opts.scale is not None else _tile.default_scale(H)
   K, Hv = value.shape[2], value.shape[3]
-  static = Static(opts, scale, B, T, S, N, K, H, Hv, query.dtype, layout, args.unbatched, tuned)
+  static = Static(opts, scale, B, T, S, N, K, H, Hv, query.dtype, split, args.unbatched, tuned)
   bias5 = None if args.bias is None else _tile.group_heads(args.bias, K, static.G)
   sink = (
     None if args.sinks is None else args.sinks.astype(static.stat_dtype).reshape(1, K, static.G, 1)

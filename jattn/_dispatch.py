@@ -92,7 +92,7 @@ def order(call) -> dict:
     s.dtype,
     call.mask,
     fused=first,
-    keys_split=s.layout.kv_shards is not None,
+    keys_split=s.split.kv_shards is not None,
   )
   tuned = s.tuned.implementation
   if tuned in ("chunked", "dense") and not decoding:
@@ -103,8 +103,8 @@ def order(call) -> dict:
       )
   elif (
     tuned in _registry.REGISTRY
-    and s.layout.unpartitioned
-    and s.layout.kv_shards is None
+    and s.split.unpartitioned
+    and s.split.kv_shards is None
     and not decoding
     and _registry.get(tuned).traced_cheaply(call)
   ):

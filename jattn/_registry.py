@@ -31,7 +31,7 @@ class Backend:
   ``fused``: a platform's fused kernel: a tuning table may name it, and ``implementation=None``
   tries it first where the table measured it faster.
   ``first(call) -> bool``: ``implementation=None`` tries it first on its platforms where this
-  holds (splash on a TPU, cuDNN on a GPU, for the calls they take; ``call.static.layout`` says
+  holds (splash on a TPU, cuDNN on a GPU, for the calls they take; ``call.static.split`` says
   whether the program can be partitioned), falling back to jattn's kernels.
   ``traced_cheaply(call) -> bool``: whether trying it costs nothing much while tracing
   (splash evaluates a mask it cannot build lazily into a (T, S) array per head): required before

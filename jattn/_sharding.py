@@ -162,7 +162,7 @@ def sequence_shards(x):
 def sequence_layout(query, key, value):
   """Under an Explicit mesh, where the sequence is split: (the query's spec, (axes, count) when
   only the query's T is split, (axes, count) when the query is whole and K, V are split alike
-  along S); see `jattn._call.Layout`. Batch- and head-sharded inputs are neither."""
+  along S); see `jattn._call.SequenceSplit`. Batch- and head-sharded inputs are neither."""
   spec = spec_of(query)
   q_shards = sequence_shards(query)
   if q_shards is not None and not sharded_only_over((query, key, value), q_shards[0]):

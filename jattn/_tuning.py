@@ -32,6 +32,7 @@ from typing import Any, NamedTuple
 import jax
 
 from jattn import _registry
+from jattn._version import __version__
 
 ENV_VAR = "JATTN_TUNING"
 FORMAT = "jattn-tuning-1"
@@ -91,7 +92,6 @@ class TuningTable:
     return self.entries.get(self.key(device_kind, str(dtype), head_dim, kind, bucket))
 
   def to_json(self) -> str:
-    from jattn import __version__
 
     return json.dumps(
       {
@@ -172,7 +172,6 @@ def load(path) -> TuningTable:
         f"(keys are 'device_kind|dtype|head_dim|mask_kind|length_bucket')"
       )
     _check_options(options, where=f"jattn tuning table {path!r}, entry {key!r}")
-  from jattn import __version__
 
   version = data.get("jattn_version")
   if version != __version__:

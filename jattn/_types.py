@@ -16,8 +16,8 @@ __all__ = [
   "CausalAlignment",
   "Implementation",
   "IsCausal",
-  "Layout",
   "LocalWindowSize",
+  "RingOrder",
 ]
 
 # Anything `jnp.asarray` takes: a jax or NumPy array, a NumPy scalar, a Python bool/int/float.
@@ -43,7 +43,7 @@ IsCausal = Union[bool, CausalAlignment]  # noqa: UP007
 Schedule = Literal["serial", "parallel"]
 
 # How ring attention's sequence shards map to positions (see `jattn.zigzag_permute`).
-Layout = Literal["contiguous", "zigzag"]
+RingOrder = Literal["contiguous", "zigzag"]
 
 # `local_window_size=`: ``w`` (= (w, w)) or (left, right); None on a side: unbounded.
 LocalWindowSize = Union[int, tuple[int | None, int | None]]  # noqa: UP007

@@ -39,7 +39,7 @@ from jattn import _registry, _types
 
 IMPLEMENTATIONS = ("dense", "chunked")
 CAUSAL_ALIGNMENTS = typing.get_args(_types.CausalAlignment)  # ("top_left", "bottom_right")
-LAYOUTS = typing.get_args(_types.Layout)  # ("contiguous", "zigzag")
+RING_ORDERS = typing.get_args(_types.RingOrder)  # ("contiguous", "zigzag")
 SCHEDULES = typing.get_args(_types.Schedule)  # ("serial", "parallel")
 
 

@@ -127,7 +127,7 @@ PUBLIC_SIGNATURES = {
   "_parallel/ring.py:ring_attention",
   "_parallel/ring.py:ring_attention_sharded",
   "diagnostics.py:attention_stats",
-  "_received.py:attention_received",
+  "_attention.py:attention_received",
   "_flax/attention_fn.py:attention_fn",
   "linen.py:__call__",
   "nnx.py:__init__",

@@ -69,7 +69,7 @@ def first(call) -> bool:
   once the program is partitioned, after tracing). Where this process has no GPU with cuDNN (a
   program exported for cuda from a CPU) tracing it raises NotImplementedError and the call falls
   through to jattn's kernels."""
-  return supports(call) is None and call.static.layout.unpartitioned
+  return supports(call) is None and call.static.split.unpartitioned
 
 
 class JaxNnOptions(NamedTuple):

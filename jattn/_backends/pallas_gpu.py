@@ -139,7 +139,7 @@ def supports(call) -> str | None:
       return f"{name}={size}: Triton's blocks are powers of two, {MIN_BLOCK} or more"
   if not concrete(s.B, s.N):
     return f"a symbolic batch or head count (B={s.B}, N={s.N}): the kernel's grid counts them"
-  if s.layout.spec is not None:
+  if s.split.spec is not None:
     return (
       "inputs under an Explicit mesh: XLA cannot partition a Pallas kernel (use "
       "'chunked', or the kernel inside a shard_map)"
@@ -158,7 +158,7 @@ def supports(call) -> str | None:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Plan:
+class KernelShape:
   """The static (hashable) description of one kernel call: the true and padded lengths, the
   blocks, the band (None sides open), the logit scale and soft cap, whether sinks are given,
   the group size G, whether the tiles compare ids (``ids``: lengths, segment ids or padded keys
@@ -253,7 +253,7 @@ def flash_attention(call, interpret: bool = False):
     jnp.zeros((), x.dtype),
   )
   q, k, v = pad(query, Tp, q_ok), pad(key, Sp, kv_ok), pad(value, Sp, kv_ok)
-  plan = Plan(
+  plan = KernelShape(
     T,
     S,
     Tp,

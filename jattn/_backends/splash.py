@@ -45,7 +45,7 @@ from jattn._backends import foreign
 from jattn._tile import NEG
 from jattn._validation import concrete
 
-LANES = _tuning.SPLASH_LANES  # splash's block sizes are multiples of the TPU's 128 lanes
+TPU_LANES = _tuning.SPLASH_LANES  # splash's block sizes are multiples of the TPU's 128 lanes
 DEFAULT_BLOCK = 512
 # A mask that is not a band is evaluated into a (T, S) NumPy array per distinct head.
 MAX_EVALUATED_POSITIONS = 1 << 28
@@ -62,10 +62,10 @@ def block_size(name: str, value: int | None, length: int) -> int:
   """A splash block size: the option given (a multiple of 128) or the default, no larger than
   ``length`` rounded up to 128."""
   if value is None:
-    return min(DEFAULT_BLOCK, -(-length // LANES) * LANES)
-  if value % LANES:
+    return min(DEFAULT_BLOCK, -(-length // TPU_LANES) * TPU_LANES)
+  if value % TPU_LANES:
     raise NotImplementedError(
-      f"implementation='splash' needs {name} to be a multiple of {LANES} (the TPU's lanes), "
+      f"implementation='splash' needs {name} to be a multiple of {TPU_LANES} (the TPU's lanes), "
       f"got {name}={value}"
     )
   return value
@@ -107,7 +107,7 @@ def builds_lazily(mask) -> bool:
   return static is None or static.band() is not None
 
 
-class _Static:
+class _HeadMask:
   """One head's splash mask for a (Tp, Sp) problem: a cache key, how to build it, and its (Tp,)
   rows and (Sp,) columns that see / are seen by anything (NumPy booleans)."""
 
@@ -130,7 +130,7 @@ def _band_rows_cols(lo, hi, T, S, padded):
   return rows, cols
 
 
-def static_masks(static, shape, padded) -> list[_Static]:
+def static_masks(static, shape, padded) -> list[_HeadMask]:
   """The splash masks of the position-based part ``static`` on the (Tp, Sp) = ``padded``
   problem, one per query head, or a single one that every head shares. Padding rows and columns
   are left visible here: the segment ids hide them."""
@@ -168,7 +168,7 @@ def static_masks(static, shape, padded) -> list[_Static]:
   for h in heads:
     digest = hashlib.sha1(np.packbits(h).tobytes()).hexdigest()
     out.append(
-      _Static(
+      _HeadMask(
         ("array", padded, digest),
         functools.partial(mask_lib.NumpyMask, h),
         h.any(1),
@@ -227,14 +227,14 @@ def _any_example(static, shape) -> np.ndarray:
   return found[0]
 
 
-def _band_masks(band, T, S, padded) -> list[_Static]:
+def _band_masks(band, T, S, padded) -> list[_HeadMask]:
   """The one splash mask of a band ``lo <= s - t <= hi`` (either side None: unbounded; both:
   every position) on the padded problem."""
   _, mask_lib = _splash_modules()
   if band == (None, None):
     rows, cols = _band_rows_cols(None, None, T, S, padded)
     return [
-      _Static(
+      _HeadMask(
         ("full", padded),
         lambda: mask_lib.FullMask(padded),
         rows,
@@ -248,7 +248,7 @@ def _band_masks(band, T, S, padded) -> list[_Static]:
     refuse("a mask that hides every position", "splash's block lists cannot be empty")
   if lo is None:  # causal-like: keys up to q + hi
     return [
-      _Static(
+      _HeadMask(
         ("causal", padded, hi),
         lambda: mask_lib.CausalMask(padded, offset=hi),
         rows,
@@ -257,7 +257,7 @@ def _band_masks(band, T, S, padded) -> list[_Static]:
       )
     ]
   return [
-    _Static(
+    _HeadMask(
       ("band", padded, lo, hi),
       lambda: mask_lib.LocalMask(padded, window_size=(-lo, hi), offset=0),
       rows,
@@ -321,7 +321,7 @@ _KERNELS: dict = {}
 
 def _kernel(heads: tuple, bq: int, bk: int, soft_cap, save_residuals: bool):
   """Splash's MQA kernel for the G query heads of one key/value head, with the mask of each
-  (``heads``: G `_Static`), cached: building one computes its block lists in NumPy."""
+  (``heads``: G `_HeadMask`), cached: building one computes its block lists in NumPy."""
   key = (tuple(h.key for h in heads), bq, bk, soft_cap, save_residuals)
   if key not in _KERNELS:
     kernel_lib, mask_lib = _splash_modules()
@@ -439,7 +439,7 @@ def supports(call) -> str | None:
 def shards(call):
   """Under an Explicit mesh, the (batch, head) mesh axes splash runs split over, or a phrase
   saying why it cannot be split (see `_sharding.examples_and_heads`); else None."""
-  if call.static.layout.spec is None:
+  if call.static.split.spec is None:
     return None
   return _sharding.examples_and_heads(call.query, call.given.key, call.given.value)
 
@@ -454,7 +454,7 @@ def first(call) -> bool:
   return (
     supports(call) is None
     and builds_lazily(call.mask)
-    and (call.static.layout.unpartitioned or isinstance(shards(call), tuple))
+    and (call.static.split.unpartitioned or isinstance(shards(call), tuple))
   )
 
 
@@ -540,11 +540,11 @@ def splash_attention(call, shard=None):
 @dataclasses.dataclass(frozen=True)
 class Setup:
   """What one call's splash kernels are built from when it is traced: the head masks ``heads``
-  (one `_Static` that every query head shares, or one per query head), the logit ``scale``
+  (one `_HeadMask` that every query head shares, or one per query head), the logit ``scale``
   (folded into the query: splash does not scale), the logit ``soft_cap`` (or None) and the block
   sizes ``bq`` and ``bk`` (multiples of 128)."""
 
-  heads: list[_Static]
+  heads: list[_HeadMask]
   scale: float
   soft_cap: float | None
   bq: int

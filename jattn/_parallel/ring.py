@@ -55,9 +55,9 @@ from jattn import masks as _masks
 from jattn._chunked import plan as _plan
 from jattn._parallel.zigzag import shard_positions
 from jattn._tile import NEG, Config
-from jattn._types import ArrayLike, Implementation, IsCausal, Layout, LocalWindowSize
+from jattn._types import ArrayLike, Implementation, IsCausal, LocalWindowSize, RingOrder
 
-LAYOUTS = _validation.LAYOUTS
+RING_ORDERS = _validation.RING_ORDERS
 
 
 # --------------------------------------------------------------------------------------------
@@ -377,7 +377,7 @@ def ring_attention(
   dropout_rate: float = 0.0,
   dropout_rng: ArrayLike | None = None,
   dropout_broadcast: bool = False,
-  layout: Layout = "contiguous",
+  layout: RingOrder = "contiguous",
   block_q: int | None = None,
   block_kv: int | None = None,
   return_residual: bool = False,
@@ -478,7 +478,7 @@ def ring_attention(
       "combinations); a boolean mask array (or masks.from_array) spans the whole (T, S) and "
       f"would have to be all-gathered. Got {type(mask).__name__}."
     )
-  _validation.one_of("layout", layout, LAYOUTS)
+  _validation.one_of("layout", layout, RING_ORDERS)
   _validation.hashable("axis_name", axis_name, "a hashable mesh axis name")
   try:
     num_devices = jax.lax.axis_size(axis_name)
@@ -672,7 +672,7 @@ def ring_attention_sharded(
     raise TypeError("ring_attention_sharded takes seq_axis=, not axis_name=")
   if seq_axis is None:
     raise ValueError("seq_axis must name a mesh axis, got None")
-  _validation.one_of("layout", kwargs.get("layout", "contiguous"), LAYOUTS)
+  _validation.one_of("layout", kwargs.get("layout", "contiguous"), RING_ORDERS)
   axes = {"seq_axis": seq_axis, "batch_axis": batch_axis, "head_axis": head_axis}
   for name, ax in axes.items():
     _validation.hashable(name, ax, "a mesh axis name")

@@ -33,18 +33,18 @@ def chunked(call):
   """The chunked backend's run: (out (B, T, N, Hv), lse (B, T, N)) of a bound call, and its
   max logits (B, T, N) with ``return_max_logits``."""
   s = call.static
-  layout = s.layout
-  if layout.q_shards is not None:
-    axes, count = layout.q_shards
+  split = s.split
+  if split.q_shards is not None:
+    axes, count = split.q_shards
     res = sequence_sharded(call, axes, count, split_query=True)
-  elif layout.kv_shards is not None:
-    axes, count = layout.kv_shards
+  elif split.kv_shards is not None:
+    axes, count = split.kv_shards
     res = sequence_sharded(call, axes, count, split_query=False)
   else:
     cfg, score_args = s.config((s.B, s.N) + s.block_sizes())
-    if layout.spec is not None:
+    if split.spec is not None:
       call = dataclasses.replace(call, query=_sharding.unshard_axis(call.query, 1))
-    if layout.spec is None and _partition.applies(call.mask, score_args):
+    if split.spec is None and _partition.applies(call.mask, score_args):
       operands = _partition.Operands(
         call.query, call.key, call.value, call.bias, call.mask, call.seed, call.sink
       )
@@ -63,8 +63,8 @@ def chunked(call):
     else:
       res = _chunked.attend(call, cfg, score_args)
   out, *stats = res
-  if layout.spec is not None and _sharding.spec_of(out) != layout.spec:
-    out = jax.sharding.reshard(out, layout.spec)
+  if split.spec is not None and _sharding.spec_of(out) != split.spec:
+    out = jax.sharding.reshard(out, split.spec)
   return (out, *stats)
 
 
