@@ -1,13 +1,12 @@
 """CPU A/B of the paths the deterministic merges touched: steady-state medians (ms) of jitted calls (docs/benchmarks.md, 2026-12-05)."""
 
 import json
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 
 import jattn
+from jattn.bench import interleaved
 
 B, N, H = 1, 8, 64
 
@@ -66,11 +65,5 @@ cases = {
 out = {}
 for name, (f, T) in cases.items():
   a = arr(T, 0)
-  jax.block_until_ready(f(*a))
-  ts = []
-  for _ in range(5):
-    t0 = time.perf_counter()
-    jax.block_until_ready(f(*a))
-    ts.append(time.perf_counter() - t0)
-  out[name] = statistics.median(ts) * 1e3
+  out[name] = interleaved({name: lambda f=f, a=a: f(*a)}, 5)[name]
 print(json.dumps({"tree": jattn.__file__.split("/jattn/")[0], **out}))

@@ -18,7 +18,6 @@ import importlib
 import json
 import pathlib
 import re
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -89,6 +88,7 @@ def main():
   parser.add_argument("--S", type=int, default=8192, help="the decoding cases' cache length")
   args = parser.parse_args()
   import jattn
+  from jattn.bench import interleaved
 
   before = load_before(args.before)
   keys = jax.random.split(jax.random.key(0), 3)
@@ -106,24 +106,21 @@ def main():
       ),
     }
   )
-  times = {lib: {name: [] for name in fns} for lib, fns in libs.items()}
-  for fns in libs.values():
-    for fn, fn_args in fns.values():
-      jax.block_until_ready(fn(*fn_args))  # compile and warm up
-  for r in range(args.repeats):
+  timed = {
+    (lib, name): lambda fn=fn, fn_args=fn_args: fn(*fn_args)
+    for lib, fns in libs.items()
+    for name, (fn, fn_args) in fns.items()
+  }
+
+  def order(r):
     # Alternate which version goes first (an even number of repeats gives each the same number
     # of first places), and time jax.nn before both: a call right after jax.nn's, whose
     # temporaries evict the caches, pays for it.
-    order = ["jax.nn", "new", "old"] if r % 2 == 0 else ["jax.nn", "old", "new"]
-    for name in libs["new"]:
-      for lib in order:
-        if name not in libs[lib]:
-          continue
-        fn, fn_args = libs[lib][name]
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*fn_args))
-        times[lib][name].append(time.perf_counter() - t0)
-  med = {lib: {n: statistics.median(ts) for n, ts in d.items()} for lib, d in times.items()}
+    libs_order = ["jax.nn", "new", "old"] if r % 2 == 0 else ["jax.nn", "old", "new"]
+    return [(lib, n) for n in libs["new"] for lib in libs_order if (lib, n) in timed]
+
+  ms = interleaved(timed, args.repeats, order=order)
+  med = {lib: {n: ms[lib, n] / 1e3 for n in fns} for lib, fns in libs.items()}
   report = {
     "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     "before": args.before,

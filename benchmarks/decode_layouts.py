@@ -14,9 +14,7 @@ with `jattn.bench.runner.settle` between calls. Run: python benchmarks/decode_la
 """
 
 import os
-import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -24,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn.bench.runner import settle
+from jattn.bench import alternating, interleaved
 
 B, S, K, G, H = 4, 16384, 8, 4, 128
 
@@ -67,18 +65,13 @@ def main():
     np.testing.assert_allclose(
       np.asarray(fns["block-diagonal"][0](q, k)), want, rtol=1e-4, atol=1e-3
     )
-    times = {name: [] for name in fns}
-    for f, args in fns.values():
-      jax.block_until_ready(f(*args))
-    for r in range(7):
-      order = list(fns) if r % 2 == 0 else list(fns)[::-1]
-      for name in order:
-        f, args = fns[name]
-        settle()
-        t = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        times[name].append(time.perf_counter() - t)
-    row = ", ".join(f"{name} {statistics.median(ts) * 1e3:.1f} ms" for name, ts in times.items())
+    ms = interleaved(
+      {name: lambda f=f, args=args: f(*args) for name, (f, args) in fns.items()},
+      7,
+      settle=True,
+      order=alternating(fns),
+    )
+    row = ", ".join(f"{name} {t:.1f} ms" for name, t in ms.items())
     print(f"{jnp.dtype(dtype).name}: {row}")
 
 

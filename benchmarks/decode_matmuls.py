@@ -16,16 +16,14 @@ Run: python benchmarks/decode_matmuls.py [--block 128]
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax
 import jax.numpy as jnp
 
-from jattn.bench.runner import settle
+from jattn.bench import interleaved
 
 B, S, K, G, H = 4, 16384, 8, 4, 128
 
@@ -62,16 +60,11 @@ def main(argv=None):
     "logits (queries as rows)": (walk(logits_t, (B, K, G, bk), bk), (k, q)),
     "values": (walk(values, (B, K, G, H), bk), (v, p_)),
   }
-  for f, args in fns.values():
-    jax.block_until_ready(f(*args))
-  times = {name: [] for name in fns}
-  for _ in range(a.repeats):
-    for name, (f, args) in fns.items():
-      settle()
-      t0 = time.perf_counter()
-      jax.block_until_ready(f(*args))
-      times[name].append(time.perf_counter() - t0)
-  ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+  ms = interleaved(
+    {name: lambda f=f, args=args: f(*args) for name, (f, args) in fns.items()},
+    a.repeats,
+    settle=True,
+  )
   ms["both (logits + values)"] = ms["logits"] + ms["values"]
   floor_ms = ms["floor (read K and V)"]
   print(f"B={B} K={K} G={G} H={H} S={S} float32, blocks of {bk} keys, medians of {a.repeats}")

@@ -12,14 +12,12 @@ speed: the same program's work, executed where it can be.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 
 import jattn
-from jattn.bench import structure
+from jattn.bench import interleaved, structure
 
 
 def compiled(fn, args, platform):
@@ -52,21 +50,16 @@ def main(argv=None):
         structure.matmul_flops(c.as_text()),
         structure.loop_structure(c.as_text()).steps,
       )
-  times = {key: [] for key in progs}
-  for c, args, _, _ in progs.values():
-    jax.block_until_ready(c(*args))  # warm-up
-  for _ in range(a.repeats):  # interleaved rounds
-    for key, (c, args, _, _) in progs.items():
-      t0 = time.perf_counter()
-      jax.block_until_ready(c(*args))
-      times[key].append(time.perf_counter() - t0)
+  ms = interleaved(
+    {key: lambda c=c, args=args: c(*args) for key, (c, args, _, _) in progs.items()}, a.repeats
+  )
   print(
     f"exported for {a.platform}, run on this CPU: B=1 N={a.heads} H={a.head_dim} "
     f"T=S={a.T} float32, medians of {a.repeats}"
   )
   print("pass              mask    steps  GFLOP   time_s  causal/full")
   for pass_ in ("forward", "forward+backward"):
-    med = {m: statistics.median(times[m, pass_]) for m in ("full", "causal")}
+    med = {m: ms[m, pass_] / 1e3 for m in ("full", "causal")}
     for m in ("full", "causal"):
       _, _, flops, steps = progs[m, pass_]
       ratio = f"{med['causal'] / med['full']:.2f}" if m == "causal" else ""

@@ -10,9 +10,7 @@ with `jattn.bench.runner.settle` between calls. Run: python benchmarks/forward_p
 """
 
 import os
-import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -20,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 import jattn
-from jattn.bench.runner import settle
+from jattn.bench import alternating, interleaved
 
 B, T, N, H = 1, 4096, 8, 64
 BQ, BK = 512, 256
@@ -70,18 +68,15 @@ def main():
       q, k, v, implementation="chunked", schedule="serial", block_q=BQ, block_kv=BK
     )
   )
-  for f in fns.values():
-    jax.block_until_ready(f(q, k, v))
-  times = {name: [] for name in fns}
-  for r in range(9):
-    for name in list(fns) if r % 2 == 0 else list(fns)[::-1]:
-      settle()
-      t = time.perf_counter()
-      jax.block_until_ready(fns[name](q, k, v))
-      times[name].append(time.perf_counter() - t)
+  ms = interleaved(
+    {name: lambda f=f: f(q, k, v) for name, f in fns.items()},
+    9,
+    settle=True,
+    order=alternating(fns),
+  )
   flops = 4 * B * N * T * T * H
-  for name, ts in times.items():
-    med = statistics.median(ts)
+  for name, t in ms.items():
+    med = t / 1e3
     print(f"{name:15s} {med:.3f} s  {flops / med / 1e9:6.1f} GFLOP/s (of the two matmuls)")
 
 

@@ -24,15 +24,15 @@ from __future__ import annotations
 import argparse
 import functools
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import jattn
+from jattn.bench import interleaved
 from jattn.bench.decode_bench import _floor_max, _floor_sum
-from jattn.bench.runner import measure_matmul_peak, settle
+from jattn.bench.runner import measure_matmul_peak
 
 N, HC, HR, HN, HV = 16, 512, 64, 128, 128
 
@@ -62,14 +62,8 @@ def step(q, kp, vp, table, lens, value_head_dim):
 
 def timed(f, repeats):
   """(median, min) milliseconds of f() after a warm-up, each run started on an idle process."""
-  jax.block_until_ready(f())
-  times = []
-  for _ in range(repeats):
-    settle()
-    start = time.perf_counter()
-    jax.block_until_ready(f())
-    times.append(time.perf_counter() - start)
-  return statistics.median(times) * 1e3, min(times) * 1e3
+  times = interleaved({"f": f}, repeats, settle=True, raw=True)["f"]
+  return statistics.median(times), min(times)
 
 
 def floor_ms(kp, vp, repeats):

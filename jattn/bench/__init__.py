@@ -10,4 +10,5 @@ Modules: ``config`` (TOML sweeps -> cases), ``masks`` (mask specs and exact visi
 ``timing`` (`interleaved`: the one timing loop of every benchmark and example).
 """
 
+from jattn.bench.timing import alternating as alternating
 from jattn.bench.timing import interleaved as interleaved

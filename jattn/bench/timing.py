@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
 
 
 def interleaved(
@@ -17,12 +18,16 @@ def interleaved(
   *,
   warmup: bool = True,
   settle: bool = False,
-) -> dict[Hashable, float]:
+  order: Callable[[int], Sequence[Hashable]] | None = None,
+  raw: bool = False,
+) -> dict[Hashable, Any]:
   """{name: median milliseconds} of ``calls`` (name -> a function of nothing returning jax
   arrays), each run ``repeats`` times in turn after one untimed call (``warmup``: compiling
   is not timed). ``settle``: before each call wait until this process is idle
   (`jattn.bench.runner.settle`: a large call's buffers are released after it returns, and that
-  work must not land in the next call's time)."""
+  work must not land in the next call's time). ``order(r)``: the names in the order round r
+  runs them (default: as given; `alternating` reverses every other round, so that no call is
+  always the one after another). ``raw``: {name: every time in ms} instead of the medians."""
   import jax
 
   if settle:
@@ -31,11 +36,19 @@ def interleaved(
     for f in calls.values():
       jax.block_until_ready(f())
   times: dict[Hashable, list[float]] = {name: [] for name in calls}
-  for _ in range(repeats):
-    for name, f in calls.items():
+  for r in range(repeats):
+    for name in order(r) if order is not None else calls:
       if settle:
         wait_idle()
       start = time.perf_counter()
-      jax.block_until_ready(f())
-      times[name].append(time.perf_counter() - start)
-  return {name: statistics.median(t) * 1e3 for name, t in times.items()}
+      jax.block_until_ready(calls[name]())
+      times[name].append((time.perf_counter() - start) * 1e3)
+  if raw:
+    return times
+  return {name: statistics.median(t) for name, t in times.items() if t}
+
+
+def alternating(names: Sequence[Hashable]) -> Callable[[int], Sequence[Hashable]]:
+  """An ``order`` for `interleaved`: ``names`` in even rounds, reversed in odd ones."""
+  names = list(names)
+  return lambda r: names if r % 2 == 0 else names[::-1]
