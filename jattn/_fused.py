@@ -13,7 +13,8 @@ kernel when differentiating.
 from __future__ import annotations
 
 import functools
-from typing import NoReturn
+from collections.abc import Callable
+from typing import NamedTuple, NoReturn
 
 import jax
 import jax.numpy as jnp
@@ -64,7 +65,7 @@ def zero_empty_rows(forward, plain, pure, empty_rows, lse_of, diff, aux, *, int3
     forward = _without_x64(forward)
   kernel = functools.partial(_zeroed_kernel, forward, empty_rows)
   reference = functools.partial(_reference, pure, lse_of)
-  backward = functools.partial(_zeroed_backward, plain, pure, lse_of, int32)
+  backward = functools.partial(_zeroed_backward, _Definitions(plain, pure, lse_of, int32))
   return with_derivatives(kernel, reference, backward, diff, aux)
 
 
@@ -113,7 +114,17 @@ def _without_x64(fn):
   return traced
 
 
-def _zeroed_backward(plain, pure, lse_of, int32, diff, aux, outs, saved, cts):
+class _Definitions(NamedTuple):
+  """The kernel's differentiable call (``plain``), its plain-JAX definition (``pure``) and
+  log-sum-exp (``lse_of``), and whether the kernel is traced with x64 off (``int32``)."""
+
+  plain: Callable
+  pure: Callable
+  lse_of: Callable
+  int32: bool
+
+
+def _zeroed_backward(defs: _Definitions, diff, aux, outs, saved, cts):
   """The cotangents of ``diff`` (None where an entry is None) for those of (out, lse) (None: a
   symbolic zero), by the kernel's own VJP with the empty rows' cotangents zeroed."""
   del outs
@@ -133,9 +144,9 @@ def _zeroed_backward(plain, pure, lse_of, int32, diff, aux, outs, saved, cts):
   else:
     # The kernel's backward has no derivative of its own: differentiated (a gradient of a
     # gradient, a Hessian), it is the definition's backward that is.
-    defined = lambda diff, aux: tuple(pullback(pure)(diff[:-1], diff[-1], aux))
+    defined = lambda diff, aux: tuple(pullback(defs.pure)(diff[:-1], diff[-1], aux))
     grads = with_derivatives(
-      lambda diff, aux: (tuple(pullback(plain, int32)(diff[:-1], diff[-1], aux)), ()),
+      lambda diff, aux: (tuple(pullback(defs.plain, defs.int32)(diff[:-1], diff[-1], aux)), ()),
       lambda diff, aux, saved: defined(diff, aux),
       lambda diff, aux, outs, saved, cts: jax.vjp(lambda d: defined(d, aux), diff)[1](
         tuple(jnp.zeros_like(o) if c is None else c for c, o in zip(cts, outs))
@@ -147,7 +158,7 @@ def _zeroed_backward(plain, pure, lse_of, int32, diff, aux, outs, saved, cts):
     # d lse / d logits = P: the lse's own gradient, from the plain computation of it (empty
     # rows' lse is a constant).
     d_lse = jnp.where(empty, jnp.zeros((), d_lse.dtype), d_lse)
-    lse_like = lambda *a: lse_of(*a).reshape(d_lse.shape).astype(d_lse.dtype)
+    lse_like = lambda *a: defs.lse_of(*a).reshape(d_lse.shape).astype(d_lse.dtype)
     grads = jax.tree.map(jnp.add, tuple(grads), tuple(pullback(lse_like)(xs, d_lse, aux)))
   grads = dict(zip(given, grads))
   grads[0] = zero(grads[0])
