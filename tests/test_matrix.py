@@ -1,6 +1,7 @@
-"""The feature matrix on one device: every implementation x every option (tests/matrix.py), in
-float32, under x64 (float64 inputs, and float32 inputs in an x64 process), and exported by
-`jax.export` with a symbolic batch; forward and gradients against the float64 reference, or a
+"""The feature matrix on one device: every implementation x every option (tests/matrix.py), each
+in one of four modes -- float32, under x64 (float64 inputs, and float32 inputs in an x64
+process), exported by `jax.export` with a symbolic batch -- and every mode taken by every
+implementation and every option; forward and gradients against the float64 reference, or a
 NotImplementedError naming the implementation where a platform-bound kernel (splash, cuDNN)
 cannot take the call. jattn's own implementations (and None) must take every case.
 

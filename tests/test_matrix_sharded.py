@@ -1,12 +1,14 @@
 """The feature matrix under meshes (tests/matrix.py, run by tests/_matrix_worker.py on 4 host
-devices): every implementation x every option, under an Auto and an Explicit mesh, with
-batch-, head- and sequence-sharded inputs (and option arrays), forward and gradients equal to
-the float64 reference; a NotImplementedError naming the implementation only from a
-platform-bound kernel (cuDNN here); jattn's own implementations and None take every case.
+devices): every option under an Auto and an Explicit mesh with batch-, head- and
+sequence-sharded inputs (and option arrays), and every implementation with every option,
+forward and gradients equal to the float64 reference; a NotImplementedError naming the
+implementation only from a platform-bound kernel (cuDNN here); jattn's own implementations and
+None take every case.
 
-A covering design (`matrix.sharded_design`), not the product: every option under every mesh and
-layout, each of jattn's implementations (and None) with every option and under every mesh and
-layout; one process per kind of mesh, each compiling only its own rows.
+A covering design (`matrix.sharded_design`), not the product: each (mesh, layout, option) once,
+taken by one of jattn's implementations (or None), which are turned so that each meets every
+option and every mesh and layout; one process per kind of mesh, each compiling only its own
+rows.
 """
 
 from __future__ import annotations
