@@ -19,10 +19,12 @@ Shapes: B batch, T query length, S key length, N query heads.
 
 The package, by job: `_grid` (the block grid and the block states), `_protocol` (the `Mask` base
 class, `Cut`, the combinations), the kinds (`_structural`, `_per_example`, `_arrays`,
-`_function`), `_arguments` (the call's keywords as one mask), `_placement` (a mask on a
-device's part) and `_tree` (`tree_mask`: a draft tree as the boolean array that
-`jattn.paged_attention`'s ``new_token_mask`` takes, not a `Mask`). Names with a leading underscore are private to the package; the names below are
-what users and the rest of jattn call.
+`_function`, `_intervals`: `hidden_rows`, the rows hidden from each key column as two
+intervals), `_arguments` (the call's keywords as one mask), `_placement` (a mask
+on a device's part) and `_tree` (`tree_mask`: a draft tree as the boolean array that
+`jattn.paged_attention`'s ``new_token_mask`` takes, not a `Mask`). Names with a leading
+underscore are private to the package; the names below are what users and the rest of jattn
+call.
 """
 
 from jattn._types import CausalAlignment as CausalAlignment
@@ -37,6 +39,7 @@ from jattn.masks._grid import FULL as FULL
 from jattn.masks._grid import PARTIAL as PARTIAL
 from jattn.masks._grid import BlockGrid as BlockGrid
 from jattn.masks._grid import reduce_states as reduce_states
+from jattn.masks._intervals import hidden_rows as hidden_rows
 from jattn.masks._per_example import lengths as lengths
 from jattn.masks._per_example import positions as positions
 from jattn.masks._per_example import segments as segments
@@ -67,6 +70,7 @@ __all__ = [
   "from_array",
   "from_function",
   "full",
+  "hidden_rows",
   "lengths",
   "local_window",
   "prefix_lm",
