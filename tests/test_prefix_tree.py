@@ -104,6 +104,13 @@ def positions_by_hand(parents, lengths, T):
   return pos
 
 
+def previous_by_hand(parents, lengths, T):
+  prev = np.full(T, -1, np.int32)
+  for p in paths(parents, lengths):
+    prev[p[1:]] = p[:-1]
+  return prev
+
+
 # --------------------------------------------------------------------------------------------
 # The builder.
 # --------------------------------------------------------------------------------------------
@@ -120,11 +127,13 @@ def test_mask_and_positions_are_the_trees(depth, branches):
   for b in range(B):
     np.testing.assert_array_equal(vis[b, 0], visible_by_hand(parents[b], lengths[b], T))
     np.testing.assert_array_equal(tree.positions[b], positions_by_hand(parents[b], lengths[b], T))
+    np.testing.assert_array_equal(tree.previous[b], previous_by_hand(parents[b], lengths[b], T))
   # The same from node ids, and traced under jit.
   again = M.prefix_tree(parents, tree.node_ids)
   traced = jax.jit(lambda p, n: M.prefix_tree(p, lengths=n, size=T))(parents, lengths)
   for other in (again, traced):
     np.testing.assert_array_equal(other.positions, tree.positions)
+    np.testing.assert_array_equal(other.previous, tree.previous)
     np.testing.assert_array_equal(other.node_ids, tree.node_ids)
     np.testing.assert_array_equal(
       other.mask.evaluate(jnp.arange(T), jnp.arange(T), (B, 1, T, T)), vis
@@ -147,6 +156,12 @@ def test_padding_between_trees_and_one_tree_for_the_batch():
           want[i, j] = True
     np.testing.assert_array_equal(vis[b], want)
   np.testing.assert_array_equal(tree.positions[0], [0, 1, 2, 2, 3, 0, 0, 0, 1, 2, 0])
+  np.testing.assert_array_equal(tree.previous[0], [-1, 0, 1, 1, 3, -1, -1, -1, 7, 8, -1])
+  np.testing.assert_array_equal(tree.previous[1], [-1, 0, 1, 2, 0, -1, -1, 6, 7, -1, -1])
+  # A node with no tokens (a turn left empty) between a node and its grandchild.
+  tree = M.prefix_tree(np.array([-1, 0, 1, 1]), lengths=np.array([2, 0, 3, 1]), size=7)
+  np.testing.assert_array_equal(tree.previous[0], [-1, 0, 1, 2, 3, 1, -1])
+  np.testing.assert_array_equal(tree.positions[0], [0, 1, 2, 3, 4, 2, 0])
 
 
 @pytest.mark.parametrize(

@@ -27,11 +27,14 @@ class PrefixTree(NamedTuple):
   """What `prefix_tree` returns. ``mask``: causal attention within each root-to-leaf path
   (``causal() & hidden_rows(...)``); ``positions``: int32 (B, T), each token's position in its
   path run alone (the tokens of its ancestors, then its offset in its own node; 0 for padding),
-  for RoPE and for ``q_positions``/``kv_positions``; ``node_ids``: int32 (B, T), each token's
-  node (-1: padding)."""
+  for RoPE and for ``q_positions``/``kv_positions``; ``previous``: int32 (B, T), the token before
+  each one on its path (-1 for a path's first token and padding), whose logits predict it -- a
+  response's first token is predicted by its prompt's last; ``node_ids``: int32 (B, T), each
+  token's node (-1: padding)."""
 
   mask: Mask
   positions: Any
+  previous: Any
   node_ids: Any
 
 
@@ -56,7 +59,7 @@ def prefix_tree(
 
   Returns a `PrefixTree`: the mask (query i sees key j iff j <= i and j's node is i's or one of
   its ancestors; padding is seen by no one, and a row of padding after the trees sees nothing),
-  the positions and the node ids. Every array may be traced; known values are checked
+  the positions, each token's predecessor on its path and the node ids. Every array may be traced; known values are checked
   (ValueError naming the argument and the first bad entry). See docs/prefix_trees.md.
   """
   p: Any = _validation.int_array(f"{_NAME}: parents", parents)
@@ -74,9 +77,9 @@ def prefix_tree(
   p, ids = _batched(p.astype(jnp.int32), ids.astype(jnp.int32))
   _check_parents(p)
   _check_node_ids(ids, p.shape[1])
-  lower_start, positions, nxt = _tree(p, ids)
+  lower_start, positions, previous, nxt = _tree(p, ids)
   _check_depth_first(p, nxt)
-  return PrefixTree(causal() & hidden_rows(lower_start=lower_start), positions, ids)
+  return PrefixTree(causal() & hidden_rows(lower_start=lower_start), positions, previous, ids)
 
 
 def _given(node_ids) -> str:
@@ -123,9 +126,10 @@ def _from_lengths(lengths, M, size):
 
 
 def _tree(parents, node_ids):
-  """(lower_start (B, T), positions (B, T), next (B, M)): each key's first hidden row (the end of
-  its node's subtree; 0 for padding), each token's position alone, and each node's first later
-  node that is not its descendant (M if none)."""
+  """(lower_start, positions, previous (B, T), next (B, M)): each key's first hidden row (the end
+  of its node's subtree; 0 for padding), each token's position alone and the token before it on
+  its path (-1: none), and each node's first later node that is not its descendant (M if
+  none)."""
   B, M = parents.shape
   T = node_ids.shape[1]
   real = node_ids >= 0
@@ -137,6 +141,10 @@ def _tree(parents, node_ids):
   count = jnp.zeros((B, M), jnp.int32).at[rows, slot].add(1, mode="drop")
   above = _over_ancestors(parents, count) - count  # tokens of the strict ancestors
   depth = _over_ancestors(parents, jnp.ones_like(count))
+  # The last token of the nearest ancestor that has any: the deepest one's is the greatest.
+  last = jnp.where(count > 0, stop - 1, -1)
+  up = jnp.where(parents >= 0, jnp.take_along_axis(last, jnp.maximum(parents, 0), axis=1), -1)
+  before = _over_ancestors(parents, up, jnp.maximum)
   nxt = _next_not_deeper(depth)
   # Nodes in depth-first order hold consecutive runs of tokens: a subtree's last token is the
   # furthest stop among the nodes before its next non-descendant.
@@ -146,17 +154,20 @@ def _tree(parents, node_ids):
   at = lambda x: jnp.take_along_axis(x, node, axis=1)
   lower_start = jnp.where(real, at(subtree_end), 0)
   positions = jnp.where(real, at(above) + t - at(start), 0)
-  return lower_start, positions, nxt
+  previous = jnp.where(real, jnp.where(t > at(start), t - 1, at(before)), -1)
+  return lower_start, positions, previous, nxt
 
 
-def _over_ancestors(parents, value):
-  """(B, M): each node's ``value`` summed over itself and its ancestors, by pointer jumping:
-  after s steps a node holds the sum over its 2^s nearest and points 2^s levels up."""
+def _over_ancestors(parents, value, op=jnp.add):
+  """(B, M): each node's ``value`` reduced by ``op`` (add, or max of values >= -1) over itself
+  and its ancestors, by pointer jumping: after s steps a node holds the reduction over its 2^s
+  nearest and points 2^s levels up."""
   acc, up = value, parents
+  neutral = 0 if op is jnp.add else -1
   for _ in range(max(parents.shape[1] - 1, 0).bit_length()):
     ok = up >= 0
     safe = jnp.maximum(up, 0)
-    acc = acc + jnp.where(ok, jnp.take_along_axis(acc, safe, axis=1), 0)
+    acc = op(acc, jnp.where(ok, jnp.take_along_axis(acc, safe, axis=1), neutral))
     up = jnp.where(ok, jnp.take_along_axis(up, safe, axis=1), -1)
   return acc
 
