@@ -276,3 +276,28 @@ def test_fused_kernels_refuse_it_by_name():
           q, k, v, mask=m, implementation=impl
         )
       )(q, k, v, mask)
+
+
+def test_the_docs_forms_are_the_masks_they_name():
+  # docs/prefix_trees.md's table: FlashMask's causal document mask (causality as the upper
+  # interval), prefix-LM with a per-example prefix, and a causal sliding window.
+  T = S = 24
+  k = np.arange(S)[None, :]
+  doc_end = np.array([[9] * 9 + [24] * 15, [17] * 17 + [24] * 7])
+  P = np.array([[5], [11]])
+  w = 3
+  prefix = np.stack([_dense(M.prefix_lm(int(p[0])), T, S)[b] for b, p in enumerate(P)])
+  cases = [
+    (
+      M.hidden_rows(lower_start=jnp.asarray(doc_end), upper_end=jnp.asarray(np.repeat(k, B, 0))),
+      _dense(M.causal() & M.hidden_rows(lower_start=jnp.asarray(doc_end)), T, S),
+    ),
+    (M.hidden_rows(upper_end=jnp.asarray(np.where(k < P, 0, k))), prefix),
+    (
+      M.causal() & M.hidden_rows(lower_start=jnp.asarray(np.repeat(k + w + 1, B, 0))),
+      _dense(M.local_window(w, 0), T, S),
+    ),
+  ]
+  for mask, expect in cases:
+    np.testing.assert_array_equal(_dense(mask, T, S), expect)
+    _check_summary(mask, expect, T, S)
