@@ -301,3 +301,26 @@ def test_the_docs_forms_are_the_masks_they_name():
   for mask, expect in cases:
     np.testing.assert_array_equal(_dense(mask, T, S), expect)
     _check_summary(mask, expect, T, S)
+
+
+def test_implementation_none_tries_no_fused_kernel_for_it():
+  # On a GPU and a TPU, None puts a fused kernel first only for calls it takes (splash takes
+  # the causal mask object, on a TPU); none takes the tree's mask: every platform's order is
+  # jattn's own kernels.
+  from jattn import _call, _dispatch
+
+  T = 4096
+  tree = M.prefix_tree(np.array([-1, 0, 0]), lengths=np.array([2048, 1024, 1024]), size=T)
+  opts, _ = _call.options(_call.Keywords())
+  seen = []
+
+  def decide(q, k, v, mask):
+    seen.append(_dispatch.order(_call.bind(_call.Given(q, k, v, None, mask), opts)))
+    return q
+
+  shape = lambda n: jax.ShapeDtypeStruct((1, T, n, 64), jnp.bfloat16)
+  for mask in (M.causal(), tree.mask):
+    jax.eval_shape(lambda q, k, v, mask=mask: decide(q, k, v, mask), shape(8), shape(4), shape(4))
+  causal, ours = seen
+  assert causal["tpu"][0] == "splash", causal
+  assert set(ours) == {"cpu", "default"} and ours["default"] == ("chunked",), ours
