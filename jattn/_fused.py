@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import NamedTuple, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 import jax
 import jax.numpy as jnp
@@ -160,9 +160,9 @@ def _zeroed_backward(defs: _Definitions, diff, aux, outs, saved, cts):
     d_lse = jnp.where(empty, jnp.zeros((), d_lse.dtype), d_lse)
     lse_like = lambda *a: defs.lse_of(*a).reshape(d_lse.shape).astype(d_lse.dtype)
     grads = jax.tree.map(jnp.add, tuple(grads), tuple(pullback(lse_like)(xs, d_lse, aux)))
-  grads = dict(zip(given, grads))
-  grads[0] = zero(grads[0])
-  return tuple(grads.get(i) for i in range(len(diff)))
+  by_index = dict(zip(given, grads))
+  by_index[0] = zero(by_index[0])
+  return tuple(by_index.get(i) for i in range(len(diff)))
 
 
 # --------------------------------------------------------------------------------------------
@@ -197,9 +197,9 @@ class _Rule:
 
   def __init__(self, kernel, reference, backward, diff, aux, n_outs, n_saved):
     self.kernel, self.reference, self.backward = kernel, reference, backward
-    self.diff_tree = jax.tree.structure(diff)
-    self.aux_tree = jax.tree.structure(aux)
-    self.n_diff, self.n_aux = self.diff_tree.num_leaves, self.aux_tree.num_leaves
+    self.diff_tree: Any = jax.tree.structure(diff)
+    self.aux_tree: Any = jax.tree.structure(aux)
+    self.n_diff, self.n_aux = len(jax.tree.leaves(diff)), len(jax.tree.leaves(aux))
     self.n_outs, self.n_saved = n_outs, n_saved
     self.n_primal = self.n_diff + self.n_aux + n_outs + n_saved
 

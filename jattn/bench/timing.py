@@ -8,16 +8,17 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 
 def interleaved(
-  calls: dict[Hashable, Callable[[], object]],
+  calls: Mapping[Any, Callable[[], Any]],
   repeats: int,
   *,
   warmup: bool = True,
   settle: bool = False,
-) -> dict[Hashable, float]:
+) -> dict[Any, float]:
   """{name: median milliseconds} of ``calls`` (name -> a function of nothing returning jax
   arrays), each run ``repeats`` times in turn after one untimed call (``warmup``: compiling
   is not timed). ``settle``: before each call wait until this process is idle
@@ -30,7 +31,7 @@ def interleaved(
   if warmup:
     for f in calls.values():
       jax.block_until_ready(f())
-  times: dict[Hashable, list[float]] = {name: [] for name in calls}
+  times: dict[Any, list[float]] = {name: [] for name in calls}
   for _ in range(repeats):
     for name, f in calls.items():
       if settle:
