@@ -26,6 +26,8 @@ select that computes it. Tangent operands are broadcast (their transposes sum th
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.extend.core
 import jax.numpy as jnp
@@ -155,9 +157,9 @@ class _Rule:
 
   def __init__(self, kernel, reference, backward, diff, aux, n_outs, n_saved):
     self.kernel, self.reference, self.backward = kernel, reference, backward
-    self.diff_tree = jax.tree.structure(diff)
-    self.aux_tree = jax.tree.structure(aux)
-    self.n_diff, self.n_aux = self.diff_tree.num_leaves, self.aux_tree.num_leaves
+    self.diff_tree: Any = jax.tree.structure(diff)
+    self.aux_tree: Any = jax.tree.structure(aux)
+    self.n_diff, self.n_aux = len(jax.tree.leaves(diff)), len(jax.tree.leaves(aux))
     self.n_outs, self.n_saved = n_outs, n_saved
     self.n_primal = self.n_diff + self.n_aux + n_outs + n_saved
 

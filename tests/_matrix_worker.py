@@ -1,17 +1,19 @@
-"""The feature matrix under a mesh, on 4 host devices: run as a subprocess by
-tests/test_matrix_sharded.py, one mesh kind and one sharding per process.
+"""The feature matrix under meshes, on 4 host devices: run as a subprocess by
+tests/test_matrix_sharded.py, one kind of mesh per process.
 
-    python _matrix_worker.py MESH LAYOUT OUT.json
-      MESH: auto | explicit;  LAYOUT: batch | heads | sequence
+    python _matrix_worker.py MESH OUT.json
+      MESH: auto | explicit
 
-q, k, v and the output cotangent are sharded over their batch, head or sequence dimension
-(B, N or K, T or S), and so is every option array along the dimensions it has of that kind;
-each case (an implementation of tests/matrix.py x an option) is compiled, forward and VJP, and
-compared with the float64 reference. Writes {case: "ok" | "refused: ..." | "failed: ..."}.
+Runs the rows of `matrix.sharded_design` with that mesh: q, k, v and the output cotangent are
+sharded over their batch, head or sequence dimension (B, N or K, T or S: the row's layout), and
+so is every option array along the dimensions it has of that kind; each case (an
+implementation x an option) is compiled, forward and VJP, and compared with the float64
+reference. Writes {"LAYOUT IMPL OPTION": "ok" | "refused: ..." | "failed: ..."}.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -46,34 +48,38 @@ def spec(x, letters, layout):
   return P(*entries)
 
 
-def main(mesh_kind, layout, out_path):
+def main(mesh_kind, out_path):
   axis = AxisType.Explicit if mesh_kind == "explicit" else AxisType.Auto
   mesh = jax.make_mesh((4,), ("x",), axis_types=(axis,))
+  impls = matrix.implementations()
   results = {}
   q, k, v, do = matrix.inputs()
-  for option in matrix.OPTIONS:
-    want = matrix.reference(option)
+  for kind, layout, impl, option in matrix.sharded_design():
+    if kind != mesh_kind:
+      continue
     arrays = matrix.option_arrays(option)
     letters = {n: s[1] for n, s in matrix.OPTIONS[option].arrays.items()}
-    for impl, kw in matrix.implementations().items():
-      if impl == "splash":
-        continue  # Pallas's interpret mode cannot run a kernel on several host devices at once
-      name = f"{impl} {option}"
-      try:
-        with jax.set_mesh(mesh):
-          put = lambda x, lt: jax.device_put(x, NamedSharding(mesh, spec(x, lt, layout)))
-          args = [put(x, "BTKH" if i in (1, 2) else "BTNH") for i, x in enumerate((q, k, v, do))]
-          args.append({n: put(x, letters[n]) for n, x in arrays.items()})
-          out, grads = jax.jit(matrix.loss_and_grads(kw, option))(*args)
-        matrix.check(name, out, grads, want, 1e-4)
-        results[name] = "ok"
-      except NotImplementedError as e:
-        results[name] = f"refused: {e}"
-      except Exception as e:
-        results[name] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
+    name = f"{layout} {impl} {option}"
+    try:
+      with jax.set_mesh(mesh):
+        put = lambda x, lt: jax.device_put(x, NamedSharding(mesh, spec(x, lt, layout)))
+        args = [put(x, "BTKH" if i in (1, 2) else "BTNH") for i, x in enumerate((q, k, v, do))]
+        args.append({n: put(x, letters[n]) for n, x in arrays.items()})
+        out, grads = jax.jit(matrix.loss_and_grads(impls[impl], option))(*args)
+      matrix.check(name, out, grads, _reference(option), 1e-4)
+      results[name] = "ok"
+    except NotImplementedError as e:
+      results[name] = f"refused: {e}"
+    except Exception as e:
+      results[name] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
   with open(out_path, "w") as f:
     json.dump(results, f, indent=1)
 
 
+@functools.cache
+def _reference(option):
+  return matrix.reference(option)
+
+
 if __name__ == "__main__":
-  main(*sys.argv[1:4])
+  main(*sys.argv[1:3])

@@ -190,6 +190,46 @@ OPTIONS: dict[str, Option] = {
 }
 
 
+def rotation(outer, inner, turned) -> list[tuple]:
+  """A covering design of three factors: rows (inner value, outer value, turned value) in which,
+  for every value of ``outer``, every value of ``inner`` and every value of ``turned`` stands
+  once or more, ``turned`` shifted by one against ``inner`` from one value of ``outer`` to the
+  next (a Latin square's rows). Every pair of values of two factors meets when ``outer`` has at
+  least as many values as ``turned``; the rows number len(outer) x max(len(inner),
+  len(turned)), and each value of ``inner`` meets each of ``turned`` on about
+  len(outer) / len(turned) values of ``outer``: spread evenly, where a greedy design
+  (tests/covering.py) gives the first value of ``inner`` most of them."""
+  assert len(outer) >= len(turned), (outer, turned)
+  return [
+    (inner[r % len(inner)], o, turned[(r + i) % len(turned)])
+    for i, o in enumerate(outer)
+    for r in range(max(len(inner), len(turned)))
+  ]
+
+
+# Under meshes (tests/_matrix_worker.py): the kind of mesh, and which dimensions are sharded.
+MESHES = ("auto", "explicit")
+LAYOUTS = ("batch", "heads", "sequence")
+
+
+def sharded_design() -> list[tuple[str, str, str, str]]:
+  """(mesh, layout, implementation, option) rows of the matrix under meshes, a covering design
+  instead of the product: every option under every mesh and layout (one of jattn's own
+  implementations or None takes it; `rotation` turns them so that each takes every option and
+  every placement), and each kernel that only refuses on a CPU every option once (the
+  placements turned). Splash is not among them: Pallas's interpret mode cannot run a kernel on
+  several host devices at once."""
+  impls = implementations()
+  own = [i for i in impls if platform_of(i) is None]
+  refusing = [i for i in impls if platform_of(i) is not None and i != "splash"]
+  placements = [(m, lay) for m in MESHES for lay in LAYOUTS]
+  rows = [(*p, impl, o) for p, o, impl in rotation(list(OPTIONS), placements, own)]
+  for i, impl in enumerate(refusing):
+    for o, option in enumerate(OPTIONS):
+      rows.append((*placements[(i + o) % len(placements)], impl, option))
+  return rows
+
+
 def _mask_object():
   from jattn import masks
 

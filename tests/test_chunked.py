@@ -7,9 +7,9 @@ import pytest
 import reference as ref
 
 import jattn
-from jattn._chunked import plan as _plan
 from jattn import masks as M
 from jattn._chunked import blocks as chunked_blocks
+from jattn._chunked import plan as _plan
 
 
 def _compiled_temp_bytes(fn, *args):

@@ -88,7 +88,8 @@ def mask_parts(mask):
     else:
       return (
         f"mask: a {type(part).__name__} mask: the kernel takes causal masks, windows, "
-        f"lengths and segment ids only (no mask arrays, functions or positions)"
+        f"lengths and segment ids only (no mask arrays, functions, positions or hidden_rows "
+        f"intervals: its block loop reads no per-column bounds)"
       )
   if len(segments) > 1:
     return "mask: two segment-id masks at once: the kernel takes one pair of id vectors"

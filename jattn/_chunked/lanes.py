@@ -1,10 +1,10 @@
 """The parallel schedule: lanes of blocks side by side, each step computing every lane's next
-tile at once (vmapped over lanes). The platform default off CPU (`jattn._plan.SCHEDULE_DEFAULTS`).
+tile at once (vmapped over lanes). The platform default off CPU (`jattn._chunked.plan.SCHEDULE_DEFAULTS`).
 
-`jattn._plan` cuts the block map's non-empty blocks into lanes (static ones from the plan, or
+`jattn._chunked.plan` cuts the block map's non-empty blocks into lanes (static ones from the plan, or
 run-time ones from a traced block map: `_lanes`, `_LaneTables`). Here they run ``plan.width`` at
 a time (`_in_groups`, `_lane_steps`), and the parts a lane leaves are merged into their rows in
-lane order (`jattn._plan.MergeOrder`), so results do not depend on the grouping.
+lane order (`jattn._chunked.plan.MergeOrder`), so results do not depend on the grouping.
 The forward (`_forward_parallel`) runs query blocks' parts side by side and merges them through
 their running max and sum; the backward (`_backward_parallel`) runs two passes that each
 recompute P: dK and dV with key blocks as lanes (`_backward_kv_pass`), dQ with query blocks as
@@ -131,7 +131,7 @@ def _lane_steps(
   A lane's carry restarts from its ``lane.carry0`` where a part starts; finished parts are merged
   into their rows of the accumulator that starts as ``rows0`` by ``fold(rows, at, parts) ->
   rows``, ``at`` (W,) their rows without repeats (R or more: none), in the order of
-  `jattn._plan.MergeOrder`: a row's parts in lane order. ``gather(shared, outs, rows_t,
+  `jattn._chunked.plan.MergeOrder`: a row's parts in lane order. ``gather(shared, outs, rows_t,
   columns_t, kinds_t) -> shared`` folds each step's other results into ``shared``. Returns
   (rows, shared). ``transposed``: rows are key blocks (the dK/dV pass), for the block hook."""
   tables, steps, masked, width = schedule
@@ -202,7 +202,7 @@ def _lane_steps(
 
 
 def _forward_parallel(plan: Plan, ops: Operands, start, tile):
-  """Every lane's next key/value block in one step (see `jattn._plan.lanes`); the parts of a
+  """Every lane's next key/value block in one step (see `jattn._chunked.plan.lanes`); the parts of a
   row are merged through their running max and sum, then the sink joins once. Returns (out,
   lse), and the rows' max logits (their max before the sink joins) with ``cfg.max_logits``."""
   cfg = plan.cfg

@@ -1,6 +1,6 @@
 """The serial schedule: one tile after another, each loop over a row's (or a column's) range of
 non-empty blocks, EMPTY blocks inside the range skipped by a switch. The platform default on CPU
-(`jattn._plan.SCHEDULE_DEFAULTS`).
+(`jattn._chunked.plan.SCHEDULE_DEFAULTS`).
 
 `walk_rows` is the forward's query-major walk, which `jattn.diagnostics` also runs with a tile
 function of its own; `_backward_serial` walks key block after key block, each over the query

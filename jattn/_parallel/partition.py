@@ -148,7 +148,7 @@ class Problem(NamedTuple):
 
   ``local(operands, place, saved=None)`` runs the chunked kernels on one device's `Operands`
   (``place``: its `jattn._call.Place` in the whole call) and returns (out, lse); with ``saved`` =
-  (out, lse, dout, dlse) it returns the operands' cotangents (an `jattn._plan.Operands`)."""
+  (out, lse, dout, dlse) it returns the operands' cotangents (an `jattn._chunked.plan.Operands`)."""
 
   B: int
   T: int

@@ -22,7 +22,7 @@ computed from the device index and the layout:
   contiguous: device d holds positions [d * T/P, (d + 1) * T/P);
   zigzag:     the sequence is cut into 2P chunks; device d holds chunks d and 2P - 1 - d, so every
               device owns an equal share of the causal triangle (`jattn._parallel.zigzag`).
-The same tables reach score_mod and the dropout hash (`jattn._plan.Positions`), so ring and
+The same tables reach score_mod and the dropout hash (`jattn._chunked.plan.Positions`), so ring and
 single-device calls compute the same scores and drop the same entries. A block's summary
 (EMPTY / PARTIAL / FULL) comes from the min and max global position of each block, so a
 key/value shard wholly in a query shard's future is an all-EMPTY block map and costs no tile: the

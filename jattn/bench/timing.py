@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 
 def interleaved(
-  calls: dict[Hashable, Callable[[], object]],
+  calls: Mapping[Any, Callable[[], Any]],
   repeats: int,
   *,
   warmup: bool = True,
@@ -35,7 +35,7 @@ def interleaved(
   if warmup:
     for f in calls.values():
       jax.block_until_ready(f())
-  times: dict[Hashable, list[float]] = {name: [] for name in calls}
+  times: dict[Any, list[float]] = {name: [] for name in calls}
   for r in range(repeats):
     for name in order(r) if order is not None else calls:
       if settle:

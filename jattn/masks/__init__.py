@@ -19,10 +19,13 @@ Shapes: B batch, T query length, S key length, N query heads.
 
 The package, by job: `_grid` (the block grid and the block states), `_protocol` (the `Mask` base
 class, `Cut`, the combinations), the kinds (`_structural`, `_per_example`, `_arrays`,
-`_function`), `_arguments` (the call's keywords as one mask), `_placement` (a mask on a
-device's part) and `_tree` (`tree_mask`: a draft tree as the boolean array that
-`jattn.paged_attention`'s ``new_token_mask`` takes, not a `Mask`). Names with a leading underscore are private to the package; the names below are
-what users and the rest of jattn call.
+`_function`, `_intervals`: `hidden_rows`, the rows hidden from each key column as two
+intervals), `_prefix_tree` (`prefix_tree`: packed token trees as a `hidden_rows` mask and each
+token's position alone), `_arguments` (the call's keywords as one mask), `_placement` (a mask
+on a device's part) and `_tree` (`tree_mask`: a draft tree as the boolean array that
+`jattn.paged_attention`'s ``new_token_mask`` takes, not a `Mask`). Names with a leading
+underscore are private to the package; the names below are what users and the rest of jattn
+call.
 """
 
 from jattn._types import CausalAlignment as CausalAlignment
@@ -37,6 +40,7 @@ from jattn.masks._grid import FULL as FULL
 from jattn.masks._grid import PARTIAL as PARTIAL
 from jattn.masks._grid import BlockGrid as BlockGrid
 from jattn.masks._grid import reduce_states as reduce_states
+from jattn.masks._intervals import hidden_rows as hidden_rows
 from jattn.masks._per_example import lengths as lengths
 from jattn.masks._per_example import positions as positions
 from jattn.masks._per_example import segments as segments
@@ -45,6 +49,8 @@ from jattn.masks._placement import can_take_part as can_take_part
 from jattn.masks._placement import is_position_based as is_position_based
 from jattn.masks._placement import remap as remap
 from jattn.masks._placement import take_part as take_part
+from jattn.masks._prefix_tree import PrefixTree as PrefixTree
+from jattn.masks._prefix_tree import prefix_tree as prefix_tree
 from jattn.masks._protocol import Cut as Cut
 from jattn.masks._protocol import Mask as Mask
 from jattn.masks._structural import band as band
@@ -62,14 +68,17 @@ __all__ = [
   "BlockGrid",
   "CausalAlignment",
   "Mask",
+  "PrefixTree",
   "causal",
   "chunked_local",
   "from_array",
   "from_function",
   "full",
+  "hidden_rows",
   "lengths",
   "local_window",
   "prefix_lm",
+  "prefix_tree",
   "segments",
   "tree_mask",
 ]
