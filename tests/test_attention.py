@@ -3,6 +3,7 @@
 import functools
 
 import chex
+import covering
 import dropout_reference
 import jax
 import jax.numpy as jnp
@@ -564,10 +565,21 @@ def _plain_low_precision(q, k, v, causal):
   return jnp.einsum("bnts,bsnh->btnh", p, vr)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("causal", [False, True])
+# Every implementation in both 16-bit dtypes, with and without the causal mask, each pair once
+# (a covering design). Causal in every implementation x dtype is also test_guarantees' rule
+# (with bias, mask, sinks and soft cap) and test_precision16's (T = 2048).
+_LOW_PRECISION = covering.pairwise(
+  {"impl": list(IMPLS), "dtype": ["bfloat16", "float16"], "causal": [False, True]}
+)
+
+
+@pytest.mark.parametrize(
+  "impl,dtype,causal",
+  [tuple(r.values()) for r in _LOW_PRECISION],
+  ids=covering.ids(_LOW_PRECISION),
+)
 def test_low_precision_rule(impl, dtype, causal):
+  dtype = jnp.dtype(dtype)
   q32, k32, v32, do32 = _inputs(T=64, S=96, H=32)
   q, k, v, do = (x.astype(dtype) for x in (q32, k32, v32, do32))
   f = lambda q, k, v: jattn.dot_product_attention(q, k, v, is_causal=causal, **IMPLS[impl])
