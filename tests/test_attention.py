@@ -342,8 +342,13 @@ class TestAgainstReference:
 # is not run twice), and dense evaluates every band the same way over the whole (T, S) grid,
 # so it runs each alignment once (bottom-right where it leaves rows empty) and a window as an
 # int and as a pair. The chunked kernels walk a different block map for each: every case.
-_CAUSAL = [(True, 37, 45), (True, 45, 37), (True, 40, 40), ("bottom_right", 37, 45)]
-_CAUSAL += [("bottom_right", 45, 37)]
+_CAUSAL = [
+  (True, 37, 45),
+  (True, 45, 37),
+  (True, 40, 40),
+  ("bottom_right", 37, 45),
+  ("bottom_right", 45, 37),
+]
 _DENSE_CAUSAL = [(True, 37, 45), ("bottom_right", 45, 37)]
 
 
