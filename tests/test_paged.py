@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import re
 
+import covering
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from covering import pairwise
 
 import jattn
 
@@ -159,11 +161,15 @@ def _check(got, want, atol=2e-5):
   np.testing.assert_allclose(got / scale, want / scale, atol=atol)
 
 
-@pytest.mark.parametrize("layout", ["NHD", "HND"])
-@pytest.mark.parametrize("ps", [4, 16])
-@pytest.mark.parametrize("T", [1, 5])
-@pytest.mark.parametrize("N,K", [(4, 2), (4, 1), (2, 2)])
-def test_decode_and_chunked_prefill(ps, T, N, K, layout):
+# Every pair of layout, page size (4: several pages to a block; 16), new tokens (1: decoding;
+# 5: a prefill chunk) and heads (GQA, MQA, MHA) together once: 7 calls for the 24 combinations.
+HEADS = {"GQA": (4, 2), "MQA": (4, 1), "MHA": (2, 2)}  # (N, K)
+DECODE_ROWS = pairwise({"layout": ["NHD", "HND"], "ps": [4, 16], "T": [1, 5], "heads": list(HEADS)})
+
+
+@pytest.mark.parametrize("row", DECODE_ROWS, ids=covering.ids(DECODE_ROWS))
+def test_decode_and_chunked_prefill(row):
+  layout, ps, T, (N, K) = row["layout"], row["ps"], row["T"], HEADS[row["heads"]]
   B, H, Hv = 3, 8, 8
   lens = np.array([37, 5, 64])
   kp, vp, table = pool(jax.random.key(0), 40, ps, K, H, Hv, B, lens)
@@ -225,37 +231,57 @@ def test_ragged_batch_with_empty_sequences_mixes_prefill_and_decode():
     _check(np.where(finite, lse, 0), np.where(finite, want_lse, 0))
 
 
-@pytest.mark.parametrize("layout", ["NHD", "HND"])
-@pytest.mark.parametrize("ps", [64, 256, 300, 512])
-def test_long_pages_in_either_layout(ps, layout):
+# Every page size with either layout, and each with and without a window and soft cap.
+LONG_ROWS = pairwise(
+  {"ps": [64, 256, 300, 512], "layout": ["NHD", "HND"], "window_cap": [True, False]}
+)
+
+
+@pytest.mark.parametrize("row", LONG_ROWS, ids=covering.ids(LONG_ROWS))
+def test_long_pages_in_either_layout(row):
   # Pages of 64 keys (two to a CPU block; head-major: multiplied page by page), of 256 and 512
   # (cut into blocks of 128 keys on the CPU, 256 in the accelerators' program, run here from
   # its cuda export) and of 300 (a page longer than a block, read whole); windows reach back
   # across page boundaries; Hv != H.
+  ps, layout = row["ps"], row["layout"]
   B, N, K, H, Hv, T = 3, 4, 2, 8, 6, 3
   lens = np.array([700, 64, 301])
   P = sum(-(-int(L) // ps) for L in lens) + 3  # three pages of garbage
   kp, vp, table = pool(jax.random.key(14), P, ps, K, H, Hv, B, lens)
   q = jax.random.normal(jax.random.key(15), (B, T, N, H))
-  for kw in (dict(local_window_size=(100, 0), logits_soft_cap=3.0), {}):
-    out = call(layout, q, kp, vp, table, lens, **kw)
-    want, _ = reference(
-      q, kp, vp, table, lens, window=kw.get("local_window_size"), cap=kw.get("logits_soft_cap")
-    )
-    _check(out, want)
-  if ps == 512:  # the last call's (no window, no cap)
-    f = lambda q, kp, vp, t: call(layout, q, kp, vp, t, lens)
+  kw = dict(local_window_size=(100, 0), logits_soft_cap=3.0) if row["window_cap"] else {}
+  out = call(layout, q, kp, vp, table, lens, **kw)
+  want, _ = reference(
+    q, kp, vp, table, lens, window=kw.get("local_window_size"), cap=kw.get("logits_soft_cap")
+  )
+  _check(out, want)
+  if ps == 512:  # the same call exported for cuda
+    f = lambda q, kp, vp, t: call(layout, q, kp, vp, t, lens, **kw)
     exp = jax.export.export(
       jax.jit(f), platforms=["cuda"], disabled_checks=[jax.export.DisabledSafetyCheck.platform()]
     )(q, kp, vp, table)
     _check(exp.call(q, kp, vp, table), want)
 
 
-@pytest.mark.parametrize("layout", ["NHD", "HND"])
-@pytest.mark.parametrize("ps", [8, 256])  # 256: cut into CPU blocks, scales too
-@pytest.mark.parametrize("dtype", [jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2])
-@pytest.mark.parametrize("kind", ["tensor", "head", "token"])
-def test_quantized_pages(dtype, kind, layout, ps):
+# Every pair of scale kind, page dtype, layout and page size (256: cut into CPU blocks, scales
+# too) together once: 9 calls for the 36 combinations.
+QUANT_ROWS = pairwise(
+  {
+    "kind": ["tensor", "head", "token"],
+    "dtype": [jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2],
+    "layout": ["NHD", "HND"],
+    "ps": [8, 256],
+  }
+)
+
+
+@pytest.mark.parametrize(
+  "row",
+  QUANT_ROWS,
+  ids=covering.ids([dict(r, dtype=jnp.dtype(r["dtype"]).name) for r in QUANT_ROWS]),
+)
+def test_quantized_pages(row):
+  dtype, kind, layout, ps = row["dtype"], row["kind"], row["layout"], row["ps"]
   B, N, K, H, Hv, T, P = 2, 4, 2, 16, 16, 3, 12
   lens = np.array([41, 20])
   kp, vp, table = pool(jax.random.key(6), P, ps, K, H, Hv, B, lens, garbage=False)
@@ -428,7 +454,8 @@ def test_gradients_are_refused_with_a_clear_error():
 @pytest.mark.parametrize("ragged", [False, True])
 def test_symbolic_number_of_sequences_exports_and_runs(ragged):
   # One exported decode step (padded) or engine step (ragged, a fixed row budget) for any number
-  # of sequences B, lowered for cpu, cuda and tpu; each program runs here on batches of 1 to 5.
+  # of sequences B, lowered for cpu, cuda and tpu; each program runs here on two batch sizes
+  # of 1, 3 and 5 (each size on two of the programs).
   from jax import export
 
   b = export.symbolic_shape("b")[0]
@@ -451,11 +478,11 @@ def test_symbolic_number_of_sequences_exports_and_runs(ragged):
       sds((b, table_all.shape[1]), jnp.int32),
       sds((b,), jnp.int32),
     )
-  for platform in ("cpu", "cuda", "tpu"):
+  for platform, sizes in (("cpu", (1, 5)), ("cuda", (3, 1)), ("tpu", (5, 3))):
     exp = export.export(
       jax.jit(f), platforms=[platform], disabled_checks=[export.DisabledSafetyCheck.platform()]
     )(*shapes)
-    for B in (1, 3, 5):
+    for B in sizes:
       lens, table = lens_all[:B], table_all[:B]
       if ragged:  # one row per sequence, the first sequence a prefill chunk of 2
         counts = np.ones(B, int)
