@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import contextlib
 
+import covering
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from covering import pairwise
 from jax.experimental.pallas import tpu as pltpu
 from test_paged import _check, combined, head_major, options, pool, reference
 
@@ -23,6 +25,11 @@ from jattn import _paged_gpu
 
 N, K, H = 4, 2, 16  # the GPU kernel (Triton) takes head sizes that are powers of two >= 16
 KERNELS = {"tpu": pltpu.force_tpu_interpret_mode, "gpu": _paged_gpu.interpret_mode}
+LAYOUTS = ["NHD", "HND", "combined"]
+# PAGES: the tests' pages hold 16 keys (64 and 256 where longer pages are the point): several
+# pages to a step of either kernel, partial last pages, tables of a few pages. The TPU kernel's
+# interpret mode compiles in a time that grows with the pages a step reads (a table's width),
+# so the sequences span few pages each.
 
 
 @pytest.fixture(params=sorted(KERNELS))
@@ -43,16 +50,19 @@ def _pallas(kernel, q, kp, vp, table, lens, layout="NHD", **kw):
     )
 
 
-@pytest.mark.parametrize("layout", ["NHD", "HND", "combined"])
-@pytest.mark.parametrize(
-  "kw",
-  [
-    dict(local_window_size=(6, 0), scale=0.3),
-    dict(logits_soft_cap=2.0, sinks=True, is_causal=False),
-  ],
-)
-def test_options_in_every_layout(kernel, layout, kw):
-  B, T, ps = 3, 3, 8
+OPTIONS = {
+  "window_scale": dict(local_window_size=(6, 0), scale=0.3),
+  "softcap_sinks_noncausal": dict(logits_soft_cap=2.0, sinks=True, is_causal=False),
+}
+# Each kernel in every layout and with each set of options, each set of options in every layout:
+# 6 calls for the 12 combinations.
+OPTION_ROWS = pairwise({"kernel": sorted(KERNELS), "layout": LAYOUTS, "options": list(OPTIONS)})
+
+
+@pytest.mark.parametrize("row", OPTION_ROWS, ids=covering.ids(OPTION_ROWS))
+def test_options_in_every_layout(row):
+  kernel, layout, kw = row["kernel"], row["layout"], OPTIONS[row["options"]]
+  B, T, ps = 3, 3, 16  # pages of 16: several to a step of either kernel (PAGES above)
   lens = np.array([30, 6, 19])
   kp, vp, table = pool(jax.random.key(40), 16, ps, K, H, H, B, lens)
   q = jax.random.normal(jax.random.key(41), (B, T, N, H))
@@ -67,7 +77,7 @@ def test_options_in_every_layout(kernel, layout, kw):
 def test_ragged_prefill_and_decode_with_empty_sequences(kernel, layout):
   # A prefill chunk of 21 rows (two tiles), decode tokens, a sequence with no new rows and one
   # with an empty cache; a value head size of its own; a trailing row of no sequence.
-  Hv, ps = 32, 8
+  Hv, ps = 32, 16
   lens = np.array([40, 9, 17, 0, 3])
   counts = np.array([21, 1, 0, 0, 1])
   qs = np.concatenate([[0], np.cumsum(counts)])
@@ -103,7 +113,7 @@ def test_ragged_prefill_and_decode_with_empty_sequences(kernel, layout):
   ],
 )
 def test_quantized_pages(kernel, dtype, kind, layout):
-  B, T, ps, P = 2, 2, 8, 12
+  B, T, ps, P = 2, 2, 16, 12
   lens = np.array([41, 20])
   kp, vp, table = pool(jax.random.key(44), P, ps, K, H, H, B, lens, garbage=False)
   top = 127.0 if dtype == jnp.int8 else float(jnp.finfo(dtype).max)
@@ -142,10 +152,12 @@ def test_quantized_pages(kernel, dtype, kind, layout):
 
 def test_bfloat16_within_rounding_of_the_exact_answer(kernel):
   # 16-bit pools and queries, float32 statistics: the error against float64 stays within a
-  # small factor of rounding the exact answer to bfloat16 (16-bit arithmetic would not).
-  B, T, ps = 2, 4, 16
+  # small factor of rounding the exact answer to bfloat16 (16-bit arithmetic would not). Pages
+  # of 64 keys: the TPU kernel reads 4 of them a step (not 14 of 16 keys), and its
+  # interpret mode compiles in a time that grows with the pages a step reads.
+  B, T, ps = 2, 4, 64
   lens = np.array([200, 77])
-  kp, vp, table = pool(jax.random.key(46), 24, ps, K, H, H, B, lens, garbage=False)
+  kp, vp, table = pool(jax.random.key(46), 8, ps, K, H, H, B, lens, garbage=False)
   q = jax.random.normal(jax.random.key(47), (B, T, N, H))
   q, kp, vp = (x.astype(jnp.bfloat16) for x in (q, kp, vp))
   out = _pallas(kernel, q, kp, vp, table, lens, "HND")
