@@ -370,11 +370,17 @@ def test_value_head_size_of_its_own_against_reference(impl, case):
   reference's."""
   q, k, v, bias, call, make, vis = _value_head_case(case)
   fn = jattn.make_attention_fn(**impl, **make)
-  out, pull = jax.vjp(lambda q, k, v, bias: fn(q, k, v, bias=bias, **call), q, k, v, bias)
   lead, Hv = q.shape[:-3], v.shape[-1]
+  do = jax.random.normal(jax.random.key(8), q.shape[:-1] + (Hv,))
+
+  @jax.jit
+  def forward_and_grads(q, k, v, bias, do):  # one program
+    out, pull = jax.vjp(lambda q, k, v, bias: fn(q, k, v, bias=bias, **call), q, k, v, bias)
+    return (out,) + pull(do)
+
+  got = forward_and_grads(q, k, v, bias, do)
+  out = got[0]
   assert out.shape == q.shape[:-1] + (Hv,) and Hv != q.shape[-1]
-  do = jax.random.normal(jax.random.key(8), out.shape)
-  got = (out,) + pull(do)
   flat = lambda x: np.asarray(x, np.float64).reshape((-1,) + x.shape[-3:])
   full_bias = np.broadcast_to(np.asarray(bias, np.float64), lead + bias.shape[-3:])
   want_out, _, cache = reference.attention(
