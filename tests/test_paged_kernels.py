@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from covering import pairwise
 from jax.experimental.pallas import tpu as pltpu
-from test_paged import _check, combined, head_major, options, pool, reference
+from test_paged import _check, combined, head_major, normal, options, pool, reference
 
 import jattn
 from jattn import _paged_gpu
@@ -64,8 +64,8 @@ def test_options_in_every_layout(row):
   kernel, layout, kw = row["kernel"], row["layout"], OPTIONS[row["options"]]
   B, T, ps = 3, 3, 16  # pages of 16: several to a step of either kernel (PAGES above)
   lens = np.array([30, 6, 19])
-  kp, vp, table = pool(jax.random.key(40), 16, ps, K, H, H, B, lens)
-  q = jax.random.normal(jax.random.key(41), (B, T, N, H))
+  kp, vp, table = pool(40, 16, ps, K, H, H, B, lens)
+  q = normal(41, (B, T, N, H))
   kw, ref_kw = options(kw, N)
   out, lse = _pallas(kernel, q, kp, vp, table, lens, layout, return_residual=True, **kw)
   want, want_lse = reference(q, kp, vp, table, lens, **ref_kw)
@@ -81,8 +81,8 @@ def test_ragged_prefill_and_decode_with_empty_sequences(kernel, layout):
   lens = np.array([40, 9, 17, 0, 3])
   counts = np.array([21, 1, 0, 0, 1])
   qs = np.concatenate([[0], np.cumsum(counts)])
-  kp, vp, table = pool(jax.random.key(42), 24, ps, K, H, Hv, 5, lens)
-  q = jax.random.normal(jax.random.key(43), (int(qs[-1]) + 1, N, H))
+  kp, vp, table = pool(42, 24, ps, K, H, Hv, 5, lens)
+  q = normal(43, (int(qs[-1]) + 1, N, H))
   out, lse = _pallas(
     kernel,
     q,
@@ -115,7 +115,7 @@ def test_ragged_prefill_and_decode_with_empty_sequences(kernel, layout):
 def test_quantized_pages(kernel, dtype, kind, layout):
   B, T, ps, P = 2, 2, 16, 12
   lens = np.array([41, 20])
-  kp, vp, table = pool(jax.random.key(44), P, ps, K, H, H, B, lens, garbage=False)
+  kp, vp, table = pool(44, P, ps, K, H, H, B, lens, garbage=False)
   top = 127.0 if dtype == jnp.int8 else float(jnp.finfo(dtype).max)
   reduce = {
     "tensor": lambda a: a.max(),
@@ -134,7 +134,7 @@ def test_quantized_pages(kernel, dtype, kind, layout):
     )
   ).astype(dtype)
   kq, vq = quant(kp, ks), quant(vp, vs)
-  q = jax.random.normal(jax.random.key(45), (B, T, N, H))
+  q = normal(45, (B, T, N, H))
   ks, vs = jnp.asarray(ks, jnp.float32), jnp.asarray(vs, jnp.float32)
   out = _pallas(kernel, q, kq, vq, table, lens, layout, k_scale=ks, v_scale=vs, logits_soft_cap=5.0)
   want, _ = reference(
@@ -157,8 +157,8 @@ def test_bfloat16_within_rounding_of_the_exact_answer(kernel):
   # interpret mode compiles in a time that grows with the pages a step reads.
   B, T, ps = 2, 4, 64
   lens = np.array([200, 77])
-  kp, vp, table = pool(jax.random.key(46), 8, ps, K, H, H, B, lens, garbage=False)
-  q = jax.random.normal(jax.random.key(47), (B, T, N, H))
+  kp, vp, table = pool(46, 8, ps, K, H, H, B, lens, garbage=False)
+  q = normal(47, (B, T, N, H))
   q, kp, vp = (x.astype(jnp.bfloat16) for x in (q, kp, vp))
   out = _pallas(kernel, q, kp, vp, table, lens, "HND")
   assert out.dtype == jnp.bfloat16
@@ -173,8 +173,8 @@ def test_long_pages_and_faulty_metadata(kernel):
   # page id is out of the pool comes back NaN, the others exact.
   B, T, ps = 3, 2, 256
   lens = np.array([700, 64, 301])
-  kp, vp, table = pool(jax.random.key(48), 9, ps, K, H, H, B, lens)
-  q = jax.random.normal(jax.random.key(49), (B, T, N, H))
+  kp, vp, table = pool(48, 9, ps, K, H, H, B, lens)
+  q = normal(49, (B, T, N, H))
   bad = np.array(table)
   bad[2, 1] = 9  # sequence 2's second page: past the pool
   with KERNELS[kernel]():
@@ -216,7 +216,7 @@ def _abstract_gpu():
 
 def test_the_choice_is_made_where_the_program_is_lowered():
   lens = np.array([30, 6])
-  kp, vp, table = pool(jax.random.key(50), 16, 8, K, H, H, 2, lens)
+  kp, vp, table = pool(50, 16, 8, K, H, H, 2, lens)
   q = jnp.ones((2, 1, N, H))
   args = (q, kp, vp, table, jnp.asarray(lens))
   call = lambda impl: lambda *a: jattn.paged_attention(*a, implementation=impl)
@@ -276,8 +276,8 @@ def test_interpret_mode_refuses_what_the_kernel_cannot_take_as_the_device_would(
   None and is refused by name for "pallas", as lowered for a GPU (it was a TypeError from
   functools.partial over the reason string; mypy found it)."""
   lens = np.array([5, 9])
-  kp, vp, table = pool(jax.random.key(51), 8, 4, K, 8, 8, 2, lens)
-  q = jax.random.normal(jax.random.key(52), (2, 1, N, 8))
+  kp, vp, table = pool(51, 8, 4, K, 8, 8, 2, lens)
+  q = normal(52, (2, 1, N, 8))
   args = (q, kp, vp, table, jnp.asarray(lens))
   want = jattn.paged_attention(*args, implementation="chunked")
   with _paged_gpu.interpret_mode():

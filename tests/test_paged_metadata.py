@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental import checkify
-from test_paged import _check, pool, reference
+from test_paged import _check, normal, pool, reference
 
 import jattn
 
@@ -23,8 +23,8 @@ N, K, H, PS, P = 4, 2, 8, 8, 24
 
 def _padded():
   lens = np.array([30, 6, 19])
-  kp, vp, table = pool(jax.random.key(20), P, PS, K, H, H, 3, lens)
-  q = jax.random.normal(jax.random.key(21), (3, 2, N, H))
+  kp, vp, table = pool(20, P, PS, K, H, H, 3, lens)
+  q = normal(21, (3, 2, N, H))
   return q, kp, vp, np.asarray(table), lens
 
 
@@ -32,8 +32,8 @@ def _ragged():
   # Three sequences of 3, 1 and 2 new rows, and one trailing row that belongs to none.
   lens = np.array([30, 6, 19])
   qs = np.array([0, 3, 4, 6])
-  kp, vp, table = pool(jax.random.key(22), P, PS, K, H, H, 3, lens)
-  q = jax.random.normal(jax.random.key(23), (7, N, H))
+  kp, vp, table = pool(22, P, PS, K, H, H, 3, lens)
+  q = normal(23, (7, N, H))
   return q, kp, vp, np.asarray(table), lens, qs
 
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
-from test_paged import _check, pool
+from test_paged import _check, normal, pool
 
 import jattn
 from jattn import _paged_gpu, masks
@@ -70,8 +70,8 @@ def padded_case(seed, prefixes, dtype=jnp.float32, P=64):
   """Three sequences with the trees above after ``prefixes`` cached tokens, pages shuffled."""
   T = len(TREES[0])
   lens = np.array(prefixes) + T
-  kp, vp, table = pool(jax.random.key(seed), P, PS, K, H, H, len(TREES), lens, dtype=dtype)
-  q = jax.random.normal(jax.random.key(seed + 1), (len(TREES), T, N, H)).astype(dtype)
+  kp, vp, table = pool(seed, P, PS, K, H, H, len(TREES), lens, dtype=dtype)
+  q = normal(seed + 1, (len(TREES), T, N, H)).astype(dtype)
   return q, kp, vp, table, lens
 
 
@@ -128,8 +128,8 @@ def ragged_case(seed, prefixes, trees=RAGGED, dtype=jnp.float32):
   counts = np.array([len(t) for t in trees])
   lens = np.array(prefixes) + counts
   qs = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
-  kp, vp, table = pool(jax.random.key(seed), 96, PS, K, H, H, len(trees), lens, dtype=dtype)
-  q = jax.random.normal(jax.random.key(seed + 1), (int(qs[-1]), N, H)).astype(dtype)
+  kp, vp, table = pool(seed, 96, PS, K, H, H, len(trees), lens, dtype=dtype)
+  q = normal(seed + 1, (int(qs[-1]), N, H)).astype(dtype)
   return q, kp, vp, table, lens, qs
 
 
