@@ -27,18 +27,26 @@ NAMES = ("query", "key", "value", "out")
 
 
 def _x(seed=0, shape=(B, T, D)):
-  return jax.random.normal(jax.random.key(seed), shape, jnp.float32)
+  """Standard normal float32 inputs, drawn by NumPy (jax.random would compile a program for
+  every shape)."""
+  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
+
+
+def _biases(params, seed):
+  """``params`` (linen's tree) with random nonzero biases, drawn by NumPy."""
+  rng = np.random.default_rng([seed, 100])
+  return {
+    n: dict(
+      params[n], bias=jnp.asarray(0.1 * rng.standard_normal(params[n]["bias"].shape), jnp.float32)
+    )
+    for n in NAMES
+  }
 
 
 def _linen_pair(seed=0, **kw):
   """A linen module with random (nonzero-bias) params, and an nnx module holding the same."""
   lin = jattn.linen.MultiHeadAttention(num_heads=N, num_kv_heads=K, **kw)
-  params = lin.init(jax.random.key(seed), _x())["params"]
-  keys = jax.random.split(jax.random.key(seed + 100), len(NAMES))
-  params = {
-    n: dict(params[n], bias=0.1 * jax.random.normal(kk, params[n]["bias"].shape))
-    for n, kk in zip(NAMES, keys)
-  }
+  params = _biases(lin.init(jax.random.key(seed), _x())["params"], seed)
   mod = jattn.nnx.MultiHeadAttention(N, D, num_kv_heads=K, rngs=nnx.Rngs(0), **kw)
   for n in NAMES:
     getattr(mod, n).kernel[...] = params[n]["kernel"]
@@ -206,12 +214,7 @@ def _pair(seed, *, kv_features=None, **kw):
   x = jnp.zeros((B, T2, D2))
   kv = None if kv_features is None else jnp.zeros((B, S2, kv_features))
   lin = jattn.linen.MultiHeadAttention(num_heads=N, num_kv_heads=K, **kw)
-  params = lin.init(jax.random.key(seed), x, kv, deterministic=True)["params"]
-  keys = jax.random.split(jax.random.key(seed + 100), len(NAMES))
-  params = {
-    n: dict(params[n], bias=0.1 * jax.random.normal(kk, params[n]["bias"].shape))
-    for n, kk in zip(NAMES, keys)
-  }
+  params = _biases(lin.init(jax.random.key(seed), x, kv, deterministic=True)["params"], seed)
   mod = jattn.nnx.MultiHeadAttention(
     N, D2, num_kv_heads=K, in_kv_features=kv_features, rngs=nnx.Rngs(params=0, dropout=7), **kw
   )
