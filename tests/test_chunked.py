@@ -69,12 +69,16 @@ def _run_recorded(T, S, bq, bk, **kwargs):
   rec = _Recorder()
   chunked_blocks._BLOCK_HOOK = rec
   try:
-    q = jax.random.normal(jax.random.key(0), (2, T, 2, 8))
-    k = jax.random.normal(jax.random.key(1), (2, S, 2, 8))
+    # Only the blocks are looked at: any values (NumPy's: no program compiled for them after the
+    # caches are cleared).
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((2, T, 2, 8), np.float32)
+    k = rng.standard_normal((2, S, 2, 8), np.float32)
     f = lambda q, k: jattn.dot_product_attention(
       q, k, k, implementation="chunked", block_q=bq, block_kv=bk, **kwargs
     ).sum()
-    jax.block_until_ready(jax.grad(f, argnums=(0, 1))(q, k))
+    # Forward and backward traced once each, compiled as one program.
+    jax.block_until_ready(jax.jit(jax.grad(f, argnums=(0, 1)))(q, k))
     jax.effects_barrier()
   finally:
     chunked_blocks._BLOCK_HOOK = None
@@ -211,11 +215,12 @@ def test_loop_bounds_static_and_run_time_equal_a_hand_count():
     rng.choice([M.EMPTY, M.PARTIAL, M.FULL], size=(5, 7), p=[0.6, 0.2, 0.2]) for _ in range(20)
   ]
   maps += [np.full((3, 4), M.EMPTY), np.full((1, 1), M.FULL), np.eye(4) * M.FULL]
+  nonempty_range = jax.jit(_plan.nonempty_range)  # a program per shape, not per operation
   for states in maps:
     states = np.asarray(states, np.int8)
     want = _ranges_by_hand(states)
     assert _plan.static_ranges(states) == want
-    lo, hi = _plan.nonempty_range(jnp.asarray(states))
+    lo, hi = nonempty_range(jnp.asarray(states))
     assert tuple(zip(np.asarray(lo).tolist(), np.asarray(hi).tolist())) == want
 
 
@@ -227,11 +232,13 @@ def test_block_lists_static_and_run_time_equal_a_hand_count():
     rng.choice([M.EMPTY, M.PARTIAL, M.FULL], size=(5, 7), p=[0.5, 0.25, 0.25]) for _ in range(20)
   ]
   maps += [np.full((3, 4), M.EMPTY), np.full((1, 1), M.FULL), np.tril(np.full((4, 4), M.FULL))]
+  run_time = jax.jit(_plan.block_lists)  # a program per shape, not per operation
   for states in maps:
     states = np.asarray(states, np.int8)
     rows = [[j for j, x in enumerate(row) if x != M.EMPTY] for row in states]
     for xp_states in (states, jnp.asarray(states)):
-      columns, kinds, counts = (np.asarray(a) for a in _plan.block_lists(xp_states))
+      lists = _plan.block_lists if isinstance(xp_states, np.ndarray) else run_time
+      columns, kinds, counts = (np.asarray(a) for a in lists(xp_states))
       static = isinstance(xp_states, np.ndarray)
       L = max(max(len(r) for r in rows), 1) if static else states.shape[1]
       assert columns.shape == kinds.shape == (states.shape[0], L)
@@ -342,8 +349,10 @@ def test_parallel_schedule_step_widths_against_reference(width, causal, lengths)
       **kw,
     )
 
-  out, pull = jax.vjp(f, q, k, v, bias, sinks)
-  got = (out,) + pull(do)
+  # Forward and backward in one compiled program.
+  got = jax.jit(lambda *a: (lambda out, pull: (out,) + pull(do))(*jax.vjp(f, *a)))(
+    q, k, v, bias, sinks
+  )
   want_out, _, cache = ref.attention(
     q,
     k,

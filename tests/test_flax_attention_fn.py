@@ -21,8 +21,15 @@ IMPL_IDS = ["dense", "chunked"]
 VALID = jnp.array([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]], jnp.int32)
 
 
+def _normal(seed, *shapes):
+  """Standard normal float32 arrays of ``shapes``, drawn by NumPy (jax.random would compile a
+  program for every shape)."""
+  rng = np.random.default_rng(seed)
+  return [jnp.asarray(rng.standard_normal(shape), jnp.float32) for shape in shapes]
+
+
 def _inputs(seed=0):
-  return jax.random.normal(jax.random.key(seed), (B, T, D), jnp.float32)
+  return _normal(seed, (B, T, D))[0]
 
 
 def _flax_masks():
@@ -253,8 +260,7 @@ def test_dropout_in_layers_is_applied_and_reproducible():
 
 
 def test_fully_masked_row_is_zero_where_flax_gives_mean_of_v():
-  ks = jax.random.split(jax.random.key(0), 3)
-  q, k, v = (jax.random.normal(kk, (1, 3, 2, 4), jnp.float32) for kk in ks)
+  q, k, v = _normal(10, *[(1, 3, 2, 4)] * 3)
   mask = jnp.array([[True, True, False], [False, False, False], [True, False, True]])
   mask = mask[None, None]
   ours = jattn.make_attention_fn()(q, k, v, mask=mask)
@@ -266,11 +272,8 @@ def test_fully_masked_row_is_zero_where_flax_gives_mean_of_v():
 
 def test_extra_batch_dims_bias_and_dtype():
   """[batch..., T, N, H] with two batch dims, a bias and a float mask, bf16 computation."""
-  ks = jax.random.split(jax.random.key(1), 4)
-  q = jax.random.normal(ks[0], (2, 3, 5, 2, 8), jnp.float32)
-  k = jax.random.normal(ks[1], (2, 3, 7, 2, 8), jnp.float32)
-  v = jax.random.normal(ks[2], (2, 3, 7, 2, 8), jnp.float32)
-  bias = jax.random.normal(ks[3], (1, 3, 1, 5, 7), jnp.float32)  # broadcast: batch 0, heads
+  q, k, v, bias = _normal(11, (2, 3, 5, 2, 8), (2, 3, 7, 2, 8), (2, 3, 7, 2, 8), (1, 3, 1, 5, 7))
+  # bias: broadcast over batch 0 and the heads
   mask = nn.make_attention_mask(
     jnp.ones((2, 3, 5)), (jnp.arange(7)[None, None] < 6).astype(jnp.float32)
   )
@@ -286,8 +289,7 @@ def test_extra_batch_dims_bias_and_dtype():
 
 
 def test_is_causal_option_and_unsupported_arguments():
-  ks = jax.random.split(jax.random.key(2), 3)
-  q, k, v = (jax.random.normal(kk, (1, 5, 2, 4), jnp.float32) for kk in ks)
+  q, k, v = _normal(12, *[(1, 5, 2, 4)] * 3)
   causal = jattn.make_attention_fn(is_causal=True)
   np.testing.assert_allclose(
     causal(q, k, v),
@@ -313,10 +315,7 @@ def test_is_causal_option_and_unsupported_arguments():
 
 def test_broadcast_dropout_gradients_dense_equal_chunked():
   """The shared (T, S) mask is regenerated identically in the chunked backward pass."""
-  ks = jax.random.split(jax.random.key(3), 3)
-  q = jax.random.normal(ks[0], (2, 12, 4, 8), jnp.float32)
-  k = jax.random.normal(ks[1], (2, 12, 2, 8), jnp.float32)
-  v = jax.random.normal(ks[2], (2, 12, 2, 8), jnp.float32)
+  q, k, v = _normal(13, (2, 12, 4, 8), (2, 12, 2, 8), (2, 12, 2, 8))
 
   def loss(impl, q, k, v):
     fn = jattn.make_attention_fn(**impl)
@@ -335,7 +334,8 @@ def test_broadcast_dropout_gradients_dense_equal_chunked():
 def _value_head_case(case):
   """(query, key, value, bias, call keywords, make_attention_fn keywords, (B', N, T, S)
   visibility) for a value head size Hv = 6 of its own, H = 4, GQA (N = 4, K = 2)."""
-  ks = jax.random.split(jax.random.key(7), 4)
+  rng = np.random.default_rng(14)
+  normal = lambda shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
   if case == "batch-dims-padding":
     # Two batch dims, cross-attention shapes (T = 5, S = 7), flax's 0/1 float padding mask
     # (batch..., 1, T, S) (query 4 of example (0, 1) and key 6 of example (1, 2) are padding),
@@ -346,18 +346,16 @@ def _value_head_case(case):
     kv_ok = np.ones(lead + (S_,), np.float32)
     kv_ok[1, 2, 6] = 0
     mask = nn.make_attention_mask(jnp.asarray(q_ok), jnp.asarray(kv_ok))
-    bias = jax.random.normal(ks[3], (1, 3, 4, T_, S_))
+    bias = normal((1, 3, 4, T_, S_))
     vis = np.broadcast_to(np.asarray(mask) != 0, lead + (4, T_, S_)).reshape(6, 4, T_, S_)
     vis = vis & (np.arange(S_)[None, :] <= np.arange(T_)[:, None] + S_ - T_)
     call, make = dict(mask=mask), dict(is_causal="bottom_right")
   else:  # "call-time-causal": one batch dim, flax's is_causal=True at the call (top-left)
     lead, T_, S_ = (2,), 6, 6
-    bias = jax.random.normal(ks[3], (2, 4, T_, S_))
+    bias = normal((2, 4, T_, S_))
     vis = np.broadcast_to(np.arange(S_)[None, :] <= np.arange(T_)[:, None], (2, 4, T_, S_))
     call, make = dict(is_causal=True), dict()
-  q = jax.random.normal(ks[0], lead + (T_, 4, 4))
-  k = jax.random.normal(ks[1], lead + (S_, 2, 4))
-  v = jax.random.normal(ks[2], lead + (S_, 2, 6))
+  q, k, v = normal(lead + (T_, 4, 4)), normal(lead + (S_, 2, 4)), normal(lead + (S_, 2, 6))
   return q, k, v, bias, call, make, vis
 
 
@@ -370,11 +368,17 @@ def test_value_head_size_of_its_own_against_reference(impl, case):
   reference's."""
   q, k, v, bias, call, make, vis = _value_head_case(case)
   fn = jattn.make_attention_fn(**impl, **make)
-  out, pull = jax.vjp(lambda q, k, v, bias: fn(q, k, v, bias=bias, **call), q, k, v, bias)
   lead, Hv = q.shape[:-3], v.shape[-1]
+  do = _normal(15, q.shape[:-1] + (Hv,))[0]
+
+  @jax.jit
+  def forward_and_grads(q, k, v, bias, do):  # one program
+    out, pull = jax.vjp(lambda q, k, v, bias: fn(q, k, v, bias=bias, **call), q, k, v, bias)
+    return (out,) + pull(do)
+
+  got = forward_and_grads(q, k, v, bias, do)
+  out = got[0]
   assert out.shape == q.shape[:-1] + (Hv,) and Hv != q.shape[-1]
-  do = jax.random.normal(jax.random.key(8), out.shape)
-  got = (out,) + pull(do)
   flat = lambda x: np.asarray(x, np.float64).reshape((-1,) + x.shape[-3:])
   full_bias = np.broadcast_to(np.asarray(bias, np.float64), lead + bias.shape[-3:])
   want_out, _, cache = reference.attention(

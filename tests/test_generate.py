@@ -50,6 +50,8 @@ def _model(implementation):
 
 
 def test_cached_generation_equals_recomputing(monkeypatch):
+  # Also: check_against_recomputing catches a wrong cache (on the chunked model's generation,
+  # which it has just passed; a test of its own generated and compiled another model for it).
   tokens = {}
   # Which kernels each model's programs trace (jit traces every new shape once).
   traced = []
@@ -80,15 +82,12 @@ def test_cached_generation_equals_recomputing(monkeypatch):
       assert compiled == 2, compiled  # the prefill and one T = 1 step for every token
       diff, same = generate.check_against_recomputing(model, prompt, out, logits, atol=1e-4)
       assert same and diff < 1e-4, (implementation, name, diff)
+      if implementation == "chunked":
+        # The check catches a wrong cache: one step's logits off by 1e-2 fail it.
+        with pytest.raises(AssertionError, match="differs from recomputing"):
+          generate.check_against_recomputing(
+            model, prompt, out, logits.at[:, 2].add(1e-2), atol=1e-4
+          )
       tokens[implementation, max_length, name] = np.asarray(out)
   for other in (("chunked", None), (None, 640), (None, None)):
     np.testing.assert_array_equal(tokens[other + ("greedy",)], tokens["dense", None, "greedy"])
-
-
-def test_check_against_recomputing_catches_a_wrong_cache():
-  model, task = _model("chunked")
-  seqs, _, _ = task.batch(jax.random.key(3), 4)
-  prompt = seqs[:, : 2 * task.num_pairs + 1]
-  out, logits, _, _ = generate.generate(model, prompt, 4)
-  with pytest.raises(AssertionError, match="differs from recomputing"):
-    generate.check_against_recomputing(model, prompt, out, logits.at[:, 2].add(1e-2), atol=1e-4)

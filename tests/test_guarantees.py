@@ -6,6 +6,8 @@ Every check is against the float64 reference of tests/reference.py (or jax.nn), 
 against itself.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,6 +16,17 @@ import reference as ref
 from test_attention import IMPLS, _inputs, keep_mask
 
 import jattn
+
+
+def _vjp(f, primals, cotangent):
+  """f's output at ``primals`` and its pullback of ``cotangent``: forward and backward in one
+  compiled program (a program apart for each would compile longer)."""
+
+  def both(primals, cotangent):
+    out, pull = jax.vjp(f, *primals)
+    return out, pull(cotangent)
+
+  return jax.jit(both)(primals, cotangent)
 
 
 def _uses_loop(f, *args) -> bool:
@@ -34,11 +47,11 @@ def test_automatic_choice_at_its_boundary_with_default_blocks(T, S, chosen):
     q, k, v, is_causal="bottom_right", key_value_seq_lengths=lens
   )
   assert _uses_loop(f, q, k, v) == (chosen == "chunked")
-  out, pull = jax.vjp(f, q, k, v)
+  out, grads = _vjp(f, (q, k, v), do)
   vis = ref.visible_mask(B, N, T, S, causal="bottom_right", kv_lengths=[S - 77])
   want, _, cache = ref.attention(q, k, v, visible=vis)
   np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5)
-  for got, w in zip(pull(do), ref.grads(cache, do)[:3]):
+  for got, w in zip(grads, ref.grads(cache, do)[:3]):
     np.testing.assert_allclose(got, w, rtol=2e-4, atol=1e-4)
 
 
@@ -59,9 +72,8 @@ def test_float64_inputs_stay_float64(impl):
     f = lambda q, k, v: jattn.dot_product_attention(
       q, k, v, is_causal=True, key_value_seq_lengths=lens, return_residual=True, **IMPLS[impl]
     )
-    (out, lse), pull = jax.vjp(f, q, k, v)
+    (out, lse), grads = _vjp(f, (q, k, v), (do, jnp.zeros(do.shape[:-1], do.dtype)))
     assert out.dtype == jnp.float64 and lse.dtype == jnp.float64
-    grads = pull((do, jnp.zeros_like(lse)))
   vis = ref.visible_mask(2, 4, 37, 45, causal="top_left", kv_lengths=[30, 0])
   want, r_lse, cache = ref.attention(q, k, v, visible=vis)
   # Float64 statistics: agreement far beyond float32's precision.
@@ -148,10 +160,10 @@ def test_garbage_hidden_by_any_mask_never_leaks(impl, case):
   kg = _garbage(k, col_hidden[:, :, None, None])
   vg = _garbage(v, col_hidden[:, :, None, None])
   f = lambda q, k, v: jattn.dot_product_attention(q, k, v, **kw, **IMPLS[impl])
-  out, pull = jax.vjp(f, qg, kg, vg)
+  out, grads = _vjp(f, (qg, kg, vg), do)
   want, _, cache = ref.attention(q, k, v, visible=vis)
   np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5)
-  for got, w in zip(pull(do), ref.grads(cache, do)[:3]):
+  for got, w in zip(grads, ref.grads(cache, do)[:3]):
     np.testing.assert_allclose(got, w, rtol=2e-4, atol=1e-4)
 
 
@@ -159,10 +171,10 @@ def test_garbage_hidden_by_any_mask_never_leaks(impl, case):
 def test_masks_full_is_no_mask(impl):
   q, k, v, do = _inputs()
   f = lambda q, k, v: jattn.dot_product_attention(q, k, v, mask=jattn.masks.full(), **IMPLS[impl])
-  out, pull = jax.vjp(f, q, k, v)
+  out, grads = _vjp(f, (q, k, v), do)
   want, _, cache = ref.attention(q, k, v)
   np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5)
-  for got, w in zip(pull(do), ref.grads(cache, do)[:3]):
+  for got, w in zip(grads, ref.grads(cache, do)[:3]):
     np.testing.assert_allclose(got, w, rtol=2e-4, atol=1e-4)
 
 
@@ -177,10 +189,10 @@ def test_broadcast_dropout_against_reference(impl):
   f = lambda q, k, v: jattn.dot_product_attention(
     q, k, v, dropout_rate=rate, dropout_rng=rng, dropout_broadcast=True, **IMPLS[impl]
   )
-  out, pull = jax.vjp(f, q, k, v)
+  out, grads = _vjp(f, (q, k, v), do)
   want, _, cache = ref.attention(q, k, v, keep=keep, dropout_rate=rate)
   np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5)
-  for got, w in zip(pull(do), ref.grads(cache, do)[:3]):
+  for got, w in zip(grads, ref.grads(cache, do)[:3]):
     np.testing.assert_allclose(got, w, rtol=2e-4, atol=1e-4)
 
 
@@ -203,9 +215,14 @@ def _plain_16bit(q, k, v, bias, sinks, vis, cap):
   return jnp.einsum("bnts,bsnh->btnh", p, vr)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-def test_low_precision_rule_with_bias_mask_sinks_soft_cap(impl, dtype):
+_16BIT = {"bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+@functools.cache
+def _16bit_case(dtype):
+  """The inputs in ``dtype``, the 16-bit baseline's output and gradients, and the float64
+  reference's on the same rounded inputs: one per dtype, shared by the implementations."""
+  dtype = _16BIT[dtype]
   B, T, S, N, K, H = 2, 48, 80, 4, 2, 32
   q, k, v, do = (x.astype(dtype) for x in _inputs(B=B, T=T, S=S, N=N, K=K, H=H, seed=3))
   rng = np.random.default_rng(12)
@@ -213,7 +230,26 @@ def test_low_precision_rule_with_bias_mask_sinks_soft_cap(impl, dtype):
   sinks = jnp.asarray(rng.normal(size=(N,)), dtype)
   mask = rng.random((B, 1, T, S)) > 0.25
   vis = ref.visible_mask(B, N, T, S, mask=mask, causal="top_left")
-  cap = 4.0
+  g = lambda q, k, v, bias, sinks: _plain_16bit(q, k, v, bias, sinks, jnp.asarray(vis), _CAP)
+  # Op by op, as written: each operation rounds its result to the dtype (one compiled program
+  # could keep intermediates in float32).
+  base, pull_base = jax.vjp(g, q, k, v, bias, sinks)
+  base = (base, pull_base(do))
+  f64 = lambda x: np.asarray(x, np.float64)
+  want, _, cache = ref.attention(
+    f64(q), f64(k), f64(v), visible=vis, bias=f64(bias), soft_cap=_CAP, sinks=f64(sinks)
+  )
+  want_grads = ref.grads(cache, f64(do), bias.shape)
+  return (q, k, v, bias, sinks, do), mask, base, (want, want_grads)
+
+
+_CAP = 4.0
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", list(_16BIT))
+def test_low_precision_rule_with_bias_mask_sinks_soft_cap(impl, dtype):
+  (q, k, v, bias, sinks, do), mask, (base, base_grads), (want, want_grads) = _16bit_case(dtype)
   f = lambda q, k, v, bias, sinks: jattn.dot_product_attention(
     q,
     k,
@@ -222,22 +258,18 @@ def test_low_precision_rule_with_bias_mask_sinks_soft_cap(impl, dtype):
     jnp.asarray(mask),
     is_causal=True,
     sinks=sinks,
-    logits_soft_cap=cap,
+    logits_soft_cap=_CAP,
     **IMPLS[impl],
   )
-  g = lambda q, k, v, bias, sinks: _plain_16bit(q, k, v, bias, sinks, jnp.asarray(vis), cap)
+  # Forward and backward as programs apart (16-bit residuals between them, as stored).
   out, pull = jax.vjp(f, q, k, v, bias, sinks)
-  base, pull_base = jax.vjp(g, q, k, v, bias, sinks)
-  assert out.dtype == dtype
+  grads = pull(do)
+  assert out.dtype == _16BIT[dtype]
   f64 = lambda x: np.asarray(x, np.float64)
-  want, _, cache = ref.attention(
-    f64(q), f64(k), f64(v), visible=vis, bias=f64(bias), soft_cap=cap, sinks=f64(sinks)
-  )
-  want_grads = ref.grads(cache, f64(do), bias.shape)
   err = lambda a, b: float(np.max(np.abs(f64(a) - b)))
   assert err(out, want) <= 2 * err(base, want) + 1e-3
   names = ("dq", "dk", "dv", "dbias", "dsinks")
-  for name, got, plain, w in zip(names, pull(do), pull_base(do), want_grads):
+  for name, got, plain, w in zip(names, grads, base_grads, want_grads):
     assert err(got, w) <= 2 * err(plain, w) + 1e-3, name
 
 

@@ -407,7 +407,7 @@ def test_a_sequence_with_splash_keeps_second_derivatives():
     0.5 * jax.random.normal(key, (1, 1024, 2, 16)) for key in jax.random.split(jax.random.key(2), 3)
   )
   f = lambda impl: lambda q: (jattn.dot_product_attention(q, k, v, implementation=impl) ** 2).sum()
-  gg = lambda impl: jax.grad(lambda q: (jax.grad(f(impl))(q) ** 2).sum())(q)
+  gg = lambda impl: jax.jit(jax.grad(lambda q: (jax.grad(f(impl))(q) ** 2).sum()))(q)
   want = gg("dense")
   np.testing.assert_allclose(
     gg(("splash", "chunked")), want, rtol=1e-3, atol=1e-4 * float(jnp.abs(want).max())

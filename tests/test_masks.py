@@ -22,12 +22,6 @@ IMPLS = {
 }
 
 
-def _dense(mask, T, S):
-  """Evaluate a mask object on the whole (T, S) grid: (B, N, T, S)."""
-  out = mask.evaluate(jnp.arange(T, dtype=jnp.int32), jnp.arange(S, dtype=jnp.int32), (B, N, T, S))
-  return np.broadcast_to(np.asarray(out), (B, N, T, S))
-
-
 def _by_hand(kind, T, S):
   """The same masks built index by index from their definitions."""
   t = np.arange(T)[:, None]
@@ -105,31 +99,55 @@ KINDS = [
 SHAPES = [("square", 40, 40), ("wide rectangle", 24, 61), ("tall rectangle", 61, 24)]
 
 
+_BLOCKS = ((8, 8), (16, 5), (7, 13))
+
+
+def _evaluations(mask, T, S):
+  """The mask on the whole (T, S) grid, its block maps for each of `_BLOCKS`, and the mask
+  evaluated on each block's positions alone (the positions run-time arguments): one compiled
+  program (op-by-op dispatch, or a program per block shape, dominated the test's time)."""
+  shape = (B, N, T, S)
+  grids = [M.BlockGrid(T, S, bq, bk) for bq, bk in _BLOCKS]
+  blocks = [
+    [
+      (
+        np.arange(i * bq, min((i + 1) * bq, T), dtype=np.int32),
+        np.arange(j * bk, min((j + 1) * bk, S), dtype=np.int32),
+      )
+      for i, j in itertools.product(range(g.num_q_blocks), range(g.num_kv_blocks))
+    ]
+    for g, (bq, bk) in zip(grids, _BLOCKS)
+  ]
+
+  def run(q_pos, kv_pos, blocks):
+    return (
+      mask.evaluate(q_pos, kv_pos, shape),
+      [mask.block_states(g, shape) for g in grids],
+      [[mask.evaluate(qb, kb, shape) for qb, kb in per_grid] for per_grid in blocks],
+    )
+
+  whole, states, per_block = jax.jit(run)(
+    jnp.arange(T, dtype=jnp.int32), jnp.arange(S, dtype=jnp.int32), blocks
+  )
+  return np.broadcast_to(np.asarray(whole), shape), grids, states, per_block
+
+
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("shape", SHAPES, ids=[s[0] for s in SHAPES])
 def test_mask_equals_dense_construction_and_block_map_is_exact(kind, shape):
   _, T, S = shape
   mask = _object(kind, T, S)
   want = _by_hand(kind, T, S)
-  np.testing.assert_array_equal(_dense(mask, T, S), want)
-  # One compiled evaluation per block shape (op-by-op dispatch of every block dominated the
-  # test's time).
-  evaluate = jax.jit(lambda q_pos, kv_pos: mask.evaluate(q_pos, kv_pos, (B, N, T, S)))
-  for bq, bk in ((8, 8), (16, 5), (7, 13)):
-    grid = M.BlockGrid(T, S, bq, bk)
-    # Under jit: one compile, not one per op of a run-time mask's block summary.
-    st = np.broadcast_to(
-      np.asarray(jax.jit(lambda: mask.block_states(grid, (B, N, T, S)))()),
-      (B, N, grid.num_q_blocks, grid.num_kv_blocks),
-    )
-    for i, j in itertools.product(range(grid.num_q_blocks), range(grid.num_kv_blocks)):
+  whole, grids, states, per_block = _evaluations(mask, T, S)
+  np.testing.assert_array_equal(whole, want)
+  for (bq, bk), grid, st, evaluated in zip(_BLOCKS, grids, states, per_block):
+    st = np.broadcast_to(np.asarray(st), (B, N, grid.num_q_blocks, grid.num_kv_blocks))
+    for (i, j), got in zip(
+      itertools.product(range(grid.num_q_blocks), range(grid.num_kv_blocks)), evaluated
+    ):
       blk = want[:, :, i * bq : (i + 1) * bq, j * bk : (j + 1) * bk]
       # The mask evaluated on just this block equals the dense one there.
-      q_pos = np.arange(i * bq, min((i + 1) * bq, T), dtype=np.int32)
-      kv_pos = np.arange(j * bk, min((j + 1) * bk, S), dtype=np.int32)
-      np.testing.assert_array_equal(
-        np.broadcast_to(np.asarray(evaluate(q_pos, kv_pos)), blk.shape), blk
-      )
+      np.testing.assert_array_equal(np.broadcast_to(np.asarray(got), blk.shape), blk)
       expect = np.where(
         ~blk.any(axis=(2, 3)), M.EMPTY, np.where(blk.all(axis=(2, 3)), M.FULL, M.PARTIAL)
       )
@@ -283,16 +301,24 @@ def test_take_part_is_the_slice_of_the_whole_mask():
     | (M.causal() & M.from_array(arr[:, :1])),
   }
   q_pos, kv_pos = jnp.arange(T, dtype=jnp.int32), jnp.arange(S, dtype=jnp.int32)
+  cuts = ((2, 2, 0, 6), (0, 4, 3, 3), (1, 1, 2, 2), (0, 4, 0, 6))
+
+  def whole_and_parts(mask, starts):
+    # The whole mask and its parts (the first example and head traced, as the kernels cut
+    # them), in one compiled program.
+    parts = [
+      M.take_part(mask, b0, nb, h0, nh, (Bw, Nw, T, S)).evaluate(q_pos, kv_pos, (nb, nh, T, S))
+      for (b0, h0), (_, nb, _, nh) in zip(starts, cuts)
+    ]
+    return mask.evaluate(q_pos, kv_pos, (Bw, Nw, T, S)), parts
+
+  starts = [(jnp.int32(b0), jnp.int32(h0)) for b0, _, h0, _ in cuts]
   for name, mask in masks.items():
     assert M.can_take_part(mask), name
-    whole = np.broadcast_to(
-      np.asarray(mask.evaluate(q_pos, kv_pos, (Bw, Nw, T, S))), (Bw, Nw, T, S)
-    )
-    for b0, nb, h0, nh in ((2, 2, 0, 6), (0, 4, 3, 3), (1, 1, 2, 2), (0, 4, 0, 6)):
-      part = M.take_part(mask, jnp.int32(b0), nb, jnp.int32(h0), nh, (Bw, Nw, T, S))
-      got = np.broadcast_to(
-        np.asarray(part.evaluate(q_pos, kv_pos, (nb, nh, T, S))), (nb, nh, T, S)
-      )
+    whole, parts = jax.jit(whole_and_parts)(mask, starts)
+    whole = np.broadcast_to(np.asarray(whole), (Bw, Nw, T, S))
+    for (b0, nb, h0, nh), got in zip(cuts, parts):
+      got = np.broadcast_to(np.asarray(got), (nb, nh, T, S))
       np.testing.assert_array_equal(got, whole[b0 : b0 + nb, h0 : h0 + nh], err_msg=name)
 
 

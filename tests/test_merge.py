@@ -80,8 +80,11 @@ def test_merge_gradients_equal_reference(nested, empty_lse):
       parts = [first, parts[2]]
     return jattn.merge_attention([p[0] for p in parts], [p[1] for p in parts])
 
-  (out, lse), pull = jax.vjp(merged, q, k, v)
-  dq, dk, dv = pull((jnp.asarray(do), jnp.zeros_like(lse)))
+  def out_and_grads(q, k, v, do):  # one compiled program, not one per operation
+    (out, lse), pull = jax.vjp(merged, q, k, v)
+    return out, lse, pull((do, jnp.zeros_like(lse)))
+
+  out, lse, (dq, dk, dv) = jax.jit(out_and_grads)(q, k, v, do)
   want, want_lse, cache = ref.attention(q, k, v, visible=vis)
   wdq, wdk, wdv, _, _ = ref.grads(cache, do)
   _close("out", out, want)
@@ -163,9 +166,13 @@ def test_merge_of_jattn_parts_equals_one_call(impl):
     # One kernel serves the batch: a mask shared by examples and heads, with an empty row.
     vis = np.broadcast_to(vis[:1, :1], vis.shape).copy()
     vis[..., 2, :] = False
-  with _interpret(impl):
+
+  def out_and_grads(q, k, v, do):  # the parts, the merge and their gradients: one program
     out, pull = jax.vjp(lambda q, k, v: _merged_jattn_parts(q, k, v, vis, impl), q, k, v)
-    dq, dk, dv = pull(jnp.asarray(do))
+    return out, pull(do)
+
+  with _interpret(impl):
+    out, (dq, dk, dv) = jax.jit(out_and_grads)(q, k, v, do)
   want, _, cache = ref.attention(q, k, v, visible=vis)
   wdq, wdk, wdv, _, _ = ref.grads(cache, do)
   tol = 5e-3 if impl == "splash" else None  # splash's kernels round P to the input dtype

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import re
 
+import covering
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from covering import pairwise
 
 import jattn
 
@@ -93,15 +95,21 @@ def reference(
   return out, lse
 
 
-def pool(key, P, ps, K, H, Hv, B, lens, dtype=jnp.float32, garbage=True):
+def normal(seed, shape):
+  """Standard normal float32 test data, drawn by NumPy: jax.random.normal would compile a
+  program for every shape the tests use."""
+  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
+
+
+def pool(seed, P, ps, K, H, Hv, B, lens, dtype=jnp.float32, garbage=True):
   """A shuffled page pool holding B sequences of ``lens`` tokens, and its page table; unused
   pages and table entries hold garbage (NaN, out-of-range ids)."""
-  ks = jax.random.split(key, 3)
-  kp = np.array(jax.random.normal(ks[0], (P, ps, K, H)), np.float32)
-  vp = np.array(jax.random.normal(ks[1], (P, ps, K, Hv)), np.float32)
+  rng = np.random.default_rng([seed, 1])  # another stream than normal(seed)'s
+  kp = rng.standard_normal((P, ps, K, H)).astype(np.float32)
+  vp = rng.standard_normal((P, ps, K, Hv)).astype(np.float32)
   need = [-(-int(L) // ps) for L in lens]
   max_pages = max(max(need), 1) + 1
-  perm = np.random.default_rng(int(jax.random.randint(ks[2], (), 0, 1000))).permutation(P)
+  perm = rng.permutation(P)
   assert sum(need) <= P
   table = np.full((B, max_pages), P + 7, np.int32)  # past a sequence's pages: out of range
   at = 0
@@ -159,15 +167,19 @@ def _check(got, want, atol=2e-5):
   np.testing.assert_allclose(got / scale, want / scale, atol=atol)
 
 
-@pytest.mark.parametrize("layout", ["NHD", "HND"])
-@pytest.mark.parametrize("ps", [4, 16])
-@pytest.mark.parametrize("T", [1, 5])
-@pytest.mark.parametrize("N,K", [(4, 2), (4, 1), (2, 2)])
-def test_decode_and_chunked_prefill(ps, T, N, K, layout):
+# Every pair of layout, page size (4: several pages to a block; 16), new tokens (1: decoding;
+# 5: a prefill chunk) and heads (GQA, MQA, MHA) together once: 7 calls for the 24 combinations.
+HEADS = {"GQA": (4, 2), "MQA": (4, 1), "MHA": (2, 2)}  # (N, K)
+DECODE_ROWS = pairwise({"layout": ["NHD", "HND"], "ps": [4, 16], "T": [1, 5], "heads": list(HEADS)})
+
+
+@pytest.mark.parametrize("row", DECODE_ROWS, ids=covering.ids(DECODE_ROWS))
+def test_decode_and_chunked_prefill(row):
+  layout, ps, T, (N, K) = row["layout"], row["ps"], row["T"], HEADS[row["heads"]]
   B, H, Hv = 3, 8, 8
   lens = np.array([37, 5, 64])
-  kp, vp, table = pool(jax.random.key(0), 40, ps, K, H, Hv, B, lens)
-  q = jax.random.normal(jax.random.key(1), (B, T, N, H))
+  kp, vp, table = pool(0, 40, ps, K, H, Hv, B, lens)
+  q = normal(1, (B, T, N, H))
   out, lse = call(layout, q, kp, vp, table, lens, return_residual=True)
   want, want_lse = reference(q, kp, vp, table, lens)
   _check(out, want)
@@ -188,8 +200,8 @@ def test_decode_and_chunked_prefill(ps, T, N, K, layout):
 def test_options_against_reference(kw):
   B, N, K, H, Hv, T, ps = 3, 4, 2, 8, 12, 6, 8
   lens = np.array([30, 6, 19])
-  kp, vp, table = pool(jax.random.key(2), 16, ps, K, H, Hv, B, lens)
-  q = jax.random.normal(jax.random.key(3), (B, T, N, H))
+  kp, vp, table = pool(2, 16, ps, K, H, Hv, B, lens)
+  q = normal(3, (B, T, N, H))
   kw, ref_kw = options(kw, N)
   out = jattn.paged_attention(q, kp, vp, table, jnp.asarray(lens), **kw)
   want, _ = reference(q, kp, vp, table, lens, **ref_kw)
@@ -204,8 +216,8 @@ def test_ragged_batch_with_empty_sequences_mixes_prefill_and_decode():
   counts = np.array([21, 1, 0, 0, 1])
   qs = np.concatenate([[0], np.cumsum(counts)])
   B = len(lens)
-  kp, vp, table = pool(jax.random.key(4), 24, ps, K, H, Hv, B, lens)
-  q = jax.random.normal(jax.random.key(5), (int(qs[-1]), N, H))
+  kp, vp, table = pool(4, 24, ps, K, H, Hv, B, lens)
+  q = normal(5, (int(qs[-1]), N, H))
   for kw in ({}, dict(local_window_size=(7, 0), sinks=jnp.ones(N))):
     out, lse = jattn.paged_attention(
       q, kp, vp, table, jnp.asarray(lens), query_start=jnp.asarray(qs), return_residual=True, **kw
@@ -225,40 +237,60 @@ def test_ragged_batch_with_empty_sequences_mixes_prefill_and_decode():
     _check(np.where(finite, lse, 0), np.where(finite, want_lse, 0))
 
 
-@pytest.mark.parametrize("layout", ["NHD", "HND"])
-@pytest.mark.parametrize("ps", [64, 256, 300, 512])
-def test_long_pages_in_either_layout(ps, layout):
+# Every page size with either layout, and each with and without a window and soft cap.
+LONG_ROWS = pairwise(
+  {"ps": [64, 256, 300, 512], "layout": ["NHD", "HND"], "window_cap": [True, False]}
+)
+
+
+@pytest.mark.parametrize("row", LONG_ROWS, ids=covering.ids(LONG_ROWS))
+def test_long_pages_in_either_layout(row):
   # Pages of 64 keys (two to a CPU block; head-major: multiplied page by page), of 256 and 512
   # (cut into blocks of 128 keys on the CPU, 256 in the accelerators' program, run here from
   # its cuda export) and of 300 (a page longer than a block, read whole); windows reach back
   # across page boundaries; Hv != H.
+  ps, layout = row["ps"], row["layout"]
   B, N, K, H, Hv, T = 3, 4, 2, 8, 6, 3
   lens = np.array([700, 64, 301])
   P = sum(-(-int(L) // ps) for L in lens) + 3  # three pages of garbage
-  kp, vp, table = pool(jax.random.key(14), P, ps, K, H, Hv, B, lens)
-  q = jax.random.normal(jax.random.key(15), (B, T, N, H))
-  for kw in (dict(local_window_size=(100, 0), logits_soft_cap=3.0), {}):
-    out = call(layout, q, kp, vp, table, lens, **kw)
-    want, _ = reference(
-      q, kp, vp, table, lens, window=kw.get("local_window_size"), cap=kw.get("logits_soft_cap")
-    )
-    _check(out, want)
-  if ps == 512:  # the last call's (no window, no cap)
-    f = lambda q, kp, vp, t: call(layout, q, kp, vp, t, lens)
+  kp, vp, table = pool(14, P, ps, K, H, Hv, B, lens)
+  q = normal(15, (B, T, N, H))
+  kw = dict(local_window_size=(100, 0), logits_soft_cap=3.0) if row["window_cap"] else {}
+  out = call(layout, q, kp, vp, table, lens, **kw)
+  want, _ = reference(
+    q, kp, vp, table, lens, window=kw.get("local_window_size"), cap=kw.get("logits_soft_cap")
+  )
+  _check(out, want)
+  if ps == 512:  # the same call exported for cuda
+    f = lambda q, kp, vp, t: call(layout, q, kp, vp, t, lens, **kw)
     exp = jax.export.export(
       jax.jit(f), platforms=["cuda"], disabled_checks=[jax.export.DisabledSafetyCheck.platform()]
     )(q, kp, vp, table)
     _check(exp.call(q, kp, vp, table), want)
 
 
-@pytest.mark.parametrize("layout", ["NHD", "HND"])
-@pytest.mark.parametrize("ps", [8, 256])  # 256: cut into CPU blocks, scales too
-@pytest.mark.parametrize("dtype", [jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2])
-@pytest.mark.parametrize("kind", ["tensor", "head", "token"])
-def test_quantized_pages(dtype, kind, layout, ps):
+# Every pair of scale kind, page dtype, layout and page size (256: cut into CPU blocks, scales
+# too) together once: 9 calls for the 36 combinations.
+QUANT_ROWS = pairwise(
+  {
+    "kind": ["tensor", "head", "token"],
+    "dtype": [jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2],
+    "layout": ["NHD", "HND"],
+    "ps": [8, 256],
+  }
+)
+
+
+@pytest.mark.parametrize(
+  "row",
+  QUANT_ROWS,
+  ids=covering.ids([dict(r, dtype=jnp.dtype(r["dtype"]).name) for r in QUANT_ROWS]),
+)
+def test_quantized_pages(row):
+  dtype, kind, layout, ps = row["dtype"], row["kind"], row["layout"], row["ps"]
   B, N, K, H, Hv, T, P = 2, 4, 2, 16, 16, 3, 12
   lens = np.array([41, 20])
-  kp, vp, table = pool(jax.random.key(6), P, ps, K, H, Hv, B, lens, garbage=False)
+  kp, vp, table = pool(6, P, ps, K, H, Hv, B, lens, garbage=False)
   shape = {"tensor": (), "head": (K,), "token": (P, ps, K)}[kind]
   k_amax = np.abs(np.asarray(kp)).max(axis=-1)
   v_amax = np.abs(np.asarray(vp)).max(axis=-1)
@@ -276,7 +308,7 @@ def test_quantized_pages(dtype, kind, layout, ps):
   )
   kq = jnp.asarray(np.clip(quant(np.asarray(kp), ks), -top, top)).astype(dtype)
   vq = jnp.asarray(np.clip(quant(np.asarray(vp), vs), -top, top)).astype(dtype)
-  q = jax.random.normal(jax.random.key(7), (B, T, N, H))
+  q = normal(7, (B, T, N, H))
   ks, vs = jnp.asarray(ks, jnp.float32).reshape(shape), jnp.asarray(vs, jnp.float32).reshape(shape)
   if kind == "token":
     # Scales past each sequence's last token (unused pages, the tail of a last page) are
@@ -308,8 +340,8 @@ def test_bf16_queries_keep_float32_statistics():
   # bfloat16 in and out; the error against float64 within a few roundings of the output.
   B, N, K, H, T, ps = 2, 4, 2, 32, 4, 16
   lens = np.array([300, 77])
-  kp, vp, table = pool(jax.random.key(8), 32, ps, K, H, H, B, lens, garbage=False)
-  q = jax.random.normal(jax.random.key(9), (B, T, N, H))
+  kp, vp, table = pool(8, 32, ps, K, H, H, B, lens, garbage=False)
+  q = normal(9, (B, T, N, H))
   bf = lambda x: x.astype(jnp.bfloat16)
   out = jattn.paged_attention(bf(q), bf(kp), bf(vp), table, jnp.asarray(lens))
   assert out.dtype == jnp.bfloat16
@@ -329,8 +361,8 @@ def test_split_kv_program_for_accelerators(layout):
 
   B, N, K, H, ps = 2, 4, 2, 8, 16
   lens = np.array([200, 57])
-  kp, vp, table = pool(jax.random.key(10), 32, ps, K, H, H, B, lens)
-  q = jax.random.normal(jax.random.key(11), (B, 1, N, H))
+  kp, vp, table = pool(10, 32, ps, K, H, H, B, lens)
+  q = normal(11, (B, 1, N, H))
   want, _ = reference(q, kp, vp, table, lens)
   f = lambda q, kp, vp, t, l: jattn.paged_attention(q, kp, vp, t, l, kv_layout=layout)
   if layout == "HND":
@@ -405,7 +437,7 @@ def test_split_kv_program_for_accelerators(layout):
 )
 def test_malformed_calls_name_the_argument(call, error, words):
   lens = np.array([10, 3])
-  kp, vp, table = pool(jax.random.key(12), 8, 4, 2, 8, 8, 2, lens)
+  kp, vp, table = pool(12, 8, 4, 2, 8, 8, 2, lens)
   a = dict(
     query=jnp.ones((2, 1, 4, 8)),
     key_pages=kp,
@@ -419,7 +451,7 @@ def test_malformed_calls_name_the_argument(call, error, words):
 
 def test_gradients_are_refused_with_a_clear_error():
   lens = np.array([10, 3])
-  kp, vp, table = pool(jax.random.key(13), 8, 4, 2, 8, 8, 2, lens)
+  kp, vp, table = pool(13, 8, 4, 2, 8, 8, 2, lens)
   q = jnp.ones((2, 1, 4, 8))
   with pytest.raises(NotImplementedError, match="forward only"):
     jax.grad(lambda q: jattn.paged_attention(q, kp, vp, table, jnp.asarray(lens)).sum())(q)
@@ -428,13 +460,14 @@ def test_gradients_are_refused_with_a_clear_error():
 @pytest.mark.parametrize("ragged", [False, True])
 def test_symbolic_number_of_sequences_exports_and_runs(ragged):
   # One exported decode step (padded) or engine step (ragged, a fixed row budget) for any number
-  # of sequences B, lowered for cpu, cuda and tpu; each program runs here on batches of 1 to 5.
+  # of sequences B, lowered for cpu, cuda and tpu; each program runs here on two batch sizes
+  # of 1, 3 and 5 (each size on two of the programs).
   from jax import export
 
   b = export.symbolic_shape("b")[0]
   P, ps, N, K, H, rows = 40, 8, 4, 2, 8, 12
   lens_all = np.array([37, 5, 64, 1, 20])
-  kp, vp, table_all = pool(jax.random.key(30), P, ps, K, H, H, 5, lens_all)
+  kp, vp, table_all = pool(30, P, ps, K, H, H, 5, lens_all)
   sds = jax.ShapeDtypeStruct
   if ragged:
     f = lambda q, t, l, s: jattn.paged_attention(q, kp, vp, t, l, query_start=s)
@@ -451,22 +484,22 @@ def test_symbolic_number_of_sequences_exports_and_runs(ragged):
       sds((b, table_all.shape[1]), jnp.int32),
       sds((b,), jnp.int32),
     )
-  for platform in ("cpu", "cuda", "tpu"):
+  for platform, sizes in (("cpu", (1, 5)), ("cuda", (3, 1)), ("tpu", (5, 3))):
     exp = export.export(
       jax.jit(f), platforms=[platform], disabled_checks=[export.DisabledSafetyCheck.platform()]
     )(*shapes)
-    for B in (1, 3, 5):
+    for B in sizes:
       lens, table = lens_all[:B], table_all[:B]
       if ragged:  # one row per sequence, the first sequence a prefill chunk of 2
         counts = np.ones(B, int)
         counts[0] = 2
         qs = np.concatenate([[0], np.cumsum(counts)])
-        q = jax.random.normal(jax.random.key(31), (rows, N, H))
+        q = normal(31, (rows, N, H))
         got = exp.call(q, table, jnp.asarray(lens, jnp.int32), jnp.asarray(qs, jnp.int32))
         want, _ = reference(q, kp, vp, table, lens, qs)
         _check(np.asarray(got)[: qs[-1]], want[: qs[-1]])
       else:
-        q = jax.random.normal(jax.random.key(31), (B, 1, N, H))
+        q = normal(31, (B, 1, N, H))
         got = exp.call(q, table, jnp.asarray(lens, jnp.int32))
         _check(got, reference(q, kp, vp, table, lens)[0])
 
@@ -485,8 +518,8 @@ def test_combined_pool_is_read_where_it_lies(quantized):
   N, K, H, ps = 4, 2, 8, 8
   lens = np.array([40, 9, 17])
   qs = np.array([0, 5, 6, 8])
-  kp, vp, table = pool(jax.random.key(32), 24, ps, K, H, H, 3, lens, garbage=not quantized)
-  q = jax.random.normal(jax.random.key(33), (8, N, H))
+  kp, vp, table = pool(32, 24, ps, K, H, H, 3, lens, garbage=not quantized)
+  q = normal(33, (8, N, H))
   kw = dict(query_start=jnp.asarray(qs), local_window_size=(12, 0), logits_soft_cap=4.0)
   ref = dict(window=(12, 0), cap=4.0)
   if quantized:

@@ -11,18 +11,25 @@ from __future__ import annotations
 
 import contextlib
 
+import covering
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from covering import pairwise
 from jax.experimental.pallas import tpu as pltpu
-from test_paged import _check, combined, head_major, options, pool, reference
+from test_paged import _check, combined, head_major, normal, options, pool, reference
 
 import jattn
 from jattn import _lowering
 
 N, K, H = 4, 2, 16  # the GPU kernel (Triton) takes head sizes that are powers of two >= 16
 KERNELS = {"tpu": pltpu.force_tpu_interpret_mode, "gpu": _lowering.gpu_interpret_mode}
+LAYOUTS = ["NHD", "HND", "combined"]
+# PAGES: the tests' pages hold 16 keys (64 and 256 where longer pages are the point): several
+# pages to a step of either kernel, partial last pages, tables of a few pages. The TPU kernel's
+# interpret mode compiles in a time that grows with the pages a step reads (a table's width),
+# so the sequences span few pages each.
 
 
 @pytest.fixture(params=sorted(KERNELS))
@@ -43,19 +50,22 @@ def _pallas(kernel, q, kp, vp, table, lens, layout="NHD", **kw):
     )
 
 
-@pytest.mark.parametrize("layout", ["NHD", "HND", "combined"])
-@pytest.mark.parametrize(
-  "kw",
-  [
-    dict(local_window_size=(6, 0), scale=0.3),
-    dict(logits_soft_cap=2.0, sinks=True, is_causal=False),
-  ],
-)
-def test_options_in_every_layout(kernel, layout, kw):
-  B, T, ps = 3, 3, 8
+OPTIONS = {
+  "window_scale": dict(local_window_size=(6, 0), scale=0.3),
+  "softcap_sinks_noncausal": dict(logits_soft_cap=2.0, sinks=True, is_causal=False),
+}
+# Each kernel in every layout and with each set of options, each set of options in every layout:
+# 6 calls for the 12 combinations.
+OPTION_ROWS = pairwise({"kernel": sorted(KERNELS), "layout": LAYOUTS, "options": list(OPTIONS)})
+
+
+@pytest.mark.parametrize("row", OPTION_ROWS, ids=covering.ids(OPTION_ROWS))
+def test_options_in_every_layout(row):
+  kernel, layout, kw = row["kernel"], row["layout"], OPTIONS[row["options"]]
+  B, T, ps = 3, 3, 16  # pages of 16: several to a step of either kernel (PAGES above)
   lens = np.array([30, 6, 19])
-  kp, vp, table = pool(jax.random.key(40), 16, ps, K, H, H, B, lens)
-  q = jax.random.normal(jax.random.key(41), (B, T, N, H))
+  kp, vp, table = pool(40, 16, ps, K, H, H, B, lens)
+  q = normal(41, (B, T, N, H))
   kw, ref_kw = options(kw, N)
   out, lse = _pallas(kernel, q, kp, vp, table, lens, layout, return_residual=True, **kw)
   want, want_lse = reference(q, kp, vp, table, lens, **ref_kw)
@@ -67,12 +77,12 @@ def test_options_in_every_layout(kernel, layout, kw):
 def test_ragged_prefill_and_decode_with_empty_sequences(kernel, layout):
   # A prefill chunk of 21 rows (two tiles), decode tokens, a sequence with no new rows and one
   # with an empty cache; a value head size of its own; a trailing row of no sequence.
-  Hv, ps = 32, 8
+  Hv, ps = 32, 16
   lens = np.array([40, 9, 17, 0, 3])
   counts = np.array([21, 1, 0, 0, 1])
   qs = np.concatenate([[0], np.cumsum(counts)])
-  kp, vp, table = pool(jax.random.key(42), 24, ps, K, H, Hv, 5, lens)
-  q = jax.random.normal(jax.random.key(43), (int(qs[-1]) + 1, N, H))
+  kp, vp, table = pool(42, 24, ps, K, H, Hv, 5, lens)
+  q = normal(43, (int(qs[-1]) + 1, N, H))
   out, lse = _pallas(
     kernel,
     q,
@@ -103,9 +113,9 @@ def test_ragged_prefill_and_decode_with_empty_sequences(kernel, layout):
   ],
 )
 def test_quantized_pages(kernel, dtype, kind, layout):
-  B, T, ps, P = 2, 2, 8, 12
+  B, T, ps, P = 2, 2, 16, 12
   lens = np.array([41, 20])
-  kp, vp, table = pool(jax.random.key(44), P, ps, K, H, H, B, lens, garbage=False)
+  kp, vp, table = pool(44, P, ps, K, H, H, B, lens, garbage=False)
   top = 127.0 if dtype == jnp.int8 else float(jnp.finfo(dtype).max)
   reduce = {
     "tensor": lambda a: a.max(),
@@ -124,7 +134,7 @@ def test_quantized_pages(kernel, dtype, kind, layout):
     )
   ).astype(dtype)
   kq, vq = quant(kp, ks), quant(vp, vs)
-  q = jax.random.normal(jax.random.key(45), (B, T, N, H))
+  q = normal(45, (B, T, N, H))
   ks, vs = jnp.asarray(ks, jnp.float32), jnp.asarray(vs, jnp.float32)
   out = _pallas(kernel, q, kq, vq, table, lens, layout, k_scale=ks, v_scale=vs, logits_soft_cap=5.0)
   want, _ = reference(
@@ -142,11 +152,13 @@ def test_quantized_pages(kernel, dtype, kind, layout):
 
 def test_bfloat16_within_rounding_of_the_exact_answer(kernel):
   # 16-bit pools and queries, float32 statistics: the error against float64 stays within a
-  # small factor of rounding the exact answer to bfloat16 (16-bit arithmetic would not).
-  B, T, ps = 2, 4, 16
+  # small factor of rounding the exact answer to bfloat16 (16-bit arithmetic would not). Pages
+  # of 64 keys: the TPU kernel reads 4 of them a step (not 14 of 16 keys), and its
+  # interpret mode compiles in a time that grows with the pages a step reads.
+  B, T, ps = 2, 4, 64
   lens = np.array([200, 77])
-  kp, vp, table = pool(jax.random.key(46), 24, ps, K, H, H, B, lens, garbage=False)
-  q = jax.random.normal(jax.random.key(47), (B, T, N, H))
+  kp, vp, table = pool(46, 8, ps, K, H, H, B, lens, garbage=False)
+  q = normal(47, (B, T, N, H))
   q, kp, vp = (x.astype(jnp.bfloat16) for x in (q, kp, vp))
   out = _pallas(kernel, q, kp, vp, table, lens, "HND")
   assert out.dtype == jnp.bfloat16
@@ -161,8 +173,8 @@ def test_long_pages_and_faulty_metadata(kernel):
   # page id is out of the pool comes back NaN, the others exact.
   B, T, ps = 3, 2, 256
   lens = np.array([700, 64, 301])
-  kp, vp, table = pool(jax.random.key(48), 9, ps, K, H, H, B, lens)
-  q = jax.random.normal(jax.random.key(49), (B, T, N, H))
+  kp, vp, table = pool(48, 9, ps, K, H, H, B, lens)
+  q = normal(49, (B, T, N, H))
   bad = np.array(table)
   bad[2, 1] = 9  # sequence 2's second page: past the pool
   with KERNELS[kernel]():
@@ -204,7 +216,7 @@ def _abstract_gpu():
 
 def test_the_choice_is_made_where_the_program_is_lowered():
   lens = np.array([30, 6])
-  kp, vp, table = pool(jax.random.key(50), 16, 8, K, H, H, 2, lens)
+  kp, vp, table = pool(50, 16, 8, K, H, H, 2, lens)
   q = jnp.ones((2, 1, N, H))
   args = (q, kp, vp, table, jnp.asarray(lens))
   call = lambda impl: lambda *a: jattn.paged_attention(*a, implementation=impl)
@@ -264,8 +276,8 @@ def test_interpret_mode_refuses_what_the_kernel_cannot_take_as_the_device_would(
   None and is refused by name for "pallas", as lowered for a GPU (it was a TypeError from
   functools.partial over the reason string; mypy found it)."""
   lens = np.array([5, 9])
-  kp, vp, table = pool(jax.random.key(51), 8, 4, K, 8, 8, 2, lens)
-  q = jax.random.normal(jax.random.key(52), (2, 1, N, 8))
+  kp, vp, table = pool(51, 8, 4, K, 8, 8, 2, lens)
+  q = normal(52, (2, 1, N, 8))
   args = (q, kp, vp, table, jnp.asarray(lens))
   want = jattn.paged_attention(*args, implementation="chunked")
   with _lowering.gpu_interpret_mode():

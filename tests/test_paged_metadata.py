@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental import checkify
-from test_paged import _check, pool, reference
+from test_paged import _check, normal, pool, reference
 
 import jattn
 
@@ -23,8 +23,8 @@ N, K, H, PS, P = 4, 2, 8, 8, 24
 
 def _padded():
   lens = np.array([30, 6, 19])
-  kp, vp, table = pool(jax.random.key(20), P, PS, K, H, H, 3, lens)
-  q = jax.random.normal(jax.random.key(21), (3, 2, N, H))
+  kp, vp, table = pool(20, P, PS, K, H, H, 3, lens)
+  q = normal(21, (3, 2, N, H))
   return q, kp, vp, np.asarray(table), lens
 
 
@@ -32,16 +32,22 @@ def _ragged():
   # Three sequences of 3, 1 and 2 new rows, and one trailing row that belongs to none.
   lens = np.array([30, 6, 19])
   qs = np.array([0, 3, 4, 6])
-  kp, vp, table = pool(jax.random.key(22), P, PS, K, H, H, 3, lens)
-  q = jax.random.normal(jax.random.key(23), (7, N, H))
+  kp, vp, table = pool(22, P, PS, K, H, H, 3, lens)
+  q = normal(23, (7, N, H))
   return q, kp, vp, np.asarray(table), lens, qs
 
 
+@jax.jit
+def _jitted(q, kp, vp, t, l, s):
+  return jattn.paged_attention(q, kp, vp, t, l, query_start=s, return_residual=True)
+
+
 def _traced(q, kp, vp, table, lens, qs=None):
-  f = jax.jit(
-    lambda t, l, s: jattn.paged_attention(q, kp, vp, t, l, query_start=s, return_residual=True)
+  # One jitted function for every call: the clean and faulty metadata of every test (the same
+  # shapes) run one compiled program, padded or ragged.
+  out, lse = _jitted(
+    q, kp, vp, jnp.asarray(table), jnp.asarray(lens), None if qs is None else jnp.asarray(qs)
   )
-  out, lse = f(jnp.asarray(table), jnp.asarray(lens), None if qs is None else jnp.asarray(qs))
   return np.asarray(out), np.asarray(lse)
 
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
-from test_paged import _check, pool
+from test_paged import _check, normal, pool
 
 import jattn
 from jattn import _lowering, masks
@@ -70,8 +70,8 @@ def padded_case(seed, prefixes, dtype=jnp.float32, P=64):
   """Three sequences with the trees above after ``prefixes`` cached tokens, pages shuffled."""
   T = len(TREES[0])
   lens = np.array(prefixes) + T
-  kp, vp, table = pool(jax.random.key(seed), P, PS, K, H, H, len(TREES), lens, dtype=dtype)
-  q = jax.random.normal(jax.random.key(seed + 1), (len(TREES), T, N, H)).astype(dtype)
+  kp, vp, table = pool(seed, P, PS, K, H, H, len(TREES), lens, dtype=dtype)
+  q = normal(seed + 1, (len(TREES), T, N, H)).astype(dtype)
   return q, kp, vp, table, lens
 
 
@@ -128,8 +128,8 @@ def ragged_case(seed, prefixes, trees=RAGGED, dtype=jnp.float32):
   counts = np.array([len(t) for t in trees])
   lens = np.array(prefixes) + counts
   qs = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
-  kp, vp, table = pool(jax.random.key(seed), 96, PS, K, H, H, len(trees), lens, dtype=dtype)
-  q = jax.random.normal(jax.random.key(seed + 1), (int(qs[-1]), N, H)).astype(dtype)
+  kp, vp, table = pool(seed, 96, PS, K, H, H, len(trees), lens, dtype=dtype)
+  q = normal(seed + 1, (int(qs[-1]), N, H)).astype(dtype)
   return q, kp, vp, table, lens, qs
 
 
@@ -178,16 +178,18 @@ def test_bf16_within_a_few_roundings():
 
 @pytest.mark.parametrize("ragged", [False, True], ids=["padded", "ragged"])
 def test_lower_triangular_mask_is_the_causal_call(ragged):
-  # Every new row sees the earlier ones: positions are the slots, as without a mask.
+  # Every new row sees the earlier ones: positions are the slots, as without a mask. (The
+  # masked calls have the shapes and options of the window-and-sinks tree tests above: the
+  # programs they compiled.)
   if ragged:
     trees = [list(range(-1, n - 1)) for n in (5, 20, 1, 0, 8)]
     q, kp, vp, table, lens, qs = ragged_case(8, [11, 40, 9, 6, 64], trees)
-    mask, kw = ragged_mask(trees, 20), dict(query_start=qs)
+    mask, kw, window = ragged_mask(trees, 24), dict(query_start=qs), 3
   else:
     q, kp, vp, table, lens = padded_case(8, [37, 5, 70])
-    mask, kw = np.broadcast_to(np.tril(np.ones((8, 8), bool)), (3, 8, 8)), {}
-  got = call(q, kp, vp, table, lens, mask, 3, SINKS, **kw)
-  plain = call(q, kp, vp, table, lens, None, 3, SINKS, **kw)
+    mask, kw, window = np.broadcast_to(np.tril(np.ones((8, 8), bool)), (3, 8, 8)), {}, 5
+  got = call(q, kp, vp, table, lens, mask, window, SINKS, **kw)
+  plain = call(q, kp, vp, table, lens, None, window, SINKS, **kw)
   np.testing.assert_allclose(np.asarray(got), np.asarray(plain), rtol=1e-6, atol=1e-6)
 
 

@@ -63,8 +63,12 @@ def _rel(got, want):
   return float(np.linalg.norm((got - want).ravel()) / np.linalg.norm(want.ravel()))
 
 
-@pytest.mark.parametrize("dtype", list(DTYPES))
-@pytest.mark.parametrize("impl", list(IMPLS))
+# implementation=None is tried once (bfloat16): on this CPU it runs the chunked kernels' serial
+# schedule with the default blocks, "chunked" here, which runs both dtypes.
+@pytest.mark.parametrize(
+  "impl,dtype",
+  [(i, d) for i in IMPLS for d in DTYPES if not (i == "None" and d == "fp16")],
+)
 def test_16bit_error_within_a_factor_of_rounding_the_exact_answer(impl, dtype):
   if impl == "splash" and dtype == "fp16":
     pytest.skip("splash computes in bfloat16 or float32 (it refuses float16 by name)")

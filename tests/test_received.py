@@ -67,8 +67,17 @@ def _case(name):
   return kw, ref.visible_mask(B, N, T, S, **vis_kw), ref_kw
 
 
-@pytest.mark.parametrize("impl", sorted(IMPLS))
-@pytest.mark.parametrize("case", sorted(CASES))
+# implementation=None is tried once: at this size it is dense on this CPU (and so the same
+# program as "dense" for every case).
+@pytest.mark.parametrize(
+  "case,impl",
+  [
+    (case, impl)
+    for case in sorted(CASES)
+    for impl in sorted(IMPLS)
+    if impl != "None" or case == "bias, soft cap, sinks"
+  ],
+)
 def test_received_equals_the_float64_definition(impl, case):
   q, k = _inputs()
   kw, vis, ref_kw = _case(case)

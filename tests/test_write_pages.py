@@ -59,12 +59,16 @@ def pools(dtype, layout):
 
 
 # (request, new tokens) per step; request 1 finishes after step 2 and request 3 takes its pages.
+# Request 2 is in the first step's batch with no tokens yet (an empty sequence: nothing written,
+# nothing attended). Every step has three sequences and ROWS query rows (its tokens, then
+# padding), so the jitted step compiles once for the whole run.
 STEPS = [
-  [(0, 5), (1, 3)],
+  [(0, 5), (1, 3), (2, 0)],
   [(0, 1), (1, 4), (2, 6)],
   [(0, 1), (2, 1), (3, 7)],
   [(0, 1), (2, 1), (3, 1)],
 ]
+ROWS = 15  # at least two rows of padding past the last request in every step
 PAGES = {0: [7, 2, 11], 1: [4, 9, 0], 2: [15, 1, 20], 3: [9, 4, 0]}  # 3 reuses 1's pages
 
 
@@ -82,19 +86,21 @@ def test_engine_run_matches_contiguous_float64(dtype, layout):
   )
   for batch in STEPS:
     counts = [n for _, n in batch]
-    total = sum(counts) + 2  # two rows of padding past the last request
+    total = ROWS
     lens = np.array([history[r][0].shape[0] + n for r, n in batch], np.int32)
     table = np.array([PAGES[r] for r, _ in batch], np.int32)
     qs = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
     q, k, v = (rng.normal(size=(total, n, H)).astype(np.float32) for n in (N, K, K))
     out, (kp, vp, ks, vs) = step(kp, vp, ks, vs, table, lens, qs, q, k, v)
+    assert qs[-1] <= ROWS - 2
     for i, (r, n) in enumerate(batch):
       rows = slice(qs[i], qs[i + 1])
       keys = np.concatenate([history[r][0], quantized(k[rows], dtype)])
       values = np.concatenate([history[r][1], quantized(v[rows], dtype)])
       history[r] = (keys, values)
-      want = attend(q[rows].astype(np.float64), keys, values, n)
-      np.testing.assert_allclose(np.asarray(out[rows]), want, atol=2e-5, rtol=2e-5)
+      if n:
+        want = attend(q[rows].astype(np.float64), keys, values, n)
+        np.testing.assert_allclose(np.asarray(out[rows]), want, atol=2e-5, rtol=2e-5)
     np.testing.assert_array_equal(np.asarray(out[qs[-1] :]), 0)
     if batch is STEPS[1]:  # request 1 finishes: a new request's tokens start over its pages
       history[3] = (np.zeros((0, K, H)), np.zeros((0, K, H)))

@@ -79,7 +79,7 @@ class Mask:
 
   def unshifted(self) -> Mask:
     """This mask with any shift of its example and head indices dropped (a single-device call
-    whose shift reached it traced, see `jattn._splash`)."""
+    whose shift reached it traced, see `jattn._backends.splash`)."""
     return self
 
   def __and__(self, other: Mask) -> Mask:
