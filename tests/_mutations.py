@@ -93,15 +93,15 @@ MUTATIONS = [
     ["tests/test_structure.py::test_vmapped_causal_gradients_keep_block_skipping"],
   ),
   (
-    "write_pages: NumPy pools kept as NumPy arrays (_page_write)",
-    "jattn/_page_write.py",
+    "write_pages: NumPy pools kept as NumPy arrays (_paged/write)",
+    "jattn/_paged/write.py",
     '  pages = jnp.asarray(_validation.as_array("key_pages", pool.key_pages, "an array of pages"))',
     '  pages = _validation.as_array("key_pages", pool.key_pages, "an array of pages")',
     ["tests/test_write_pages.py", "tests/test_x64.py"],
   ),
   (
-    "x64: the paged tiles' sums and loop bounds left as computed (int64 meets int32) (_paged)",
-    "jattn/_paged.py",
+    "x64: the paged tiles' sums and loop bounds left as computed (int64 meets int32) (_paged/attention)",
+    "jattn/_paged/attention.py",
     (
       (
         "    lo, hi = first.min().astype(jnp.int32), last.max().astype(jnp.int32)",
@@ -120,8 +120,8 @@ MUTATIONS = [
     ["tests/test_x64.py"],
   ),
   (
-    "per-token scales: tokens divided by the scale before it is rounded to its dtype (_pool)",
-    "jattn/_pool.py",
+    "per-token scales: tokens divided by the scale before it is rounded to its dtype (_paged/pool)",
+    "jattn/_paged/pool.py",
     "    scale = jnp.where(amax > 0, amax / top, jnp.ones((), jnp.float32)).astype(scale_dtype)\n"
     "  y = x.astype(jnp.float32) / jnp.asarray(scale, jnp.float32)[..., None]",
     "    exact = jnp.where(amax > 0, amax / top, jnp.ones((), jnp.float32))\n"
@@ -132,8 +132,8 @@ MUTATIONS = [
     ["tests/test_write_pages.py", "tests/test_flax_modules.py"],
   ),
   (
-    "write_pages: a traced faulty sequence's tokens still written (_page_write)",
-    "jattn/_page_write.py",
+    "write_pages: a traced faulty sequence's tokens still written (_paged/write)",
+    "jattn/_paged/write.py",
     (
       (
         "    own = (qs[None, :-1] <= r) & (r < qs[None, 1:]) & ~bad[None, :]  # (total, B)",
@@ -145,8 +145,8 @@ MUTATIONS = [
     ["tests/test_write_pages.py"],
   ),
   (
-    "write_pages: ragged padding rows written as sequence 0's tokens (_page_write)",
-    "jattn/_page_write.py",
+    "write_pages: ragged padding rows written as sequence 0's tokens (_paged/write)",
+    "jattn/_paged/write.py",
     "    live = own.any(axis=1)",
     "    live = jnp.ones(own.shape[:1], bool)",
     ["tests/test_write_pages.py"],
@@ -159,8 +159,8 @@ MUTATIONS = [
     ["tests/test_batch_invariance.py"],
   ),
   (
-    "tree mask: the key range cut at the rows' depth positions, not their slots (_paged)",
-    "jattn/_paged.py",
+    "tree mask: the key range cut at the rows' depth positions, not their slots (_paged/attention)",
+    "jattn/_paged/attention.py",
     "    lo = jnp.where(some, jnp.minimum(lo, first_new), lo)\n"
     "    hi = jnp.where(some, kv_lengths[seq], hi)\n",
     "",
@@ -189,8 +189,8 @@ MUTATIONS = [
     ["tests/test_flax_attention_fn.py"],
   ),
   (
-    "write_pages: new_lengths ignored, left padding written over the cache (_page_write)",
-    "jattn/_page_write.py",
+    "write_pages: new_lengths ignored, left padding written over the cache (_paged/write)",
+    "jattn/_paged/write.py",
     "      live = within >= T - new_lengths.astype(jnp.int32)[seq]  # left padding is not written",
     "      pass",
     ["tests/test_write_pages.py"],
@@ -203,8 +203,8 @@ MUTATIONS = [
     ["tests/test_transforms.py"],
   ),
   (
-    "paged_attention: B = 0 runs the planned walk (_paged)",
-    "jattn/_paged.py",
+    "paged_attention: B = 0 runs the planned walk (_paged/attention)",
+    "jattn/_paged/attention.py",
     "  if concrete(st.cfg.B) and st.cfg.B * st.rows == 0:",
     "  if False:",
     ["tests/test_empty.py"],

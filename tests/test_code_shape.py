@@ -122,8 +122,8 @@ def test_every_planted_mutation_still_finds_its_line():
 PUBLIC_SIGNATURES = {
   "_attention.py:dot_product_attention",
   "_attention.py:attention_weights",
-  "_paged.py:paged_attention",
-  "_page_write.py:write_pages",
+  "_paged/attention.py:paged_attention",
+  "_paged/write.py:write_pages",
   "_parallel/ring.py:ring_attention",
   "_parallel/ring.py:ring_attention_sharded",
   "diagnostics.py:attention_stats",
@@ -133,8 +133,8 @@ PUBLIC_SIGNATURES = {
   "nnx.py:__init__",
   "nnx.py:__call__",
   # Pallas passes a kernel its scalar-prefetch operands and references by position.
-  "_paged_gpu.py:_kernel",
-  "_paged_tpu.py:_kernel",
+  "_paged/pallas_gpu.py:_kernel",
+  "_paged/pallas_tpu.py:_kernel",
   "_backends/pallas_gpu.py:_backward_kv_kernel",
   "_backends/pallas_gpu.py:_backward_q_kernel",
 }

@@ -16,7 +16,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jattn import _pool, _validation
+from jattn import _validation
+from jattn._paged import pool as _pool
 from jattn import masks as _masks
 from jattn._attention import attention_weights, dot_product_attention
 from jattn._types import CausalAlignment, Implementation
@@ -478,7 +479,7 @@ def attend_paged(opts: Options, q, k, v, cache: Cache, masking: Masking, per_cal
   table, and the step attends through `jattn.paged_attention`. Of ``masking`` it reads the
   positions and query_seq_lengths, and refuses a mask; of ``per_call``, it refuses dropout and
   statistics. Returns (out (B, T, N, Hv), new pools, new cache_index)."""
-  from jattn._paged import paged_attention  # the serving kernel
+  from jattn._paged.attention import paged_attention  # the serving kernel
 
   pools, page_table, cache_index = cache.arrays, cache.page_table, cache.index
   positions, query_seq_lengths = masking.positions, masking.query_seq_lengths

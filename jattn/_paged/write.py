@@ -23,7 +23,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn import _page_metadata, _pool, _validation
+from jattn import _validation
+from jattn._paged import metadata as _page_metadata
+from jattn._paged import pool as _pool
 from jattn._validation import concrete
 
 ON_INVALID = ("skip", "checkify")

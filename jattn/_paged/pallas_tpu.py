@@ -29,7 +29,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jattn import _paged_fold, _softmax
+from jattn import _softmax
+from jattn._paged import fold as _paged_fold
 
 # Pages per grid step: about this many keys (whole pages; a longer page is a step of its own).
 STEP_KEYS = 256

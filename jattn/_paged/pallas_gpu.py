@@ -25,7 +25,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jattn import _paged_fold, _softmax
+from jattn import _softmax
+from jattn._paged import fold as _paged_fold
 from jattn._chunked.plan import SPLIT_KV_PARTS
 
 # Keys per step: Triton's matmul tiles want 16 or more rows and powers of two; 64 keys keep a

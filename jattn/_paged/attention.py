@@ -39,17 +39,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn import (
-  _lowering,
-  _page_metadata,
-  _paged_fold,
-  _paged_gpu,
-  _paged_tpu,
-  _pool,
-  _softmax,
-  _tile,
-  _validation,
-)
+from jattn import _lowering, _softmax, _tile, _validation
+from jattn._paged import fold as _paged_fold
+from jattn._paged import metadata as _page_metadata
+from jattn._paged import pallas_gpu as _paged_gpu
+from jattn._paged import pallas_tpu as _paged_tpu
+from jattn._paged import pool as _pool
 from jattn._chunked.plan import SPLIT_KV_PARTS
 from jattn._tile import DEFAULT_BLOCK_KV
 from jattn._validation import concrete
