@@ -27,14 +27,14 @@ MUTATIONS = [
   ),
   (
     "user mask dropped while decoding (_mha)",
-    "jattn/_mha.py",
+    "jattn/_flax/modules.py",
     "  mask = _boolean_mask(mask)\n  if mask is not None:\n    m = m & ",
     "  mask = None\n  if mask is not None:\n    m = m & ",
     ["tests/test_flax_modules.py"],
   ),
   (
     "explicit positions offset twice while decoding (_mha)",
-    "jattn/_mha.py",
+    "jattn/_flax/modules.py",
     "  return jnp.broadcast_to(positions.astype(jnp.int32), (B, L))",
     "  positions = positions.astype(jnp.int32)\n  if offset is not None:\n    positions = offset.astype(jnp.int32)[:, None] + positions\n  return jnp.broadcast_to(positions, (B, L))",
     ["tests/test_flax_modules.py"],
@@ -56,14 +56,14 @@ MUTATIONS = [
   # Issue #41: guarded by the tests named (node ids: only those run).
   (
     "paged/quantised cache: fill level clamped to capacity - 1 (_mha)",
-    "jattn/_mha.py",
+    "jattn/_flax/modules.py",
     "    jnp.minimum(index + T, capacity),",
     "    jnp.minimum(index + T, capacity - 1),",
     ["tests/test_flax_modules.py::test_cache_decoded_token_by_token_to_its_last_slot"],
   ),
   (
     "make_attention_fn: output shaped with the query's head size, not value's (_flax_fn)",
-    "jattn/_flax_fn.py",
+    "jattn/_flax/attention_fn.py",
     "    return out.reshape(query.shape[:-1] + (value.shape[-1],))",
     "    return out.reshape(query.shape)",
     ["tests/test_flax_attention_fn.py::test_value_head_size_of_its_own_against_reference"],
@@ -86,7 +86,7 @@ MUTATIONS = [
   # Issue #52: the three regressions and the seven bugs the last suite let through.
   (
     "vmap: the block map broadcast with the batch in the tangent primitive (_linear_tangent)",
-    "jattn/_linear_tangent.py",
+    "jattn/_derivatives.py",
     "  mapped = tuple(d is not None for d in dims[:n])",
     "  primal = [jnp.broadcast_to(x, (size, *x.shape)) if d is None else x"
     " for x, d in zip(primal, dims[:n])]\n  mapped = (True,) * n",
@@ -114,7 +114,7 @@ MUTATIONS = [
   ),
   (
     "x64: splash's kernels traced with x64 on (_splash)",
-    "jattn/_splash.py",
+    "jattn/_backends/splash.py",
     "    int32=True,  # Mosaic: no int64 in the kernels' index arithmetic under jax_enable_x64",
     "    int32=False,",
     ["tests/test_x64.py"],
@@ -153,7 +153,7 @@ MUTATIONS = [
   ),
   (
     "parallel schedule: the merge order never holds a part (_plan.merge_order)",
-    "jattn/_plan.py",
+    "jattn/_chunked/plan.py",
     "      hold[v, ends[0]] = True",
     "      pass",
     ["tests/test_batch_invariance.py"],
@@ -183,7 +183,7 @@ MUTATIONS = [
   # Issue #51: the traps a new user hit.
   (
     "make_attention_fn: top-left causality against flax's decode cache not refused (_flax_fn)",
-    "jattn/_flax_fn.py",
+    "jattn/_flax/attention_fn.py",
     "    _refuse_top_left_decoding(causal_option, query.shape[-3], key.shape[-3])\n",
     "",
     ["tests/test_flax_attention_fn.py"],
@@ -197,7 +197,7 @@ MUTATIONS = [
   ),
   (
     "fused kernels: forward mode's tangent dropped (_fused)",
-    "jattn/_fused.py",
+    "jattn/_derivatives.py",
     "    _, d_outs = jax.jvp(f, (leaves,), (list(dots),))",
     "    _, d_outs = jax.jvp(f, (leaves,), ([d * 0 for d in dots],))",
     ["tests/test_transforms.py"],
