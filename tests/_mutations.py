@@ -100,16 +100,17 @@ MUTATIONS = [
     ["tests/test_write_pages.py", "tests/test_x64.py"],
   ),
   (
-    "x64: the paged tiles' sums and loop bounds left as computed (int64 meets int32) (_paged/attention)",
-    "jattn/_paged/attention.py",
-    (
-      (
-        "    lo, hi = first.min().astype(jnp.int32), last.max().astype(jnp.int32)",
-        "    lo, hi = first.min(), last.max()",
-      ),
-      ("per_seq[None, :], 0).sum(axis=1, dtype=jnp.int32)", "per_seq[None, :], 0).sum(axis=1)"),
-    ),
-    None,
+    "x64: the paged walk's loop bounds left as computed (int64 meets int32) (_paged/walk)",
+    "jattn/_paged/walk.py",
+    "    lo, hi = first.min().astype(jnp.int32), last.max().astype(jnp.int32)",
+    "    lo, hi = first.min(), last.max()",
+    ["tests/test_x64.py"],
+  ),
+  (
+    "x64: the paged tiles' sums left as computed (int64 meets int32) (_paged/tiles)",
+    "jattn/_paged/tiles.py",
+    "per_seq[None, :], 0).sum(axis=1, dtype=jnp.int32)",
+    "per_seq[None, :], 0).sum(axis=1)",
     ["tests/test_x64.py"],
   ),
   (
@@ -120,8 +121,8 @@ MUTATIONS = [
     ["tests/test_x64.py"],
   ),
   (
-    "per-token scales: tokens divided by the scale before it is rounded to its dtype (_paged/pool)",
-    "jattn/_paged/pool.py",
+    "per-token scales: tokens divided by the scale before it is rounded to its dtype (_paged/write)",
+    "jattn/_paged/write.py",
     "    scale = jnp.where(amax > 0, amax / top, jnp.ones((), jnp.float32)).astype(scale_dtype)\n"
     "  y = x.astype(jnp.float32) / jnp.asarray(scale, jnp.float32)[..., None]",
     "    exact = jnp.where(amax > 0, amax / top, jnp.ones((), jnp.float32))\n"
@@ -132,23 +133,20 @@ MUTATIONS = [
     ["tests/test_write_pages.py", "tests/test_flax_modules.py"],
   ),
   (
-    "write_pages: a traced faulty sequence's tokens still written (_paged/write)",
-    "jattn/_paged/write.py",
+    "write_pages: a traced faulty sequence's tokens still written (_paged/metadata.owners)",
+    "jattn/_paged/metadata.py",
     (
-      (
-        "    own = (qs[None, :-1] <= r) & (r < qs[None, 1:]) & ~bad[None, :]  # (total, B)",
-        "    own = (qs[None, :-1] <= r) & (r < qs[None, 1:])  # (total, B)",
-      ),
-      ("  live = live & ~bad[seq]\n", ""),
+      ("  own = mine & ~faulty[None, :]", "  own = mine"),
+      ("    live = ~faulty[seq] & (within >= 0)", "    live = within >= 0"),
     ),
     None,
     ["tests/test_write_pages.py"],
   ),
   (
-    "write_pages: ragged padding rows written as sequence 0's tokens (_paged/write)",
-    "jattn/_paged/write.py",
-    "    live = own.any(axis=1)",
-    "    live = jnp.ones(own.shape[:1], bool)",
+    "write_pages: ragged padding rows written as sequence 0's tokens (_paged/metadata.owners)",
+    "jattn/_paged/metadata.py",
+    "  live = own.any(axis=1)",
+    "  live = xp.ones(own.shape[:1], bool)",
     ["tests/test_write_pages.py"],
   ),
   (
@@ -159,8 +157,8 @@ MUTATIONS = [
     ["tests/test_batch_invariance.py"],
   ),
   (
-    "tree mask: the key range cut at the rows' depth positions, not their slots (_paged/attention)",
-    "jattn/_paged/attention.py",
+    "tree mask: the key range cut at the rows' depth positions, not their slots (_paged/tiles)",
+    "jattn/_paged/tiles.py",
     "    lo = jnp.where(some, jnp.minimum(lo, first_new), lo)\n"
     "    hi = jnp.where(some, kv_lengths[seq], hi)\n",
     "",
@@ -189,10 +187,10 @@ MUTATIONS = [
     ["tests/test_flax_attention_fn.py"],
   ),
   (
-    "write_pages: new_lengths ignored, left padding written over the cache (_paged/write)",
-    "jattn/_paged/write.py",
-    "      live = within >= T - new_lengths.astype(jnp.int32)[seq]  # left padding is not written",
-    "      pass",
+    "write_pages: new_lengths ignored, left padding written over the cache (_paged/metadata.owners)",
+    "jattn/_paged/metadata.py",
+    "      within, count = within - first[seq], new_lengths.astype(i32)\n",
+    "",
     ["tests/test_write_pages.py"],
   ),
   (
@@ -203,9 +201,9 @@ MUTATIONS = [
     ["tests/test_transforms.py"],
   ),
   (
-    "paged_attention: B = 0 runs the planned walk (_paged/attention)",
-    "jattn/_paged/attention.py",
-    "  if concrete(st.cfg.B) and st.cfg.B * st.rows == 0:",
+    "paged_attention: B = 0 runs the planned walk (_paged/run)",
+    "jattn/_paged/run.py",
+    "  if concrete(st.B) and st.B * st.rows == 0:",
     "  if False:",
     ["tests/test_empty.py"],
   ),

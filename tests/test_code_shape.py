@@ -13,11 +13,7 @@ import re
 import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "jattn"
-LIBRARY = sorted(
-  p
-  for p in PACKAGE.rglob("*.py")
-  if "bench" not in p.relative_to(PACKAGE).parts
-)
+LIBRARY = sorted(p for p in PACKAGE.rglob("*.py") if "bench" not in p.relative_to(PACKAGE).parts)
 
 
 def _name(path: pathlib.Path) -> str:

@@ -1,5 +1,6 @@
 """Writing a step's new tokens into a paged KV cache: `jattn.write_pages`, the writer that
-`jattn.paged_attention` reads after (and the Flax modules' paged caches use).
+`jattn.paged_attention` reads after, and its core (`store`), which the Flax modules' paged
+caches write through too (`write_cache`).
 
 The metadata is paged_attention's: sequence b's tokens 0 .. kv_lengths[b] - 1 live in pages
 page_table[b, 0], page_table[b, 1], ... and the new ones are its last: padded (B, T, K, H), the
@@ -7,7 +8,7 @@ T tokens at positions kv_lengths[b] - T .. kv_lengths[b] - 1, or ragged (total, 
 ``query_start``. So one set of metadata serves both calls of a serving step: write, then attend.
 
 A page id is data: read plainly, an id past the pool would be clamped onto the last page, i.e.
-another request's cache. The rules of `jattn._page_metadata` hold here too: concrete metadata
+another request's cache. The rules of `jattn._paged.metadata` hold here too: concrete metadata
 that breaks them raises a ValueError naming the sequence; traced metadata cannot raise, so a
 faulty sequence's tokens are not written at all (and paged_attention returns NaN for it).
 
@@ -19,16 +20,12 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jattn import _validation
-from jattn._paged import metadata as _page_metadata
+from jattn._paged import metadata
 from jattn._paged import pool as _pool
-from jattn._validation import concrete
-
-ON_INVALID = ("skip", "checkify")
+from jattn._paged.pool import Pool
 
 
 class KVPages(NamedTuple):
@@ -103,35 +100,23 @@ def write_pages(
     ``KVPages(key_pages, value_pages, k_scale, v_scale)``: the updated arrays, None where the
     call passed None.
   """
-  _pool.check_layout(key_pages, value_pages, kv_layout, page_size, num_kv_heads)
-  if on_invalid not in ON_INVALID:
-    raise ValueError(f"on_invalid must be one of {ON_INVALID}, got on_invalid={on_invalid!r}")
-  metadata = (page_table, kv_lengths, query_start)  # NumPy stays concrete under jit
-  pool, key, value, query_start, kinds = _check(
-    _pool.Pool(key_pages, value_pages, page_table, kv_lengths, k_scale, v_scale),
-    key,
-    value,
-    query_start,
-    kv_layout,
-  )
-  new_lengths = _new_lengths(new_lengths, key, query_start, pool.kv_lengths)
-  P = pool.key_pages.shape[0]
-  ps = pool.key_pages.shape[2 if kv_layout == "HND" else 1]
-  geometry = _page_metadata.Geometry(
-    P, ps, key.shape[0] if query_start is not None else key.shape[1], query_start is not None
-  )
-  _page_metadata.check_concrete(geometry, *metadata)
-  faults = _page_metadata.faults(jnp, geometry, pool.page_table, pool.kv_lengths, query_start)
+  metadata.check_on_invalid("write_pages", on_invalid)
+  # As passed: NumPy metadata stays concrete under jit, and is checked by its values.
+  given = metadata.Metadata(page_table, kv_lengths, query_start, None, new_lengths)
+  same = key_pages is value_pages and key_pages is not None
+  declared = _pool.Declared(kv_layout, page_size, num_kv_heads, None, same)
+  raw = Pool(key_pages, value_pages, page_table, kv_lengths, k_scale, v_scale)
+  pool, key, value, md = _as_arrays(raw, key, value, given)
+  ragged = md.query_start is not None
+  pool, sizes = _pool.check(pool, _pool.Tokens(key=key, value=value, ragged=ragged), declared)
+  _, _, rows = metadata.check_shapes(md, key.shape, ragged, "key")
+  g = metadata.Geometry(sizes.P, sizes.page_size, rows, ragged)
+  metadata.check(g, given)
+  faults = metadata.faults(jnp, g, md)
   if on_invalid == "checkify":
-    _page_metadata.checkify_faults(faults)
-  bad = faults != _page_metadata.OK
-  if new_lengths is not None:
-    # Traced counts out of [0, min(T, kv_lengths[b])]: that sequence writes nothing.
-    n = new_lengths.astype(jnp.int32)
-    bad = bad | (n < 0) | (n > key.shape[1]) | (n > pool.kv_lengths.astype(jnp.int32))
-  at = _destinations(pool, query_start, bad, geometry, key.shape, new_lengths)
-  flat = lambda x: None if x is None else x.reshape((-1,) + x.shape[-2:])
-  written = _pool.write(pool, kv_layout, at, flat(key), flat(value), kinds)
+    metadata.checkify("write_pages", faults)
+  at = metadata.owners(jnp, md.query_start, rows, faults != metadata.OK, md.new_lengths)
+  written = store(pool, kv_layout, at, key, value, (sizes.k_scale, sizes.v_scale))
   return KVPages(
     written.key_pages,
     written.value_pages if value_pages is not None else None,
@@ -140,87 +125,9 @@ def write_pages(
   )
 
 
-def _destinations(
-  pool: _pool.Pool, query_start, bad, g: _page_metadata.Geometry, shape, new_lengths=None
-):
-  """Each new token's page and offset (`_pool.Written`): position kv_lengths[b] - n_b + i for
-  the i-th of sequence b's n_b tokens; nowhere for a faulty sequence's, a padded row before its
-  sequence's ``new_lengths`` last ones, a ragged row past the last sequence's, or one at a
-  negative position."""
-  lens = pool.kv_lengths.astype(jnp.int32)
-  B = lens.shape[0]
-  if query_start is None:
-    T = shape[1]
-    r = jnp.arange(B * T, dtype=jnp.int32)  # (by arithmetic, so that B may be symbolic)
-    seq, within = r // T, r % T
-    count = jnp.full((B,), T, jnp.int32)
-    live = jnp.ones(seq.shape, bool)
-    if new_lengths is not None:
-      live = within >= T - new_lengths.astype(jnp.int32)[seq]  # left padding is not written
-  else:
-    qs = query_start.astype(jnp.int32)
-    r = jnp.arange(shape[0], dtype=jnp.int32)[:, None]
-    # A row's sequence: the sound one whose run holds it. A faulty sequence's offsets (a start
-    # out of order) must not move a sound sequence's rows, so runs are matched, not counted.
-    own = (qs[None, :-1] <= r) & (r < qs[None, 1:]) & ~bad[None, :]  # (total, B)
-    if B == 0:  # no sequences: every row is padding (argmax has nothing to reduce)
-      return _pool.slots(
-        jnp.zeros((1, 1), jnp.int32), r[:, 0] * 0, r[:, 0], jnp.zeros(r.shape[:1], bool), g.P, 1
-      )
-    seq = jnp.argmax(own, axis=1).astype(jnp.int32)
-    live = own.any(axis=1)
-    within = r[:, 0] - qs[seq]
-    count = qs[1:] - qs[:-1]
-  live = live & ~bad[seq]
-  position = lens[seq] - count[seq] + within
-  return _pool.slots(pool.page_table, seq, position, live, g.P, g.page_size)
-
-
-def _new_lengths(new_lengths, key, query_start, kv_lengths):
-  """``new_lengths`` checked: int (B,), padded form only; concrete counts within [0, T] and at
-  most kv_lengths[b] (a ValueError naming the first faulty sequence)."""
-  if new_lengths is None:
-    return None
-  if query_start is not None:
-    raise ValueError(
-      "new_lengths is for the padded form (B, T, K, H); ragged rows count their new tokens "
-      "by query_start: pass one or the other"
-    )
-  new_lengths = _validation.int_array("new_lengths", new_lengths)
-  B, T = key.shape[:2]
-  if new_lengths.shape != (B,):
-    raise ValueError(
-      f"new_lengths must be (B,) = ({B},), one count per sequence of key's (B, T, K, H), got "
-      f"shape {new_lengths.shape}"
-    )
-  if not any(isinstance(x, jax.core.Tracer) for x in (new_lengths, kv_lengths)):
-    n, lens = np.asarray(new_lengths), np.asarray(kv_lengths)
-    wrong = np.flatnonzero((n < 0) | (n > T) | (n > lens))
-    if wrong.size:
-      b = int(wrong[0])
-      raise ValueError(
-        f"new_lengths[{b}]={int(n[b])} must be in [0, T={T}] and at most "
-        f"kv_lengths[{b}]={int(lens[b])} (the new tokens are the last cached ones)"
-      )
-  return new_lengths
-
-
-def _check(pool: _pool.Pool, key, value, query_start, kv_layout):
-  """The call's arrays checked (errors name the argument and what was passed): (pool, key,
-  value, query_start, (k_scale's kind, v_scale's kind))."""
-  _pool.check_layout_name(kv_layout)
-  keys_only = pool.value_pages is None and kv_layout != "combined"
-  if keys_only and value is not None:
-    raise ValueError(
-      "value_pages=None is a pool of keys only (absorbed MLA's latent, its values the keys' "
-      f"first features): pass value=None, or pass the value pool; got value of shape "
-      f"{getattr(value, 'shape', type(value).__name__)}"
-    )
-  if not keys_only and value is None:
-    raise TypeError(
-      "value must be the new values, (B, T, K, Hv) or ragged (total, K, Hv), got None (None "
-      "only with value_pages=None: a pool of keys only)"
-    )
+def _as_arrays(pool: Pool, key, value, given: metadata.Metadata):
+  """Every array of a call as an array of its kind (TypeError naming the argument; shapes are
+  the pool's and the metadata's to check): (pool, key, value, metadata)."""
   key = _validation.float_array("key", key)
   value = None if value is None else _validation.float_array("value", value)
   # NumPy pools are taken (paged_attention takes them): the write returns jax arrays.
@@ -228,80 +135,137 @@ def _check(pool: _pool.Pool, key, value, query_start, kv_layout):
   vpages = pool.value_pages
   if vpages is not None:
     vpages = jnp.asarray(_validation.as_array("value_pages", vpages, "an array of pages"))
-  # A pool of keys only is checked as its own values (absorbed MLA's latent).
-  pages, vpages_checked, (_, _, K, _) = _pool.checked_pools(
-    pages, pages if keys_only else vpages, kv_layout
+  scales = [
+    None if x is None else _validation.float_array(name, x)
+    for name, x in (("k_scale", pool.k_scale), ("v_scale", pool.v_scale))
+  ]
+  table = _validation.int_array("page_table", pool.page_table)
+  lens = _validation.int_array("kv_lengths", pool.kv_lengths)
+  md = metadata.Metadata(
+    table,
+    lens,
+    _validation.int_array("query_start", given.query_start, optional=True),
+    None,
+    _validation.int_array("new_lengths", given.new_lengths, optional=True),
   )
-  H, Hv = pages.shape[-1], vpages_checked.shape[-1]
-  pool = _pool.Pool(
-    pages,
-    vpages,
-    _validation.int_array("page_table", pool.page_table),
-    _validation.int_array("kv_lengths", pool.kv_lengths),
-    None if pool.k_scale is None else _validation.float_array("k_scale", pool.k_scale),
-    None if pool.v_scale is None else _validation.float_array("v_scale", pool.v_scale),
-  )
-  query_start = _validation.int_array("query_start", query_start, optional=True)
-  ragged = query_start is not None
-  _page_metadata.check_shapes(
-    pool.page_table, pool.kv_lengths, query_start, None if ragged else key.shape[0], "key"
-  )
-  _check_tokens(key, value, ragged, (K, H, Hv), pages)
-  if value is None and pool.v_scale is not None:
-    raise ValueError("v_scale is for value pages; a pool of keys only has none: pass v_scale=None")
-  kinds = _scale_kinds(pool, (pages, vpages_checked), key, value, kv_layout, K)
-  return pool, key, value, query_start, kinds
-
-
-def _check_tokens(key, value, ragged: bool, heads: tuple, pages) -> None:
-  """The new tokens against the pool's heads ``heads`` = (K, H, Hv): key (B, T, K, H) or ragged
-  (total, K, H), value likewise with Hv and the same tokens, sizes known but B."""
-  K, H, Hv = heads
-  lead = "(total, " if ragged else "(B, T, "
-  for name, x, X in (("key", key, H), ("value", value, Hv)):
-    if x is not None and (x.ndim != (3 if ragged else 4) or x.shape[-2:] != (K, X)):
-      raise ValueError(
-        f"{name} must be {lead}K, {'H' if name == 'key' else 'Hv'}) = {lead}{K}, {X}) like "
-        f"the pool's heads{' with query_start' if ragged else ''}, got {name}.shape={x.shape}"
-      )
-  if value is not None and value.shape[:-2] != key.shape[:-2]:
-    raise ValueError(
-      f"value must have key's tokens: key.shape={key.shape}, value.shape={value.shape}"
-    )
-  if not concrete(*key.shape[1 - ragged : -2], *pages.shape):
+  ragged = md.query_start is not None
+  if not _validation.concrete(*key.shape[1 - ragged : -2], *pages.shape):
     raise NotImplementedError(
       f"write_pages takes known token and pool sizes (only B may be symbolic), got "
       f"key.shape={key.shape}, key_pages.shape={pages.shape}"
     )
+  return Pool(pages, vpages, table, lens, scales[0], scales[1]), key, value, md
 
 
-def _scale_kinds(pool: _pool.Pool, pools: tuple, key, value, kv_layout, K: int):
-  """(k_scale's kind, v_scale's kind) (`_pool.scale_kind`; v None for a pool of keys only),
-  float pools holding the tokens' dtype and calibrations > 0 checked. ``pools`` = the key
-  pool and the pool the values go to, as checked."""
-  dims = _pool.DIMS[kv_layout]
-  pages, vpages_checked = pools
-  for name, pages_x, x in (("key_pages", pages, key), ("value_pages", vpages_checked, value)):
-    if x is not None and not _pool.is_quantized(pages_x.dtype) and pages_x.dtype != x.dtype:
-      raise TypeError(
-        f"{name} of dtype {pages_x.dtype} take new tokens of that dtype (a quantised pool: any "
-        f"float dtype), got {'key' if name == 'key_pages' else 'value'}.dtype={x.dtype}"
-      )
-  kinds = (
-    _pool.scale_kind("k_scale", pool.k_scale, pages, key.dtype, dims, K),
-    None
-    if value is None
-    else _pool.scale_kind("v_scale", pool.v_scale, vpages_checked, value.dtype, dims, K),
+def write_cache(pool: Pool, key, value) -> Pool:
+  """A decoding module's write (the Flax modules' paged and quantised caches): new keys key
+  (B, T, K, H) and values (B, T, K, Hv), checked against the token-major pool as write_pages
+  checks them, stored as it stores them -- row t of example b at cache position
+  kv_lengths[b] - T + t. The module's own table has no faults to skip: a position past it (a
+  full cache) is dropped, token by token."""
+  pool, sizes = _pool.check(pool, _pool.Tokens(key=key, value=value), _pool.Declared())
+  md = metadata.Metadata(pool.page_table, pool.kv_lengths)
+  B, _, T = metadata.check_shapes(md, key.shape, False, "key")
+  at = metadata.owners(jnp, None, T, jnp.zeros((B,), bool))
+  return store(pool, "NHD", at, key, value, (sizes.k_scale, sizes.v_scale))
+
+
+def store(pool: Pool, kv_layout: str, at: metadata.Owners, key, value, kinds) -> Pool:
+  """``pool`` (its pages and scales; the table and lengths untouched) with the new keys (B, T,
+  K, H) or (total, K, H) and values likewise with Hv (None: a pool of keys only) written: row
+  r, the i-th of sequence b's n new rows (``at``), at cache position kv_lengths[b] - n + i; a
+  row not live, or at a position outside the table, nowhere. ``kinds`` = (k_scale's, v_scale's)
+  kind (`_pool.scale_kind`): quantised tokens take a per-token scale computed from them
+  ("token", written beside them) or the given per-tensor / per-head one. A combined pool's
+  values go to the odd heads of the key pages."""
+  page_size = pool.key_pages.shape[2 if kv_layout == "HND" else 1]
+  dest = _slots(pool, at, pool.key_pages.shape[0], page_size)
+  flat = lambda x: None if x is None else x.reshape((-1,) + x.shape[-2:])
+  k, v = flat(key), flat(value)
+
+  def put(pages, x, heads=None):
+    # NHD pages (P, page_size, K', X), HND (P, K', page_size, X); ``heads`` a combined pool's
+    # key (0) or value (1) heads.
+    idx: tuple[Any, ...] = (
+      (dest.page, slice(None), dest.offset) if kv_layout == "HND" else (dest.page, dest.offset)
+    )
+    if heads is not None:
+      idx = idx + (slice(heads, None, 2),)
+    return pages.at[idx].set(x, mode="drop", unique_indices=True)
+
+  def encode(pages, x, scale, kind):
+    if kind is None:
+      return x, scale, None
+    given = None if kind == "token" else _heads_last(scale, kind)
+    q, s = quantize(x, pages.dtype, given, scale.dtype)
+    return q, scale, s if kind == "token" else None
+
+  combined = kv_layout == "combined"
+  kq, k_scale, k_token = encode(pool.key_pages, k, pool.k_scale, kinds[0])
+  values = pool.key_pages if combined else pool.value_pages
+  vq, v_scale, v_token = None, pool.v_scale, None
+  if v is not None:
+    vq, v_scale, v_token = encode(values, v, pool.v_scale, kinds[1])
+  key_pages = put(pool.key_pages, kq, 0 if combined else None)
+  value_pages = pool.value_pages
+  if v is not None and combined:
+    key_pages = put(key_pages, vq, 1)
+  elif v is not None:
+    value_pages = put(value_pages, vq)
+  if k_token is not None:
+    k_scale = put(k_scale[..., None], k_token[..., None])[..., 0]
+  if v_token is not None:
+    v_scale = put(v_scale[..., None], v_token[..., None])[..., 0]
+  return pool._replace(
+    key_pages=key_pages, value_pages=value_pages, k_scale=k_scale, v_scale=v_scale
   )
-  for name, kind, scale in (
-    ("k_scale", kinds[0], pool.k_scale),
-    ("v_scale", kinds[1], pool.v_scale),
-  ):
-    # A calibration divides the tokens: 0 or a negative scale would store inf / NaN / flipped
-    # signs without a word (a traced one cannot be checked here).
-    if kind in ("tensor", "head") and not isinstance(scale, jax.core.Tracer):
-      if not (np.asarray(scale) > 0).all():
-        raise ValueError(
-          f"{name} must be > 0 (a calibration the tokens are divided by), got {scale}"
-        )
-  return kinds
+
+
+class Written(NamedTuple):
+  """Where each of n new tokens goes: pool page ``page`` (n,) -- an id past the pool (each
+  its own: P + i) for a token not written -- and ``offset`` (n,) within it."""
+
+  page: Any
+  offset: Any
+
+
+def _slots(pool: Pool, at: metadata.Owners, P: int, page_size: int) -> Written:
+  """The pages and offsets of the new rows (``at``): row r, the i-th of sequence b's n, at cache
+  position kv_lengths[b] - n + i, through the page table (B, max_pages). Rows not live, and
+  positions outside the table (negative, or past a full cache), go nowhere (never clamped onto
+  a page of another sequence)."""
+  # Distinct ids past the pool for the dropped tokens: the scatter's indices are then unique
+  # (no atomics on a GPU) and every one of them out of bounds is dropped.
+  nowhere = P + jnp.arange(at.seq.shape[0], dtype=jnp.int32)
+  table, seq = pool.page_table.astype(jnp.int32), at.seq
+  B, cols = table.shape
+  if B == 0 or cols == 0:  # no sequence, or no page: every row is padding
+    return Written(nowhere, jnp.zeros_like(nowhere))
+  position = pool.kv_lengths.astype(jnp.int32)[seq] - at.count[seq] + at.within
+  col = position // page_size
+  page = table[seq, jnp.clip(col, 0, cols - 1)]
+  live = at.live & (position >= 0) & (col < cols) & (page >= 0) & (page < P)
+  return Written(jnp.where(live, page, nowhere), position % page_size)
+
+
+def quantize(x, dtype, scale=None, scale_dtype=jnp.float32):
+  """(x in ``dtype``, scale): ``scale`` None: each token and head scaled so its largest
+  magnitude is the dtype's largest value (int8: 127, rounded to the nearest integer), the scale
+  (..., K) returned in ``scale_dtype`` (the tokens divided by the scale as stored, so that
+  stored scale times stored token is the dequantised value); a given scale (broadcasting
+  against x without its last axis: a per-tensor or per-head calibration) is used as it is."""
+  dtype = jnp.dtype(dtype)
+  top = 127.0 if dtype == jnp.int8 else float(jnp.finfo(dtype).max)
+  if scale is None:
+    amax = jnp.abs(x.astype(jnp.float32)).max(axis=-1)
+    scale = jnp.where(amax > 0, amax / top, jnp.ones((), jnp.float32)).astype(scale_dtype)
+  y = x.astype(jnp.float32) / jnp.asarray(scale, jnp.float32)[..., None]
+  if dtype == jnp.int8:
+    y = jnp.round(y)
+  # Clipped first: a value past the dtype's range would become inf / NaN in float8.
+  return jnp.clip(y, -top, top).astype(dtype), scale
+
+
+def _heads_last(scale, kind):
+  """A per-tensor () or per-head (K,) scale as it broadcasts against tokens (n, K)."""
+  return scale.astype(jnp.float32) if kind == "tensor" else scale.astype(jnp.float32)[None, :]
