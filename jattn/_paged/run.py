@@ -64,7 +64,8 @@ _attend.defvjp(_attend_fwd, _attend_bwd)
 
 @functools.partial(jax.jit, static_argnums=(0,))
 def _jitted(st: PagedPlan, queries: Queries, pool: Pool):
-  programs = _programs(st)
+  """`attend`'s program: (out, lse) as it returns them."""
+  programs = _programs(st)  # the plan alone decides which walk each platform runs
   # A sequence whose metadata breaks the rules runs as an empty one and comes back NaN.
   g = metadata.Geometry(pool.key_pages.shape[0], st.page_size * st.sub, st.rows, st.ragged)
   md = metadata.Metadata(
