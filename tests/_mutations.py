@@ -100,17 +100,20 @@ MUTATIONS = [
     ["tests/test_write_pages.py", "tests/test_x64.py"],
   ),
   (
-    "x64: the paged walk's loop bounds left as computed (int64 meets int32) (_paged/walk)",
+    "x64: the paged tiles' sums and loop bounds left as computed (int64 meets int32) (_paged)",
     "jattn/_paged/walk.py",
-    "    lo, hi = first.min().astype(jnp.int32), last.max().astype(jnp.int32)",
-    "    lo, hi = first.min(), last.max()",
-    ["tests/test_x64.py"],
-  ),
-  (
-    "x64: the paged tiles' sums left as computed (int64 meets int32) (_paged/tiles)",
-    "jattn/_paged/tiles.py",
-    "per_seq[None, :], 0).sum(axis=1, dtype=jnp.int32)",
-    "per_seq[None, :], 0).sum(axis=1)",
+    (
+      (
+        "    lo, hi = first.min().astype(jnp.int32), last.max().astype(jnp.int32)",
+        "    lo, hi = first.min(), last.max()",
+      ),
+      (
+        "jattn/_paged/tiles.py",
+        "per_seq[None, :], 0).sum(axis=1, dtype=jnp.int32)",
+        "per_seq[None, :], 0).sum(axis=1)",
+      ),
+    ),
+    None,
     ["tests/test_x64.py"],
   ),
   (
@@ -213,16 +216,18 @@ survivors: list[str] = []
 for i, (name, path, old, new, tests) in enumerate(MUTATIONS):
   if only and str(i) not in only:
     continue
-  f = ROOT / path
-  src = f.read_text()
-  # One replacement, or several in the same file (``old`` a tuple of (old, new) pairs).
+  # One replacement, or several (``old`` a tuple of (old, new) pairs, or of (file, old, new)
+  # where one bug spans files).
   edits = old if isinstance(old, tuple) else ((old, new),)
-  mutated = src
-  for a, b in edits:
-    assert mutated.count(a) == 1, (name, a, mutated.count(a))
-    mutated = mutated.replace(a, b)
-  f.write_text(mutated)
+  sources: dict[pathlib.Path, str] = {}  # each file as it was, restored whatever happens
   try:
+    for edit in edits:
+      f = ROOT / (edit[0] if len(edit) == 3 else path)
+      a, b = edit[-2:]
+      sources.setdefault(f, f.read_text())
+      mutated = f.read_text()  # with this mutation's earlier edits in it
+      assert mutated.count(a) == 1, (name, a, mutated.count(a))
+      f.write_text(mutated.replace(a, b))
     r = subprocess.run(
       [PY, "-m", "pytest", "-q", "-n", "2", "-p", "no:cacheprovider", *tests],
       cwd=ROOT,
@@ -237,6 +242,7 @@ for i, (name, path, old, new, tests) in enumerate(MUTATIONS):
     for l in failed[:12]:
       print("   ", l)
   finally:
-    f.write_text(src)
+    for f, src in sources.items():
+      f.write_text(src)
 print(f"{len(survivors)} survived" + (": " + "; ".join(survivors) if survivors else ""))
 sys.exit(1 if survivors else 0)

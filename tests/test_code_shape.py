@@ -109,9 +109,9 @@ def test_every_planted_mutation_still_finds_its_line():
   namespace = {"__file__": str(PACKAGE.parent / "tests" / "_mutations.py")}
   exec(src.split("only = sys.argv")[0], namespace)
   for name, path, old, new, _tests in namespace["MUTATIONS"]:
-    text = (PACKAGE.parent / path).read_text()
-    for line, _ in old if isinstance(old, tuple) else ((old, new),):
-      assert text.count(line) == 1, name
+    for edit in old if isinstance(old, tuple) else ((old, new),):
+      text = (PACKAGE.parent / (edit[0] if len(edit) == 3 else path)).read_text()
+      assert text.count(edit[-2]) == 1, name
 
 
 # Signatures users call with every keyword spelled out (jax.nn's, flax's, the modules').

@@ -258,8 +258,11 @@ def quantize(x, dtype, scale=None, scale_dtype=jnp.float32):
   top = 127.0 if dtype == jnp.int8 else float(jnp.finfo(dtype).max)
   if scale is None:
     amax = jnp.abs(x.astype(jnp.float32)).max(axis=-1)
-    scale = jnp.where(amax > 0, amax / top, jnp.ones((), jnp.float32)).astype(scale_dtype)
-  y = x.astype(jnp.float32) / jnp.asarray(scale, jnp.float32)[..., None]
+    exact = jnp.where(amax > 0, amax / top, jnp.ones((), jnp.float32))
+    scale = exact.astype(scale_dtype)
+    y = x.astype(jnp.float32) / exact[..., None]
+  else:
+    y = x.astype(jnp.float32) / jnp.asarray(scale, jnp.float32)[..., None]
   if dtype == jnp.int8:
     y = jnp.round(y)
   # Clipped first: a value past the dtype's range would become inf / NaN in float8.
