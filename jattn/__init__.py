@@ -12,9 +12,9 @@ from jattn._attention import attention_received as attention_received
 from jattn._attention import dot_product_attention as dot_product_attention
 from jattn._flax.attention_fn import make_attention_fn as make_attention_fn
 from jattn._merge import merge_attention as merge_attention
-from jattn._page_write import KVPages as KVPages
-from jattn._page_write import write_pages as write_pages
+from jattn._paged import KVPages as KVPages
 from jattn._paged import paged_attention as paged_attention
+from jattn._paged import write_pages as write_pages
 from jattn._parallel.partition import auto_partitioning as auto_partitioning
 from jattn._parallel.ring import ring_attention as ring_attention
 from jattn._parallel.ring import ring_attention_sharded as ring_attention_sharded

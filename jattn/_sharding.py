@@ -334,7 +334,7 @@ def aligned_to_query(args):
   positions, by gathers a sharded operand cannot follow), and so the arrays of a mask object;
   the sinks replicated. Elsewhere unchanged.
 
-  ``args``: a `jattn._validation.Arrays`."""
+  ``args``: a `jattn._call.Arrays`."""
   if not explicit_mesh():
     return args
   q = tuple(spec_of(args.query) or ()) + (None,) * 4

@@ -13,7 +13,7 @@ from typing import Any
 import jax.numpy as jnp
 from flax import linen as nn
 
-from jattn import _pool, _validation
+from jattn import _paged, _validation
 from jattn import masks as _masks
 from jattn._flax import modules as _mha
 from jattn._types import ArrayLike, Implementation, IsCausal, LocalWindowSize
@@ -107,7 +107,7 @@ class MultiHeadAttention(nn.Module):
     names = ("cached_key", "cached_value", "cached_key_scale", "cached_value_scale")
     variables = [
       self.variable("cache", name, lambda i=i: new()[0][i])
-      for i, name in enumerate(names[: 4 if _pool.is_quantized(dtype) else 2])
+      for i, name in enumerate(names[: 4 if _paged.is_quantized(dtype) else 2])
     ]
     page_table = (
       None if page_size is None else self.variable("cache", "page_table", lambda: new()[1])

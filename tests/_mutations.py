@@ -27,14 +27,14 @@ MUTATIONS = [
   ),
   (
     "user mask dropped while decoding (_mha)",
-    "jattn/_mha.py",
+    "jattn/_flax/modules.py",
     "  mask = _boolean_mask(mask)\n  if mask is not None:\n    m = m & ",
     "  mask = None\n  if mask is not None:\n    m = m & ",
     ["tests/test_flax_modules.py"],
   ),
   (
     "explicit positions offset twice while decoding (_mha)",
-    "jattn/_mha.py",
+    "jattn/_flax/modules.py",
     "  return jnp.broadcast_to(positions.astype(jnp.int32), (B, L))",
     "  positions = positions.astype(jnp.int32)\n  if offset is not None:\n    positions = offset.astype(jnp.int32)[:, None] + positions\n  return jnp.broadcast_to(positions, (B, L))",
     ["tests/test_flax_modules.py"],
@@ -56,14 +56,14 @@ MUTATIONS = [
   # Issue #41: guarded by the tests named (node ids: only those run).
   (
     "paged/quantised cache: fill level clamped to capacity - 1 (_mha)",
-    "jattn/_mha.py",
+    "jattn/_flax/modules.py",
     "    jnp.minimum(index + T, capacity),",
     "    jnp.minimum(index + T, capacity - 1),",
     ["tests/test_flax_modules.py::test_cache_decoded_token_by_token_to_its_last_slot"],
   ),
   (
     "make_attention_fn: output shaped with the query's head size, not value's (_flax_fn)",
-    "jattn/_flax_fn.py",
+    "jattn/_flax/attention_fn.py",
     "    return out.reshape(query.shape[:-1] + (value.shape[-1],))",
     "    return out.reshape(query.shape)",
     ["tests/test_flax_attention_fn.py::test_value_head_size_of_its_own_against_reference"],
@@ -86,42 +86,46 @@ MUTATIONS = [
   # Issue #52: the three regressions and the seven bugs the last suite let through.
   (
     "vmap: the block map broadcast with the batch in the tangent primitive (_linear_tangent)",
-    "jattn/_linear_tangent.py",
+    "jattn/_derivatives.py",
     "  mapped = tuple(d is not None for d in dims[:n])",
     "  primal = [jnp.broadcast_to(x, (size, *x.shape)) if d is None else x"
     " for x, d in zip(primal, dims[:n])]\n  mapped = (True,) * n",
     ["tests/test_structure.py::test_vmapped_causal_gradients_keep_block_skipping"],
   ),
   (
-    "write_pages: NumPy pools kept as NumPy arrays (_page_write)",
-    "jattn/_page_write.py",
+    "write_pages: NumPy pools kept as NumPy arrays (_paged/write)",
+    "jattn/_paged/write.py",
     '  pages = jnp.asarray(_validation.as_array("key_pages", pool.key_pages, "an array of pages"))',
     '  pages = _validation.as_array("key_pages", pool.key_pages, "an array of pages")',
     ["tests/test_write_pages.py", "tests/test_x64.py"],
   ),
   (
     "x64: the paged tiles' sums and loop bounds left as computed (int64 meets int32) (_paged)",
-    "jattn/_paged.py",
+    "jattn/_paged/walk.py",
     (
       (
         "    lo, hi = first.min().astype(jnp.int32), last.max().astype(jnp.int32)",
         "    lo, hi = first.min(), last.max()",
       ),
-      ("per_seq[None, :], 0).sum(axis=1, dtype=jnp.int32)", "per_seq[None, :], 0).sum(axis=1)"),
+      (
+        "jattn/_paged/tiles.py",
+        "per_seq[None, :], 0).sum(axis=1, dtype=jnp.int32)",
+        "per_seq[None, :], 0).sum(axis=1)",
+      ),
     ),
     None,
     ["tests/test_x64.py"],
   ),
   (
     "x64: splash's kernels traced with x64 on (_splash)",
-    "jattn/_splash.py",
+    "jattn/_backends/splash.py",
     "    int32=True,  # Mosaic: no int64 in the kernels' index arithmetic under jax_enable_x64",
     "    int32=False,",
     ["tests/test_x64.py"],
   ),
   (
-    "per-token scales: tokens divided by the scale before it is rounded to its dtype (_pool)",
-    "jattn/_pool.py",
+    "per-token scales: tokens divided by the scale before it is rounded to its dtype (_paged/write)",
+    "jattn/_paged/write.py",
     "    scale = jnp.where(amax > 0, amax / top, jnp.ones((), jnp.float32)).astype(scale_dtype)\n"
     "  y = x.astype(jnp.float32) / jnp.asarray(scale, jnp.float32)[..., None]",
     "    exact = jnp.where(amax > 0, amax / top, jnp.ones((), jnp.float32))\n"
@@ -132,35 +136,32 @@ MUTATIONS = [
     ["tests/test_write_pages.py", "tests/test_flax_modules.py"],
   ),
   (
-    "write_pages: a traced faulty sequence's tokens still written (_page_write)",
-    "jattn/_page_write.py",
+    "write_pages: a traced faulty sequence's tokens still written (_paged/metadata.owners)",
+    "jattn/_paged/metadata.py",
     (
-      (
-        "    own = (qs[None, :-1] <= r) & (r < qs[None, 1:]) & ~bad[None, :]  # (total, B)",
-        "    own = (qs[None, :-1] <= r) & (r < qs[None, 1:])  # (total, B)",
-      ),
-      ("  live = live & ~bad[seq]\n", ""),
+      ("  own = mine & ~faulty[None, :]", "  own = mine"),
+      ("    live = ~faulty[seq] & (within >= 0)", "    live = within >= 0"),
     ),
     None,
     ["tests/test_write_pages.py"],
   ),
   (
-    "write_pages: ragged padding rows written as sequence 0's tokens (_page_write)",
-    "jattn/_page_write.py",
-    "    live = own.any(axis=1)",
-    "    live = jnp.ones(own.shape[:1], bool)",
+    "write_pages: ragged padding rows written as sequence 0's tokens (_paged/metadata.owners)",
+    "jattn/_paged/metadata.py",
+    "  live = own.any(axis=1)",
+    "  live = xp.ones(own.shape[:1], bool)",
     ["tests/test_write_pages.py"],
   ),
   (
     "parallel schedule: the merge order never holds a part (_plan.merge_order)",
-    "jattn/_plan.py",
+    "jattn/_chunked/plan.py",
     "      hold[v, ends[0]] = True",
     "      pass",
     ["tests/test_batch_invariance.py"],
   ),
   (
-    "tree mask: the key range cut at the rows' depth positions, not their slots (_paged)",
-    "jattn/_paged.py",
+    "tree mask: the key range cut at the rows' depth positions, not their slots (_paged/tiles)",
+    "jattn/_paged/tiles.py",
     "    lo = jnp.where(some, jnp.minimum(lo, first_new), lo)\n"
     "    hi = jnp.where(some, kv_lengths[seq], hi)\n",
     "",
@@ -183,29 +184,29 @@ MUTATIONS = [
   # Issue #51: the traps a new user hit.
   (
     "make_attention_fn: top-left causality against flax's decode cache not refused (_flax_fn)",
-    "jattn/_flax_fn.py",
+    "jattn/_flax/attention_fn.py",
     "    _refuse_top_left_decoding(causal_option, query.shape[-3], key.shape[-3])\n",
     "",
     ["tests/test_flax_attention_fn.py"],
   ),
   (
-    "write_pages: new_lengths ignored, left padding written over the cache (_page_write)",
-    "jattn/_page_write.py",
-    "      live = within >= T - new_lengths.astype(jnp.int32)[seq]  # left padding is not written",
-    "      pass",
+    "write_pages: new_lengths ignored, left padding written over the cache (_paged/metadata.owners)",
+    "jattn/_paged/metadata.py",
+    "      within, count = within - first[seq], new_lengths.astype(i32)\n",
+    "",
     ["tests/test_write_pages.py"],
   ),
   (
     "fused kernels: forward mode's tangent dropped (_fused)",
-    "jattn/_fused.py",
+    "jattn/_derivatives.py",
     "    _, d_outs = jax.jvp(f, (leaves,), (list(dots),))",
     "    _, d_outs = jax.jvp(f, (leaves,), ([d * 0 for d in dots],))",
     ["tests/test_transforms.py"],
   ),
   (
-    "paged_attention: B = 0 runs the planned walk (_paged)",
-    "jattn/_paged.py",
-    "  if concrete(st.cfg.B) and st.cfg.B * st.rows == 0:",
+    "paged_attention: B = 0 runs the planned walk (_paged/run)",
+    "jattn/_paged/run.py",
+    "  if concrete(st.B) and st.B * st.rows == 0:",
     "  if False:",
     ["tests/test_empty.py"],
   ),
@@ -215,16 +216,18 @@ survivors: list[str] = []
 for i, (name, path, old, new, tests) in enumerate(MUTATIONS):
   if only and str(i) not in only:
     continue
-  f = ROOT / path
-  src = f.read_text()
-  # One replacement, or several in the same file (``old`` a tuple of (old, new) pairs).
+  # One replacement, or several (``old`` a tuple of (old, new) pairs, or of (file, old, new)
+  # where one bug spans files).
   edits = old if isinstance(old, tuple) else ((old, new),)
-  mutated = src
-  for a, b in edits:
-    assert mutated.count(a) == 1, (name, a, mutated.count(a))
-    mutated = mutated.replace(a, b)
-  f.write_text(mutated)
+  sources: dict[pathlib.Path, str] = {}  # each file as it was, restored whatever happens
   try:
+    for edit in edits:
+      f = ROOT / (edit[0] if len(edit) == 3 else path)
+      a, b = edit[-2:]
+      sources.setdefault(f, f.read_text())
+      mutated = f.read_text()  # with this mutation's earlier edits in it
+      assert mutated.count(a) == 1, (name, a, mutated.count(a))
+      f.write_text(mutated.replace(a, b))
     r = subprocess.run(
       [PY, "-m", "pytest", "-q", "-n", "2", "-p", "no:cacheprovider", *tests],
       cwd=ROOT,
@@ -239,6 +242,7 @@ for i, (name, path, old, new, tests) in enumerate(MUTATIONS):
     for l in failed[:12]:
       print("   ", l)
   finally:
-    f.write_text(src)
+    for f, src in sources.items():
+      f.write_text(src)
 print(f"{len(survivors)} survived" + (": " + "; ".join(survivors) if survivors else ""))
 sys.exit(1 if survivors else 0)

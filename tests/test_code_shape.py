@@ -1,6 +1,6 @@
 """The package's shape, read from its source (no JAX): no import cycle among jattn's modules, no
 library function whose body is over 80 lines of code (docstrings, comments and blank lines not
-counted; jattn/bench/ and jattn/demo.py aside), no module outside jattn/masks/ that branches on a
+counted; jattn/bench/, the demo with it, aside), no module outside jattn/masks/ that branches on a
 private mask class (masks answer for themselves: see docs/architecture.md), no new function over
 8 parameters outside the public signatures, and every planted mutation still finds its line."""
 
@@ -109,17 +109,17 @@ def test_every_planted_mutation_still_finds_its_line():
   namespace = {"__file__": str(PACKAGE.parent / "tests" / "_mutations.py")}
   exec(src.split("only = sys.argv")[0], namespace)
   for name, path, old, new, _tests in namespace["MUTATIONS"]:
-    text = (PACKAGE.parent / path).read_text()
-    for line, _ in old if isinstance(old, tuple) else ((old, new),):
-      assert text.count(line) == 1, name
+    for edit in old if isinstance(old, tuple) else ((old, new),):
+      text = (PACKAGE.parent / (edit[0] if len(edit) == 3 else path)).read_text()
+      assert text.count(edit[-2]) == 1, name
 
 
 # Signatures users call with every keyword spelled out (jax.nn's, flax's, the modules').
 PUBLIC_SIGNATURES = {
   "_attention.py:dot_product_attention",
   "_attention.py:attention_weights",
-  "_paged.py:paged_attention",
-  "_page_write.py:write_pages",
+  "_paged/attention.py:paged_attention",
+  "_paged/write.py:write_pages",
   "_parallel/ring.py:ring_attention",
   "_parallel/ring.py:ring_attention_sharded",
   "diagnostics.py:attention_stats",
@@ -129,8 +129,8 @@ PUBLIC_SIGNATURES = {
   "nnx.py:__init__",
   "nnx.py:__call__",
   # Pallas passes a kernel its scalar-prefetch operands and references by position.
-  "_paged_gpu.py:_kernel",
-  "_paged_tpu.py:_kernel",
+  "_paged/pallas_gpu.py:_kernel",
+  "_paged/pallas_tpu.py:_kernel",
   "_backends/pallas_gpu.py:_backward_kv_kernel",
   "_backends/pallas_gpu.py:_backward_q_kernel",
 }

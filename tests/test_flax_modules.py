@@ -725,10 +725,10 @@ def _dequantized_forward(lin, params, x, dtype):
   """The uncached forward pass with keys and values rounded as a quantised cache stores them
   (per token and head), through the float64-free path of dense attention: what a decode with
   that cache must give."""
-  from jattn import _pool
+  from jattn._paged.write import quantize
 
   def round_trip(t):
-    y, s = _pool.quantize(t, dtype)
+    y, s = quantize(t, dtype)
     return (y.astype(jnp.float32) * s[..., None]).astype(t.dtype)
 
   real = jattn.dot_product_attention

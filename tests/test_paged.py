@@ -384,7 +384,7 @@ def test_split_kv_program_for_accelerators(layout):
     jax.ShapeDtypeStruct((4, S // 16), jnp.int32),
     jax.ShapeDtypeStruct((4,), jnp.int32),
   )
-  # The XLA walk's program (on a TPU, None takes the Pallas kernel: tests/test_paged_tpu.py).
+  # The XLA walk's program (on a TPU, None takes the Pallas kernel: tests/test_paged_kernels.py).
   walk = lambda q, kp, vp, t, l: jattn.paged_attention(
     q, kp, vp, t, l, kv_layout=layout, implementation="chunked"
   )

@@ -1,5 +1,5 @@
-"""jattn's Pallas paged kernels -- TPU (`jattn._paged_tpu`, Mosaic) and GPU (`jattn._paged_gpu`,
-Triton) -- against the float64 reference.
+"""jattn's Pallas paged kernels -- TPU (`jattn._paged.pallas_tpu`, Mosaic) and GPU
+(`jattn._paged.pallas_gpu`, Triton) -- against the float64 reference.
 
 The kernels run here in Pallas's interpret mode (TPU: `force_tpu_interpret_mode`; GPU:
 `jattn._lowering.gpu_interpret_mode`): the very kernel a TPU or GPU gets, its grid walked on the

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jattn import _pool, _validation
+from jattn import _paged, _validation
 from jattn import masks as _masks
 from jattn._attention import attention_weights, dot_product_attention
 from jattn._types import CausalAlignment, Implementation
@@ -464,7 +464,7 @@ def new_cache(opts: Options, batch_size: int, max_length: int, dtype, page_size=
     jnp.zeros(lead + (K, opts.head_dim), dtype),
     jnp.zeros(lead + (K, opts.value_head_dim), dtype),
   )
-  if _pool.is_quantized(dtype):
+  if _paged.is_quantized(dtype):
     arrays += (jnp.ones(lead + (K,), jnp.float32),) * 2
   return arrays, table
 
@@ -475,11 +475,10 @@ def attend_paged(opts: Options, q, k, v, cache: Cache, masking: Masking, per_cal
   (P, ps, K) float32; ``cache.page_table`` (B, max_pages): example b's cache positions
   i * ps .. (i + 1) * ps - 1 live in page page_table[b, i]. The T new keys and values
   (quantised per token and head when the pool is) are written at the fill level through the
-  table, and the step attends through `jattn.paged_attention`. Of ``masking`` it reads the
-  positions and query_seq_lengths, and refuses a mask; of ``per_call``, it refuses dropout and
-  statistics. Returns (out (B, T, N, Hv), new pools, new cache_index)."""
-  from jattn._paged import paged_attention  # the serving kernel
-
+  table as `jattn.write_pages` writes them, and the step attends through
+  `jattn.paged_attention`. Of ``masking`` it reads the positions and query_seq_lengths, and
+  refuses a mask; of ``per_call``, it refuses dropout and statistics. Returns (out (B, T, N,
+  Hv), new pools, new cache_index)."""
   pools, page_table, cache_index = cache.arrays, cache.page_table, cache.index
   positions, query_seq_lengths = masking.positions, masking.query_seq_lengths
   for what, given in (
@@ -493,63 +492,33 @@ def attend_paged(opts: Options, q, k, v, cache: Cache, masking: Masking, per_cal
         f"decoding with a paged or quantised cache takes causality, windows and soft caps "
         f"(it runs jattn.paged_attention), not {what}; use a contiguous float cache for that"
       )
-  B, T = q.shape[:2]
+  T = q.shape[1]
   capacity = page_table.shape[1] * pools[0].shape[1]
   quantized = len(pools) == 4
-  for name, x, pool in (("keys", k, pools[0]), ("values", v, pools[1])):
-    if pool.shape[2:] != x.shape[2:]:
-      raise ValueError(
-        f"paged cache of shape {pool.shape} (P, page_size, K, H) does not match "
-        f"new {name} of shape {x.shape} (B, T, K, H)"
-      )
-    if not quantized and x.dtype != pool.dtype:
-      raise TypeError(
-        f"new {name} ({x.dtype}) must have the cache's dtype ({pool.dtype}); "
-        f"init the cache with the computation dtype"
-      )
-  if page_table.shape[0] != B:
-    raise ValueError(
-      f"page_table must have a row per example, (B, max_pages) with B={B}, got "
-      f"shape {page_table.shape}"
-    )
-  q, k, index, new, _, slots = _at_fill_level(opts, q, k, cache_index, positions, query_seq_lengths)
-  pools = _write(pools, page_table, slots, k, v)
+  q, k, index, new, _, _ = _at_fill_level(opts, q, k, cache_index, positions, query_seq_lengths)
+  # The T new tokens, padded or not, at cache positions index .. index + T - 1.
+  pool = _paged.Pool(pools[0], pools[1], page_table, index + T, *pools[2:])
+  pool = _paged.write_cache(pool, k, v)
   # Query t sits at position index + t: bottom-right against index + T keys (the new ones,
   # padded or not, written), so padded queries see only real keys; their rows are zeroed.
-  out = paged_attention(
+  out = _paged.paged_attention(
     q,
-    pools[0],
-    pools[1],
+    pool.key_pages,
+    pool.value_pages,
     page_table,
     jnp.minimum(index + T, capacity),
     scale=opts.scale,
     is_causal=True,
     local_window_size=opts.window,
     logits_soft_cap=opts.logits_soft_cap,
-    k_scale=pools[2] if quantized else None,
-    v_scale=pools[3] if quantized else None,
+    k_scale=pool.k_scale,
+    v_scale=pool.v_scale,
   )
   if query_seq_lengths is not None:
     live = jnp.arange(T, dtype=jnp.int32)[None, :] < new[:, None]
     out = jnp.where(live[..., None, None], out, jnp.zeros((), out.dtype))
-  return out, pools, index + new
-
-
-def _write(pools, page_table, slots, k, v):
-  """``pools`` (key, value pages[, their per-token scales]) with the new keys k (B, T, K, H) and
-  values v written at cache positions ``slots`` (B, T), as `jattn.write_pages` writes them."""
-  B, T = slots.shape
-  P, ps = pools[0].shape[:2]
-  seq = jnp.repeat(jnp.arange(B, dtype=jnp.int32), T)
-  at = _pool.slots(page_table, seq, slots.reshape(-1), jnp.ones((B * T,), bool), P, ps)
-  kinds = ("token", "token") if len(pools) == 4 else (None, None)
-  flat = lambda x: x.reshape((B * T,) + x.shape[2:])
-  scales = pools[2:] if len(pools) == 4 else (None, None)
-  pool = _pool.Pool(pools[0], pools[1], page_table, None, *scales)
-  written = _pool.write(pool, "NHD", at, flat(k), flat(v), kinds)
-  return (written.key_pages, written.value_pages) + (
-    (written.k_scale, written.v_scale) if len(pools) == 4 else ()
-  )
+  written = (pool.key_pages, pool.value_pages) + ((pool.k_scale, pool.v_scale) if quantized else ())
+  return out, written, index + new
 
 
 def decode_step(opts: Options, q, k, v, cache: Cache, masking: Masking, per_call: PerCall):

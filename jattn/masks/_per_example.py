@@ -143,7 +143,7 @@ _FAR = 1 << 29
 def visible_by_position(q, k, causal: bool, window):
   """Whether queries at positions ``q`` see keys at positions ``k`` (broadcast): causality and a
   (left, right) window measured in positions. The one statement of the rule: the positions
-  mask and the paged walks and kernels (`jattn._paged_fold`) use it."""
+  mask and the paged walks and kernels (`jattn._paged.fold`) use it."""
   ok = jnp.ones(jnp.broadcast_shapes(jnp.shape(q), jnp.shape(k)), bool)
   if causal:
     ok = ok & (k <= q)

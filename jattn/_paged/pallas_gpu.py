@@ -4,8 +4,8 @@ Why jattn's own kernel and not jax's: `jax.experimental.pallas.ops.gpu.paged_att
 pools laid out (K, P, page_size, H) (jattn's layouts would be copied on every call), decodes one
 query per sequence only, takes no window, sinks or value head size of its own and returns no
 log-sum-exp; `...gpu.decode_attention` reads contiguous keys. This kernel walks jattn's own tiles
-(`_paged._Tiles`) over their pages in every layout jattn takes, folding pages with the same
-arithmetic as the XLA walk and the TPU kernel (`jattn._paged_fold`).
+(`jattn._paged.tiles.Tiles`) over their pages in every layout jattn takes, folding pages with the same
+arithmetic as the XLA walk and the TPU kernel (`jattn._paged.fold`).
 
 The grid is (tiles, K heads, lanes). A program reads, for its tile and key/value head, the whole
 pool of that head as a strided reference (no copy) and gathers ``ppb`` pages a step by their ids
@@ -25,8 +25,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jattn import _paged_fold, _softmax
+from jattn import _softmax
 from jattn._chunked.plan import SPLIT_KV_PARTS
+from jattn._paged import fold
 
 # Keys per step: Triton's matmul tiles want 16 or more rows and powers of two; 64 keys keep a
 # step's keys and values of head size 128 within a streaming multiprocessor's shared memory.
@@ -41,8 +42,8 @@ def _pow2(n: int) -> bool:
 
 
 def supports(st) -> str | None:
-  """None, or why Triton cannot take a planned call's sizes (`_paged._Static`; a symbolic B
-  is refused for both kernels by `_paged`)."""
+  """None, or why Triton cannot take a planned call's sizes (a `PagedPlan`; a symbolic B is
+  refused for both kernels by `jattn._paged.plan.why_no_kernel`)."""
   ps = st.page_size * st.sub
   for name, size in (("page_size", ps), ("H", st.H), ("Hv", st.Hv)):
     if not _pow2(size) or (name != "page_size" and size < 16):
@@ -52,12 +53,13 @@ def supports(st) -> str | None:
   return None
 
 
-def walk(st, q, tiles, pool, kv_len, *, interpret: bool = False):
+def walk(st, q, tiles, pool, *, interpret: bool = False):
   """(m, l, acc) of (M, K, R[, Hv]) float32, R = G * tq: as the XLA walk returns them."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import triton as plgpu
 
-  key_pages, value_pages, page_table, _, k_scale, v_scale = pool  # (`_pool.Pool`)
+  key_pages, value_pages, page_table, kv_lengths, k_scale, v_scale = pool  # (a `Pool`)
+  kv_len = kv_lengths.astype(jnp.int32)[tiles.seq]  # (M,) each tile's sequence's keys
   st = st._replace(
     page_size=st.page_size * st.sub, max_pages=st.max_pages // st.sub, sub=1, pages_per_block=1
   )
@@ -84,10 +86,10 @@ def walk(st, q, tiles, pool, kv_len, *, interpret: bool = False):
     pl.BlockSpec(table.shape, lambda m, k, p: (0, 0)),
     pl.BlockSpec((None, None, Rp, H), lambda m, k, p: (m, k, 0, 0)),
   ]
-  for half, pool in ((0, key_pages), (1, key_pages if st.layout == "combined" else value_pages)):
+  for half, pool in ((0, key_pages), (1, key_pages if st.kv_layout == "combined" else value_pages)):
     operands.append(pool)
     specs.append(_head_spec(st, pool.shape, half))
-  for kind, scale in ((st.k_scale, k_scale), (st.v_scale, v_scale)):
+  for kind, scale in ((st.k_scale_kind, k_scale), (st.v_scale_kind, v_scale)):
     if kind == "token":
       operands.append(scale.astype(jnp.float32))
       specs.append(_head_spec(st, scale.shape, 0))
@@ -119,10 +121,10 @@ def _head_spec(st, shape, half):
   """A pool (or its per-token scales) as head k's strided reference, (P, page_size[, X])."""
   from jax.experimental import pallas as pl
 
-  if st.layout == "HND":
+  if st.kv_layout == "HND":
     block = (shape[0], None) + shape[2:]
     return pl.BlockSpec(block, lambda m, k, p: (0, k) + (0,) * (len(shape) - 2))
-  if st.layout != "combined" or len(shape) == 3:  # a combined pool's scales are (P, ps, K)
+  if st.kv_layout != "combined" or len(shape) == 3:  # a combined pool's scales are (P, ps, K)
     half, heads = 0, 1
   else:  # key head k at 2k, its values at 2k + 1
     heads = 2
@@ -136,7 +138,7 @@ def _kernel(st, ppb, lanes, R, P, info_ref, table_ref, q_ref, k_ref, v_ref, *ref
 
   *scale_refs, m_ref, l_ref, acc_ref = refs
   scales = []
-  for kind in (st.k_scale, st.v_scale):
+  for kind in (st.k_scale_kind, st.v_scale_kind):
     scales.append((kind, scale_refs.pop(0)) if kind is not None else (None, None))
   k, lane = pl.program_id(1), pl.program_id(2)
   seq, lo, hi, kv_len, base, count = (info_ref[i] for i in range(6))
@@ -156,9 +158,9 @@ def _kernel(st, ppb, lanes, R, P, info_ref, table_ref, q_ref, k_ref, v_ref, *ref
     keys = k_ref[pages].reshape(bk, -1)
     values = v_ref[pages].reshape(bk, -1)
     key = j * bk + jax.lax.broadcasted_iota(jnp.int32, (1, bk), 1)
-    vis = _paged_fold.visible(st, key, pos, real, kv_len)
+    vis = fold.visible(st, key, pos, real, kv_len)
     ks, vs = (_scale(kind, ref, pages, k, bk) for kind, ref in scales)
-    return _paged_fold.fold_page(st, carry, q, keys, values, ks, vs, vis)
+    return fold.fold_page(st, carry, q, keys, values, ks, vs, vis)
 
   carry = (
     jnp.full((Rp,), _softmax.NEG, jnp.float32),

@@ -5,7 +5,7 @@ reads only the combined pool, takes no sinks, no per-head or per-token scales, n
 size of its own, returns no log-sum-exp, and cannot run in Pallas's TPU interpret mode (jax
 0.10 and 0.12 fail in its strided key/value loads), so nothing of it could be tested here;
 `...tpu.paged_attention` wants pools laid out (K, P, page_size, H), which jattn's layouts would
-have to be copied into on every call. This kernel walks jattn's own tiles (`_paged._Tiles`:
+have to be copied into on every call. This kernel walks jattn's own tiles (`jattn._paged.tiles.Tiles`:
 query rows of one sequence) over their pages, in every layout jattn takes, and returns the
 running softmax (m, l, acc) that the XLA walk returns, so the epilogue (sinks, normalisation,
 log-sum-exp, rows back in place) is one for both.
@@ -29,7 +29,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jattn import _paged_fold, _softmax
+from jattn import _softmax
+from jattn._paged import fold
 
 # Pages per grid step: about this many keys (whole pages; a longer page is a step of its own).
 STEP_KEYS = 256
@@ -39,14 +40,14 @@ def pages_per_step(page_size: int, max_pages: int) -> int:
   return max(1, min(max_pages, STEP_KEYS // page_size))
 
 
-def walk(st, q, tiles, pool, kv_len):
+def walk(st, q, tiles, pool):
   """(m, l, acc) of (M, K, R[, Hv]) float32, R = G * tq: every tile's running softmax over
-  the keys of its range [tiles.lo, tiles.hi), as the XLA walk returns it. ``kv_len`` (M,): the
-  cached tokens of each tile's sequence."""
+  the keys of its range [tiles.lo, tiles.hi), as the XLA walk returns it."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import tpu as pltpu
 
-  key_pages, value_pages, page_table, _, k_scale, v_scale = pool  # (`_pool.Pool`)
+  key_pages, value_pages, page_table, kv_lengths, k_scale, v_scale = pool  # (a `Pool`)
+  kv_len = kv_lengths[tiles.seq]  # (M,) each tile's sequence's cached tokens
   # The pool's own pages (the XLA walk may cut long pages into pieces: not needed here).
   st = st._replace(
     page_size=st.page_size * st.sub, max_pages=st.max_pages // st.sub, sub=1, pages_per_block=1
@@ -71,7 +72,7 @@ def walk(st, q, tiles, pool, kv_len):
     count,
   ]
   # Scales per tensor or per head are scalars of the step (SMEM); per token, blocks of pages.
-  for kind, scale in ((st.k_scale, k_scale), (st.v_scale, v_scale)):
+  for kind, scale in ((st.k_scale_kind, k_scale), (st.v_scale_kind, v_scale)):
     if kind in ("tensor", "head"):
       scalars.append(jnp.broadcast_to(scale.astype(jnp.float32), (K,)))
 
@@ -90,11 +91,11 @@ def walk(st, q, tiles, pool, kv_len):
     return pl.BlockSpec((None,) + x.shape[1:], lambda m, j, *s: (page_of(m, j, i, *s), 0, 0))
 
   operands, specs = [q], [pl.BlockSpec((None, K, R, H), lambda m, j, *s: (m, 0, 0, 0))]
-  pools = (key_pages,) if st.layout == "combined" else (key_pages, value_pages)
+  pools = (key_pages,) if st.kv_layout == "combined" else (key_pages, value_pages)
   for pool in pools:
     operands += [pool] * ppb
     specs += [pool_spec(pool, i) for i in range(ppb)]
-  for kind, scale in ((st.k_scale, k_scale), (st.v_scale, v_scale)):
+  for kind, scale in ((st.k_scale_kind, k_scale), (st.v_scale_kind, v_scale)):
     if kind == "token":
       operands += [scale.astype(jnp.float32)] * ppb
       specs += [scale_spec(scale, i) for i in range(ppb)]
@@ -130,7 +131,7 @@ def _kernel(st, ppb, npools, _table, _seq, lo, hi, kv_len, base, count, *refs):
 
   refs_ = list(refs)
   scales = []  # per key and value: (kind, ref): SMEM (K,) per head, or ppb page blocks
-  for kind in (st.k_scale, st.v_scale):
+  for kind in (st.k_scale_kind, st.v_scale_kind):
     scales.append(("head", refs_.pop(0)) if kind in ("tensor", "head") else (kind, None))
   q_ref = refs_.pop(0)
   m_ref, l_ref, acc_ref = refs_[-3:]
@@ -159,11 +160,11 @@ def _kernel(st, ppb, npools, _table, _seq, lo, hi, kv_len, base, count, *refs):
     @pl.when((page >= lo[t]) & (page < hi[t]))
     def _fold(i=i, page=page):
       key = page * st.page_size + jax.lax.broadcasted_iota(jnp.int32, (1, st.page_size), 1)
-      vis = _paged_fold.visible(st, key, pos, real, kv_len[t])
+      vis = fold.visible(st, key, pos, real, kv_len[t])
       for k in range(K):
         ks, vs = _scale(st, scales, 0, k, i), _scale(st, scales, 1, k, i)
         carry = (m_ref[k], l_ref[k], acc_ref[k])
-        m, l, acc = _paged_fold.fold_page(
+        m, l, acc = fold.fold_page(
           st,
           carry,
           q_ref[k],
@@ -178,9 +179,9 @@ def _kernel(st, ppb, npools, _table, _seq, lo, hi, kv_len, base, count, *refs):
 
 def _head(st, ref, k, half):
   """Head k's (page_size, X) slice of a page block, as the layout holds it."""
-  if st.layout == "HND":
+  if st.kv_layout == "HND":
     return ref[k]
-  if st.layout == "combined":
+  if st.kv_layout == "combined":
     return ref[:, 2 * k + half, :]
   return ref[:, k, :]
 
@@ -193,4 +194,4 @@ def _scale(st, scales, which, k, i):
   if kind == "head":
     return ref[k]
   page = ref[i]
-  return (page[k] if st.layout == "HND" else page[:, k])[None, :]
+  return (page[k] if st.kv_layout == "HND" else page[:, k])[None, :]

@@ -1,7 +1,7 @@
 """One page (or block) of keys folded into a tile's running softmax: the arithmetic that the
-paged walks share -- the XLA walk (`jattn._paged`) and the Pallas kernels (`jattn._paged_tpu`,
-`jattn._paged_gpu`) -- so that a rule (which keys a row sees, where the scale and the soft cap
-apply, why hidden values are zeroed) is written once.
+paged walks share -- the XLA walk (`jattn._paged.walk`) and the Pallas kernels
+(`jattn._paged.pallas_tpu`, `jattn._paged.pallas_gpu`) -- so that a rule (which keys a row sees,
+where the scale and the soft cap apply, why hidden values are zeroed) is written once.
 
 Positions, not indices: a tile row at position ``pos`` sees key position ``key`` if the key is
 cached (``key < kv_len``), the row is real, and causality and the window allow it.
