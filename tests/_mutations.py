@@ -26,14 +26,14 @@ MUTATIONS = [
     ["tests/test_precision16.py"],
   ),
   (
-    "user mask dropped while decoding (_mha)",
+    "user mask dropped while decoding (_flax/modules)",
     "jattn/_flax/modules.py",
     "  mask = _boolean_mask(mask)\n  if mask is not None:\n    m = m & ",
     "  mask = None\n  if mask is not None:\n    m = m & ",
     ["tests/test_flax_modules.py"],
   ),
   (
-    "explicit positions offset twice while decoding (_mha)",
+    "explicit positions offset twice while decoding (_flax/modules)",
     "jattn/_flax/modules.py",
     "  return jnp.broadcast_to(positions.astype(jnp.int32), (B, L))",
     "  positions = positions.astype(jnp.int32)\n  if offset is not None:\n    positions = offset.astype(jnp.int32)[:, None] + positions\n  return jnp.broadcast_to(positions, (B, L))",
@@ -55,14 +55,14 @@ MUTATIONS = [
   ),
   # Issue #41: guarded by the tests named (node ids: only those run).
   (
-    "paged/quantised cache: fill level clamped to capacity - 1 (_mha)",
+    "paged/quantised cache: fill level clamped to capacity - 1 (_flax/modules)",
     "jattn/_flax/modules.py",
     "    jnp.minimum(index + T, capacity),",
     "    jnp.minimum(index + T, capacity - 1),",
     ["tests/test_flax_modules.py::test_cache_decoded_token_by_token_to_its_last_slot"],
   ),
   (
-    "make_attention_fn: output shaped with the query's head size, not value's (_flax_fn)",
+    "make_attention_fn: output shaped with the query's head size, not value's (_flax/attention_fn)",
     "jattn/_flax/attention_fn.py",
     "    return out.reshape(query.shape[:-1] + (value.shape[-1],))",
     "    return out.reshape(query.shape)",
@@ -85,7 +85,7 @@ MUTATIONS = [
   ),
   # Issue #52: the three regressions and the seven bugs the last suite let through.
   (
-    "vmap: the block map broadcast with the batch in the tangent primitive (_linear_tangent)",
+    "vmap: the block map broadcast with the batch in the tangent primitive (_derivatives)",
     "jattn/_derivatives.py",
     "  mapped = tuple(d is not None for d in dims[:n])",
     "  primal = [jnp.broadcast_to(x, (size, *x.shape)) if d is None else x"
@@ -117,7 +117,7 @@ MUTATIONS = [
     ["tests/test_x64.py"],
   ),
   (
-    "x64: splash's kernels traced with x64 on (_splash)",
+    "x64: splash's kernels traced with x64 on (_backends/splash)",
     "jattn/_backends/splash.py",
     "    int32=True,  # Mosaic: no int64 in the kernels' index arithmetic under jax_enable_x64",
     "    int32=False,",
@@ -153,7 +153,7 @@ MUTATIONS = [
     ["tests/test_write_pages.py"],
   ),
   (
-    "parallel schedule: the merge order never holds a part (_plan.merge_order)",
+    "parallel schedule: the merge order never holds a part (_chunked/plan.merge_order)",
     "jattn/_chunked/plan.py",
     "      hold[v, ends[0]] = True",
     "      pass",
@@ -183,7 +183,7 @@ MUTATIONS = [
   ),
   # Issue #51: the traps a new user hit.
   (
-    "make_attention_fn: top-left causality against flax's decode cache not refused (_flax_fn)",
+    "make_attention_fn: top-left causality against flax's decode cache not refused (_flax/attention_fn)",
     "jattn/_flax/attention_fn.py",
     "    _refuse_top_left_decoding(causal_option, query.shape[-3], key.shape[-3])\n",
     "",
@@ -197,7 +197,7 @@ MUTATIONS = [
     ["tests/test_write_pages.py"],
   ),
   (
-    "fused kernels: forward mode's tangent dropped (_fused)",
+    "fused kernels: forward mode's tangent dropped (_derivatives)",
     "jattn/_derivatives.py",
     "    _, d_outs = jax.jvp(f, (leaves,), (list(dots),))",
     "    _, d_outs = jax.jvp(f, (leaves,), ([d * 0 for d in dots],))",
