@@ -2,7 +2,8 @@
 library function whose body is over 80 lines of code (docstrings, comments and blank lines not
 counted; jattn/bench/, the demo with it, aside), no module outside jattn/masks/ that branches on a
 private mask class (masks answer for themselves: see docs/architecture.md), no new function over
-8 parameters outside the public signatures, and every planted mutation still finds its line."""
+8 parameters outside the public signatures, every planted mutation still finds its line, and
+docs/architecture.md has one row per module."""
 
 from __future__ import annotations
 
@@ -112,6 +113,20 @@ def test_every_planted_mutation_still_finds_its_line():
     for edit in old if isinstance(old, tuple) else ((old, new),):
       text = (PACKAGE.parent / (edit[0] if len(edit) == 3 else path)).read_text()
       assert text.count(edit[-2]) == 1, name
+
+
+def test_architecture_has_a_row_per_module():
+  """docs/architecture.md's parts table names every module of jattn (bench/ included) once, and
+  no module that does not exist (a moved or deleted module must move its row)."""
+  rows = [
+    name
+    for line in (PACKAGE.parent / "docs" / "architecture.md").read_text().splitlines()
+    if line.startswith("| `")
+    for name in re.findall(r"`([^`]+)`", line.split("|")[1])
+  ]
+  modules = sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py"))
+  assert sorted(set(rows)) == sorted(rows), "a module with two rows"
+  assert sorted(rows) == modules, (set(modules) - set(rows), set(rows) - set(modules))
 
 
 # Signatures users call with every keyword spelled out (jax.nn's, flax's, the modules').
