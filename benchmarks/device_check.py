@@ -232,9 +232,9 @@ def correctness(smoke: bool):
 
 
 def batch_invariance(smoke: bool):
-  """Each implementation's output and log-sum-exp for a sequence alone and in a batch of four
-  with other lengths (bottom-right causal, bfloat16): whether the bits are equal. jattn's own
-  paths are batch-invariant by construction on the CPU (tests/test_batch_invariance.py); on a
+  """Each implementation's output and log-sum-exp for a sequence alone and in a batch of four with
+  other lengths (bottom-right causal, bfloat16): whether the bits are equal. jattn's own paths are
+  batch-invariant by construction on the CPU (tests/properties/test_batch_invariance.py); on a
   device this shows whether XLA's matmuls and the fused kernels keep it."""
   rows = []
   B, T, S, N, K, H = (4, 8, 64, 4, 2, 32) if smoke else (4, 256, 4096, 8, 2, 128)

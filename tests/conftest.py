@@ -1,6 +1,16 @@
-"""A strict numerical environment: no implicit dtype promotion, no implicit rank broadcasting."""
+"""A strict numerical environment: no implicit dtype promotion, no implicit rank broadcasting.
+
+The tests live in folders by concept (attention/, paged/, parallel/, backends/, flax/,
+properties/, tooling/); what they share -- references, the feature matrix, workers, the cost
+plugin -- lives in support/, which this conftest puts on sys.path so that a test imports a
+helper by its bare name (``import reference as ref``). A test file never imports another test
+file.
+"""
 
 import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "support"))
 
 # Tests run on the CPU; a few need float64 for the references computed with jax.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
