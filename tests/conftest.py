@@ -4,7 +4,7 @@ The tests live in folders by concept (attention/, paged/, parallel/, backends/, 
 properties/, tooling/); what they share -- references, the feature matrix, workers, the cost
 plugin -- lives in support/, which this conftest puts on sys.path so that a test imports a
 helper by its bare name (``import reference as ref``). A test file never imports another test
-file.
+file (tooling/test_code_shape.py checks it).
 """
 
 import os

@@ -107,14 +107,42 @@ def test_private_mask_classes_stay_in_masks():
 def test_every_planted_mutation_still_finds_its_line():
   """tests/tooling/_mutations.py plants bugs by exact text; a reformatted or moved line would
   make a mutation silently impossible (its runner asserts the same, but only when someone runs
-  it)."""
+  it). The test files it runs against each must exist too (a moved test file would make the
+  runner's pytest fail on every mutation, and report them all caught)."""
   src = (TESTS / "tooling" / "_mutations.py").read_text()
   namespace = {"__file__": str(TESTS / "tooling" / "_mutations.py")}
   exec(src.split("only = sys.argv")[0], namespace)
-  for name, path, old, new, _tests in namespace["MUTATIONS"]:
+  for name, path, old, new, tests in namespace["MUTATIONS"]:
     for edit in old if isinstance(old, tuple) else ((old, new),):
       text = (PACKAGE.parent / (edit[0] if len(edit) == 3 else path)).read_text()
       assert text.count(edit[-2]) == 1, name
+    for test in tests:
+      assert (PACKAGE.parent / test.split("::")[0]).is_file(), (name, test)
+
+
+# Test files by concept; what they share is in support/ (conftest puts it on sys.path).
+TEST_FOLDERS = {"attention", "paged", "parallel", "backends", "flax", "properties", "tooling"}
+_IMPORTS_A_TEST = re.compile(r"^\s*(?:import|from)\s+(test_\w+)", re.M)
+
+
+def test_tests_are_in_their_folders():
+  """tests/ holds conftest.py and the folders; every test file is in one of the concept folders,
+  support/ holds no test file."""
+  assert {p.name for p in TESTS.glob("*.py")} == {"conftest.py"}
+  assert {p.parent.name for p in TESTS.rglob("test_*.py")} <= TEST_FOLDERS
+  assert not list((TESTS / "support").glob("test_*.py"))
+
+
+def test_no_test_file_imports_a_test_file():
+  """A test file (or a helper, or a worker's source in a string) imports helpers from support/,
+  never a test_*.py file, itself included: what two files share is a support module."""
+  found = [
+    f"{p.relative_to(TESTS)} imports {m}"
+    for p in sorted(TESTS.rglob("*.py"))
+    if ".hypothesis" not in p.parts
+    for m in _IMPORTS_A_TEST.findall(p.read_text())
+  ]
+  assert not found, found
 
 
 def test_architecture_has_a_row_per_module():
