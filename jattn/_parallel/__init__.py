@@ -11,5 +11,5 @@
   position of every row a device holds).
 
 Parts meet through the log-sum-exp merges of `jattn._softmax` (public as `jattn.merge_attention`,
-in `jattn._merge`: merging is not only for devices).
+in `jattn._attention`: merging is not only for devices).
 """

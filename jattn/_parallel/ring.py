@@ -33,7 +33,7 @@ This module holds the ring (the operands of one shard pair, the forward and back
 their custom VJP), `tiles_per_device` (the work each device's block maps give it) and the public
 functions `ring_attention` and `ring_attention_sharded`. The layouts themselves are in
 `jattn._parallel.zigzag`; merging parts by their log-sum-exp, `jattn.merge_attention`, is in
-`jattn._merge`.
+`jattn._attention`.
 
 Shapes: B batch, T / S global query / key length, N query heads, K key/value heads, G = N // K,
 H head dim; Ts = T / P and Ss = S / P are one device's shards.
