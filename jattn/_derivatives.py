@@ -61,6 +61,11 @@ def _level(fn, mapped):
 
 
 def _batched(avals, levels):
+  if not levels:
+    # The callers' own types (jax.typeof), sharding included: under an Explicit mesh the
+    # cotangents reverse mode builds for the tangents are typed like them, and the backward
+    # multiplies them with residuals sharded that way.
+    return list(avals)
   # Each level moved its axis to the front: the latest level's size comes first.
   sizes = tuple(size for size, _ in reversed(levels))
   return [jax.core.ShapedArray(sizes + tuple(a.shape), a.dtype) for a in avals]
