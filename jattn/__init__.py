@@ -10,8 +10,8 @@ from jattn import diagnostics as diagnostics
 from jattn import masks as masks
 from jattn._attention import attention_received as attention_received
 from jattn._attention import dot_product_attention as dot_product_attention
-from jattn._flax.attention_fn import make_attention_fn as make_attention_fn
 from jattn._attention import merge_attention as merge_attention
+from jattn._flax.attention_fn import make_attention_fn as make_attention_fn
 from jattn._paged import KVPages as KVPages
 from jattn._paged import paged_attention as paged_attention
 from jattn._paged import write_pages as write_pages
