@@ -105,7 +105,7 @@ def child(cfg):
   import numpy as np
 
   import jattn
-  from jattn._parallel import ring as _ring
+  from jattn._parallel import ring_loop
 
   P = cfg["devices"]
   assert jax.device_count() >= P, jax.devices()
@@ -138,7 +138,7 @@ def child(cfg):
             q, k, v, mesh=mesh, seq_axis="seq", layout=layout, block_q=bq, block_kv=bq, **kw
           )
           t_ring, c_ring = _median_time(_pass(ring, pss), args, cfg["repeats"], cfg["warmup"])
-          work, _ = _ring.tiles_per_device(P, layout, Ts, Ts, bq, bq, hi=0 if causal else None)
+          work, _ = ring_loop.tiles_per_device(P, layout, Ts, Ts, bq, bq, hi=0 if causal else None)
           itemsize = dtype.itemsize
           rows.append(
             dict(

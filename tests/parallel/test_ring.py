@@ -24,7 +24,7 @@ import reference as ref
 
 import jattn
 from jattn import masks as jmasks
-from jattn._parallel import ring as _ring
+from jattn._parallel import ring_loop
 from jattn._parallel import zigzag as _zigzag
 from jattn._tile import NEG
 
@@ -225,8 +225,8 @@ def test_zigzag_errors():
 def test_zigzag_balances_causal_work():
   P, Ts, block = 8, 16, 4
   nb = P * Ts // block  # global blocks per side
-  contiguous, _ = _ring.tiles_per_device(P, "contiguous", Ts, Ts, block, block, hi=0)
-  zigzag, zig_full = _ring.tiles_per_device(P, "zigzag", Ts, Ts, block, block, hi=0)
+  contiguous, _ = ring_loop.tiles_per_device(P, "contiguous", Ts, Ts, block, block, hi=0)
+  zigzag, zig_full = ring_loop.tiles_per_device(P, "zigzag", Ts, Ts, block, block, hi=0)
   contiguous, zigzag = contiguous.tolist(), zigzag.tolist()
   # Both compute exactly the lower triangle of the global block grid, diagonal included...
   assert sum(contiguous) == sum(zigzag) == nb * (nb + 1) // 2
