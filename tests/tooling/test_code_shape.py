@@ -176,8 +176,8 @@ PUBLIC_SIGNATURES = {
   # Pallas passes a kernel its scalar-prefetch operands and references by position.
   "_paged/pallas_gpu.py:_kernel",
   "_paged/pallas_tpu.py:_kernel",
-  "_backends/pallas_gpu.py:_backward_kv_kernel",
-  "_backends/pallas_gpu.py:_backward_q_kernel",
+  "_backends/pallas_gpu_kernels.py:_backward_kv_kernel",
+  "_backends/pallas_gpu_kernels.py:_backward_q_kernel",
 }
 
 
