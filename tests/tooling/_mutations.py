@@ -215,19 +215,25 @@ MUTATIONS = [
     ["tests/attention/test_empty.py"],
   ),
 ]
+
+
+def edits(path, old, new):
+  """A mutation's replacements as (file, old, new): one, or several (``old`` a tuple of (old, new)
+  pairs in ``path``, or of (file, old, new) where one bug spans files). The runner below and
+  tests/tooling/test_code_shape.py both read them so."""
+  pairs = old if isinstance(old, tuple) else ((old, new),)
+  return [(e[0] if len(e) == 3 else path, *e[-2:]) for e in pairs]
+
+
 only = sys.argv[2:]
 survivors: list[str] = []
 for i, (name, path, old, new, tests) in enumerate(MUTATIONS):
   if only and str(i) not in only:
     continue
-  # One replacement, or several (``old`` a tuple of (old, new) pairs, or of (file, old, new)
-  # where one bug spans files).
-  edits = old if isinstance(old, tuple) else ((old, new),)
   sources: dict[pathlib.Path, str] = {}  # each file as it was, restored whatever happens
   try:
-    for edit in edits:
-      f = ROOT / (edit[0] if len(edit) == 3 else path)
-      a, b = edit[-2:]
+    for file, a, b in edits(path, old, new):
+      f = ROOT / file
       sources.setdefault(f, f.read_text())
       mutated = f.read_text()  # with this mutation's earlier edits in it
       assert mutated.count(a) == 1, (name, a, mutated.count(a))

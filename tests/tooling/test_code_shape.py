@@ -113,9 +113,8 @@ def test_every_planted_mutation_still_finds_its_line():
   namespace = {"__file__": str(TESTS / "tooling" / "_mutations.py")}
   exec(src.split("only = sys.argv")[0], namespace)
   for name, path, old, new, tests in namespace["MUTATIONS"]:
-    for edit in old if isinstance(old, tuple) else ((old, new),):
-      text = (PACKAGE.parent / (edit[0] if len(edit) == 3 else path)).read_text()
-      assert text.count(edit[-2]) == 1, name
+    for file, line, _ in namespace["edits"](path, old, new):
+      assert (PACKAGE.parent / file).read_text().count(line) == 1, name
     for test in tests:
       assert (PACKAGE.parent / test.split("::")[0]).is_file(), (name, test)
 
