@@ -178,7 +178,7 @@ def dot_product_attention(
 
 @functools.partial(jax.jit, static_argnames=("opts",))
 def _attention(given: _call.Given, *, opts: _call.Options):
-  with _sharding.inputs_mesh(given.query):
+  with _call.inputs_mesh(given):
     call = _call.bind(given, opts)
     out, lse, mx = _dispatch.run(call)  # (B, T, N, Hv), (B, T, N), (B, T, N) or None
   if call.static.unbatched:

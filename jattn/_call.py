@@ -11,6 +11,7 @@ H head dimension, G = N // K query heads per key/value head.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -466,6 +467,19 @@ jax.tree_util.register_dataclass(
   data_fields=["query", "key", "value", "bias", "mask", "seed", "sink", "given", "place"],
   meta_fields=["static"],
 )
+
+
+def inputs_mesh(given: Given):
+  """The context to bind and run the call in: the mesh its query's type carries, when no mesh
+  is set. Arrays of an Explicit mesh passed to a jitted function without `jax.set_mesh` (jax.nn
+  takes them) are then laid out as under it, instead of failing on a reshape whose sharding only
+  the mesh decides."""
+  x = given.query
+  typed = hasattr(x, "shape") and hasattr(x, "dtype")  # not yet checked: may be a list
+  mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None) if typed else None
+  if _sharding.current_mesh() is not None or mesh is None or getattr(mesh, "empty", True):
+    return contextlib.nullcontext()
+  return jax.sharding.use_abstract_mesh(mesh)
 
 
 def bind(given: Given, opts: Options) -> Call:

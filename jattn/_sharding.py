@@ -8,7 +8,6 @@ no mesh) every function here is the identity.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 
@@ -17,25 +16,11 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 
-def _mesh():
+def current_mesh():
   """The abstract mesh the call is traced under, or None when there is none."""
   get = getattr(jax.sharding, "get_abstract_mesh", None)
   mesh = get() if get is not None else None
   return None if mesh is None or getattr(mesh, "empty", True) else mesh
-
-
-@contextlib.contextmanager
-def inputs_mesh(x):
-  """Trace the block under the mesh that ``x``'s type carries when no mesh is set: arrays of an
-  Explicit mesh passed to a jitted function without `jax.set_mesh` (jax.nn takes them) are then
-  laid out as under it, instead of failing on a reshape whose sharding only the mesh decides."""
-  typed = hasattr(x, "shape") and hasattr(x, "dtype")  # not yet checked: may be a list
-  mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None) if typed else None
-  if _mesh() is not None or mesh is None or getattr(mesh, "empty", True):
-    yield
-    return
-  with jax.sharding.use_abstract_mesh(mesh):
-    yield
 
 
 def _names(entry) -> tuple:
@@ -60,7 +45,7 @@ def reshard_to(x, spec):
 
 def explicit_mesh() -> bool:
   """Whether the call is traced under a mesh with Explicit axes."""
-  mesh = _mesh()
+  mesh = current_mesh()
   return mesh is not None and any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
 
 
@@ -70,7 +55,7 @@ def unpartitioned() -> bool:
   device's part). Only then may a Pallas TPU kernel stand outside a shard_map: XLA cannot
   partition one, and under an Auto mesh (or plain `jit` on sharded arrays) whether the program
   will be partitioned is decided after the call is traced."""
-  mesh = _mesh()
+  mesh = current_mesh()
   if mesh is None:
     return jax.device_count() == 1
   return all(t == jax.sharding.AxisType.Manual for t in mesh.axis_types)
@@ -80,7 +65,7 @@ def examples_and_heads(query, key, value):
   """Under an Explicit mesh: (batch axes, head axes) when query (B, T, N, H), key and value
   (B, S, K, H) are sharded over their batch and head dimensions only, and alike -- a call that
   splits into independent per-device calls; else a phrase saying what stands in the way."""
-  mesh = _mesh()
+  mesh = current_mesh()
   if any(t == jax.sharding.AxisType.Auto for t in mesh.axis_types):
     return "a mesh with Auto axes besides Explicit ones"
   specs = []
@@ -152,7 +137,7 @@ def sequence_shards(x):
   if spec is None or len(spec) < 2 or spec[1] is None:
     return None
   axes = _names(spec[1])
-  mesh = _mesh()
+  mesh = current_mesh()
   count = axes_size(mesh, axes)
   if x.shape[1] % count:
     return None
@@ -288,7 +273,7 @@ class VaryingReplay:
     return out[0] if len(out) == 1 else out
 
 
-def reshape(x, shape):
+def sharded_reshape(x, shape):
   """``x.reshape(shape)``; under an Explicit mesh with the output's sharding spelled out: a
   sharded input dimension stays sharded on the output dimension it is the major part of (the
   batch of a (B, nq, bq, ...) -> (B, T, ...) reshape)."""
@@ -312,7 +297,7 @@ def reshape(x, shape):
     # The output dimension that starts where d does and holds whole multiples of it (size-1
     # dimensions share their start with the next one: (1, B, ..) -> (1, B, .., 1) keeps B's),
     # or is its major part with room for every shard (heads N split into (K, G)).
-    count = axes_size(_mesh(), _names(entry))
+    count = axes_size(current_mesh(), _names(entry))
     fits = [
       o
       for o in range(len(shape))

@@ -188,9 +188,9 @@ def apply_score_mod(cfg: Config, s, idx: Index, score_args):
   the user in (B, N, tq, tk) layout with index arrays of shapes (B,1,1,1), (1,N,1,1),
   (1,1,tq,1), (1,1,1,tk)."""
   shape = s.shape
-  # Through _sharding.reshape: under an Explicit mesh a batch- or head-sharded tile keeps its
+  # Through _sharding.sharded_reshape: under an Explicit mesh a batch- or head-sharded tile keeps its
   # sharding on B or on N (K is the major part of N).
-  s4 = _sharding.reshape(s, (shape[0], cfg.N, idx.q.shape[0], shape[-1]))
+  s4 = _sharding.sharded_reshape(s, (shape[0], cfg.N, idx.q.shape[0], shape[-1]))
   b = jnp.arange(cfg.B, dtype=jnp.int32).reshape(cfg.B, 1, 1, 1) + idx.batch0
   h = jnp.arange(cfg.N, dtype=jnp.int32).reshape(1, cfg.N, 1, 1) + idx.head0
   q = idx.q.astype(jnp.int32).reshape(1, 1, -1, 1)
@@ -198,7 +198,7 @@ def apply_score_mod(cfg: Config, s, idx: Index, score_args):
   # The shape and dtype of the result were checked when the call was traced.
   assert cfg.score_mod is not None
   out = cfg.score_mod(s4, b, h, q, k, *score_args)
-  return _sharding.reshape(out.astype(s.dtype), shape)
+  return _sharding.sharded_reshape(out.astype(s.dtype), shape)
 
 
 def visible(cfg: Config, mask, q_pos, kv_pos, *, ragged_kv: bool):

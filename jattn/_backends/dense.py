@@ -42,17 +42,17 @@ def dense_attention(call, cfg: Config, score_args=()):
   with ``cfg.max_logits`` each row's max logit over its visible keys (B,K,G,T) (`row_max`: the
   max the softmax subtracts, before the sink joins), else None.
   """
-  q = call.head_major(call.query, True)
-  k = call.head_major(call.key, False)
-  v = call.head_major(call.value, False)
-  at, vis = _positions_and_visibility(cfg, call.mask)
-  if vis is not None:
-    q, k, v = _tile.sanitize(vis, q, k, v)
-  p, l, m, m_keys = _exp_scores(cfg, q, k, call.bias, vis, at, score_args, call.sink)
-  if cfg.dropout_rate > 0:
-    p = jnp.where(_tile.keep(cfg, call.seed, at), p, jnp.zeros((), p.dtype))
-  out = _softmax.normalize(_tile.pv(p, v, fold=False), l, m, cfg.dropout_rate)
-  # Differentiable: d lse / d s = P (m is a constant for autodiff, as in _exp_scores).
+  # The tile's math first (logits, visibility, dropout's keep-mask), then the softmax: each
+  # layer is entered once, in that order.
+  q, v, s, at = _masked_logits(call, cfg, score_args)
+  keep = _tile.keep(cfg, call.seed, at) if cfg.dropout_rate > 0 else None
+  p, l, m, m_keys = _softmax.exp_rows(s, call.sink, keys_max=True)
+  if keep is not None:
+    p = jnp.where(keep, p, jnp.zeros((), p.dtype))
+  # P V with G and T separate dimensions (see `_tile.matmul`'s fold=False); fp32 accumulate.
+  pv = jnp.einsum("bkgts,bksh->bkgth", p.astype(v.dtype), v, preferred_element_type=l.dtype)
+  out = _softmax.normalize(pv, l, m, cfg.dropout_rate)
+  # Differentiable: d lse / d s = P (m is a constant for autodiff, as in `_softmax.exp_rows`).
   lse = _softmax.lse(m, l)
   mx = _softmax.row_max(m_keys, l) if cfg.max_logits else None
   return out.astype(q.dtype), lse, mx
@@ -62,28 +62,25 @@ def attention_weights(call, cfg: Config, score_args=()):
   """The softmax weights (B,K,G,T,S) of a bound call in the statistics dtype, before dropout;
   rows with nothing to attend to are 0. O(T x S) by nature: for looking at the weights, not for
   computing with."""
-  q = call.head_major(call.query, True)
-  k = call.head_major(call.key, False)
-  at, vis = _positions_and_visibility(cfg, call.mask)
-  if vis is not None:
-    q, k, _ = _tile.sanitize(vis, q, k, k)
-  p, l, m, _ = _exp_scores(cfg, q, k, call.bias, vis, at, score_args, call.sink)
+  _, _, s, _ = _masked_logits(call, cfg, score_args)
+  p, l, m, _ = _softmax.exp_rows(s, call.sink, keys_max=True)
   return _softmax.normalize(p, l, m, 0.0)
 
 
-def _positions_and_visibility(cfg: Config, mask):
-  """(the whole problem's `_tile.Index`, the (T, S) visibility or None) of ``mask``."""
-  q_pos = jnp.arange(cfg.T, dtype=jnp.int32)
-  kv_pos = jnp.arange(cfg.S, dtype=jnp.int32)
-  return _tile.Index(q_pos, kv_pos), _tile.visible(cfg, mask, q_pos, kv_pos, ragged_kv=False)
-
-
-def _exp_scores(cfg: Config, q, k, bias, vis, at: _tile.Index, score_args, sink):
-  """exp(s - m) of the whole (T, S) score matrix, with its row max m and row sum l (the sink's
-  term included), and the row max over the keys alone: the softmax before its division. ``at``: the rows' and keys' positions."""
+def _masked_logits(call, cfg: Config, score_args):
+  """(q (B,K,G,T,H), v (B,K,S,Hv), the (B|1,K,G,T,S) logits with hidden entries at NEG, the
+  whole problem's `_tile.Index`). Rows and keys the mask hides entirely are zeroed in q, k and v
+  first (`_tile.sanitize`)."""
+  q = call.head_major(call.query, True)
+  k = call.head_major(call.key, False)
+  v = call.head_major(call.value, False)
+  at = _tile.Index(jnp.arange(cfg.T, dtype=jnp.int32), jnp.arange(cfg.S, dtype=jnp.int32))
+  vis = _tile.visible(cfg, call.mask, at.q, at.kv, ragged_kv=False)
+  if vis is not None:
+    q, k, v = _tile.sanitize(vis, q, k, v)
   # G and T stay separate dimensions (fold=False): a sequence-sharded query then stays sharded
   # and only K and V are gathered (see _tile.matmul).
-  s, _ = _tile.logits(cfg, q, k, bias, at, score_args, fold=False)
+  s, _ = _tile.logits(cfg, q, k, call.bias, at, score_args, fold=False)
   if vis is not None:
     s = jnp.where(vis, s, jnp.asarray(_softmax.NEG, s.dtype))
-  return _softmax.exp_rows(s, sink, keys_max=True)
+  return q, v, s, at

@@ -231,10 +231,10 @@ def _forward_parallel(plan: Plan, ops: Operands, start, tile):
   lse = _softmax.lse(m_r, l_r)
   # (nq, B, K, G, bq[, H]) -> (B, Tp, N[, H]): query block i holds rows i * bq ..
   R, B = out.shape[:2]
-  out = _sharding.reshape(
+  out = _sharding.sharded_reshape(
     jnp.transpose(out, (1, 0, 4, 2, 3, 5)), (B, R * plan.grid.block_q, cfg.N, -1)
   )
-  rows_of = lambda x: _sharding.reshape(
+  rows_of = lambda x: _sharding.sharded_reshape(
     jnp.transpose(x, (1, 0, 4, 2, 3)), (B, R * plan.grid.block_q, cfg.N)
   )
   return (out, rows_of(lse)) if mx is None else (out, rows_of(lse), rows_of(mx))
@@ -280,7 +280,7 @@ def _backward_parallel(plan: Plan, ops: Operands, tile_grads, scale, dk_scale):
   sums = _bias_sums(plan, bias, _tile.stat_dtype(q.dtype))
   dk_r, dv_r, blocked, dargs = _backward_kv_pass(plan, ops, tile_grads, sums)
   # (nk, B, K, bk, H) -> (B, Sp, K, H)
-  to_seq = lambda x: _sharding.reshape(
+  to_seq = lambda x: _sharding.sharded_reshape(
     jnp.transpose(x, (1, 0, 3, 2, 4)), (B, nk * bk, K, x.shape[-1])
   )
   dk = to_seq(dk_r * dk_scale).astype(k.dtype)
@@ -290,11 +290,11 @@ def _backward_parallel(plan: Plan, ops: Operands, tile_grads, scale, dk_scale):
     blocked = dbias_q
   dbias = None
   if blocked is not None:
-    dbias = _sharding.reshape(jnp.transpose(blocked, (2, 3, 4, 0, 5, 1, 6)), bias.shape)
+    dbias = _sharding.sharded_reshape(jnp.transpose(blocked, (2, 3, 4, 0, 5, 1, 6)), bias.shape)
   # Cast before the transpose: the sequence-major copy is then in q's dtype, not float32.
   dq = (dq * scale).astype(q.dtype)
-  dq = _sharding.reshape(dq, (nq, B, K, H, G, bq))  # (nq, B, K, H, G * bq) split
-  dq = _sharding.reshape(jnp.transpose(dq, (1, 0, 5, 2, 4, 3)), (B, nq * bq, K * G, H))
+  dq = _sharding.sharded_reshape(dq, (nq, B, K, H, G, bq))  # (nq, B, K, H, G * bq) split
+  dq = _sharding.sharded_reshape(jnp.transpose(dq, (1, 0, 5, 2, 4, 3)), (B, nq * bq, K * G, H))
   return dq, dk, dv, dbias, dargs
 
 
@@ -374,7 +374,7 @@ def _backward_q_pass(plan: Plan, ops: Operands, tile_grads, sums):
 
   # (V, B, K, H, G * bq) zeros typed like the query tiles they sum (see forward).
   qbs = jax.vmap(lambda i: q_tile(q, i, bq, K, G))(q_rows)  # (V, B, K, G, bq, H)
-  dq0 = _sharding.reshape(
+  dq0 = _sharding.sharded_reshape(
     jnp.zeros_like(jnp.transpose(qbs, (0, 1, 2, 5, 3, 4)), dtype=sd), qbs.shape[:3] + (H, G * bq)
   )
   carry0 = (dq0, lane_zeros(dq0.shape[0])) if per_query else (dq0,)

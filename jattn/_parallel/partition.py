@@ -83,7 +83,7 @@ def applies(mask, score_args) -> bool:
   call has a known layout (no arrays hoisted out of a ``score_mod``, only jattn's mask kinds)."""
   if not _ENABLED.value or jax.device_count() == 1:
     return False
-  mesh = _sharding._mesh()
+  mesh = _sharding.current_mesh()
   if mesh is not None and any(t != jax.sharding.AxisType.Auto for t in mesh.axis_types):
     return False
   return not score_args and _masks.can_take_part(mask)

@@ -66,7 +66,7 @@ def _array_block_states(xp, a, grid):
   blocks = (
     (lambda x: x.reshape(b, n, nq, bq, nk, bk))
     if xp is np
-    else (lambda x: _sharding.reshape(x, (b, n, nq, bq, nk, bk)))
+    else (lambda x: _sharding.sharded_reshape(x, (b, n, nq, bq, nk, bk)))
   )
   anyv = blocks(xp.pad(a, pad, constant_values=False)).any(axis=(3, 5))
   allv = blocks(xp.pad(a, pad, constant_values=True)).all(axis=(3, 5))
