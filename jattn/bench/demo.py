@@ -17,7 +17,6 @@ printing and plotting are separate, so the tests check the claims on the same nu
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import math
 import os
@@ -33,6 +32,7 @@ import numpy as np
 import jattn
 from jattn import _validation, diagnostics
 from jattn.bench import demo_report as report
+from jattn.bench.demo_report import MaskedRowResult, OverflowRow, PrecisionRow, SharpnessRow
 
 EXPERIMENTS = ("sharpness", "overflow", "masked", "precision")
 DTYPES = {"float16": jnp.float16, "bfloat16": jnp.bfloat16, "float32": jnp.float32}
@@ -58,21 +58,6 @@ def softmax_jacobian_norm(p):
 # --------------------------------------------------------------------------------------------
 # 1. Sharpness: the 1/sqrt(d) scale.
 # --------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class SharpnessRow:
-  """Means over seeds for one head dim d, with or without the 1/sqrt(d) scale."""
-
-  d: int
-  scaled: bool
-  logit_std: float  # std of the logits: sqrt(d) unscaled, 1 scaled
-  max_prob: float
-  min_prob: float
-  entropy: float  # nats; log(S) is the uniform maximum
-  entropy_fraction: float  # entropy / log(S), from jattn.diagnostics
-  saturated_fraction: float  # share of rows with max prob > 0.99, from jattn.diagnostics
-  jacobian_norm: float  # Frobenius norm of the softmax Jacobian
 
 
 def sharpness(
@@ -127,16 +112,6 @@ PATTERNS = {
   # logits in [-M - 1, -M]: every exp(x) underflows to 0 and the naive softmax is 0 / 0.
   "shifted": lambda M, S: -M + np.linspace(-1.0, 0.0, S),
 }
-
-
-@dataclasses.dataclass(frozen=True)
-class OverflowRow:
-  dtype: str
-  pattern: str
-  magnitude: float
-  method: str  # "naive" | "stable" | "jattn"
-  status: str  # "ok" | "NaN" | "inf" | "zeros"
-  max_error: float  # max |p - p_ref| over the row; nan unless status == "ok"
 
 
 @jax.jit
@@ -224,16 +199,6 @@ def overflow(
 # --------------------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class MaskedRowResult:
-  method: str  # "naive -inf" | "jax.nn" | "jattn"
-  masked_row: np.ndarray  # (H,) output of the query row that sees no key
-  output_nan: bool  # any NaN in the output
-  grad_nan: bool  # any NaN in d(sum of outputs)/d(q, k, v)
-  other_rows_error: float  # max |out - ref| over the rows that do see keys
-  mean_of_v_error: float  # max |masked_row - mean over keys of V|
-
-
 def _jax_nn_attention(q, k, v, mask):
   return jax.nn.dot_product_attention(q, k, v, mask=mask)
 
@@ -306,14 +271,6 @@ def masked_row(
 # --------------------------------------------------------------------------------------------
 # 4. Precision as T grows.
 # --------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class PrecisionRow:
-  T: int
-  method: str  # see PRECISION_METHODS
-  rel_error: float  # ||out - ref||_F / ||ref||_F
-  max_error: float  # max |out - ref|
 
 
 PRECISION_METHODS = (

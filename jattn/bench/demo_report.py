@@ -1,15 +1,61 @@
 """The printing and plotting half of `jattn-demo` (`jattn.bench.demo`): each experiment's rows as
-a text table and as a matplotlib figure (matplotlib imported only when a plot is asked for)."""
+a text table and as a matplotlib figure (matplotlib imported only when a plot is asked for), and
+the row types themselves, so that the report needs nothing from the experiments."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-if TYPE_CHECKING:
-  from jattn.bench.demo import MaskedRowResult, OverflowRow, PrecisionRow, SharpnessRow
+# --------------------------------------------------------------------------------------------
+# The experiments' rows (what `jattn.bench.demo` measures, what this module prints).
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class SharpnessRow:
+  """Means over seeds for one head dim d, with or without the 1/sqrt(d) scale."""
+
+  d: int
+  scaled: bool
+  logit_std: float  # std of the logits: sqrt(d) unscaled, 1 scaled
+  max_prob: float
+  min_prob: float
+  entropy: float  # nats; log(S) is the uniform maximum
+  entropy_fraction: float  # entropy / log(S), from jattn.diagnostics
+  saturated_fraction: float  # share of rows with max prob > 0.99, from jattn.diagnostics
+  jacobian_norm: float  # Frobenius norm of the softmax Jacobian
+
+
+@dataclasses.dataclass(frozen=True)
+class OverflowRow:
+  dtype: str
+  pattern: str
+  magnitude: float
+  method: str  # "naive" | "stable" | "jattn"
+  status: str  # "ok" | "NaN" | "inf" | "zeros"
+  max_error: float  # max |p - p_ref| over the row; nan unless status == "ok"
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskedRowResult:
+  method: str  # "naive -inf" | "jax.nn" | "jattn"
+  masked_row: np.ndarray  # (H,) output of the query row that sees no key
+  output_nan: bool  # any NaN in the output
+  grad_nan: bool  # any NaN in d(sum of outputs)/d(q, k, v)
+  other_rows_error: float  # max |out - ref| over the rows that do see keys
+  mean_of_v_error: float  # max |masked_row - mean over keys of V|
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionRow:
+  T: int
+  method: str  # see jattn.bench.demo.PRECISION_METHODS
+  rel_error: float  # ||out - ref||_F / ||ref||_F
+  max_error: float  # max |out - ref|
+
 
 # --------------------------------------------------------------------------------------------
 # Printing.
