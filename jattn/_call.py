@@ -61,7 +61,18 @@ class Given(NamedTuple):
       _validation.as_array(name, x, what)
     _validation.known_lengths("query_seq_lengths", self.q_lengths)
     _validation.known_lengths("key_value_seq_lengths", self.kv_lengths)
+    if isinstance(self.mask, _masks.Mask) and (shape := self._problem()) is not None:
+      self.mask.check_known(shape)
     return self
+
+  def _problem(self):
+    """The call's (B, N, T, S) read from the query and key as passed, or None where they are not
+    yet of a form to read it from (`bind` names what is wrong)."""
+    q, k = self.query, self.key
+    if getattr(q, "ndim", None) not in (3, 4) or getattr(k, "ndim", None) != q.ndim:
+      return None
+    B = q.shape[0] if q.ndim == 4 else 1
+    return (B, q.shape[-2], q.shape[-3], k.shape[-3])
 
 
 # Given's fields by the public keyword they come from, where the two differ.

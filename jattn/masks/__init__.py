@@ -21,8 +21,9 @@ The package, by job: `_grid` (the block grid and the block states), `_protocol` 
 class, `Cut`, the combinations), the kinds (`_structural`, `_per_example`, `_arrays`,
 `_function`, `_intervals`: `hidden_rows`, the rows hidden from each key column as two
 intervals), `_prefix_tree` (`prefix_tree`: packed token trees as a `hidden_rows` mask and each
-token's position alone), `_arguments` (the call's keywords as one mask), `_placement` (a mask
-on a device's part) and `_tree` (`tree_mask`: a draft tree as the boolean array that
+token's position alone), `_selection` (`selected_blocks`: each query token's chosen key
+blocks, learned sparse attention), `_arguments` (the call's keywords as one mask), `_placement`
+(a mask on a device's part) and `_tree` (`tree_mask`: a draft tree as the boolean array that
 `jattn.paged_attention`'s ``new_token_mask`` takes, not a `Mask`). Names with a leading
 underscore are private to the package; the names below are what users and the rest of jattn
 call.
@@ -53,6 +54,7 @@ from jattn.masks._prefix_tree import PrefixTree as PrefixTree
 from jattn.masks._prefix_tree import prefix_tree as prefix_tree
 from jattn.masks._protocol import Cut as Cut
 from jattn.masks._protocol import Mask as Mask
+from jattn.masks._selection import selected_blocks as selected_blocks
 from jattn.masks._structural import band as band
 from jattn.masks._structural import causal as causal
 from jattn.masks._structural import chunked_local as chunked_local
@@ -80,6 +82,7 @@ __all__ = [
   "prefix_lm",
   "prefix_tree",
   "segments",
+  "selected_blocks",
   "tree_mask",
 ]
 

@@ -38,6 +38,12 @@ class Mask:
   def validate(self, shape) -> None:
     del shape
 
+  def check_known(self, shape) -> None:
+    """Checks of values the mask's arrays hold, run before the call is traced (where they are
+    still known; inside it they are tracers): ValueError naming the argument. ``shape`` is the
+    call's (B, N, T, S). By default none."""
+    del shape
+
   def block_states(self, grid: BlockGrid | _TableGrid, shape):  # pragma: no cover - abstract
     raise NotImplementedError
 
@@ -163,6 +169,10 @@ class _Composite(Mask):
   def validate(self, shape):
     for m in self.parts():
       m.validate(shape)
+
+  def check_known(self, shape):
+    for m in self.parts():
+      m.check_known(shape)
 
   def is_position_based(self):
     return all(m.is_position_based() for m in self.parts())

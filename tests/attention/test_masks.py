@@ -366,6 +366,7 @@ PUBLIC = {
   "reduce_states",
   "remap",
   "segments",
+  "selected_blocks",
   "static_array",
   "take_part",
   "tree_mask",
@@ -398,5 +399,6 @@ def test_public_names_are_unchanged():
     "prefix_lm",
     "prefix_tree",
     "segments",
+    "selected_blocks",
     "tree_mask",
   ]
