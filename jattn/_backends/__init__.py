@@ -5,7 +5,7 @@ one `register` call here; the dispatcher, tuning tables, ring attention and the 
 matrix read the table.
 """
 
-from jattn._backends import cudnn, dense, pallas_gpu, splash
+from jattn._backends import cudnn, dense, pallas_gpu, splash, splash_masks
 from jattn._parallel import split as _split
 from jattn._registry import Backend, register
 
@@ -21,7 +21,7 @@ register(
     supports=splash.supports,
     fused=True,
     first=splash.first,
-    traced_cheaply=lambda call: splash.builds_lazily(call.mask),
+    traced_cheaply=lambda call: splash_masks.builds_lazily(call.mask),
     ring="while splash attention compiles its mask in",
     traced_mask=True,
     max_logits="splash attention does not return its running max",

@@ -3,9 +3,9 @@
 `jax.nn.dot_product_attention(implementation="cudnn")` runs NVIDIA's fused kernel for 16-bit
 inputs. jattn hands it the calls it can express (a boolean or additive mask array, top-left
 causal, a window, lengths, GQA) and restores what it leaves undefined: a row with nothing to
-attend to returns 0 and gets zero gradients (`jattn._backends.foreign`). What it cannot express raises
-NotImplementedError naming the argument, so a sequence of implementations falls through to the
-next. Shape vocabulary: B T S N K H.
+attend to returns 0 and gets zero gradients (`jattn._backends.foreign`). What it cannot express
+raises NotImplementedError naming the argument, so a sequence of implementations falls through to
+the next. Shape vocabulary: B T S N K H.
 """
 
 from __future__ import annotations

@@ -10,9 +10,9 @@ takes every option of jattn's call that is a function of positions and per-examp
   only the key (or query) blocks that meet the band, and only the blocks its edges cross are
   masked by position (`pallas_gpu_kernels._walk`);
 - lengths, padding of the keys to whole blocks and segment ids, folded into one pair of int32
-  id vectors (`jattn._backends.splash.segment_ids`): query t sees key s iff their ids are equal (and the
-  band allows it), compared in every tile when any of them is in play; the key loop also stops
-  at the example's key length;
+  id vectors (`jattn._backends.splash_masks.segment_ids`): query t sees key s iff their ids are
+  equal (and the band allows it), compared in every tile when any of them is in play; the key
+  loop also stops at the example's key length;
 - a logit soft cap ``cap * tanh(s / cap)`` after the scale; sinks (one logit per query head with
   no value) start each row's running max and sum; GQA/MQA (query head n reads key/value head
   n // G); a value head size Hv of its own;
@@ -42,7 +42,7 @@ import functools
 import jax.numpy as jnp
 
 from jattn import _derivatives, _lowering, _sharding, _softmax
-from jattn._backends import foreign, splash
+from jattn._backends import foreign, splash_masks
 from jattn._backends import pallas_gpu_kernels as kernels
 from jattn._softmax import NEG
 from jattn._validation import concrete
@@ -221,7 +221,7 @@ def flash_attention(call, interpret: bool = False):
   Tp, Sp = -(-T // block_q) * block_q, -(-S // block_kv) * block_kv
   q_ids, kv_ids, q_ok, kv_ok = (
     jnp.broadcast_to(x, (B,) + x.shape[1:])
-    for x in splash.segment_ids(B, T, S, Tp, Sp, lengths, segments)
+    for x in splash_masks.segment_ids(B, T, S, Tp, Sp, lengths, segments)
   )
   # Loop bounds: each example's key length (a block past it is never visited).
   kv_len = jnp.full((B,), S, jnp.int32)

@@ -2,8 +2,9 @@
 library function whose body is over 80 lines of code (docstrings, comments and blank lines not
 counted; jattn/bench/, the demo with it, aside), no module outside jattn/masks/ that branches on a
 private mask class (masks answer for themselves: see docs/architecture.md), no new function over
-8 parameters outside the public signatures, every planted mutation still finds its line, and
-docs/architecture.md has one row per module."""
+8 parameters outside the public signatures, every planted mutation still finds its line,
+docs/architecture.md has one row per module, no module over 600 lines and at most 15 private
+modules at the top of the package (issue #53: the rest lives in wings)."""
 
 from __future__ import annotations
 
@@ -78,6 +79,17 @@ def _code_lines(node, src) -> int:
     for i in range(body[0].lineno, node.end_lineno + 1)
     if i not in doc and src[i - 1].strip() and not src[i - 1].strip().startswith("#")
   )
+
+
+def test_modules_stay_small_and_the_top_level_few():
+  long = {
+    str(p.relative_to(PACKAGE.parent)): n
+    for p in PACKAGE.rglob("*.py")
+    if (n := len(p.read_text().splitlines())) > 600
+  }
+  assert not long, f"modules over 600 lines (cut them along a seam): {long}"
+  top = sorted(p.name for p in PACKAGE.glob("_*.py") if p.name != "__init__.py")
+  assert len(top) <= 15, f"{len(top)} private modules at jattn/'s top level (a wing?): {top}"
 
 
 def test_no_function_over_80_lines():
