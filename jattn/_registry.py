@@ -39,6 +39,9 @@ class Backend:
   ``ring``: None where ring attention can run it on each pair of shards, else why not.
   ``traced_mask``: it builds its kernels from the mask while the call is traced, so a NumPy
   boolean mask given for it becomes part of the program (`jattn._call.static_mask`).
+  ``only``: None for a general implementation; for one that serves a single kind of call, which
+  (the sparse path: calls with a `masks.selected_blocks` selection). It refuses every other call,
+  and the feature matrix (every option on every implementation) leaves it to its own tests.
   ``max_logits``: None where ``run`` also returns each row's max logit over its visible keys
   (B, T, N) when the call asks (``return_max_logits``), else why not; the dispatcher refuses
   such a call for it (NotImplementedError), so a sequence or ``None`` falls through.
@@ -54,6 +57,7 @@ class Backend:
   ring: str | None = None
   traced_mask: bool = False
   aliases: tuple[str, ...] = ()
+  only: str | None = None
   max_logits: str | None = "its kernel does not return its running max"
 
 

@@ -27,7 +27,7 @@ ArrayLike = jax.typing.ArrayLike
 # jattn's own "dense" (jax.nn's name "xla" is accepted) and "chunked", JAX's Pallas TPU kernel
 # "splash", jax.nn's cuDNN kernel "cudnn", jattn's Triton kernel "pallas_gpu"; None is
 # automatic, and a sequence of names is tried in order.
-Implementation = Literal["dense", "xla", "chunked", "splash", "cudnn", "pallas_gpu"]
+Implementation = Literal["dense", "xla", "chunked", "sparse", "splash", "cudnn", "pallas_gpu"]
 
 # Where the causal diagonal sits when T != S: "top_left" (query i sees keys <= i, jax.nn's
 # convention) or "bottom_right" (the last query sees the last key: KV-cache decoding).

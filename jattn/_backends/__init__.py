@@ -5,7 +5,7 @@ one `register` call here; the dispatcher, tuning tables, ring attention and the 
 matrix read the table.
 """
 
-from jattn._backends import cudnn, dense, pallas_gpu, splash, splash_masks
+from jattn._backends import cudnn, dense, pallas_gpu, sparse, splash, splash_masks
 from jattn._parallel import split as _split
 from jattn._registry import Backend, register
 
@@ -48,5 +48,16 @@ register(
     fused=True,
     ring="while the Pallas GPU kernel's causal and window band is fixed when the call is traced",
     max_logits="the Pallas GPU kernel does not return its running max",
+  )
+)
+# Each query's selected key blocks only (masks.selected_blocks): work O(T x n x block).
+register(
+  Backend(
+    "sparse",
+    sparse.run,
+    supports=sparse.supports,
+    ring="while the sparse path gathers each query's blocks from the whole sequence",
+    max_logits="the sparse path does not return its running max yet",
+    only="calls with a masks.selected_blocks selection",
   )
 )

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import reference as ref
+from selections import by_hand, indices, rel, round_to
 
 import jattn
 from jattn import masks as M
@@ -29,29 +30,6 @@ IMPLS = {
 }
 
 
-def _indices(rng, Bi, T, K, n, S, block, unused=0.2):
-  """Random (Bi, T, K, n) choices: distinct blocks per row, some slots -1."""
-  blocks = -(-S // block)
-  out = np.full((Bi, T, K, n), -1, np.int32)
-  for b, t, k in itertools.product(range(Bi), range(T), range(K)):
-    pick = rng.choice(blocks, size=min(n, blocks), replace=False)
-    out[b, t, k, : len(pick)] = pick
-  out[rng.random(out.shape) < unused] = -1
-  return out
-
-
-def _by_hand(indices, block, N, T, S):
-  """The (B, N, T, S) definition: query head h of example b at row t sees key s iff
-  s // block is among indices[b, t, h // (N // K)]."""
-  Bi, _, K, _ = indices.shape
-  vis = np.zeros((Bi, N, T, S), bool)
-  for b, h, t in itertools.product(range(Bi), range(N), range(T)):
-    for c in indices[b, t, h // (N // K)]:
-      if c >= 0:
-        vis[b, h, t, c * block : (c + 1) * block] = True
-  return vis
-
-
 def _dense(mask, Bm, T, S):
   out = mask.evaluate(jnp.arange(T, dtype=jnp.int32), jnp.arange(S, dtype=jnp.int32), (Bm, N, T, S))
   return np.broadcast_to(np.asarray(out), (Bm, N, T, S))
@@ -61,9 +39,9 @@ def _dense(mask, Bm, T, S):
   "K, n, block, T, S", [(2, 3, 4, 29, 37), (1, 5, 1, 21, 17), (4, 2, 16, 33, 50)]
 )
 def test_evaluation_is_the_definition_and_empty_blocks_are_exactly_the_unchosen(K, n, block, T, S):
-  idx = _indices(np.random.default_rng(K + n), B, T, K, n, S, block)
+  idx = indices(np.random.default_rng(K + n), B, T, K, n, S, block)
   mask = M.selected_blocks(jnp.asarray(idx), block)
-  want = _by_hand(idx, block, N, T, S)
+  want = by_hand(idx, block, N, T, S)
   np.testing.assert_array_equal(_dense(mask, B, T, S), want)
   for bq, bk in ((8, 8), (16, 5), (7, 13)):
     grid = M.BlockGrid(T, S, bq, bk)
@@ -79,9 +57,9 @@ def test_evaluation_is_the_definition_and_empty_blocks_are_exactly_the_unchosen(
 
 def test_combinations_and_a_part_of_the_heads_and_examples():
   T = S = 24
-  idx = _indices(np.random.default_rng(1), B, T, 2, 3, S, 4)
+  idx = indices(np.random.default_rng(1), B, T, 2, 3, S, 4)
   sel = M.selected_blocks(jnp.asarray(idx), 4)
-  want = _by_hand(idx, 4, N, T, S)
+  want = by_hand(idx, 4, N, T, S)
   t, s = np.arange(T)[:, None], np.arange(S)[None, :]
   lens = M.lengths(jnp.asarray([20, 24]), jnp.asarray([11, 24]))
   lens_want = np.stack([(t < 20) & (s < 11), (t < 24) & (s < 24)])[:, None]
@@ -95,15 +73,6 @@ def test_combinations_and_a_part_of_the_heads_and_examples():
   got = part.evaluate(jnp.arange(T, dtype=jnp.int32), jnp.arange(S, dtype=jnp.int32), (1, 2, T, S))
   np.testing.assert_array_equal(np.broadcast_to(got, (1, 2, T, S)), want[1:2, 2:4])
   assert M.can_take_part(sel) and M.is_position_based(sel)
-
-
-def _rel(got, want):
-  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-  return float(np.linalg.norm((got - want).ravel()) / np.linalg.norm(want.ravel()))
-
-
-def _round(x, dtype):
-  return np.asarray(jnp.asarray(x, jnp.float32).astype(dtype).astype(jnp.float32), np.float64)
 
 
 # The 16-bit rule of tests/properties/test_precision16.py: the error against float64 within a
@@ -132,9 +101,9 @@ def test_attention_equals_float64_under_the_equivalent_boolean_mask(impl, dtype,
   q, k, v, do = x(B, T, N, H), x(B, S, K, H), x(B, S, K, H), x(B, T, N, H)
   bias = x(B, N, T, S)
   sinks = jnp.asarray(rng.standard_normal(N), jnp.float32)
-  idx = _indices(rng, B, T, K, 4, S, block)
+  idx = indices(rng, B, T, K, 4, S, block)
   kv_len = np.array([S, 29])
-  visible = ref.visible_mask(B, N, T, S, mask=_by_hand(idx, block, N, T, S), causal="top_left")
+  visible = ref.visible_mask(B, N, T, S, mask=by_hand(idx, block, N, T, S), causal="top_left")
   visible &= ref.visible_mask(B, N, T, S, kv_lengths=kv_len)
 
   def f(q, k, v, bias, sinks):
@@ -159,8 +128,8 @@ def test_attention_equals_float64_under_the_equivalent_boolean_mask(impl, dtype,
     if dtype == jnp.float32:
       np.testing.assert_allclose(g, want[name], atol=5e-5, rtol=5e-5, err_msg=name)
       continue
-    rounding = _rel(_round(want[name], dtype), want[name])
-    err = _rel(g, want[name])
+    rounding = rel(round_to(want[name], dtype), want[name])
+    err = rel(g, want[name])
     factor = FORWARD if name == "out" else GRADIENTS
     assert err <= factor * max(rounding, 1e-30), (
       f"{name}: error {err:.3e} is {err / rounding:.2f}x the rounding error {rounding:.3e}"

@@ -3,7 +3,8 @@ tests/support/_matrix_worker.py), each either equal to the float64 reference or 
 NotImplementedError -- no other exception passes.
 
 Both lists are data: an implementation joins by being in jattn's registry
-(`jattn._registry.REGISTRY`; the chunked kernels once per schedule), an option by a row in
+(`jattn._registry.REGISTRY`; the chunked kernels once per schedule; not those that serve one kind
+of call only, `Backend.only`), an option by a row in
 OPTIONS. Shapes are small (B=4, T=S=32, N=8, K=4, H=8: every dimension a sharding splits is a
 multiple of 4) and the chunked blocks smaller still (8), so every case has several blocks, a
 ragged mask and more than one query head per key/value head.
@@ -34,7 +35,9 @@ def implementations() -> dict[str, dict]:
   from jattn._chunked import plan as _plan
 
   out = {"None": dict(implementation=None)}
-  for name in _registry.REGISTRY:
+  for name, backend in _registry.REGISTRY.items():
+    if backend.only is not None:
+      continue  # one kind of call only (the sparse path): its own tests
     if name == "chunked":
       for schedule in _plan.SCHEDULES:
         out[f"chunked-{schedule}"] = dict(implementation="chunked", schedule=schedule, **BLOCKS)

@@ -1,0 +1,100 @@
+"""Trainable sparse attention (issue #55.6): NSA's selected branch plus its sliding window against
+causal attention over every key, forward+backward.
+
+NSA's query sees, per KV head, n chosen blocks of `block` keys (causal within them) and, in a
+separate branch, a window of the last `window` keys; the two branches are gated and summed. Here:
+the selected branch through ``implementation="sparse"`` (masks.selected_blocks & causal) plus the
+window branch (chunked, local_window_size), against one causal chunked call over all T keys.
+Beside the medians of interleaved calls: the compiled programs' temporary memory, the keys each
+query reads (the work), and the n at which the causal call would read as many keys as the
+selection (the work's crossover; time's crossover follows from the measured ratio).
+
+Run: python benchmarks/sparse_bench.py [--T 16384] [--n 16] [--block 64] [--window 512]
+     [--heads 4] [--kv-heads 1] [--head-dim 64] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jattn
+from jattn import masks as M
+from jattn.bench import alternating, interleaved
+
+
+def _memory(fn, *args) -> int:
+  return int(jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes)
+
+
+def _selection(T, K, n, block, seed=0):
+  """(1, T, K, n) causal choices: each query's own block and n - 1 distinct earlier ones (fewer
+  where fewer exist: -1), as NSA's top-n over its compressed scores yields."""
+  rng = np.random.default_rng(seed)
+  own = np.arange(T) // block
+  out = np.full((1, T, K, n), -1, np.int32)
+  for t in range(T):
+    earlier = own[t]
+    for kh in range(K):
+      pick = rng.permutation(earlier)[: n - 1] if earlier else np.zeros(0, np.int64)
+      out[0, t, kh, : 1 + len(pick)] = np.concatenate([[own[t]], pick])
+  return out
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--T", type=int, default=16384)
+  p.add_argument("--n", type=int, default=16)
+  p.add_argument("--block", type=int, default=64)
+  p.add_argument("--window", type=int, default=512)
+  p.add_argument("--heads", type=int, default=4)
+  p.add_argument("--kv-heads", type=int, default=1)
+  p.add_argument("--head-dim", type=int, default=64)
+  p.add_argument("--repeats", type=int, default=3)
+  a = p.parse_args(argv)
+  T, N, K, H = a.T, a.heads, a.kv_heads, a.head_dim
+  keys = jax.random.split(jax.random.key(0), 4)
+  q, k, v, do = (
+    jax.random.normal(kk, (1, T, h, H), jnp.float32) for kk, h in zip(keys, (N, K, K, N))
+  )
+  idx = jnp.asarray(_selection(T, K, a.n, a.block))
+
+  def loss(**kw):
+    def f(q, k, v, do):
+      return jnp.sum(jattn.dot_product_attention(q, k, v, **kw) * do)
+
+    return jax.jit(jax.grad(f, argnums=(0, 1, 2)))
+
+  sparse = loss(mask=M.selected_blocks(idx, a.block), is_causal=True, implementation="sparse")
+  window = loss(local_window_size=(a.window - 1, 0), implementation="chunked")
+  causal = loss(is_causal=True, implementation="chunked")
+  calls = {
+    "selected (sparse)": lambda: sparse(q, k, v, do),
+    "window (chunked)": lambda: window(q, k, v, do),
+    "causal (chunked)": lambda: causal(q, k, v, do),
+  }
+  ms = interleaved(calls, a.repeats, order=alternating(list(calls)))
+  mem = {
+    "selected (sparse)": _memory(sparse, q, k, v, do),
+    "window (chunked)": _memory(window, q, k, v, do),
+    "causal (chunked)": _memory(causal, q, k, v, do),
+  }
+  reads = {
+    "selected (sparse)": a.n * a.block,
+    "window (chunked)": a.window,
+    "causal (chunked)": (T + 1) / 2,
+  }
+  print(f"T={T} N={N} K={K} H={H} n={a.n} block={a.block} window={a.window}, fwd+bwd, CPU")
+  print(f"{'call':20s} {'median ms':>10s} {'temp MiB':>9s} {'keys/query':>11s}")
+  for name in calls:
+    print(f"{name:20s} {ms[name]:10.1f} {mem[name] / 2**20:9.1f} {reads[name]:11.0f}")
+  nsa = ms["selected (sparse)"] + ms["window (chunked)"]
+  print(f"NSA's two branches / causal: {nsa / ms['causal (chunked)']:.3f}x the time")
+  print(f"work crossover: n = {(T + 1) / 2 / a.block:.0f} blocks read as many keys as causal")
+
+
+if __name__ == "__main__":
+  main()
