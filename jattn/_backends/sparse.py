@@ -1,20 +1,22 @@
 """``implementation="sparse"``: attention over each query's selected key blocks only
 (`jattn.masks.selected_blocks`: NSA, MoBA, DSA), in work O(T x n x block) instead of O(T x S).
 
-Forward and the dQ pass go token-major: each query token gathers the n blocks its KV head chose
-(L = n x block keys) and runs the dense softmax over them, a chunk of tokens at a time. The rest
-of the call's mask (causal, a window, lengths, segments, any mask kind that cuts to one example
-and head group) is evaluated at the gathered positions, token by token.
-
-dK and dV go key-major, through the inverse selection: the (token, slot) pairs of one example
+Everything runs key-major, through the inverse selection: the (token, slot) pairs of one example
 and KV head are sorted by (block, token) -- a stable sort, so the order is fixed -- and cut into
-chunks of one block each (each block's run padded to whole chunks). A loop over the chunks sums
-each chunk's contribution (one matmul over its pairs) into its block's running total, in chunk
-order, and writes the block once, when its last chunk is done. No scatter adds over repeated
-indices anywhere: the gradients are bitwise reproducible and do not depend on the batch.
+chunks of one block each (each block's run padded to whole chunks). A chunk is a real matmul:
+its pairs' queries (G x P rows, gathered: G x H numbers a pair) against its block's keys, read
+in place. The forward keeps each token's running softmax statistics in a buffer and merges every
+chunk's pairs into their tokens' rows; the backward adds each chunk's dQ share into its tokens'
+rows and sums a block's dK and dV over its chunks in chunk order, writing the block once. No
+two pairs of a chunk share a row (a token chooses a block once), chunks run in their fixed
+order: every scatter declares unique indices, nothing is added by atomics, and the results are
+bitwise reproducible. Examples run one at a time (the program is the same whatever B is: an
+example's result is the same bits alone and in a batch). The rest of the call's mask (causal,
+a window, lengths, segments, any mask kind that cuts to one example and head group) is
+evaluated at each pair's token and block.
 
 Shapes: B batch, T queries, S keys, N query heads, K KV heads, G = N // K, H head size, n
-slots per row, L = n x block gathered keys per token.
+slots per row, P pairs per chunk.
 """
 
 from __future__ import annotations
@@ -30,9 +32,8 @@ from jattn import _softmax, _tile
 from jattn import masks as _masks
 from jattn.masks._selection import _Selected
 
-# Tokens per step of the token-major passes, (token, slot) pairs per chunk of the key-major one.
-TOKENS_PER_STEP = 64
-PAIRS_PER_CHUNK = 64
+# (token, slot) pairs per chunk: G x 128 query rows a matmul against one block.
+PAIRS_PER_CHUNK = 128
 
 
 def _split(mask):
@@ -141,16 +142,6 @@ class Ops(NamedTuple):
   rest: Any
 
 
-class Cotangents(NamedTuple):
-  """What the backward passes read besides `Ops`: dout (1, K, G, T, Hv), lse_r (1, K, G, T)
-  (+inf for empty rows, see `_softmax.lse_for_recompute`), delta (1, K, G, T) (rowsum(dO * O)
-  less the lse's own cotangent)."""
-
-  dout: Any
-  lse_r: Any
-  delta: Any
-
-
 def _choices(chosen, geo: _Geometry):
   """(blocks (B, K, T, n) int32, valid (B, K, T, n)): each row's chosen blocks per KV head, a
   slot valid where it names a block of the keys and differs from the slot before it (the
@@ -164,110 +155,182 @@ def _choices(chosen, geo: _Geometry):
   return jnp.where(valid, c, 0), valid
 
 
-def _positions(blocks, valid, geo: _Geometry):
-  """(key positions (..., L), visible by the selection (..., L)) of gathered rows."""
-  r = jnp.arange(geo.block, dtype=jnp.int32).reshape((1,) * blocks.ndim + (geo.block,))
-  pos = (blocks[..., None] * geo.block + r).reshape(blocks.shape[:-1] + (geo.L,))
-  ok = jnp.repeat(valid, geo.block, axis=-1) & (pos < geo.S)
-  return jnp.minimum(pos, geo.S - 1), ok
-
-
-def _rest_visible(rest, geo: _Geometry, t, pos):
-  """The rest of the mask at the gathered positions: (B, K, G|1, tq, L) bool, or None.
-  ``t`` (tq,) query positions, ``pos`` (B, K, tq, L) key positions."""
-  if rest is None:
-    return None
-  N = geo.K * geo.G
-
-  def one(b, kh, ti, p):  # one example, one KV head's query heads, one token
-    part = rest.take_part(_masks.Cut(b, 1, kh * geo.G, geo.G, geo.B, N))
-    vis = part.evaluate(ti[None], p, (1, geo.G, geo.T, geo.S))  # (1|1, G|1, 1, L)
-    return vis.reshape(vis.shape[1], geo.L)
-
-  per_token = jax.vmap(one, in_axes=(None, None, 0, 0))
-  per_head = jax.vmap(per_token, in_axes=(None, 0, None, 0))
-  per_example = jax.vmap(per_head, in_axes=(0, None, None, 0))
-  vis = per_example(jnp.arange(geo.B), jnp.arange(geo.K), t, pos)  # (B, K, tq, G|1, L)
-  return jnp.transpose(vis, (0, 1, 3, 2, 4))
-
-
-def _gather(x, pos):
-  """Rows ``pos`` (B, K, tq, L) of x (B, K, S, H): (B, K, tq, L, H)."""
-  B, K, tq, L = pos.shape
-  flat = jnp.take_along_axis(x, pos.reshape(B, K, tq * L, 1), axis=2)
-  return flat.reshape(B, K, tq, L, x.shape[-1])
-
-
-def _token_tiles(geo: _Geometry, cfg, ops: Ops, t0):
-  """One step of the token-major passes, tokens t0 .. t0 + tq (``ops``' q, blocks and valid
-  hold those tokens; k and v every key): the gathered keys and values, the logits
-  (B, K, G, tq, L) in the statistics dtype (scale, soft cap; hidden entries NEG), the
-  visibility and the soft cap's tanh."""
-  q, k, v, blocks, valid, rest = ops
-  tq = q.shape[3]
-  t = t0 + jnp.arange(tq, dtype=jnp.int32)
-  pos, ok = _positions(blocks, valid, geo)  # (B, K, tq, L)
-  ok = ok & (t < geo.T)[None, None, :, None]
-  kg, vg = _gather(k, pos), _gather(v, pos)
-  s = jnp.einsum("bkgth,bktlh->bkgtl", q, kg, preferred_element_type=_tile.stat_dtype(q.dtype))
-  s, tanh = _tile.scale_cap_bias(cfg, s, None)
-  vis = ok[:, :, None]
-  extra = _rest_visible(rest, geo, jnp.minimum(t, geo.T - 1), pos)
-  if extra is not None:
-    vis = vis & extra
-  s = jnp.where(vis, s, jnp.asarray(_softmax.NEG, s.dtype))
-  return kg, vg, s, vis, tanh
-
-
-def _steps(geo: _Geometry, *arrays):
-  """The token-major arrays cut into steps of TOKENS_PER_STEP tokens (the T axis padded):
-  (steps, ...) each, T being axis 3 of (B, K, G, T, X) arrays and axis 2 of (B, K, T, n)."""
-  tq = min(TOKENS_PER_STEP, geo.T)
-  nsteps = -(-geo.T // tq)
-  out = []
-  for x in arrays:
-    axis = 3 if x.ndim == 5 else 2
-    pad = [(0, 0)] * x.ndim
-    pad[axis] = (0, nsteps * tq - geo.T)
-    x = jnp.pad(x, pad)
-    x = x.reshape(x.shape[:axis] + (nsteps, tq) + x.shape[axis + 1 :])
-    out.append(jnp.moveaxis(x, axis, 0))
-  return tq, out
-
-
-def _unsteps(x, geo: _Geometry, axis: int):
-  """Inverse of `_steps` for one output: (steps, ..., tq at ``axis``, ...) -> T at ``axis``."""
-  x = jnp.moveaxis(x, 0, axis)
-  x = x.reshape(x.shape[:axis] + (-1,) + x.shape[axis + 2 :])
-  return jax.lax.slice_in_dim(x, 0, geo.T, axis=axis)
-
-
-def _forward(geo, cfg, ops: Ops, sink):
-  """(out (B, K, G, T, Hv) in the query dtype, lse (B, K, G, T) stat dtype, no gradients)."""
-  q, v = ops.q, ops.v
-  tq, (qs, bs, vs) = _steps(geo, ops.q, ops.blocks, ops.valid)
-
-  def step(args):
-    i, qi, bi, vi = args
-    tile = ops._replace(q=qi, blocks=bi, valid=vi)
-    _, vg, s, _, _ = _token_tiles(geo, cfg, tile, i * tq)
-    p, l, m = _softmax.exp_rows(s, sink)
-    acc = jnp.einsum("bkgtl,bktlh->bkgth", p.astype(v.dtype), vg, preferred_element_type=l.dtype)
-    return _softmax.normalize(acc, l, m, 0.0).astype(q.dtype), _softmax.lse(m, l)
-
-  out, lse = jax.lax.map(step, (jnp.arange(qs.shape[0]), qs, bs, vs))
-  return _unsteps(out, geo, 3), _unsteps(lse, geo, 3)
-
-
 def _zero_cotangent(x):
   if jnp.issubdtype(x.dtype, jnp.inexact):
     return jnp.zeros_like(x)
   return np.zeros(x.shape, jax.dtypes.float0)
 
 
+def _ds(cfg, s, tanh, vis, lse_r, delta, dp):
+  """(P, d loss / d raw q.k) of a tile: P = exp(s - lse), dS = P (dP - delta), then back
+  through the soft cap and the scale."""
+  p = jnp.where(vis, jnp.exp(s - lse_r[..., None]), jnp.zeros((), s.dtype))
+  ds = p * (dp - delta[..., None])
+  if tanh is not None:
+    ds = ds * (1 - tanh * tanh)
+  return p, ds * jnp.asarray(cfg.scale, ds.dtype)
+
+
+class _Head(NamedTuple):
+  """One KV head's operands: q (G, T, H), k, v (Sp, H) (padded to whole blocks), blocks and
+  valid (T, n), and the rest of the mask cut to its query heads."""
+
+  q: Any
+  k: Any
+  v: Any
+  blocks: Any
+  valid: Any
+  rest: Any
+
+
+def _heads(geo: _Geometry, ops: Ops) -> _Head:
+  """`Ops` of one example as K `_Head`s stacked on a leading axis (the mask cut per head by
+  `_per_head`)."""
+  Sp = geo.num_blocks * geo.block
+  pad = lambda x: jnp.pad(x[0], ((0, 0), (0, Sp - geo.S), (0, 0)))
+  return _Head(ops.q[0], pad(ops.k), pad(ops.v), ops.blocks[0], ops.valid[0], ops.rest)
+
+
+def _per_head(geo: _Geometry, fn, heads: _Head, *per_head):
+  """``fn(head, *xs)`` for each KV head (vmapped), the mask cut to that head's query heads."""
+  N = geo.K * geo.G
+
+  def one(kh, head, *xs):
+    if head.rest is not None:
+      head = head._replace(rest=head.rest.take_part(_masks.Cut(0, 1, kh * geo.G, geo.G, 1, N)))
+    return fn(head, *xs)
+
+  axes = (0, _Head(0, 0, 0, 0, 0, None)) + (0,) * len(per_head)
+  return jax.vmap(one, in_axes=axes)(jnp.arange(geo.K), heads, *per_head)
+
+
+class _Chunk(NamedTuple):
+  """One chunk of the inverse selection: its block ``c``, whether it is in use (``live``), its
+  pairs' tokens ``t`` (P,) and where they land in a token buffer (``row``: the token, or one of
+  P spare rows past T for unused pairs, so that no two pairs of a chunk share a row), the
+  block's keys and values, and the logits (G, P, block) (scale, soft cap; hidden: NEG) with
+  their visibility and the soft cap's tanh."""
+
+  c: Any
+  live: Any
+  row: Any
+  kc: Any
+  vc: Any
+  s: Any
+  vis: Any
+  tanh: Any
+
+
+def _chunk(geo, cfg, head: _Head, inv, j) -> _Chunk:
+  """Chunk ``j`` of the inverse selection ``inv`` (see `_inverse_selection`)."""
+  P, M, nb, bk = PAIRS_PER_CHUNK, geo.T * geo.n, geo.num_blocks, geo.block
+  order, start, end, first, last = inv
+  c = jnp.searchsorted(last, j, side="right").astype(jnp.int32)
+  live = c < nb  # past the last chunk in use: padding
+  c = jnp.minimum(c, nb - 1)
+  p_idx = start[c] + (j - first[c]) * P + jnp.arange(P, dtype=jnp.int32)
+  p_ok = live & (p_idx < end[c])
+  t = order[jnp.minimum(p_idx, M - 1)] // geo.n  # each pair's token
+  row = jnp.where(p_ok, t, geo.T + jnp.arange(P, dtype=jnp.int32))
+  kc = jax.lax.dynamic_slice_in_dim(head.k, c * bk, bk, 0)  # (block, H)
+  vc = jax.lax.dynamic_slice_in_dim(head.v, c * bk, bk, 0)
+  kpos = c * bk + jnp.arange(bk, dtype=jnp.int32)
+  vis = jnp.broadcast_to((p_ok[:, None] & (kpos < geo.S)[None, :])[None], (geo.G, P, bk))
+  if head.rest is not None:
+    at = lambda ti: head.rest.evaluate(ti[None], kpos, (1, geo.G, geo.T, geo.S))
+    vis = vis & jnp.transpose(jax.vmap(at)(t).reshape(P, -1, bk), (1, 0, 2))
+  qt = head.q[:, t]  # (G, P, H)
+  s = jnp.einsum("gph,rh->gpr", qt, kc, preferred_element_type=_tile.stat_dtype(qt.dtype))
+  s, tanh = _tile.scale_cap_bias(cfg, s, None)
+  s = jnp.where(vis, s, jnp.asarray(_softmax.NEG, s.dtype))
+  return _Chunk(c, live, row, kc, vc, s, vis, tanh)
+
+
+def _chunks(geo: _Geometry):
+  """The static number of chunks: every pair in chunks of one block each, each block's last
+  chunk possibly part-filled."""
+  return -(-(geo.T * geo.n) // PAIRS_PER_CHUNK) + geo.num_blocks
+
+
+def _head_forward(geo, cfg, head: _Head, sink):
+  """(out (G, T, Hv) in the query's dtype, lse (G, T)) of one KV head: each token's running
+  softmax statistics in a buffer, each chunk merging its pairs into their tokens' rows (rows
+  distinct within a chunk; chunks in their fixed order)."""
+  inv = _inverse_selection(geo, head.blocks, head.valid)
+  sd = _tile.stat_dtype(head.q.dtype)
+  R, Hv = geo.T + PAIRS_PER_CHUNK, head.v.shape[-1]
+
+  def step(carry, j):
+    m, l, acc = carry
+    ch = _chunk(geo, cfg, head, inv, j)
+    mc = ch.s.max(-1)
+    p = jnp.where(ch.vis, jnp.exp(ch.s - mc[..., None]), jnp.zeros((), sd))
+    pv = jnp.einsum("gpr,rh->gph", p.astype(ch.vc.dtype), ch.vc, preferred_element_type=sd)
+    m_o, l_o, acc_o = m[:, ch.row], l[:, ch.row], acc[:, ch.row]
+    m_n = jnp.maximum(m_o, mc)
+    a, b = jnp.exp(m_o - m_n), jnp.exp(mc - m_n)
+    put = lambda buf, x: buf.at[:, ch.row].set(x, unique_indices=True)
+    l_n = l_o * a + p.sum(-1) * b
+    acc_n = acc_o * a[..., None] + pv * b[..., None]
+    return (put(m, m_n), put(l, l_n), put(acc, acc_n)), None
+
+  neg = jnp.asarray(_softmax.NEG, sd)
+  init = (jnp.full((geo.G, R), neg), jnp.zeros((geo.G, R), sd), jnp.zeros((geo.G, R, Hv), sd))
+  (m, l, acc), _ = jax.lax.scan(step, init, jnp.arange(_chunks(geo), dtype=jnp.int32))
+  m, l, acc = m[:, : geo.T], l[:, : geo.T], acc[:, : geo.T]
+  if sink is not None:
+    m, l, acc = _softmax.join_sink(m, l, acc, sink[:, None])
+  out = _softmax.normalize(acc, l, m, 0.0).astype(head.q.dtype)
+  return out, _softmax.lse(m, l)
+
+
+def _head_backward(geo, cfg, head: _Head, dout, lse_r, delta):
+  """dQ (G, T, H), dK, dV (S, H) of one KV head in one loop over the chunks: dQ rows gain each
+  chunk's share (rows distinct within a chunk), a block's dK and dV are its chunks' sums in
+  chunk order, written once after its last chunk."""
+  inv = _inverse_selection(geo, head.blocks, head.valid)
+  sd = lse_r.dtype
+  P, bk = PAIRS_PER_CHUNK, geo.block
+  pad = lambda x: jnp.pad(x, ((0, 0), (0, P)) + ((0, 0),) * (x.ndim - 2))
+  dout, lse_r, delta = pad(dout), pad(lse_r), pad(delta)
+
+  def step(carry, j):
+    acc_k, acc_v, dq, dk, dv = carry
+    ch = _chunk(geo, cfg, head, inv, j)
+    qt, dot = pad(head.q)[:, ch.row], dout[:, ch.row]  # (G, P, H)
+    dp = jnp.einsum("gph,rh->gpr", dot, ch.vc, preferred_element_type=sd)
+    p, ds = _ds(cfg, ch.s, ch.tanh, ch.vis, lse_r[:, ch.row], delta[:, ch.row], dp)
+    dq_c = jnp.einsum("gpr,rh->gph", ds.astype(ch.kc.dtype), ch.kc, preferred_element_type=sd)
+    dq = dq.at[:, ch.row].add(dq_c, unique_indices=True)
+    mm = lambda a, b: jnp.einsum("gpr,gph->rh", a.astype(b.dtype), b, preferred_element_type=sd)
+    acc_k, acc_v = acc_k + mm(ds, qt), acc_v + mm(p, dot)
+    done = ch.live & (j == inv[4][ch.c] - 1)
+    at = ch.c * bk
+    put = lambda buf, acc: jax.lax.dynamic_update_slice_in_dim(
+      buf, jnp.where(done, acc, jax.lax.dynamic_slice_in_dim(buf, at, bk, 0)), at, 0
+    )
+    dk, dv = put(dk, acc_k), put(dv, acc_v)
+    zero = jnp.zeros((), sd)
+    return (jnp.where(done, zero, acc_k), jnp.where(done, zero, acc_v), dq, dk, dv), None
+
+  Sp, H, Hv = head.k.shape[0], head.k.shape[1], head.v.shape[1]
+  zeros = lambda *shape: jnp.zeros(shape, sd)
+  init = (zeros(bk, H), zeros(bk, Hv), zeros(geo.G, geo.T + P, H), zeros(Sp, H), zeros(Sp, Hv))
+  (_, _, dq, dk, dv), _ = jax.lax.scan(step, init, jnp.arange(_chunks(geo), dtype=jnp.int32))
+  return dq[:, : geo.T], dk[: geo.S], dv[: geo.S]
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _attend(geo, cfg, ops: Ops, sink):
   return _forward(geo, cfg, ops, sink)
+
+
+def _forward(geo, cfg, ops: Ops, sink):
+  """(out (1, K, G, T, Hv) in the query's dtype, lse (1, K, G, T)) of one example."""
+  sinks = jnp.zeros((geo.K, geo.G)) if sink is None else sink.reshape(geo.K, geo.G)
+  fn = lambda head, sk: _head_forward(geo, cfg, head, None if sink is None else sk)
+  out, lse = _per_head(geo, fn, _heads(geo, ops), sinks)
+  return out[None], lse[None]
 
 
 def _attend_fwd(geo, cfg, ops: Ops, sink):
@@ -282,81 +345,20 @@ def _attend_bwd(geo, cfg, res, cts):
   # d loss / d s = P * (dP - delta + dlse): the lse's own cotangent joins delta. A sum in a fixed
   # order (not the compiler's): an example's gradient is the same bits alone and in a batch.
   delta = _softmax.ordered_sum(dout.astype(sd) * out.astype(sd)) - dlse.astype(sd)
-  cot = Cotangents(dout, _softmax.lse_for_recompute(lse), delta)
-  dq = _dq(geo, cfg, ops, cot)
-  dk, dv = _dkv(geo, cfg, ops, cot)
+  lse_r = _softmax.lse_for_recompute(lse)
+  fn = lambda head, do, lr, d: _head_backward(geo, cfg, head, do, lr, d)
+  dq, dk, dv = _per_head(geo, fn, _heads(geo, ops), dout[0], lse_r[0], delta[0])
   dsink = None
   if sink is not None:
     # d lse / d sink = p_sink and d out / d sink = -p_sink out: -p_sink (dO.O - dlse).
-    p_sink = jnp.exp(sink.astype(sd) - cot.lse_r)
+    p_sink = jnp.exp(sink.astype(sd) - lse_r)
     dsink = (-(p_sink * delta).sum(axis=(0, 3), keepdims=True)).astype(sink.dtype)
   zeros = jax.tree.map(_zero_cotangent, (ops.blocks, ops.valid, ops.rest))
-  return Ops(dq, dk, dv, *zeros), dsink
+  grads = (dq[None].astype(ops.q.dtype), dk[None].astype(ops.k.dtype), dv[None].astype(ops.v.dtype))
+  return Ops(*grads, *zeros), dsink
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)
-
-
-def _ds(cfg, s, tanh, vis, lse_r, delta, dp):
-  """(P, d loss / d raw q.k) of a tile: P = exp(s - lse), dS = P (dP - delta), then back
-  through the soft cap and the scale."""
-  p = jnp.where(vis, jnp.exp(s - lse_r[..., None]), jnp.zeros((), s.dtype))
-  ds = p * (dp - delta[..., None])
-  if tanh is not None:
-    ds = ds * (1 - tanh * tanh)
-  return p, ds * jnp.asarray(cfg.scale, ds.dtype)
-
-
-def _dq(geo, cfg, ops: Ops, cot: Cotangents):
-  """dQ token-major: each token's own gathered keys (no sharing between tokens)."""
-  q = ops.q
-  tq, steps = _steps(
-    geo, q, ops.blocks, ops.valid, cot.dout, cot.lse_r[..., None], cot.delta[..., None]
-  )
-
-  def step(args):
-    i, qi, bi, vi, doi, li, di = args
-    kg, vg, s, vis, tanh = _token_tiles(geo, cfg, ops._replace(q=qi, blocks=bi, valid=vi), i * tq)
-    dp = jnp.einsum("bkgth,bktlh->bkgtl", doi, vg, preferred_element_type=s.dtype)
-    _, ds = _ds(cfg, s, tanh, vis, li[..., 0], di[..., 0], dp)
-    dq = jnp.einsum("bkgtl,bktlh->bkgth", ds.astype(q.dtype), kg, preferred_element_type=s.dtype)
-    return dq.astype(q.dtype)
-
-  dq = jax.lax.map(step, (jnp.arange(steps[0].shape[0]), *steps))
-  return _unsteps(dq, geo, 3)
-
-
-class _Head(NamedTuple):
-  """One KV head's share of the backward's operands: q (G, T, H), k, v (Sp, H) (padded to whole
-  blocks), blocks and valid (T, n), dout (G, T, Hv), lse_r and delta (G, T)."""
-
-  q: Any
-  k: Any
-  v: Any
-  blocks: Any
-  valid: Any
-  dout: Any
-  lse_r: Any
-  delta: Any
-
-
-def _dkv(geo, cfg, ops: Ops, cot: Cotangents):
-  """dK, dV (1, K, S, H) key-major through the inverse selection (see the module docstring)."""
-  Sp = geo.num_blocks * geo.block
-  pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, Sp - geo.S), (0, 0)))
-  heads = _Head(
-    ops.q[0], pad(ops.k)[0], pad(ops.v)[0], ops.blocks[0], ops.valid[0], *(x[0] for x in cot)
-  )
-  N = geo.K * geo.G
-
-  def one(kh, head):
-    rest = (
-      None if ops.rest is None else ops.rest.take_part(_masks.Cut(0, 1, kh * geo.G, geo.G, 1, N))
-    )
-    return _key_major(geo, cfg, head, rest)
-
-  dk, dv = jax.vmap(one)(jnp.arange(geo.K), heads)
-  return dk[None].astype(ops.k.dtype), dv[None].astype(ops.v.dtype)
 
 
 def _inverse_selection(geo, blocks, valid):
@@ -372,55 +374,3 @@ def _inverse_selection(geo, blocks, valid):
   nchunks = -(-(end - start) // P)
   last = jnp.cumsum(nchunks)
   return order, start, end, last - nchunks, last
-
-
-def _key_major(geo, cfg, head: _Head, rest):
-  """dK, dV (S, H) of one KV head: a loop over chunks of pairs, each chunk one block's; a
-  block's total is written once, after its last chunk."""
-  P, M, nb, bk = PAIRS_PER_CHUNK, geo.T * geo.n, geo.num_blocks, geo.block
-  order, start, end, first, last = _inverse_selection(geo, head.blocks, head.valid)
-
-  def chunk(carry, j):
-    acc_k, acc_v, dk, dv = carry
-    c = jnp.searchsorted(last, j, side="right").astype(jnp.int32)
-    live = c < nb  # past the last chunk in use: padding
-    c = jnp.minimum(c, nb - 1)
-    p_idx = start[c] + (j - first[c]) * P + jnp.arange(P, dtype=jnp.int32)
-    p_ok = live & (p_idx < end[c])
-    t = order[jnp.minimum(p_idx, M - 1)] // geo.n  # each pair's token
-    kc = jax.lax.dynamic_slice_in_dim(head.k, c * bk, bk, 0)  # (block, H)
-    vc = jax.lax.dynamic_slice_in_dim(head.v, c * bk, bk, 0)
-    qt, dot = head.q[:, t], head.dout[:, t]  # (G, P, H)
-    kpos = c * bk + jnp.arange(bk, dtype=jnp.int32)
-    vis = jnp.broadcast_to((p_ok[:, None] & (kpos < geo.S)[None, :])[None], (geo.G, P, bk))
-    if rest is not None:
-      ev = jax.vmap(lambda ti: rest.evaluate(ti[None], kpos, (1, geo.G, geo.T, geo.S)))(t)
-      vis = vis & jnp.transpose(ev.reshape(P, -1, bk), (1, 0, 2))
-    s = jnp.einsum("gph,rh->gpr", qt, kc, preferred_element_type=head.lse_r.dtype)
-    s, tanh = _tile.scale_cap_bias(cfg, s, None)
-    s = jnp.where(vis, s, jnp.asarray(_softmax.NEG, s.dtype))
-    dp = jnp.einsum("gph,rh->gpr", dot, vc, preferred_element_type=s.dtype)
-    p, ds = _ds(cfg, s, tanh, vis, head.lse_r[:, t], head.delta[:, t], dp)
-    mm = lambda a, b: jnp.einsum(
-      "gpr,gph->rh", a.astype(b.dtype), b, preferred_element_type=s.dtype
-    )
-    acc_k, acc_v = acc_k + mm(ds, qt), acc_v + mm(p, dot)
-    done = live & (j == last[c] - 1)
-    put = lambda buf, acc: jax.lax.dynamic_update_slice_in_dim(
-      buf, jnp.where(done, acc, jax.lax.dynamic_slice_in_dim(buf, c * bk, bk, 0)), c * bk, 0
-    )
-    dk, dv = put(dk, acc_k), put(dv, acc_v)
-    zero = jnp.zeros((), s.dtype)
-    return (jnp.where(done, zero, acc_k), jnp.where(done, zero, acc_v), dk, dv), None
-
-  sd = head.lse_r.dtype
-  Sp, H, Hv = head.k.shape[0], head.k.shape[1], head.v.shape[1]
-  init = (
-    jnp.zeros((bk, H), sd),
-    jnp.zeros((bk, Hv), sd),
-    jnp.zeros((Sp, H), sd),
-    jnp.zeros((Sp, Hv), sd),
-  )
-  steps = jnp.arange(-(-M // P) + nb, dtype=jnp.int32)
-  (_, _, dk, dv), _ = jax.lax.scan(chunk, init, steps)
-  return dk[: geo.S], dv[: geo.S]
