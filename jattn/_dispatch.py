@@ -177,18 +177,11 @@ ACCELERATOR_DENSE_SCORES_BYTES = 256 << 20
 
 def choose_implementation(T: int, S: int, G: int = 1, dtype=None, mask=None, shape=None) -> str:
   """The CPU's rule behind implementation=None: dense for small score matrices, chunked
-  otherwise (the crossover measured here), and chunked for decoding-shaped calls.
-
-  Measured here for decoding (B = 4, N = 32, K = 8, H = 128, chunked against dense): T = 1,
-  float32, no mask 7 against 11 ms at S = 512 and 148 against 354 at S = 16384; T = 8 and 64
-  (G = 4: 32 and 256 rows) at S = 4096, 77 against 178 and 270 against 406; with the cache's fill
-  level given at run time (lengths or a causal offset as arrays, what a decoding loop has) see
-  docs/implementations.md "Decoding" (bfloat16 at S = 16384: 145 against 399). The exception: a
-  16-bit call whose ``mask`` (the call's `jattn.masks` object over ``shape``) has a block map
-  known at trace time. XLA's CPU backend then converts the whole cache to float32 ahead of the
-  kernel's loop, and dense wins for a few rows (bfloat16, no mask, T = 1, G = 4: 249 against 331
-  ms at S = 16384); from T x G = 32 rows on chunked wins again (T = 8: 81 against 126 ms at S =
-  4096)."""
+  otherwise (the crossover measured on the CPU), and chunked for decoding-shaped calls -- except
+  a 16-bit call with few rows whose ``mask`` (the call's `jattn.masks` object over ``shape``) has
+  a block map known at trace time: XLA's CPU backend then converts the whole cache to float32
+  ahead of the kernel's loop, and dense wins below T x G = 32 rows. The figures behind each
+  branch: docs/benchmarks.md, "Where the defaults come from"."""
   if T * S >= AUTO_CHUNKED_MIN_SCORES:
     return "chunked"
   if not _chunked_plan.decoding(T, S, G):

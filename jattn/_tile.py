@@ -244,13 +244,8 @@ def pv(p, v, fold: bool = True):
 # Tile sizes and score functions.
 # --------------------------------------------------------------------------------------------
 
-# Default block sizes, measured with jattn-bench on a 2-core AVX2 CPU (B=1, N=8, H=64, float32):
-# 512 x 256 ran forward at 127-130 GFLOP/s (512 x 512: 94-110, 65% vs 47-57% of the matmul peak)
-# and forward+backward ~25% faster than 512 x 512 at T = 4096. 1024 x 128 was as fast unmasked but
-# its taller diagonal tiles made causal forward+backward 0.63x of unmasked, against 0.56x here.
-# Re-measured with the current kernels (T = 4096, one interleaved run each; forward / fwd+bwd):
-# 512x256 0.245 / 0.88 s, 512x512 0.267 / 0.88, 1024x256 0.251 / 0.95, 256x512 0.269 / 0.85,
-# 256x256 0.424 / 1.33.
+# Default block sizes: the fastest forward and forward+backward of those measured on the CPU
+# (docs/benchmarks.md, "Where the defaults come from"); a tuning table overrides them per device.
 DEFAULT_BLOCK_Q = 512
 DEFAULT_BLOCK_KV = 256
 
