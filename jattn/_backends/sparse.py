@@ -30,25 +30,24 @@ import numpy as np
 
 from jattn import _softmax, _tile
 from jattn import masks as _masks
-from jattn.masks._selection import _Selected
 
 # (token, slot) pairs per chunk: G x 128 query rows a matmul against one block.
 PAIRS_PER_CHUNK = 128
 
 
 def _split(mask):
-  """(the one selection, the AND of the other conjuncts or None), or a reason string."""
+  """((choices, block size), the AND of the mask's other conjuncts or None), or a reason."""
   if mask is None:
     return "no selection: implementation='sparse' needs a masks.selected_blocks mask"
   parts = mask.conjuncts()
-  chosen = [m for m in parts if isinstance(m, _Selected)]
+  chosen = [m for m in parts if m.selection() is not None]
   if len(chosen) != 1:
     return (
       f"mask: implementation='sparse' needs exactly one masks.selected_blocks among the mask's "
       f"&-ed parts, got {len(chosen)}"
     )
   rest = [m for m in parts if m is not chosen[0]]
-  return chosen[0], functools.reduce(lambda a, b: a & b, rest) if rest else None
+  return chosen[0].selection(), functools.reduce(lambda a, b: a & b, rest) if rest else None
 
 
 def supports(call) -> str | None:
@@ -56,9 +55,9 @@ def supports(call) -> str | None:
   split = _split(call.mask)
   if isinstance(split, str):
     return split
-  sel, rest = split
+  (chosen, _), rest = split
   s = call.static
-  Ks = sel.chosen.shape[2]
+  Ks = chosen.shape[2]
   if Ks not in (1, s.K):
     return (
       f"mask: a selection per {Ks} heads (implementation='sparse' takes one per KV head, "
@@ -84,11 +83,11 @@ def run(call):
   reason = supports(call)
   if reason is not None:
     raise NotImplementedError(f"implementation='sparse' does not take this call: {reason}")
-  sel, rest = _split(call.mask)
+  (chosen, block), rest = _split(call.mask)
   s = call.static
   cfg, _ = s.config((s.B, s.N, 1, 1))
-  geo = _Geometry(1, s.T, s.S, s.K, s.G, sel.block_size, sel.chosen.shape[3])
-  blocks, valid = _choices(sel.chosen, geo._replace_batch(s.B))
+  geo = _Geometry(1, s.T, s.S, s.K, s.G, block, chosen.shape[3])
+  blocks, valid = _choices(chosen, geo._replace_batch(s.B))
   q = call.head_major(call.query, True)  # (B, K, G, T, H)
   k = call.head_major(call.key, False)  # (B, K, S, H)
   v = call.head_major(call.value, False)

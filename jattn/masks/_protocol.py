@@ -64,6 +64,11 @@ class Mask:
     per-example arrays (a kernel may take them as ids), else None."""
     return None
 
+  def selection(self) -> tuple[Any, int] | None:
+    """(the choices (B|1, T, K, n) sorted along n, block size) for learned sparse attention's
+    selection (`selected_blocks`: the sparse path gathers what it names), else None."""
+    return None
+
   def is_position_based(self) -> bool:
     """Whether this mask is a function of (batch, head, position) indices alone -- everything
     but an array laid out over the whole (T, S), which a shard's positions cannot index without

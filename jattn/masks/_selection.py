@@ -74,6 +74,9 @@ class _Selected(Mask):
         f"{i[2]}] holding block {int(known[i])} twice"
       )
 
+  def selection(self):
+    return self.chosen, self.block_size
+
   def can_take_part(self):
     return True
 
