@@ -203,3 +203,26 @@ def test_what_it_does_not_take_is_refused_by_name(kwargs, words):
     kw["dropout_rng"] = jax.random.key(0)
   with pytest.raises(NotImplementedError, match=re.escape(words)):
     jattn.dot_product_attention(q, k, v, mask=mask, implementation="sparse", **kw)
+
+
+def test_traced_repeats_and_out_of_range_indices_mean_what_the_mask_path_says():
+  # Under jit the indices are not checked: a repeat counts once, -1 and entries outside the
+  # blocks select nothing -- as masks.selected_blocks evaluates on the chunked path.
+  T = 24
+  q, k, v, do, _, _, idx = _problem(5, T, T, 2, 4, 4)
+  idx = np.array(idx)
+  idx[0, :, 0, 1] = idx[0, :, 0, 0]  # a repeat in every row of example 0, head 0
+  idx[1, ::2, 1, 2] = 99  # out of range
+  idx[1, 1::2, 1, 3] = -5
+  run = lambda impl: jax.jit(
+    lambda i: jax.vjp(
+      lambda q, k, v: jattn.dot_product_attention(
+        q, k, v, mask=M.selected_blocks(i, 4), is_causal=True, implementation=impl
+      ),
+      q,
+      k,
+      v,
+    )[1](do)
+  )(jnp.asarray(idx))
+  for a, b in zip(run("sparse"), run("chunked")):
+    np.testing.assert_allclose(a, b, atol=2e-5, rtol=2e-5)

@@ -214,6 +214,20 @@ MUTATIONS = [
     "  if False:",
     ["tests/attention/test_empty.py"],
   ),
+  (
+    "sparse: a traced repeated block counted twice (_backends/sparse)",
+    "jattn/_backends/sparse.py",
+    "  valid = (c >= 0) & (c < geo.num_blocks) & first",
+    "  valid = (c >= 0) & (c < geo.num_blocks)",
+    ["tests/attention/test_sparse.py"],
+  ),
+  (
+    "sparse: a block's dK/dV total carried into the next block (_backends/sparse)",
+    "jattn/_backends/sparse.py",
+    "    return (jnp.where(done, zero, acc_k), jnp.where(done, zero, acc_v), dq, dk, dv), None",
+    "    return (acc_k, acc_v, dq, dk, dv), None",
+    ["tests/attention/test_sparse.py"],
+  ),
 ]
 
 
