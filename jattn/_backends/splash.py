@@ -94,9 +94,13 @@ def _kernel(heads: tuple, bq: int, bk: int, soft_cap, save_residuals: bool):
       block_kv_dq=bk,
     )
     # Concrete block lists (built in the trace they would be its tracers, and the cache would
-    # hand them to the next trace).
-    with jax.ensure_compile_time_eval():
-      _KERNELS[key] = kernel_lib.make_splash_mqa(
+    # hand them to the next trace), kept as NumPy arrays: built as jax arrays inside the
+    # shard_map that runs the kernel per device they would be typed on its mesh, and jax 0.12.1
+    # refuses such constants of a jitted program ("Unexpected XLA sharding override", or a
+    # closed-over array "sharded on Explicit axes").
+    no_mesh = jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ()))
+    with jax.ensure_compile_time_eval(), no_mesh:
+      kernel = kernel_lib.make_splash_mqa(
         mask_lib.MultiHeadMask([h.build() for h in heads]),
         block_sizes=sizes,
         head_shards=1,
@@ -104,6 +108,7 @@ def _kernel(heads: tuple, bq: int, bk: int, soft_cap, save_residuals: bool):
         save_residuals=save_residuals,
         attn_logits_soft_cap=soft_cap,
       )
+    _KERNELS[key] = jax.tree.map(np.asarray, kernel)
   return _KERNELS[key]
 
 
