@@ -121,7 +121,6 @@ class _Geometry(tuple):
   G = property(lambda self: self[4])
   block = property(lambda self: self[5])
   n = property(lambda self: self[6])
-  L = property(lambda self: self[5] * self[6])
 
   def _replace_batch(self, B):
     return _Geometry(B, *self[1:])
@@ -130,8 +129,10 @@ class _Geometry(tuple):
 
 
 class Ops(NamedTuple):
-  """One example's operands: q (1, K, G, T, H), k, v (1, K, S, H), the choices ``blocks`` and
-  ``valid`` (1, K, T, n) (see `_choices`), and the rest of the mask (cut to the example)."""
+  """The operands: of one example, q (1, K, G, T, H), k, v (1, K, S, H), the choices ``blocks``
+  and ``valid`` (1, K, T, n) (see `_choices`), and the rest of the mask (cut to the example);
+  of one KV head (`_heads`), q (G, T, H), k, v (Sp, H) (padded to whole blocks), blocks and
+  valid (T, n), and the mask cut to its query heads."""
 
   q: Any
   k: Any
@@ -170,27 +171,15 @@ def _ds(cfg, s, tanh, vis, lse_r, delta, dp):
   return p, ds * jnp.asarray(cfg.scale, ds.dtype)
 
 
-class _Head(NamedTuple):
-  """One KV head's operands: q (G, T, H), k, v (Sp, H) (padded to whole blocks), blocks and
-  valid (T, n), and the rest of the mask cut to its query heads."""
-
-  q: Any
-  k: Any
-  v: Any
-  blocks: Any
-  valid: Any
-  rest: Any
-
-
-def _heads(geo: _Geometry, ops: Ops) -> _Head:
-  """`Ops` of one example as K `_Head`s stacked on a leading axis (the mask cut per head by
-  `_per_head`)."""
+def _heads(geo: _Geometry, ops: Ops) -> Ops:
+  """`Ops` of one example as the K heads' `Ops` stacked on a leading axis (the mask cut per head
+  by `_per_head`)."""
   Sp = geo.num_blocks * geo.block
   pad = lambda x: jnp.pad(x[0], ((0, 0), (0, Sp - geo.S), (0, 0)))
-  return _Head(ops.q[0], pad(ops.k), pad(ops.v), ops.blocks[0], ops.valid[0], ops.rest)
+  return Ops(ops.q[0], pad(ops.k), pad(ops.v), ops.blocks[0], ops.valid[0], ops.rest)
 
 
-def _per_head(geo: _Geometry, fn, heads: _Head, *per_head):
+def _per_head(geo: _Geometry, fn, heads: Ops, *per_head):
   """``fn(head, *xs)`` for each KV head (vmapped), the mask cut to that head's query heads."""
   N = geo.K * geo.G
 
@@ -199,7 +188,7 @@ def _per_head(geo: _Geometry, fn, heads: _Head, *per_head):
       head = head._replace(rest=head.rest.take_part(_masks.Cut(0, 1, kh * geo.G, geo.G, 1, N)))
     return fn(head, *xs)
 
-  axes = (0, _Head(0, 0, 0, 0, 0, None)) + (0,) * len(per_head)
+  axes = (0, Ops(0, 0, 0, 0, 0, None)) + (0,) * len(per_head)
   return jax.vmap(one, in_axes=axes)(jnp.arange(geo.K), heads, *per_head)
 
 
@@ -220,7 +209,7 @@ class _Chunk(NamedTuple):
   tanh: Any
 
 
-def _chunk(geo, cfg, head: _Head, inv, j) -> _Chunk:
+def _chunk(geo, cfg, head: Ops, inv, j) -> _Chunk:
   """Chunk ``j`` of the inverse selection ``inv`` (see `_inverse_selection`)."""
   P, M, nb, bk = PAIRS_PER_CHUNK, geo.T * geo.n, geo.num_blocks, geo.block
   order, start, end, first, last = inv
@@ -251,7 +240,7 @@ def _chunks(geo: _Geometry):
   return -(-(geo.T * geo.n) // PAIRS_PER_CHUNK) + geo.num_blocks
 
 
-def _head_forward(geo, cfg, head: _Head, sink):
+def _head_forward(geo, cfg, head: Ops, sink):
   """(out (G, T, Hv) in the query's dtype, lse (G, T)) of one KV head: each token's running
   softmax statistics in a buffer, each chunk merging its pairs into their tokens' rows (rows
   distinct within a chunk; chunks in their fixed order)."""
@@ -283,7 +272,7 @@ def _head_forward(geo, cfg, head: _Head, sink):
   return out, _softmax.lse(m, l)
 
 
-def _head_backward(geo, cfg, head: _Head, dout, lse_r, delta):
+def _head_backward(geo, cfg, head: Ops, dout, lse_r, delta):
   """dQ (G, T, H), dK, dV (S, H) of one KV head in one loop over the chunks: dQ rows gain each
   chunk's share (rows distinct within a chunk), a block's dK and dV are its chunks' sums in
   chunk order, written once after its last chunk."""
@@ -291,12 +280,13 @@ def _head_backward(geo, cfg, head: _Head, dout, lse_r, delta):
   sd = lse_r.dtype
   P, bk = PAIRS_PER_CHUNK, geo.block
   pad = lambda x: jnp.pad(x, ((0, 0), (0, P)) + ((0, 0),) * (x.ndim - 2))
-  dout, lse_r, delta = pad(dout), pad(lse_r), pad(delta)
+  # Spare rows past T (a chunk's unused pairs) read zeros.
+  q, dout, lse_r, delta = pad(head.q), pad(dout), pad(lse_r), pad(delta)
 
   def step(carry, j):
     acc_k, acc_v, dq, dk, dv = carry
     ch = _chunk(geo, cfg, head, inv, j)
-    qt, dot = pad(head.q)[:, ch.row], dout[:, ch.row]  # (G, P, H)
+    qt, dot = q[:, ch.row], dout[:, ch.row]  # (G, P, H)
     dp = jnp.einsum("gph,rh->gpr", dot, ch.vc, preferred_element_type=sd)
     p, ds = _ds(cfg, ch.s, ch.tanh, ch.vis, lse_r[:, ch.row], delta[:, ch.row], dp)
     dq_c = jnp.einsum("gpr,rh->gph", ds.astype(ch.kc.dtype), ch.kc, preferred_element_type=sd)
