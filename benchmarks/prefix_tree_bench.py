@@ -26,6 +26,7 @@ import jattn
 from jattn import _tile
 from jattn import masks as M
 from jattn.bench import interleaved
+from jattn.bench.runner import compiled_memory
 
 
 def _tiles(mask, B, N, T):
@@ -37,7 +38,7 @@ def _tiles(mask, B, N, T):
 
 
 def _memory(fn, *args) -> int:
-  return int(jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes)
+  return compiled_memory(jax.jit(fn).lower(*args).compile())["temp_bytes"]
 
 
 def rl_shape(args):

@@ -24,10 +24,7 @@ import numpy as np
 import jattn
 from jattn import masks as M
 from jattn.bench import alternating, interleaved
-
-
-def _memory(fn, *args) -> int:
-  return int(jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes)
+from jattn.bench.runner import compiled_memory
 
 
 def _selection(T, K, n, block, seed=0):
@@ -68,19 +65,18 @@ def main(argv=None):
 
     return jax.jit(jax.grad(f, argnums=(0, 1, 2)))
 
-  sparse = loss(mask=M.selected_blocks(idx, a.block), is_causal=True, implementation="sparse")
-  window = loss(local_window_size=(a.window - 1, 0), implementation="chunked")
-  causal = loss(is_causal=True, implementation="chunked")
-  calls = {
-    "selected (sparse)": lambda: sparse(q, k, v, do),
-    "window (chunked)": lambda: window(q, k, v, do),
-    "causal (chunked)": lambda: causal(q, k, v, do),
+  programs = {
+    "selected (sparse)": loss(
+      mask=M.selected_blocks(idx, a.block), is_causal=True, implementation="sparse"
+    ),
+    "window (chunked)": loss(local_window_size=(a.window - 1, 0), implementation="chunked"),
+    "causal (chunked)": loss(is_causal=True, implementation="chunked"),
   }
+  calls = {name: (lambda f=f: f(q, k, v, do)) for name, f in programs.items()}
   ms = interleaved(calls, a.repeats, order=alternating(list(calls)))
   mem = {
-    "selected (sparse)": _memory(sparse, q, k, v, do),
-    "window (chunked)": _memory(window, q, k, v, do),
-    "causal (chunked)": _memory(causal, q, k, v, do),
+    name: compiled_memory(f.lower(q, k, v, do).compile())["temp_bytes"]
+    for name, f in programs.items()
   }
   reads = {
     "selected (sparse)": a.n * a.block,
