@@ -26,7 +26,6 @@ from prefix_trees import (
   previous_by_hand,
   problem,
   random_rows,
-  round_to_dtype,
   visible_by_hand,
 )
 
@@ -169,11 +168,6 @@ def _kwargs(impl, blocks):
   }[impl]
 
 
-def _rel(got, want):
-  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-  return float(np.linalg.norm((got - want).ravel()) / np.linalg.norm(want.ravel()))
-
-
 def _ring(blocks, **kw):
   """ring_attention_sharded on a one-device mesh, zigzag layout, as f(q, k, v, bias, sinks)."""
   mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]), ("seq",))
@@ -262,10 +256,10 @@ def test_packed_equals_alone_against_float64(impl, dtype):
       np.testing.assert_allclose(g, want[name], atol=3e-5, rtol=3e-5, err_msg=name)
       np.testing.assert_allclose(g, alone[name], atol=3e-5, rtol=3e-5, err_msg=name)
       continue
-    rounding = _rel(round_to_dtype(want[name], dt), want[name])
+    rounding = ref.rel_error(ref.round_to_dtype(want[name], dt), want[name])
     factor = (RING_FORWARD if impl == "ring" else FORWARD) if name == "out" else GRADIENTS
     for what, x in (("packed", g), ("alone", alone[name])):
-      err = _rel(x, want[name])
+      err = ref.rel_error(x, want[name])
       assert err <= factor * rounding, (
         f"{what} {name}: error {err:.3e} is {err / rounding:.2f}x the {dtype} rounding of the "
         f"exact answer ({rounding:.3e}); the rule is {factor}x"

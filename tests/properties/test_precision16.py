@@ -38,10 +38,6 @@ IMPLS = {
 DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16}
 
 
-def _round(x, dtype):
-  return np.asarray(jnp.asarray(x, jnp.float32).astype(dtype).astype(jnp.float32), np.float64)
-
-
 @functools.cache
 def _exact(dtype_name):
   """16-bit inputs (as float64 values), the float64 output and gradients of causal attention,
@@ -49,18 +45,14 @@ def _exact(dtype_name):
   dtype = DTYPES[dtype_name]
   rng = np.random.default_rng(0)
   q, k, v, do = (
-    _round(rng.standard_normal(s), dtype)
+    ref.round_to_dtype(rng.standard_normal(s), dtype)
     for s in [(B, T, N, H), (B, T, K, H), (B, T, K, H), (B, T, N, H)]
   )
   vis = ref.visible_mask(B, N, T, T, causal="top_left")
   out, _, cache = ref.attention(q, k, v, visible=vis)
   want = (out,) + tuple(ref.grads(cache, do)[:3])
-  rounding = tuple(_rel(_round(w, dtype), w) for w in want)
+  rounding = tuple(ref.rel_error(ref.round_to_dtype(w, dtype), w) for w in want)
   return (q, k, v, do), want, rounding
-
-
-def _rel(got, want):
-  return float(np.linalg.norm((got - want).ravel()) / np.linalg.norm(want.ravel()))
 
 
 # implementation=None is tried once (bfloat16): on this CPU it runs the chunked kernels' serial
@@ -90,7 +82,7 @@ def test_16bit_error_within_a_factor_of_rounding_the_exact_answer(impl, dtype):
   for name, got, w, r, factor in zip(
     ("out", "dq", "dk", "dv"), (out,) + tuple(grads), want, rounding, (FORWARD,) + (GRADIENTS,) * 3
   ):
-    err = _rel(np.asarray(got, np.float64), w)
+    err = ref.rel_error(np.asarray(got, np.float64), w)
     assert err <= factor * r, (
       f"{name}: error {err:.3e} is {err / r:.2f}x the {dtype} "
       f"rounding of the exact answer ({r:.3e}); the rule is {factor}x"

@@ -106,10 +106,6 @@ def previous_by_hand(parents, lengths, T):
   return prev
 
 
-def round_to_dtype(x, dtype):
-  return np.asarray(jnp.asarray(x, jnp.float32).astype(dtype).astype(jnp.float32), np.float64)
-
-
 class Problem:
   """B packed rows of random trees (depth up to 3, 2 to 8 branches at the root), their
   root-to-leaf paths as one batch of alone sequences (padded to the longest, hidden by lengths),
@@ -123,7 +119,7 @@ class Problem:
     self.parents, self.lengths = tree or random_rows(seed, B, T, 3, 8, max_len)
     self.tree = M.prefix_tree(self.parents, lengths=self.lengths, size=T)
     rng = np.random.default_rng(seed + 100)
-    x = lambda *s: round_to_dtype(rng.standard_normal(s), dtype)
+    x = lambda *s: ref.round_to_dtype(rng.standard_normal(s), dtype)
     self.q, self.k, self.v, self.do = x(B, T, N, H), x(B, T, K, H), x(B, T, K, H), x(B, T, N, H)
     self.bias = x(B, N, T, T) if bias else None
     self.sinks = np.asarray(rng.standard_normal(N), np.float32)

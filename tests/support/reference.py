@@ -246,3 +246,18 @@ def attention_vjp(
       dargs=jax.tree.map(to_np, dargs),
     )
     return np.asarray(out), np.asarray(lse), grads
+
+
+# The 16-bit rule's two measures (tests/properties/test_precision16.py): the error against
+# float64 stays within a small factor of the error of rounding the exact answer to the dtype.
+
+
+def round_to_dtype(x, dtype):
+  """``x`` rounded to ``dtype`` (through float32, as a kernel's output is), as float64."""
+  return np.asarray(jnp.asarray(x, jnp.float32).astype(dtype).astype(jnp.float32), np.float64)
+
+
+def rel_error(got, want):
+  """||got - want|| / ||want|| (Frobenius), in float64."""
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  return float(np.linalg.norm((got - want).ravel()) / np.linalg.norm(want.ravel()))

@@ -4,7 +4,6 @@ random choices per row and their (B, N, T, S) boolean definition, built index by
 
 import itertools
 
-import jax.numpy as jnp
 import numpy as np
 
 
@@ -29,12 +28,3 @@ def by_hand(indices, block, N, T, S):
       if c >= 0:
         vis[b, h, t, c * block : (c + 1) * block] = True
   return vis
-
-
-def rel(got, want):
-  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-  return float(np.linalg.norm((got - want).ravel()) / np.linalg.norm(want.ravel()))
-
-
-def round_to(x, dtype):
-  return np.asarray(jnp.asarray(x, jnp.float32).astype(dtype).astype(jnp.float32), np.float64)
