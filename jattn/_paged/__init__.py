@@ -7,7 +7,8 @@ room: `pool` (the pool's format and its one check against the tokens that meet i
 plan); then `run` (the program: faults, tiles, the walk or a kernel per platform, the
 epilogue), `tiles` (query rows cut into tiles of one sequence, and back), `walk` (the XLA walk
 over key blocks), `read` (blocks read from the pool where it lies), `fold` (the arithmetic the
-walk and the kernels share), `pallas_tpu` and `pallas_gpu` (jattn's Pallas kernels).
+walk and the kernels share), `pallas_tpu` and `pallas_gpu` (jattn's Pallas kernels), `selected`
+(a key selection's rows, each reading only its chosen keys).
 """
 
 from jattn._paged.attention import paged_attention as paged_attention

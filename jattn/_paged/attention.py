@@ -53,6 +53,7 @@ def paged_attention(
   implementation=None,
   return_residual=False,
   new_token_mask=None,
+  key_selection=None,
 ):
   """Attention of new tokens against a paged KV cache (forward only; see the module docstring).
 
@@ -118,6 +119,17 @@ def paged_attention(
       the sequence's metadata like any other rule (``on_invalid``). With ``is_causal=False``
       the mask still hides new keys and a window is still measured in these positions.
       The Pallas kernels take no mask: implementation=None runs the XLA walk, "pallas" raises.
+    key_selection: `jattn.masks.selected_blocks` ``(indices, block_size)``: each new row reads
+      only the keys it chose (DSA's top-k tokens at block size 1, NSA's blocks; a decoding step
+      of a learned sparse model): indices (B, T, K', n) padded or (1, total, K', n) ragged (B
+      may be 1: one selection for every sequence), K' = 1 (shared by every head) or K, block c
+      being the sequence's positions [c * block_size, (c + 1) * block_size) wherever their
+      pages lie. A row sees a key iff it is selected and cached and causality and the window
+      allow it; -1 selects nothing. Known indices are checked (ValueError): each -1 or a block
+      within the table's reach, ceil(max_pages * page_size / block_size), none twice in a row;
+      traced ones outside it select nothing and a repeat counts once. Work and pool reads
+      O(rows x n x block_size): the other pages are never read. The XLA program on every
+      platform (implementation=None or "chunked"; "pallas" raises); not with new_token_mask.
 
   Returns:
     (B, T, N, Hv) or (total, N, Hv) in the query's dtype; a sequence with no cached tokens, or a
@@ -125,12 +137,13 @@ def paged_attention(
   """
   metadata.check_on_invalid("paged_attention", on_invalid)
   plan.check_implementation(implementation)
+  _check_selection_kind(key_selection, new_token_mask)
   # As passed: NumPy metadata stays concrete under jit, and is checked by its values.
   given = metadata.Metadata(page_table, kv_lengths, query_start, new_token_mask)
   same = key_pages is value_pages and key_pages is not None
   declared = _pool.Declared(kv_layout, page_size, num_kv_heads, value_head_dim, same)
   queries, pool, opts = _as_arrays(
-    Queries(query, query_start, sinks, new_token_mask),
+    Queries(query, query_start, sinks, new_token_mask, key_selection),
     Pool(key_pages, value_pages, page_table, kv_lengths, k_scale, v_scale),
     Options(scale, is_causal, local_window_size, logits_soft_cap, kv_layout, implementation),
   )
@@ -142,6 +155,8 @@ def paged_attention(
   B, max_pages, rows = metadata.check_shapes(md, queries.query.shape, ragged)
   g = metadata.Geometry(sizes.P, sizes.page_size, rows, ragged)
   metadata.check(g, given)
+  if key_selection is not None:
+    _check_selection(key_selection, queries.query.shape, ragged, B, sizes, max_pages)
   if on_invalid == "checkify":
     metadata.checkify("paged_attention", metadata.faults(jnp, g, md))
   st = plan.plan(queries, sizes, (B, max_pages), opts)
@@ -175,6 +190,7 @@ def _as_arrays(queries: Queries, pool: Pool, opts: Options) -> tuple[Queries, Po
     else _validation.bool_array(
       "new_token_mask", mask, "a boolean array (True: the row sees that new row)"
     ),
+    queries.selection,
   )
   query, pages_shape = queries.query, getattr(pool.key_pages, "shape", ())
   known = query.shape[1:] if queries.query_start is None else query.shape
@@ -205,3 +221,39 @@ def _as_arrays(queries: Queries, pool: Pool, opts: Options) -> tuple[Queries, Po
       logits_soft_cap=_validation.soft_cap(opts.logits_soft_cap),
     ),
   )
+
+
+def _check_selection_kind(selection, new_token_mask) -> None:
+  """``key_selection`` is one `jattn.masks.selected_blocks` (TypeError otherwise), without a
+  tree of new tokens (NotImplementedError)."""
+  if selection is None:
+    return
+  if getattr(selection, "selection", lambda: None)() is None or len(selection.conjuncts()) != 1:
+    raise TypeError(
+      "key_selection must be one jattn.masks.selected_blocks(indices, block_size) (causality "
+      f"and the window are paged_attention's own arguments), got {type(selection).__name__}"
+    )
+  if new_token_mask is not None:
+    raise NotImplementedError(
+      "key_selection with new_token_mask: a tree of draft tokens selecting keys is not "
+      "implemented (verify the draft without a selection, or decode it token by token)"
+    )
+
+
+def _check_selection(selection, query_shape, ragged: bool, B, sizes, max_pages) -> None:
+  """The selection's indices against the query's rows and the pool's heads and reach, their
+  known values checked (ValueError naming the argument)."""
+  chosen = selection.chosen
+  rows, N = query_shape[-3], query_shape[-2]
+  want = f"(1, total={rows}, K', n)" if ragged else f"(B={B} or 1, T={rows}, K', n)"
+  if (ragged and chosen.shape[0] != 1) or chosen.shape[1] != rows:
+    raise ValueError(f"key_selection: indices must be {want}, got shape {chosen.shape}")
+  if chosen.shape[2] not in (1, sizes.K):
+    raise ValueError(
+      f"key_selection: indices' K'={chosen.shape[2]} must be 1 or the pool's KV heads "
+      f"K={sizes.K}, got shape {chosen.shape}"
+    )
+  try:
+    selection.check_known((1 if ragged else B, N, rows, max_pages * sizes.page_size))
+  except ValueError as e:
+    raise ValueError(f"key_selection: {e} (S: the page table's reach)") from None

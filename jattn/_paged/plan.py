@@ -33,12 +33,14 @@ RAGGED_TILE_ROWS = 16
 
 class Queries(NamedTuple):
   """A call's arrays on the query's side: query (B, T, N, H) or ragged (total, N, H), the ragged
-  rows' offsets query_start (B + 1,), sinks (N,) and new_token_mask, None where not given."""
+  rows' offsets query_start (B + 1,), sinks (N,), new_token_mask and the key selection (a
+  `jattn.masks.selected_blocks` over the rows), None where not given."""
 
   query: Any
   query_start: Any = None
   sinks: Any = None
   new_token_mask: Any = None
+  selection: Any = None
 
 
 class Options(NamedTuple):
@@ -87,6 +89,8 @@ class PagedPlan(NamedTuple):
   tree: int = 0
   # Absorbed MLA: no value pool, the values are the keys' first Hv features (read with them).
   latent: bool = False
+  # A key selection: each row reads only its chosen keys (`jattn._paged.selected`).
+  selected: bool = False
 
   @property
   def B(self) -> int:
@@ -190,6 +194,7 @@ def plan(queries: Queries, pool: PoolSizes, table: tuple, opts: Options) -> Page
     implementation=opts.implementation,
     tree=0 if queries.new_token_mask is None else queries.new_token_mask.shape[-1],
     latent=pool.latent,
+    selected=queries.selection is not None,
   )
   why = why_no_kernel(st)
   if opts.implementation == "pallas" and why:
@@ -206,6 +211,11 @@ def why_no_kernel(st: PagedPlan) -> str | None:
     return (
       "new_token_mask (a tree of new tokens): the Pallas kernels see keys by position only; "
       "implementation=None or 'chunked' runs the XLA walk, which takes it"
+    )
+  if st.selected:
+    return (
+      "key_selection: the Pallas kernels walk every cached block; implementation=None or "
+      "'chunked' reads only the selected keys"
     )
   if st.latent:
     return (

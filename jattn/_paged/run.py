@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from jattn import _lowering, _softmax, _tile
 from jattn._chunked.plan import SPLIT_KV_PARTS
-from jattn._paged import metadata, pallas_gpu, pallas_tpu, tiles, walk
+from jattn._paged import metadata, pallas_gpu, pallas_tpu, selected, tiles, walk
 from jattn._paged.plan import PAGED_BLOCK_KV, PagedPlan, Queries, why_no_kernel
 from jattn._paged.pool import Pool
 from jattn._validation import concrete
@@ -74,6 +74,9 @@ def _jitted(st: PagedPlan, queries: Queries, pool: Pool):
   bad = metadata.faults(jnp, g, md) != metadata.OK
   at = metadata.owners(jnp, queries.query_start, st.rows, bad)
   pool = pool._replace(kv_lengths=jnp.where(bad, 0, pool.kv_lengths.astype(jnp.int32)))
+  if st.selected:  # each row reads its chosen keys: no tiles, rows already in place
+    out, lse = selected.attend(st, queries, pool, at)
+    return _in_place(st, at, out), _in_place(st, at, lse[..., None])[..., 0]
   t = tiles.cut(st, at, pool.kv_lengths, queries.new_token_mask)
   q = tiles.gather(st, queries.query, t)  # (M, K, G * tq, H)
   landing = tiles.landing(st, t)
@@ -85,8 +88,7 @@ def _jitted(st: PagedPlan, queries: Queries, pool: Pool):
     m, l, acc = _softmax.join_sink(m, l, acc, sink.reshape(1, st.K, st.G * st.tq))
   out = _softmax.normalize(acc, l, m, 0.0).astype(st.dtype)  # (M, K, G * tq, Hv)
   lse = _softmax.lse(m, l)[..., None]
-  # Tile rows back to the query's rows: ``fill`` where none lands, NaN where only a faulty
-  # sequence claims the row.
+  # Tile rows back to the query's rows: ``fill`` where none lands.
   n, M = (st.rows if st.ragged else st.B * st.rows), q.shape[0]
   back = []
   for x, fill in ((out, 0.0), (lse, _softmax.NEG)):
@@ -94,9 +96,15 @@ def _jitted(st: PagedPlan, queries: Queries, pool: Pool):
     x = jnp.transpose(x.reshape(M, st.K, st.G, st.tq, X), (0, 3, 1, 2, 4))
     x = x.reshape(M * st.tq, st.N, X)
     x = jnp.full((n, st.N, X), fill, x.dtype).at[landing].set(x, mode="drop", unique_indices=True)
-    x = jnp.where(at.lost[:, None, None], jnp.asarray(jnp.nan, x.dtype), x)
-    back.append(x.reshape((st.B, st.rows) + x.shape[1:]) if not st.ragged else x)
+    back.append(_in_place(st, at, x))
   return back[0], back[1][..., 0]
+
+
+def _in_place(st: PagedPlan, at, x):
+  """Rows (n, N, X) as the query lays them out, NaN where only a faulty sequence claims the
+  row."""
+  x = jnp.where(at.lost[:, None, None], jnp.asarray(jnp.nan, x.dtype), x)
+  return x.reshape((st.B, st.rows) + x.shape[1:]) if not st.ragged else x
 
 
 def _programs(st: PagedPlan) -> dict[str, Any]:

@@ -29,8 +29,11 @@ def reference(
   sinks=None,
   ks=None,
   vs=None,
+  selection=None,
 ):
-  """Float64 (out, lse), padded (B, T, N, Hv) or ragged (total, N, Hv)."""
+  """Float64 (out, lse), padded (B, T, N, Hv) or ragged (total, N, Hv). ``selection``:
+  (indices, block_size) of a key selection, indices (B|1, T, K', n) padded or (1, total, K', n)
+  ragged: a row also needs the key's block among its row's indices for its KV head."""
   q, kp, vp = (np.asarray(x, np.float64) for x in (q, kp, vp))
   if ks is not None:
     kp = kp * np.broadcast_to(np.asarray(ks, np.float64), kp.shape[:3])[..., None]
@@ -45,6 +48,11 @@ def reference(
   scale = 1 / np.sqrt(H) if scale is None else scale
   rows = (np.arange(B + 1) * q.shape[1]) if qs is None else np.asarray(qs)
   flat = q.reshape(-1, N, H)
+  if selection is not None:
+    idx, block = selection
+    idx = np.asarray(idx)
+    idx = np.broadcast_to(idx, (flat.shape[0] // idx.shape[1],) + idx.shape[1:])
+    chosen = idx.reshape(flat.shape[0], idx.shape[2], idx.shape[3])
   out = np.zeros(flat.shape[:2] + (Hv,))
   lse = np.full(flat.shape[:2], -np.inf)
   for b in range(B):
@@ -66,6 +74,9 @@ def reference(
         vis = np.ones(L, bool)
         if causal:
           vis &= key <= pos
+        if selection is not None:
+          row = chosen[r, (h // G) % chosen.shape[1]]
+          vis &= np.isin(key // block, row[row >= 0])
         if window is not None:
           left, right = window
           if left is not None:
