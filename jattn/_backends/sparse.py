@@ -3,17 +3,19 @@
 
 Everything runs key-major, through the inverse selection: the (token, slot) pairs of one example
 and KV head are sorted by (block, token) -- a stable sort, so the order is fixed -- and cut into
-chunks of one block each (each block's run padded to whole chunks). A chunk is a real matmul:
-its pairs' queries (G x P rows, gathered: G x H numbers a pair) against its block's keys, read
-in place. The forward keeps each token's running softmax statistics in a buffer and merges every
-chunk's pairs into their tokens' rows; the backward adds each chunk's dQ share into its tokens'
-rows and sums a block's dK and dV over its chunks in chunk order, writing the block once. No
-two pairs of a chunk share a row (a token chooses a block once), chunks run in their fixed
-order: every scatter declares unique indices, nothing is added by atomics, and the results are
-bitwise reproducible. Examples run one at a time (the program is the same whatever B is: an
-example's result is the same bits alone and in a batch). The rest of the call's mask (causal,
-a window, lengths, segments, any mask kind that cuts to one example and head group) is
-evaluated at each pair's token and block.
+chunks of one block each (each block's run padded to whole chunks), every chunk's indices
+computed before the loops (`_schedule`). A chunk is a real matmul: its pairs' queries (P x G
+rows, gathered from token-major buffers: one contiguous G x H read a pair) against its block's
+keys, read in place. The forward keeps each token's running softmax statistics in a buffer and
+merges every chunk's pairs into their tokens' rows; the backward, on keys-major tiles (dK and dV
+plain matmuls of them), adds each chunk's dQ share into its tokens' rows and sums a block's dK
+and dV over its chunks in chunk order, writing the block once. No two pairs of a chunk share a
+row (a token chooses a block once), chunks run in their fixed order: every scatter declares
+unique indices, nothing is added by atomics, and the results are bitwise reproducible. Examples,
+and the KV heads of one, run one at a time (the program is the same whatever B is: an example's
+result is the same bits alone and in a batch). The rest of the call's mask (causal, a window,
+lengths, segments, any mask kind that cuts to one example and head group) is evaluated at each
+pair's token and block.
 
 Shapes: B batch, T queries, S keys, N query heads, K KV heads, G = N // K, H head size, n
 slots per row, P pairs per chunk.
@@ -131,8 +133,8 @@ class _Geometry(tuple):
 class Ops(NamedTuple):
   """The operands: of one example, q (1, K, G, T, H), k, v (1, K, S, H), the choices ``blocks``
   and ``valid`` (1, K, T, n) (see `_choices`), and the rest of the mask (cut to the example);
-  of one KV head (`_heads`), q (G, T, H), k, v (Sp, H) (padded to whole blocks), blocks and
-  valid (T, n), and the mask cut to its query heads."""
+  of one KV head (`_heads`), q (T, G, H) (token-major), k, v (Sp, H) (padded to whole blocks),
+  blocks and valid (T, n), and the mask cut to its query heads."""
 
   q: Any
   k: Any
@@ -161,77 +163,99 @@ def _zero_cotangent(x):
   return np.zeros(x.shape, jax.dtypes.float0)
 
 
-def _ds(cfg, s, tanh, vis, lse_r, delta, dp):
-  """(P, d loss / d raw q.k) of a tile: P = exp(s - lse), dS = P (dP - delta), then back
-  through the soft cap and the scale."""
-  p = jnp.where(vis, jnp.exp(s - lse_r[..., None]), jnp.zeros((), s.dtype))
-  ds = p * (dp - delta[..., None])
-  if tanh is not None:
-    ds = ds * (1 - tanh * tanh)
-  return p, ds * jnp.asarray(cfg.scale, ds.dtype)
-
-
 def _heads(geo: _Geometry, ops: Ops) -> Ops:
-  """`Ops` of one example as the K heads' `Ops` stacked on a leading axis (the mask cut per head
-  by `_per_head`)."""
+  """`Ops` of one example as the K heads' `Ops` stacked on a leading axis: q token-major (K, T,
+  G, H) (a pair's G query rows one contiguous read), k and v padded to whole blocks."""
   Sp = geo.num_blocks * geo.block
   pad = lambda x: jnp.pad(x[0], ((0, 0), (0, Sp - geo.S), (0, 0)))
-  return Ops(ops.q[0], pad(ops.k), pad(ops.v), ops.blocks[0], ops.valid[0], ops.rest)
+  q = jnp.swapaxes(ops.q[0], 1, 2)
+  return Ops(q, pad(ops.k), pad(ops.v), ops.blocks[0], ops.valid[0], ops.rest)
 
 
 def _per_head(geo: _Geometry, fn, heads: Ops, *per_head):
-  """``fn(head, *xs)`` for each KV head (vmapped), the mask cut to that head's query heads."""
-  N = geo.K * geo.G
+  """``fn(head, *xs)`` for each KV head, one after the other (a loop per head, not one loop of
+  stacked heads), the mask cut to that head's query heads."""
+  N, rest = geo.K * geo.G, heads.rest
 
-  def one(kh, head, *xs):
-    if head.rest is not None:
-      head = head._replace(rest=head.rest.take_part(_masks.Cut(0, 1, kh * geo.G, geo.G, 1, N)))
+  def one(args):
+    kh, head, xs = args
+    if rest is not None:
+      head = head._replace(rest=rest.take_part(_masks.Cut(0, 1, kh * geo.G, geo.G, 1, N)))
     return fn(head, *xs)
 
-  axes = (0, Ops(0, 0, 0, 0, 0, None)) + (0,) * len(per_head)
-  return jax.vmap(one, in_axes=axes)(jnp.arange(geo.K), heads, *per_head)
+  return jax.lax.map(one, (jnp.arange(geo.K), heads._replace(rest=None), per_head))
 
 
-class _Chunk(NamedTuple):
-  """One chunk of the inverse selection: its block ``c``, whether it is in use (``live``), its
-  pairs' tokens ``t`` (P,) and where they land in a token buffer (``row``: the token, or one of
-  P spare rows past T for unused pairs, so that no two pairs of a chunk share a row), the
-  block's keys and values, and the logits (G, P, block) (scale, soft cap; hidden: NEG) with
-  their visibility and the soft cap's tanh."""
+class _Schedule(NamedTuple):
+  """The inverse selection of one KV head as chunks (`_schedule`): each chunk's key ``block``
+  (C,), its pairs' ``rows`` (C, P) in the token buffers (the pair's token, or spare row T + p
+  for an unused pair, so that no two pairs of a chunk share a row), which pairs are in use
+  (``ok`` (C, P)), and whether it is its block's last chunk (``last`` (C,))."""
+
+  block: Any
+  rows: Any
+  ok: Any
+  last: Any
+
+
+def _schedule(geo: _Geometry, blocks, valid) -> _Schedule:
+  """Every chunk's indices at once, before the loops (a loop step only reads its row of them)."""
+  P, M, nb, T = PAIRS_PER_CHUNK, geo.T * geo.n, geo.num_blocks, geo.T
+  order, start, end, first, last = _inverse_selection(geo, blocks, valid)
+  j = jnp.arange(_chunks(geo), dtype=jnp.int32)
+  c = jnp.searchsorted(last, j, side="right").astype(jnp.int32)
+  live = c < nb  # past the last chunk in use: padding
+  c = jnp.minimum(c, nb - 1)
+  spare = T + jnp.arange(P, dtype=jnp.int32)[None, :]
+  p_idx = (start[c] + (j - first[c]) * P)[:, None] + spare - T
+  ok = live[:, None] & (p_idx < end[c][:, None])
+  token = order[jnp.minimum(p_idx, M - 1)] // geo.n
+  return _Schedule(c, jnp.where(ok, token, spare), ok, live & (j == last[c] - 1))
+
+
+class _Tile(NamedTuple):
+  """One chunk's pairs against its block, the pairs' G query heads as rows p * G + g: the block
+  ``c``, the pairs' ``rows`` (P,), the block's keys and values, the rows' queries (P * G, H), and
+  the logits (P * G, block) (scale, soft cap; hidden: NEG) with their visibility and the soft
+  cap's tanh."""
 
   c: Any
-  live: Any
-  row: Any
+  rows: Any
   kc: Any
   vc: Any
+  q: Any
   s: Any
   vis: Any
   tanh: Any
 
 
-def _chunk(geo, cfg, head: Ops, inv, j) -> _Chunk:
-  """Chunk ``j`` of the inverse selection ``inv`` (see `_inverse_selection`)."""
-  P, M, nb, bk = PAIRS_PER_CHUNK, geo.T * geo.n, geo.num_blocks, geo.block
-  order, start, end, first, last = inv
-  c = jnp.searchsorted(last, j, side="right").astype(jnp.int32)
-  live = c < nb  # past the last chunk in use: padding
-  c = jnp.minimum(c, nb - 1)
-  p_idx = start[c] + (j - first[c]) * P + jnp.arange(P, dtype=jnp.int32)
-  p_ok = live & (p_idx < end[c])
-  t = order[jnp.minimum(p_idx, M - 1)] // geo.n  # each pair's token
-  row = jnp.where(p_ok, t, geo.T + jnp.arange(P, dtype=jnp.int32))
+def _chunk_tile(geo, cfg, head: Ops, q, sched: _Schedule, j, keys_major=False) -> _Tile:
+  """Chunk ``j``'s tile; ``q`` (T + P, G, H) the head's queries with P spare rows.
+  ``keys_major``: the logits and visibility as (block, P * G) (the backward's layout)."""
+  bk, G = geo.block, geo.G
+  c, rows, ok = sched.block[j], sched.rows[j], sched.ok[j]
+  P = rows.shape[0]
   kc = jax.lax.dynamic_slice_in_dim(head.k, c * bk, bk, 0)  # (block, H)
   vc = jax.lax.dynamic_slice_in_dim(head.v, c * bk, bk, 0)
   kpos = c * bk + jnp.arange(bk, dtype=jnp.int32)
-  vis = jnp.broadcast_to((p_ok[:, None] & (kpos < geo.S)[None, :])[None], (geo.G, P, bk))
+  vis = (ok[:, None] & (kpos < geo.S)[None, :])[None]  # (1, P, block)
   if head.rest is not None:
-    at = lambda ti: head.rest.evaluate(ti[None], kpos, (1, geo.G, geo.T, geo.S))
-    vis = vis & jnp.transpose(jax.vmap(at)(t).reshape(P, -1, bk), (1, 0, 2))
-  qt = head.q[:, t]  # (G, P, H)
-  s = jnp.einsum("gph,rh->gpr", qt, kc, preferred_element_type=_tile.stat_dtype(qt.dtype))
+    tokens = jnp.minimum(rows, geo.T - 1)
+    vis = vis & head.rest.evaluate(tokens, kpos, (1, G, geo.T, geo.S))[0]  # (G|1, P, block)
+  # Laid out as the logits are, straight from the mask (no transposed copy of it).
+  order = (2, 1, 0) if keys_major else (1, 0, 2)
+  vis = jnp.transpose(vis, order)
+  vis = jnp.broadcast_to(vis, vis.shape[:-1] + (G,) if keys_major else (P, G, bk))
+  vis = vis.reshape((bk, P * G) if keys_major else (P * G, bk))
+  qt = q[rows].reshape(P * G, -1)
+  sd = _tile.stat_dtype(qt.dtype)
+  if keys_major:
+    s = jnp.einsum("rh,ah->ra", kc, qt, preferred_element_type=sd)
+  else:
+    s = jnp.einsum("ah,rh->ar", qt, kc, preferred_element_type=sd)
   s, tanh = _tile.scale_cap_bias(cfg, s, None)
   s = jnp.where(vis, s, jnp.asarray(_softmax.NEG, s.dtype))
-  return _Chunk(c, live, row, kc, vc, s, vis, tanh)
+  return _Tile(c, rows, kc, vc, qt, s, vis, tanh)
 
 
 def _chunks(geo: _Geometry):
@@ -240,32 +264,40 @@ def _chunks(geo: _Geometry):
   return -(-(geo.T * geo.n) // PAIRS_PER_CHUNK) + geo.num_blocks
 
 
+def _spare_rows(x):
+  """``x`` (T, ...) with PAIRS_PER_CHUNK zero rows after it: what unused pairs read."""
+  return jnp.pad(x, ((0, PAIRS_PER_CHUNK),) + ((0, 0),) * (x.ndim - 1))
+
+
 def _head_forward(geo, cfg, head: Ops, sink):
   """(out (G, T, Hv) in the query's dtype, lse (G, T)) of one KV head: each token's running
-  softmax statistics in a buffer, each chunk merging its pairs into their tokens' rows (rows
-  distinct within a chunk; chunks in their fixed order)."""
-  inv = _inverse_selection(geo, head.blocks, head.valid)
+  softmax statistics in token-major buffers, each chunk merging its pairs into their tokens'
+  rows (rows distinct within a chunk; chunks in their fixed order)."""
+  sched = _schedule(geo, head.blocks, head.valid)
   sd = _tile.stat_dtype(head.q.dtype)
   R, Hv = geo.T + PAIRS_PER_CHUNK, head.v.shape[-1]
+  q = _spare_rows(head.q)
 
   def step(carry, j):
-    m, l, acc = carry
-    ch = _chunk(geo, cfg, head, inv, j)
-    mc = ch.s.max(-1)
-    p = jnp.where(ch.vis, jnp.exp(ch.s - mc[..., None]), jnp.zeros((), sd))
-    pv = jnp.einsum("gpr,rh->gph", p.astype(ch.vc.dtype), ch.vc, preferred_element_type=sd)
-    m_o, l_o, acc_o = m[:, ch.row], l[:, ch.row], acc[:, ch.row]
+    m, l, acc = carry  # (R, G), (R, G), (R, G, Hv)
+    t = _chunk_tile(geo, cfg, head, q, sched, j)
+    P = t.rows.shape[0]
+    mc = t.s.max(-1)
+    p = jnp.where(t.vis, jnp.exp(t.s - mc[:, None]), jnp.zeros((), sd))
+    pv = jnp.einsum("ar,rh->ah", p.astype(t.vc.dtype), t.vc, preferred_element_type=sd)
+    mc, lc, pv = mc.reshape(P, geo.G), p.sum(-1).reshape(P, geo.G), pv.reshape(P, geo.G, Hv)
+    m_o, l_o, acc_o = m[t.rows], l[t.rows], acc[t.rows]
     m_n = jnp.maximum(m_o, mc)
     a, b = jnp.exp(m_o - m_n), jnp.exp(mc - m_n)
-    put = lambda buf, x: buf.at[:, ch.row].set(x, unique_indices=True)
-    l_n = l_o * a + p.sum(-1) * b
+    put = lambda buf, x: buf.at[t.rows].set(x, unique_indices=True)
     acc_n = acc_o * a[..., None] + pv * b[..., None]
-    return (put(m, m_n), put(l, l_n), put(acc, acc_n)), None
+    return (put(m, m_n), put(l, l_o * a + lc * b), put(acc, acc_n)), None
 
   neg = jnp.asarray(_softmax.NEG, sd)
-  init = (jnp.full((geo.G, R), neg), jnp.zeros((geo.G, R), sd), jnp.zeros((geo.G, R, Hv), sd))
+  init = (jnp.full((R, geo.G), neg), jnp.zeros((R, geo.G), sd), jnp.zeros((R, geo.G, Hv), sd))
   (m, l, acc), _ = jax.lax.scan(step, init, jnp.arange(_chunks(geo), dtype=jnp.int32))
-  m, l, acc = m[:, : geo.T], l[:, : geo.T], acc[:, : geo.T]
+  m, l = m[: geo.T].T, l[: geo.T].T
+  acc = jnp.transpose(acc[: geo.T], (1, 0, 2))
   if sink is not None:
     m, l, acc = _softmax.join_sink(m, l, acc, sink[:, None])
   out = _softmax.normalize(acc, l, m, 0.0).astype(head.q.dtype)
@@ -276,25 +308,33 @@ def _head_backward(geo, cfg, head: Ops, dout, lse_r, delta):
   """dQ (G, T, H), dK, dV (S, H) of one KV head in one loop over the chunks: dQ rows gain each
   chunk's share (rows distinct within a chunk), a block's dK and dV are its chunks' sums in
   chunk order, written once after its last chunk."""
-  inv = _inverse_selection(geo, head.blocks, head.valid)
+  sched = _schedule(geo, head.blocks, head.valid)
   sd = lse_r.dtype
-  P, bk = PAIRS_PER_CHUNK, geo.block
-  pad = lambda x: jnp.pad(x, ((0, 0), (0, P)) + ((0, 0),) * (x.ndim - 2))
-  # Spare rows past T (a chunk's unused pairs) read zeros.
-  q, dout, lse_r, delta = pad(head.q), pad(dout), pad(lse_r), pad(delta)
+  bk = geo.block
+  # Token-major, spare rows past T (a chunk's unused pairs) reading zeros.
+  q = _spare_rows(head.q)
+  dout = _spare_rows(jnp.swapaxes(dout, 0, 1))
+  lse_r, delta = _spare_rows(lse_r.T), _spare_rows(delta.T)
 
   def step(carry, j):
     acc_k, acc_v, dq, dk, dv = carry
-    ch = _chunk(geo, cfg, head, inv, j)
-    qt, dot = q[:, ch.row], dout[:, ch.row]  # (G, P, H)
-    dp = jnp.einsum("gph,rh->gpr", dot, ch.vc, preferred_element_type=sd)
-    p, ds = _ds(cfg, ch.s, ch.tanh, ch.vis, lse_r[:, ch.row], delta[:, ch.row], dp)
-    dq_c = jnp.einsum("gpr,rh->gph", ds.astype(ch.kc.dtype), ch.kc, preferred_element_type=sd)
-    dq = dq.at[:, ch.row].add(dq_c, unique_indices=True)
-    mm = lambda a, b: jnp.einsum("gpr,gph->rh", a.astype(b.dtype), b, preferred_element_type=sd)
-    acc_k, acc_v = acc_k + mm(ds, qt), acc_v + mm(p, dot)
-    done = ch.live & (j == inv[4][ch.c] - 1)
-    at = ch.c * bk
+    t = _chunk_tile(geo, cfg, head, q, sched, j, keys_major=True)
+    P = t.rows.shape[0]
+    # Keys-major tiles (block, P * G): dK and dV are plain matmuls of them (a matmul reading a
+    # tile transposed runs at a third of the speed on the CPU); dQ is the one transposed.
+    dot = dout[t.rows].reshape(P * geo.G, -1)  # (P * G, Hv)
+    dp = jnp.einsum("rh,ah->ra", t.vc, dot, preferred_element_type=sd)
+    p = jnp.where(t.vis, jnp.exp(t.s - lse_r[t.rows].reshape(1, -1)), jnp.zeros((), sd))
+    ds = p * (dp - delta[t.rows].reshape(1, -1))
+    if t.tanh is not None:
+      ds = ds * (1 - t.tanh * t.tanh)
+    ds = ds * jnp.asarray(cfg.scale, ds.dtype)
+    dq_c = jnp.einsum("ra,rh->ah", ds.astype(t.kc.dtype), t.kc, preferred_element_type=sd)
+    dq = dq.at[t.rows].add(dq_c.reshape(P, geo.G, -1), unique_indices=True)
+    mm = lambda a, b: jnp.einsum("ra,ah->rh", a.astype(b.dtype), b, preferred_element_type=sd)
+    acc_k, acc_v = acc_k + mm(ds, t.q), acc_v + mm(p, dot)
+    done = sched.last[j]
+    at = t.c * bk
     put = lambda buf, acc: jax.lax.dynamic_update_slice_in_dim(
       buf, jnp.where(done, acc, jax.lax.dynamic_slice_in_dim(buf, at, bk, 0)), at, 0
     )
@@ -304,9 +344,9 @@ def _head_backward(geo, cfg, head: Ops, dout, lse_r, delta):
 
   Sp, H, Hv = head.k.shape[0], head.k.shape[1], head.v.shape[1]
   zeros = lambda *shape: jnp.zeros(shape, sd)
-  init = (zeros(bk, H), zeros(bk, Hv), zeros(geo.G, geo.T + P, H), zeros(Sp, H), zeros(Sp, Hv))
+  init = (zeros(bk, H), zeros(bk, Hv), zeros(q.shape[0], geo.G, H), zeros(Sp, H), zeros(Sp, Hv))
   (_, _, dq, dk, dv), _ = jax.lax.scan(step, init, jnp.arange(_chunks(geo), dtype=jnp.int32))
-  return dq[:, : geo.T], dk[: geo.S], dv[: geo.S]
+  return jnp.swapaxes(dq[: geo.T], 0, 1), dk[: geo.S], dv[: geo.S]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
