@@ -28,9 +28,8 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from jattn import _softmax, _tile
+from jattn import _derivatives, _softmax, _tile
 from jattn import masks as _masks
 
 # (token, slot) pairs per chunk: G x 128 query rows a matmul against one block.
@@ -111,7 +110,7 @@ def run(call):
 
 
 class _Geometry(tuple):
-  """The static sizes of a sparse call (hashable: a custom_vjp's static argument)."""
+  """The static sizes of a sparse call (a hashable tuple)."""
 
   def __new__(cls, B, T, S, K, G, block, n):
     return super().__new__(cls, (B, T, S, K, G, block, n))
@@ -155,12 +154,6 @@ def _choices(chosen, geo: _Geometry):
   first = jnp.concatenate([jnp.ones(c.shape[:-1] + (1,), bool), c[..., 1:] != c[..., :-1]], -1)
   valid = (c >= 0) & (c < geo.num_blocks) & first
   return jnp.where(valid, c, 0), valid
-
-
-def _zero_cotangent(x):
-  if jnp.issubdtype(x.dtype, jnp.inexact):
-    return jnp.zeros_like(x)
-  return np.zeros(x.shape, jax.dtypes.float0)
 
 
 def _heads(geo: _Geometry, ops: Ops) -> Ops:
@@ -349,9 +342,19 @@ def _head_backward(geo, cfg, head: Ops, dout, lse_r, delta):
   return jnp.swapaxes(dq[: geo.T], 0, 1), dk[: geo.S], dv[: geo.S]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _attend(geo, cfg, ops: Ops, sink):
-  return _forward(geo, cfg, ops, sink)
+  """(out, lse) of one example (`_forward`), differentiable in q, k, v and the sinks in every
+  mode: reverse mode by `_backward` (deterministic), forward mode by JAX's tangent of the same
+  plain-JAX forward (its loops carry the tangents: O(T x n x block) too)."""
+  diff, aux = (ops.q, ops.k, ops.v, sink), (ops.blocks, ops.valid, ops.rest)
+  as_ops = lambda diff, aux: Ops(*diff[:3], *aux)
+  forward = lambda diff, aux, saved=(): _forward(geo, cfg, as_ops(diff, aux), diff[3])
+  kernel = lambda diff, aux: (forward(diff, aux), ())
+
+  def backward(diff, aux, outs, saved, cts):
+    return _backward(geo, cfg, as_ops(diff, aux), diff[3], outs, cts)
+
+  return _derivatives.with_derivatives(kernel, forward, backward, diff, aux)
 
 
 def _forward(geo, cfg, ops: Ops, sink):
@@ -362,14 +365,10 @@ def _forward(geo, cfg, ops: Ops, sink):
   return out[None], lse[None]
 
 
-def _attend_fwd(geo, cfg, ops: Ops, sink):
-  out, lse = _forward(geo, cfg, ops, sink)
-  return (out, lse), (ops, sink, out, lse)
-
-
-def _attend_bwd(geo, cfg, res, cts):
-  ops, sink, out, lse = res
-  dout, dlse = cts
+def _backward(geo, cfg, ops: Ops, sink, outs, cts):
+  """(dq, dk, dv, dsink) of one example, from its (out, lse) and their cotangents (None: zero)."""
+  out, lse = outs
+  dout, dlse = (jnp.zeros_like(x) if c is None else c for c, x in zip(cts, outs))
   sd = lse.dtype
   # d loss / d s = P * (dP - delta + dlse): the lse's own cotangent joins delta. A sum in a fixed
   # order (not the compiler's): an example's gradient is the same bits alone and in a batch.
@@ -382,12 +381,7 @@ def _attend_bwd(geo, cfg, res, cts):
     # d lse / d sink = p_sink and d out / d sink = -p_sink out: -p_sink (dO.O - dlse).
     p_sink = jnp.exp(sink.astype(sd) - lse_r)
     dsink = (-(p_sink * delta).sum(axis=(0, 3), keepdims=True)).astype(sink.dtype)
-  zeros = jax.tree.map(_zero_cotangent, (ops.blocks, ops.valid, ops.rest))
-  grads = (dq[None].astype(ops.q.dtype), dk[None].astype(ops.k.dtype), dv[None].astype(ops.v.dtype))
-  return Ops(*grads, *zeros), dsink
-
-
-_attend.defvjp(_attend_fwd, _attend_bwd)
+  return dq[None], dk[None], dv[None], dsink
 
 
 def _inverse_selection(geo, blocks, valid):

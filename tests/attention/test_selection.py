@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import reference as ref
-from selections import by_hand, indices
+from selections import by_hand, f64_attention, indices
 
 import jattn
 from jattn import masks as M
@@ -196,19 +196,6 @@ def test_traced_indices_out_of_range_select_nothing_and_never_another_rows_keys(
   np.testing.assert_allclose(f(jnp.asarray(idx)), want, atol=2e-6, rtol=2e-6)
 
 
-def _f64_attention(q, k, v, bias, visible):
-  """The definition in float64 jax.numpy, for jax.jvp (rows that see nothing: 0)."""
-  G = q.shape[2] // k.shape[2]
-  kr, vr = jnp.repeat(k, G, axis=2), jnp.repeat(v, G, axis=2)
-  s = jnp.einsum("btnh,bsnh->bnts", q, kr) / np.sqrt(q.shape[-1]) + bias
-  s = jnp.where(visible, s, -jnp.inf)
-  any_ = visible.any(-1, keepdims=True)
-  m = jax.lax.stop_gradient(jnp.where(any_, s.max(-1, keepdims=True), 0.0))
-  e = jnp.where(visible, jnp.exp(s - m), 0.0)
-  d = e.sum(-1, keepdims=True)
-  return jnp.einsum("bnts,bsnh->btnh", e / jnp.where(d > 0, d, 1.0), vr)
-
-
 @pytest.mark.parametrize("impl, block", [("dense", 1), ("chunked", 4)])
 def test_forward_mode_and_the_bias_gradient_equal_float64(impl, block):
   # jax.jvp in q, k, v and the bias at once, and the bias's gradient, through the mask path
@@ -238,7 +225,7 @@ def test_forward_mode_and_the_bias_gradient_equal_float64(impl, block):
   dbias = jax.grad(lambda b: (f(*args[:3], b) ** 2).sum())(args[3])
   with jax.enable_x64(True):
     f64 = lambda t: tuple(jnp.asarray(np.asarray(a, np.float64)) for a in t)
-    g = lambda q, k, v, b: _f64_attention(q, k, v, b, jnp.asarray(visible))
+    g = lambda q, k, v, b: f64_attention(q, k, v, b, jnp.asarray(visible))
     want_out, want_tangent = jax.jvp(g, f64(args), f64(tangents))
     want_dbias = jax.grad(lambda b: (g(*f64(args[:3]), b) ** 2).sum())(f64(args)[3])
   np.testing.assert_allclose(out, want_out, atol=2e-5, rtol=2e-5)

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import reference as ref
-from selections import by_hand, indices
+from selections import by_hand, f64_attention, indices
 
 import jattn
 from jattn import masks as M
@@ -89,6 +89,42 @@ def test_equals_float64_under_the_equivalent_boolean_mask(K, Ks, n, block, dtype
     rounding = ref.rel_error(ref.round_to_dtype(want[name], dtype), want[name])
     factor = 1.5 if name == "out" else 3.0
     assert ref.rel_error(g, want[name]) <= factor * rounding, name
+
+
+def test_forward_mode_and_its_gradient_equal_float64():
+  # jax.jvp in q, k and v at once (JAX's tangent of the sparse forward: its loops carry the
+  # tangents), and reverse over forward (a gradient of the tangent), against float64.
+  T = S = 24
+  K, block = 2, 4
+  rng = np.random.default_rng(9)
+  x = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
+  args = (x(B, T, N, H), x(B, S, K, H), x(B, S, K, H))
+  tangents = tuple(x(*a.shape) for a in args)
+  idx = indices(rng, B, T, K, 3, S, block)
+  kv_len = np.array([S, 17])
+  visible = by_hand(idx, block, N, T, S) & ref.visible_mask(
+    B, N, T, S, causal="top_left", kv_lengths=kv_len
+  )
+  f = lambda q, k, v: jattn.dot_product_attention(
+    q,
+    k,
+    v,
+    mask=M.selected_blocks(idx, block),
+    is_causal=True,
+    key_value_seq_lengths=jnp.asarray(kv_len),
+    implementation="sparse",
+  )
+  out, tangent = jax.jvp(f, args, tangents)
+  hvp = jax.grad(lambda q: (jax.jvp(f, (q, *args[1:]), tangents)[1] ** 2).sum())(args[0])
+  with jax.enable_x64(True):
+    f64 = lambda t: tuple(jnp.asarray(np.asarray(a, np.float64)) for a in t)
+    g = lambda q, k, v: f64_attention(q, k, v, 0.0, jnp.asarray(visible))
+    want_out, want_tangent = jax.jvp(g, f64(args), f64(tangents))
+    a64, t64 = f64(args), f64(tangents)
+    want_hvp = jax.grad(lambda q: (jax.jvp(g, (q, *a64[1:]), t64)[1] ** 2).sum())(a64[0])
+  np.testing.assert_allclose(out, want_out, atol=2e-5, rtol=2e-5)
+  np.testing.assert_allclose(tangent, want_tangent, atol=1e-4, rtol=1e-4)
+  np.testing.assert_allclose(hvp, want_hvp, atol=1e-3, rtol=1e-3)
 
 
 # The suite's jax 0.10 line compiles with the CPU's older fusion emitters for speed
