@@ -9,8 +9,12 @@ Beside the medians of interleaved calls: the compiled programs' temporary memory
 query reads (the work), and the n at which the causal call would read as many keys as the
 selection (the work's crossover; time's crossover follows from the measured ratio).
 
+``--sweep 16,32,64``: for each n, the selection through "sparse" against the same call (the
+selection as a mask, causal) through "chunked", interleaved: the n from which chunked is faster,
+the measured crossover behind implementation=None's rule (`jattn._dispatch.SPARSE_MAX_KEYS`).
+
 Run: python benchmarks/sparse_bench.py [--T 16384] [--n 16] [--block 64] [--window 512]
-     [--heads 4] [--kv-heads 1] [--head-dim 64] [--repeats 3]
+     [--heads 4] [--kv-heads 1] [--head-dim 64] [--repeats 3] [--sweep 16,32,64]
 """
 
 from __future__ import annotations
@@ -51,31 +55,26 @@ def main(argv=None):
   p.add_argument("--kv-heads", type=int, default=1)
   p.add_argument("--head-dim", type=int, default=64)
   p.add_argument("--repeats", type=int, default=3)
+  p.add_argument("--sweep", type=str, default=None)
   a = p.parse_args(argv)
   T, N, K, H = a.T, a.heads, a.kv_heads, a.head_dim
   keys = jax.random.split(jax.random.key(0), 4)
   q, k, v, do = (
     jax.random.normal(kk, (1, T, h, H), jnp.float32) for kk, h in zip(keys, (N, K, K, N))
   )
+  if a.sweep:
+    return _sweep(a, (q, k, v, do), [int(n) for n in a.sweep.split(",")])
   idx = jnp.asarray(_selection(T, K, a.n, a.block))
 
-  def loss(**kw):
-    def f(q, k, v, do):
-      return jnp.sum(jattn.dot_product_attention(q, k, v, **kw) * do)
-
-    return jax.jit(jax.grad(f, argnums=(0, 1, 2)))
-
   programs = {
-    "selected (sparse)": loss(
-      mask=M.selected_blocks(idx, a.block), is_causal=True, implementation="sparse"
-    ),
+    "selected (sparse)": loss(block=a.block, is_causal=True, implementation="sparse"),
     "window (chunked)": loss(local_window_size=(a.window - 1, 0), implementation="chunked"),
     "causal (chunked)": loss(is_causal=True, implementation="chunked"),
   }
-  calls = {name: (lambda f=f: f(q, k, v, do)) for name, f in programs.items()}
+  calls = {name: (lambda f=f: f(q, k, v, do, idx)) for name, f in programs.items()}
   ms = interleaved(calls, a.repeats, order=alternating(list(calls)))
   mem = {
-    name: compiled_memory(f.lower(q, k, v, do).compile())["temp_bytes"]
+    name: compiled_memory(f.lower(q, k, v, do, idx).compile())["temp_bytes"]
     for name, f in programs.items()
   }
   reads = {
@@ -90,6 +89,39 @@ def main(argv=None):
   nsa = ms["selected (sparse)"] + ms["window (chunked)"]
   print(f"NSA's two branches / causal: {nsa / ms['causal (chunked)']:.3f}x the time")
   print(f"work crossover: n = {(T + 1) / 2 / a.block:.0f} blocks read as many keys as causal")
+
+
+def loss(block=None, **kw):
+  """The jitted gradient in q, k and v of sum(attention * do); with ``block``, the selection's
+  indices are an argument (traced, as a model's are: not constants the compiler folds)."""
+
+  def f(q, k, v, do, idx=None):
+    sel = {} if block is None else {"mask": M.selected_blocks(idx, block)}
+    return jnp.sum(jattn.dot_product_attention(q, k, v, **kw, **sel) * do)
+
+  return jax.jit(jax.grad(f, argnums=(0, 1, 2)))
+
+
+def _sweep(a, args, ns):
+  """For each n: the selection's forward+backward through "sparse" and through "chunked"."""
+  T, K = a.T, a.kv_heads
+  print(f"T={T} N={a.heads} K={K} H={a.head_dim} block={a.block}, causal, fwd+bwd, CPU")
+  print(f"{'n':>5s} {'keys/query':>11s} {'sparse ms':>10s} {'chunked ms':>11s} {'ratio':>6s}")
+  crossover = None
+  for n in ns:
+    idx = jnp.asarray(_selection(T, K, n, a.block))
+    progs = {
+      impl: loss(block=a.block, is_causal=True, implementation=impl)
+      for impl in ("sparse", "chunked")
+    }
+    calls = {name: (lambda f=f: f(*args, idx)) for name, f in progs.items()}
+    ms = interleaved(calls, a.repeats, order=alternating(list(calls)))
+    ratio = ms["sparse"] / ms["chunked"]
+    print(f"{n:5d} {n * a.block:11d} {ms['sparse']:10.1f} {ms['chunked']:11.1f} {ratio:6.2f}")
+    if ratio >= 1 and crossover is None:
+      crossover = n
+  where = "beyond the sweep" if crossover is None else f"at n = {crossover} or below"
+  print(f"chunked is as fast as sparse {where} ({T} keys, causal: {(T + 1) // 2} a query)")
 
 
 if __name__ == "__main__":

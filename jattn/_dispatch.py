@@ -175,6 +175,30 @@ AUTO_CHUNKED_MIN_SCORES = 1024 * 1024
 ACCELERATOR_DENSE_SCORES_BYTES = 256 << 20
 
 
+# implementation=None on the CPU runs a `masks.selected_blocks` selection through "sparse" (each
+# query's chosen blocks only) where the chunked kernels would run, when its blocks hold at least
+# SPARSE_MIN_BLOCK keys and a query reads at most SPARSE_MAX_KEYS of them (n x block <= that x S):
+# a chunk's matmul is G x 128 rows against one block, slow for small blocks (DSA's tokens), and
+# past the fraction the chunked kernels' larger tiles win although they read every key.
+# Measured (benchmarks/sparse_bench.py --sweep, causal, fwd+bwd; docs/benchmarks.md, "Where the
+# defaults come from"): blocks of 64 cost as much as chunked at n x block ~ 0.53 S, blocks of 16
+# take 0.58x chunked's time at 1/8 of the keys, tokens (block 1) 2.6x.
+SPARSE_MIN_BLOCK = 16
+SPARSE_MAX_KEYS = 0.25
+
+
+def sparse_enough(mask, S: int) -> bool:
+  """Whether ``mask`` holds one `masks.selected_blocks` (among its &-ed parts) of blocks of at
+  least SPARSE_MIN_BLOCK keys naming at most SPARSE_MAX_KEYS of the S keys per query."""
+  if mask is None:
+    return False
+  chosen = [m.selection() for m in mask.conjuncts() if m.selection() is not None]
+  if len(chosen) != 1:
+    return False
+  indices, block = chosen[0]
+  return block >= SPARSE_MIN_BLOCK and indices.shape[-1] * block <= SPARSE_MAX_KEYS * S
+
+
 def choose_implementation(T: int, S: int, G: int = 1, dtype=None, mask=None, shape=None) -> str:
   """The CPU's rule behind implementation=None: dense for small score matrices, chunked
   otherwise (the crossover measured on the CPU), and chunked for decoding-shaped calls -- except
@@ -223,7 +247,11 @@ def implementation_by_platform(
   rows to a whole block). ``keys_split``: K and V are split along S over devices (an Explicit
   mesh): the chunked kernels merge per-shard parts across devices, where dense would gather
   the whole of K and V (a decoding step's cache). A tuning table can say otherwise for its case
-  (see `jattn._dispatch.order`)."""
+  (see `jattn._dispatch.order`).
+
+  A `masks.selected_blocks` selection sparse enough (`sparse_enough`) runs through "sparse" on
+  the CPU where chunked would run (measured), falling through to chunked for a call it refuses; not on GPU and TPU: not measured there, and its chunk loop is thousands of small
+  sequential steps, each a few kernel launches on a GPU."""
   # A symbolic batch or head count (jax.export) bounds nothing: the program must serve every
   # size, so the scores are taken not to fit.
   if keys_split:
@@ -234,6 +262,9 @@ def implementation_by_platform(
   fits = concrete(B, N) and B * N * T * S * 4 <= ACCELERATOR_DENSE_SCORES_BYTES
   accelerator = "dense" if fits and not decode else "chunked"
   choice: dict[str, tuple[str, ...]] = {"cpu": (cpu,), "default": (accelerator,)}
+  if cpu == "chunked" and not decode and sparse_enough(mask, S):
+    # Tried first; a call it refuses (a bias, dropout, ...) falls through to chunked.
+    choice["cpu"] = ("sparse", cpu)
   if not decode:
     for platform, name in (fused or {}).items():
       choice[platform] = (name, accelerator)

@@ -127,6 +127,19 @@ def test_forward_mode_and_its_gradient_equal_float64():
   np.testing.assert_allclose(hvp, want_hvp, atol=1e-3, rtol=1e-3)
 
 
+def test_implementation_none_takes_the_sparse_path_and_falls_through_where_it_refuses():
+  # T x S past dense's range, a selection of 1/8 of the keys: None's program is "sparse"'s, bit
+  # for bit; with a bias (which "sparse" refuses) None runs chunked and still means the same.
+  T = S = 1024
+  q, k, v, _, _, _, idx = _problem(11, T, S, 2, 2, 64)
+  bias = jnp.asarray(np.random.default_rng(12).standard_normal((1, N, T, S)), jnp.float32)
+  f = lambda impl, *b: jattn.dot_product_attention(
+    q, k, v, *b, mask=M.selected_blocks(idx, 64), is_causal=True, implementation=impl
+  )
+  np.testing.assert_array_equal(f(None), f("sparse"))
+  np.testing.assert_allclose(f(None, bias), f("dense", bias), atol=2e-6, rtol=2e-6)
+
+
 # The suite's jax 0.10 line compiles with the CPU's older fusion emitters for speed
 # (tests/conftest.py); the bitwise claims are for the programs users get: compile with the
 # default emitters there.

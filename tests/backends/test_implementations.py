@@ -17,6 +17,7 @@ import pytest
 import reference as ref
 
 import jattn
+from jattn import masks as M
 
 B, T, S, N, K, H = 2, 40, 56, 4, 2, 16
 
@@ -195,7 +196,7 @@ def test_splash_skips_what_a_symbolic_batch_or_head_count_hides_and_says_why():
   assert "tpu_custom_call" not in _tpu_module(_training_step(is_causal=True), *heads)
 
 
-def _order(q, k, v, bias=None, implementation=None, **kw):
+def _order(q, k, v, bias=None, implementation=None, mask=None, **kw):
   """The implementations implementation=None tries per platform for this call (the decision)."""
   from jattn import _call, _dispatch
 
@@ -219,13 +220,36 @@ def _order(q, k, v, bias=None, implementation=None, **kw):
   opts, _ = _call.options(_call.Keywords(**options))
   seen = []
 
-  def decide(q, k, v, bias):
-    call = _call.bind(_call.Given(q, k, v, bias), opts)
+  def decide(q, k, v, bias, mask):
+    call = _call.bind(_call.Given(q, k, v, bias, mask), opts)
     seen.append(_dispatch.order(call))
     return q
 
-  jax.eval_shape(decide, q, k, v, bias)
+  jax.eval_shape(decide, q, k, v, bias, mask)
   return seen[0]
+
+
+def test_none_runs_a_sparse_enough_selection_through_sparse_on_the_cpu():
+  # A masks.selected_blocks selection naming at most SPARSE_MAX_KEYS of the keys in blocks of
+  # at least SPARSE_MIN_BLOCK goes to "sparse" first on the CPU (measured there), then to
+  # chunked for a call it refuses; not on GPU and TPU (not measured), nor where dense runs
+  # (short calls), beyond the fraction, or for smaller blocks (DSA's tokens).
+  from jattn import _dispatch
+
+  spec = lambda T, h: jax.ShapeDtypeStruct((1, T, h, 64), jnp.float32)
+  sel = lambda T, n, b: M.selected_blocks(jnp.zeros((1, T, 1, n), jnp.int32), b)
+  call = lambda T, n, b=64: _order(
+    spec(T, 4), spec(T, 1), spec(T, 1), mask=sel(T, n, b), is_causal=True
+  )["cpu"]
+  T, least = 4096, _dispatch.SPARSE_MIN_BLOCK
+  n = int(_dispatch.SPARSE_MAX_KEYS * T) // 64
+  order = _order(spec(T, 4), spec(T, 1), spec(T, 1), mask=sel(T, n, 64), is_causal=True)
+  assert order["cpu"] == ("sparse", "chunked"), order
+  assert all("sparse" not in names for p, names in order.items() if p != "cpu"), order
+  assert call(T, n + 1) == ("chunked",)
+  assert call(T, 4 * n, least) == ("sparse", "chunked")
+  assert call(T, 8 * n, least // 2) == ("chunked",)
+  assert call(512, 2) == ("dense",)
 
 
 def test_gpu_and_tpu_choice_is_the_fused_kernel_first_for_calls_it_takes():

@@ -59,9 +59,9 @@ def test_the_docs_keep_their_examples():
   assert "dot_product_attention" in blocks("README.md")[0][1]
   assert set(HOST_DEVICES) <= set(DOCS)
   # docs/serving.md: vLLM (float and fp8 pages), FlashAttention (kvcache and varlen), the
-  # checks, the write, a draft tree's move and its NaN rule.
+  # checks, the write, a draft tree's move and its NaN rule, a key selection.
   serving = blocks("docs/serving.md")
-  assert len(serving) == 5
+  assert len(serving) == 6
   code = "".join(c for _, c in serving)
   for needed in (
     "ref_ragged_paged_attention",
@@ -70,6 +70,7 @@ def test_the_docs_keep_their_examples():
     "dot_product_attention",
     "write_pages",
     "tree_mask",
+    "key_selection",
   ):
     assert needed in code
   # tests/support/_ring_worker.py runs docs/ring.md's split-KV recipe by itself, found by this
