@@ -273,6 +273,20 @@ def test_no_scatter_over_repeated_indices_in_programs_for_cuda():
       jax.ShapeDtypeStruct((4,), jnp.int32),
     ).mlir_module()
   )
+  # A decoding step that reads only each row's chosen blocks (key_selection).
+  selected = lambda q, kp, vp, t, n, i: jattn.paged_attention(
+    q, kp, vp, t, n, key_selection=jattn.masks.selected_blocks(i, 16)
+  )
+  mods.append(
+    jax.export.export(jax.jit(selected), platforms=["cuda"])(
+      jax.ShapeDtypeStruct((4, 3, 8, 64), jnp.float32),
+      pool,
+      pool,
+      jax.ShapeDtypeStruct((4, 8), jnp.int32),
+      jax.ShapeDtypeStruct((4,), jnp.int32),
+      jax.ShapeDtypeStruct((4, 3, 2, 4), jnp.int32),
+    ).mlir_module()
+  )
   scatters = [op for mod in mods for op in re.findall(r'"?stablehlo\.scatter"?.*', mod)]
   assert len(scatters) >= 20  # the merges are there, written as scatters
   repeated = [op for op in scatters if "unique_indices = true" not in op]

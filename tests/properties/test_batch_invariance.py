@@ -235,3 +235,38 @@ def test_step_widths_give_the_same_bits_where_the_merge_holds_parts():
     outs[width] = np.asarray(jax.jit(attend)(q, k, v))
   for width, out in outs.items():
     np.testing.assert_array_equal(out, outs[1], err_msg=f"step_width={width}")
+
+
+def test_paged_attention_with_a_key_selection_alone_equals_in_batch():
+  # Each row reads its chosen blocks (key_selection): a sequence's rows alone and among others'
+  # (ragged prefill and decode rows, more rows than one step of the row loop holds).
+  lengths = np.array([37, 150, 12, 101])
+  rows = (5, 1, 12, 3)
+  q, kp, vp, table = _pool(jnp.float32, lengths, rows)
+  start = np.concatenate([[0], np.cumsum(rows)]).astype(np.int32)
+  rng = np.random.default_rng(4)
+  owner = np.repeat(np.arange(B), rows)
+  idx = np.full((1, sum(rows), K, 3), -1, np.int32)
+  for r, b in enumerate(owner):
+    for k in range(K):
+      c = rng.permutation(-(-lengths[b] // 8))[:3]
+      idx[0, r, k, : len(c)] = c
+  kw = dict(sinks=jnp.linspace(-1.0, 1.0, N), logits_soft_cap=20.0, return_residual=True)
+  sel = lambda i: jattn.masks.selected_blocks(i, 8)
+  batched = jattn.paged_attention(
+    q, kp, vp, table, lengths, query_start=start, key_selection=sel(idx), **kw
+  )
+  for b in range(B):
+    mine = slice(start[b], start[b + 1])
+    one = jattn.paged_attention(
+      q[mine],
+      kp,
+      vp,
+      table[b : b + 1],
+      lengths[b : b + 1],
+      query_start=np.array([0, rows[b]], np.int32),
+      key_selection=sel(idx[:, mine]),
+      **kw,
+    )
+    for got, want in zip(one, batched):
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(want[mine]), err_msg=f"seq {b}")
