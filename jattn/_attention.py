@@ -96,7 +96,8 @@ def dot_product_attention(
       and platform, on a TPU splash first for long calls where the program cannot be
       partitioned (see the README). Every path keeps jattn's semantics (empty rows 0, float32
       statistics).
-    block_q, block_kv: chunked block sizes (default 512 and 256, clipped to T and S); splash's
+    block_q, block_kv: chunked block sizes (default 512 and 256; 256 and 256 under a
+      ``local_window_size`` at most 1024 keys wide; clipped to T and S); splash's
       (multiples of 128, default 512).
     schedule: how the chunked kernels walk their blocks: ``"serial"`` (one tile per step, the
       CPU's default), ``"parallel"`` (every lane's next block per step, block lists instead of

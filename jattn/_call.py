@@ -396,6 +396,7 @@ class Static:
       self.S if S is None else S,
       self.tuned.block_q,
       self.tuned.block_kv,
+      window=self.opts.window,
     )
 
   def config(self, tile_shape, *, replay=False, varying_like=()):

@@ -248,6 +248,11 @@ def pv(p, v, fold: bool = True):
 # (docs/benchmarks.md, "Where the defaults come from"); a tuning table overrides them per device.
 DEFAULT_BLOCK_Q = 512
 DEFAULT_BLOCK_KV = 256
+# A sliding window (``local_window_size``) at most NARROW_WINDOW keys wide runs with square
+# blocks of WINDOW_BLOCK by default: a 512-row block's band spans about 512 + w keys in whole
+# 256-key blocks, most of them hidden when w is small (measured on the CPU, same page).
+NARROW_WINDOW = 1024
+WINDOW_BLOCK = 256
 
 
 def block_sizes(
@@ -258,13 +263,18 @@ def block_sizes(
   *,
   cap_q: int | None = None,
   cap_kv: int | None = None,
+  window: tuple | None = None,
 ) -> tuple[int, int]:
   """The block sizes a call runs with: the request or the default, never more than T and S.
 
   ``cap_q``/``cap_kv`` bound only the defaults (ring attention keeps a default block inside one
-  zigzag chunk; a block the caller asks for is the caller's choice)."""
-  bq = block_q or min(DEFAULT_BLOCK_Q, cap_q or DEFAULT_BLOCK_Q)
-  bk = block_kv or min(DEFAULT_BLOCK_KV, cap_kv or DEFAULT_BLOCK_KV)
+  zigzag chunk; a block the caller asks for is the caller's choice). ``window``: the call's
+  ``(left, right)`` sliding window; one at most NARROW_WINDOW wide defaults to WINDOW_BLOCK."""
+  dq, dk = DEFAULT_BLOCK_Q, DEFAULT_BLOCK_KV
+  if window is not None and None not in window and window[0] + window[1] + 1 <= NARROW_WINDOW:
+    dq = dk = WINDOW_BLOCK
+  bq = block_q or min(dq, cap_q or dq)
+  bk = block_kv or min(dk, cap_kv or dk)
   return min(bq, T), min(bk, S)
 
 

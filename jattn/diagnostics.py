@@ -132,7 +132,8 @@ def attention_stats(
       every platform), ``"dense"`` or ``"chunked"`` (no (T, S) array; memory
       O(B N block_q block_kv)); in a sequence, the first of these two (fused kernels such as
       ``"splash"`` do not expose their logits).
-    block_q, block_kv: chunked block sizes (default 512 and 256, clipped to T and S).
+    block_q, block_kv: chunked block sizes (default 512 and 256; 256 and 256 under a
+      ``local_window_size`` at most 1024 keys wide; clipped to T and S).
     per_query: return (B, N, T) per-query statistics instead of (B, N) per head.
     saturation_threshold: in (0, 1]; a row is saturated when max_prob > it.
     q_positions, kv_positions: int (B, T) and (B, S) (or (T,), (S,) unbatched), given together:

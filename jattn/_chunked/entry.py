@@ -12,7 +12,7 @@ import functools
 
 import jax.numpy as jnp
 
-from jattn import _lowering, _tile
+from jattn import _lowering
 from jattn import masks as _masks
 from jattn._chunked import plan as _plan
 from jattn._chunked.derivatives import chunked_attention, chunked_attention_grads
@@ -31,7 +31,7 @@ def attend(call, cfg, score_args, saved=None):
   cotangents (an `Operands`) are returned instead. The schedule is the call's, else the
   platform's default, chosen where the program is lowered."""
   tuned, place, mask = call.static.tuned, call.place, call.mask
-  bq, bk = _tile.block_sizes(cfg.T, cfg.S, tuned.block_q, tuned.block_kv)
+  bq, bk = call.static.block_sizes(cfg.T, cfg.S)
   positions = None
   if any(x is not None for x in place):
     q_table = _position_table(place.q_offset, cfg.T, bq)

@@ -312,3 +312,35 @@ def test_vmapped_causal_gradients_keep_block_skipping():
   np.testing.assert_allclose(
     jax.jit(vmapped)(q, k, v), jax.jit(batched)(q, k, v), rtol=2e-5, atol=2e-6
   )
+
+
+def _tiles(f, *args):
+  """The (rows, keys) of every logits tile (a dot_general ending in the key block) in ``f``'s
+  program, sub-programs included."""
+  found = set()
+
+  def walk(jaxpr):
+    for e in jaxpr.eqns:
+      if e.primitive.name == "dot_general":
+        found.add(tuple(e.outvars[0].aval.shape[-2:]))
+      for p in e.params.values():
+        for sub in p if isinstance(p, (list, tuple)) else [p]:
+          sub = getattr(sub, "jaxpr", sub)
+          if hasattr(sub, "eqns"):
+            walk(sub)
+
+  walk(jax.make_jaxpr(f)(*args).jaxpr)
+  return found
+
+
+@pytest.mark.parametrize("w, blocks", [(511, (256, 256)), (1023, (256, 256)), (1024, (512, 256))])
+def test_a_narrow_window_runs_on_square_blocks_by_default(w, blocks):
+  # A window at most 1024 keys wide (left + right + 1) defaults to 256 x 256 blocks (a 512-row
+  # block's band would span whole 256-key blocks mostly hidden); wider ones keep 512 x 256; the
+  # caller's blocks stay the caller's.
+  x = jax.ShapeDtypeStruct((1, 2048, 2, 32), jnp.float32)
+  f = lambda q, k, v, **kw: jattn.dot_product_attention(
+    q, k, v, local_window_size=(w, 0), implementation="chunked", **kw
+  )
+  assert blocks in _tiles(f, x, x, x)
+  assert (128, 64) in _tiles(lambda *a: f(*a, block_q=128, block_kv=64), x, x, x)
