@@ -2,20 +2,21 @@
 (`jattn.masks.selected_blocks`: NSA, MoBA, DSA), in work O(T x n x block) instead of O(T x S).
 
 Everything runs key-major, through the inverse selection: the (token, slot) pairs of one example
-and KV head are sorted by (block, token) -- a stable sort, so the order is fixed -- and cut into
-chunks of one block each (each block's run padded to whole chunks), every chunk's indices
-computed before the loops (`_schedule`). A chunk is a real matmul: its pairs' queries (P x G
-rows, gathered from token-major buffers: one contiguous G x H read a pair) against its block's
-keys, read in place. The forward keeps each token's running softmax statistics in a buffer and
-merges every chunk's pairs into their tokens' rows; the backward, on keys-major tiles (dK and dV
-plain matmuls of them), adds each chunk's dQ share into its tokens' rows and sums a block's dK
-and dV over its chunks in chunk order, writing the block once. No two pairs of a chunk share a
+and KV head are sorted by (block, token) -- a stable sort, so the order is fixed -- and each
+block's run cut into chunks of that block (of 512 pairs while that many remain, then of 128,
+the last part-filled), every chunk's indices computed before the loops (`_schedules`). A chunk
+is a real matmul: its pairs' queries (P x G rows, gathered from token-major buffers: one
+contiguous G x H read a pair) against its block's keys, read in place. The forward keeps each
+token's running softmax statistics in a buffer and merges every chunk's pairs into their
+tokens' rows; the backward, on keys-major tiles (dK and dV plain matmuls of them), adds each
+chunk's dQ share into its tokens' rows and sums a block's dK and dV over its chunks of each
+size in chunk order, adding each size's sum to the block once. No two pairs of a chunk share a
 row (a token chooses a block once), chunks run in their fixed order: every scatter declares
-unique indices, nothing is added by atomics, and the results are bitwise reproducible. Examples,
-and the KV heads of one, run one at a time (the program is the same whatever B is: an example's
-result is the same bits alone and in a batch). The rest of the call's mask (causal, a window,
-lengths, segments, any mask kind that cuts to one example and head group) is evaluated at each
-pair's token and block.
+unique indices, nothing is added by atomics, and the results are bitwise reproducible.
+Examples, and the KV heads of one, run one at a time (the program is the same whatever B is:
+an example's result is the same bits alone and in a batch). The rest of the call's mask
+(causal, a window, lengths, segments, any mask kind that cuts to one example and head group) is
+evaluated at each pair's token and block.
 
 Shapes: B batch, T queries, S keys, N query heads, K KV heads, G = N // K, H head size, n
 slots per row, P pairs per chunk.
@@ -32,8 +33,11 @@ import jax.numpy as jnp
 from jattn import _derivatives, _softmax, _tile
 from jattn import masks as _masks
 
-# (token, slot) pairs per chunk: G x 128 query rows a matmul against one block.
-PAIRS_PER_CHUNK = 128
+# (token, slot) pairs per chunk, largest first: a block's run of pairs is cut into chunks of the
+# first size while that many remain, the rest into chunks of the next (the last size takes what
+# is left, its last chunk part-filled). G x 512 query rows a matmul where a block has many pairs
+# (XLA's CPU matmuls run faster on taller tiles), little padding where it has few.
+CHUNK_SIZES = (512, 128)
 
 
 def _split(mask):
@@ -180,30 +184,65 @@ def _per_head(geo: _Geometry, fn, heads: Ops, *per_head):
 
 
 class _Schedule(NamedTuple):
-  """The inverse selection of one KV head as chunks (`_schedule`): each chunk's key ``block``
-  (C,), its pairs' ``rows`` (C, P) in the token buffers (the pair's token, or spare row T + p
-  for an unused pair, so that no two pairs of a chunk share a row), which pairs are in use
-  (``ok`` (C, P)), and whether it is its block's last chunk (``last`` (C,))."""
+  """The inverse selection of one KV head as chunks of one size (`_schedules`): each chunk's key
+  ``block`` (C,), its pairs' ``rows`` (C, P) in the token buffers (the pair's token, or spare
+  row T + p for an unused pair, so that no two pairs of a chunk share a row), which pairs are in
+  use (``ok`` (C, P)), whether it is its block's last chunk of this size (``last`` (C,)), and
+  whether it is in use at all (``live`` (C,): the static count is a bound)."""
 
   block: Any
   rows: Any
   ok: Any
   last: Any
+  live: Any
 
 
-def _schedule(geo: _Geometry, blocks, valid) -> _Schedule:
-  """Every chunk's indices at once, before the loops (a loop step only reads its row of them)."""
-  P, M, nb, T = PAIRS_PER_CHUNK, geo.T * geo.n, geo.num_blocks, geo.T
-  order, start, end, first, last = _inverse_selection(geo, blocks, valid)
-  j = jnp.arange(_chunks(geo), dtype=jnp.int32)
-  c = jnp.searchsorted(last, j, side="right").astype(jnp.int32)
-  live = c < nb  # past the last chunk in use: padding
-  c = jnp.minimum(c, nb - 1)
-  spare = T + jnp.arange(P, dtype=jnp.int32)[None, :]
-  p_idx = (start[c] + (j - first[c]) * P)[:, None] + spare - T
-  ok = live[:, None] & (p_idx < end[c][:, None])
-  token = order[jnp.minimum(p_idx, M - 1)] // geo.n
-  return _Schedule(c, jnp.where(ok, token, spare), ok, live & (j == last[c] - 1))
+def _schedules(geo: _Geometry, blocks, valid) -> tuple[_Schedule, ...]:
+  """One `_Schedule` per CHUNK_SIZES entry, every chunk's indices at once, before the loops (a
+  loop step only reads its row of them)."""
+  M, nb, T = geo.T * geo.n, geo.num_blocks, geo.T
+  order, start, end = _inverse_selection(geo, blocks, valid)
+  done, out = start, []  # each block's pairs handed to the larger sizes
+  for i, P in enumerate(CHUNK_SIZES):
+    left = end - done
+    n = -(-left // P) if i == len(CHUNK_SIZES) - 1 else left // P
+    last = jnp.cumsum(n)
+    j = jnp.arange(_chunks(geo, i), dtype=jnp.int32)
+    c = jnp.searchsorted(last, j, side="right").astype(jnp.int32)
+    live = c < nb  # past the last chunk in use: padding
+    c = jnp.minimum(c, nb - 1)
+    spare = T + jnp.arange(P, dtype=jnp.int32)[None, :]
+    p_idx = (done[c] + (j - (last[c] - n[c])) * P)[:, None] + spare - T
+    ok = live[:, None] & (p_idx < end[c][:, None])
+    token = order[jnp.minimum(p_idx, M - 1)] // geo.n
+    out.append(_Schedule(c, jnp.where(ok, token, spare), ok, live & (j == last[c] - 1), live))
+    done = done + n * P
+  return tuple(out)
+
+
+def _chunks(geo: _Geometry, i: int) -> int:
+  """A static bound on the chunks of size CHUNK_SIZES[i]: whole chunks of every pair for the
+  larger sizes; for the last, every pair in chunks of it, each block's last part-filled, and at
+  most the chunks a run shorter than the size before makes in each block."""
+  M, P = geo.T * geo.n, CHUNK_SIZES[i]
+  if i < len(CHUNK_SIZES) - 1:
+    return M // P
+  per_block = -(-(CHUNK_SIZES[i - 1] - 1) // P) if i else -(-M // P)
+  return min(-(-M // P) + geo.num_blocks, per_block * geo.num_blocks)
+
+
+def _loops(step, schedules, carry):
+  """``carry`` through ``step(sched, carry, j)`` for every chunk of each schedule in turn, a
+  chunk past the last in use skipped."""
+  for sched in schedules:
+    if not sched.live.shape[0]:
+      continue  # no chunk of this size can exist (fewer pairs than it)
+
+    def live_only(carry, j, sched=sched):
+      return jax.lax.cond(sched.live[j], lambda c: step(sched, c, j), lambda c: c, carry), None
+
+    carry, _ = jax.lax.scan(live_only, carry, jnp.arange(sched.live.shape[0], dtype=jnp.int32))
+  return carry
 
 
 class _Tile(NamedTuple):
@@ -251,27 +290,21 @@ def _chunk_tile(geo, cfg, head: Ops, q, sched: _Schedule, j, keys_major=False) -
   return _Tile(c, rows, kc, vc, qt, s, vis, tanh)
 
 
-def _chunks(geo: _Geometry):
-  """The static number of chunks: every pair in chunks of one block each, each block's last
-  chunk possibly part-filled."""
-  return -(-(geo.T * geo.n) // PAIRS_PER_CHUNK) + geo.num_blocks
-
-
 def _spare_rows(x):
-  """``x`` (T, ...) with PAIRS_PER_CHUNK zero rows after it: what unused pairs read."""
-  return jnp.pad(x, ((0, PAIRS_PER_CHUNK),) + ((0, 0),) * (x.ndim - 1))
+  """``x`` (T, ...) with max(CHUNK_SIZES) zero rows after it: what unused pairs read."""
+  return jnp.pad(x, ((0, max(CHUNK_SIZES)),) + ((0, 0),) * (x.ndim - 1))
 
 
 def _head_forward(geo, cfg, head: Ops, sink):
   """(out (G, T, Hv) in the query's dtype, lse (G, T)) of one KV head: each token's running
   softmax statistics in token-major buffers, each chunk merging its pairs into their tokens'
   rows (rows distinct within a chunk; chunks in their fixed order)."""
-  sched = _schedule(geo, head.blocks, head.valid)
+  scheds = _schedules(geo, head.blocks, head.valid)
   sd = _tile.stat_dtype(head.q.dtype)
-  R, Hv = geo.T + PAIRS_PER_CHUNK, head.v.shape[-1]
+  R, Hv = geo.T + max(CHUNK_SIZES), head.v.shape[-1]
   q = _spare_rows(head.q)
 
-  def step(carry, j):
+  def step(sched, carry, j):
     m, l, acc = carry  # (R, G), (R, G), (R, G, Hv)
     t = _chunk_tile(geo, cfg, head, q, sched, j)
     P = t.rows.shape[0]
@@ -284,11 +317,11 @@ def _head_forward(geo, cfg, head: Ops, sink):
     a, b = jnp.exp(m_o - m_n), jnp.exp(mc - m_n)
     put = lambda buf, x: buf.at[t.rows].set(x, unique_indices=True)
     acc_n = acc_o * a[..., None] + pv * b[..., None]
-    return (put(m, m_n), put(l, l_o * a + lc * b), put(acc, acc_n)), None
+    return put(m, m_n), put(l, l_o * a + lc * b), put(acc, acc_n)
 
   neg = jnp.asarray(_softmax.NEG, sd)
   init = (jnp.full((R, geo.G), neg), jnp.zeros((R, geo.G), sd), jnp.zeros((R, geo.G, Hv), sd))
-  (m, l, acc), _ = jax.lax.scan(step, init, jnp.arange(_chunks(geo), dtype=jnp.int32))
+  m, l, acc = _loops(step, scheds, init)
   m, l = m[: geo.T].T, l[: geo.T].T
   acc = jnp.transpose(acc[: geo.T], (1, 0, 2))
   if sink is not None:
@@ -298,10 +331,10 @@ def _head_forward(geo, cfg, head: Ops, sink):
 
 
 def _head_backward(geo, cfg, head: Ops, dout, lse_r, delta):
-  """dQ (G, T, H), dK, dV (S, H) of one KV head in one loop over the chunks: dQ rows gain each
-  chunk's share (rows distinct within a chunk), a block's dK and dV are its chunks' sums in
-  chunk order, written once after its last chunk."""
-  sched = _schedule(geo, head.blocks, head.valid)
+  """dQ (G, T, H), dK, dV (S, H) of one KV head in one loop over the chunks of each size: dQ
+  rows gain each chunk's share (rows distinct within a chunk), a block's dK and dV gain its
+  chunks' sum of each size in chunk order, added after its last chunk of that size."""
+  scheds = _schedules(geo, head.blocks, head.valid)
   sd = lse_r.dtype
   bk = geo.block
   # Token-major, spare rows past T (a chunk's unused pairs) reading zeros.
@@ -309,7 +342,7 @@ def _head_backward(geo, cfg, head: Ops, dout, lse_r, delta):
   dout = _spare_rows(jnp.swapaxes(dout, 0, 1))
   lse_r, delta = _spare_rows(lse_r.T), _spare_rows(delta.T)
 
-  def step(carry, j):
+  def step(sched, carry, j):
     acc_k, acc_v, dq, dk, dv = carry
     t = _chunk_tile(geo, cfg, head, q, sched, j, keys_major=True)
     P = t.rows.shape[0]
@@ -328,17 +361,18 @@ def _head_backward(geo, cfg, head: Ops, dout, lse_r, delta):
     acc_k, acc_v = acc_k + mm(ds, t.q), acc_v + mm(p, dot)
     done = sched.last[j]
     at = t.c * bk
+    old = lambda buf: jax.lax.dynamic_slice_in_dim(buf, at, bk, 0)
     put = lambda buf, acc: jax.lax.dynamic_update_slice_in_dim(
-      buf, jnp.where(done, acc, jax.lax.dynamic_slice_in_dim(buf, at, bk, 0)), at, 0
+      buf, jnp.where(done, old(buf) + acc, old(buf)), at, 0
     )
     dk, dv = put(dk, acc_k), put(dv, acc_v)
     zero = jnp.zeros((), sd)
-    return (jnp.where(done, zero, acc_k), jnp.where(done, zero, acc_v), dq, dk, dv), None
+    return (jnp.where(done, zero, acc_k), jnp.where(done, zero, acc_v), dq, dk, dv)
 
   Sp, H, Hv = head.k.shape[0], head.k.shape[1], head.v.shape[1]
   zeros = lambda *shape: jnp.zeros(shape, sd)
   init = (zeros(bk, H), zeros(bk, Hv), zeros(q.shape[0], geo.G, H), zeros(Sp, H), zeros(Sp, Hv))
-  (_, _, dq, dk, dv), _ = jax.lax.scan(step, init, jnp.arange(_chunks(geo), dtype=jnp.int32))
+  _, _, dq, dk, dv = _loops(step, scheds, init)
   return jnp.swapaxes(dq[: geo.T], 0, 1), dk[: geo.S], dv[: geo.S]
 
 
@@ -386,14 +420,11 @@ def _backward(geo, cfg, ops: Ops, sink, outs, cts):
 
 def _inverse_selection(geo, blocks, valid):
   """The (token, slot) pairs of one KV head sorted by (block, token), and where each block's
-  run of them starts and ends in that order and in chunks of PAIRS_PER_CHUNK: (order (M,),
-  start, end, first chunk, one past the last chunk (each (num_blocks,)))."""
-  M, nb, P = geo.T * geo.n, geo.num_blocks, PAIRS_PER_CHUNK
+  run of them starts and ends in that order: (order (M,), start, end (each (num_blocks,)))."""
+  M, nb = geo.T * geo.n, geo.num_blocks
   key = jnp.where(valid, blocks, nb).reshape(M)  # pairs in (token, slot) order; none: last
   order = jnp.argsort(key, stable=True).astype(jnp.int32)  # by block, then token
   ids = jnp.arange(nb, dtype=jnp.int32)
   start = jnp.searchsorted(key[order], ids, side="left").astype(jnp.int32)
   end = jnp.searchsorted(key[order], ids, side="right").astype(jnp.int32)
-  nchunks = -(-(end - start) // P)
-  last = jnp.cumsum(nchunks)
-  return order, start, end, last - nchunks, last
+  return order, start, end

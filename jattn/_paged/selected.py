@@ -99,8 +99,8 @@ def _fold_row(st: PagedPlan, pool: Pool, q, page, slot, vis):
 
   def head(q_k, k_k, v_k, ks_k, vs_k, vis_k):
     G = q_k.shape[0]
-    init = _softmax.NEG * jnp.ones((G,), jnp.float32), jnp.zeros((G,), jnp.float32)
-    init = init + (jnp.zeros((G, st.Hv), jnp.float32),)
+    m = jnp.full((G,), _softmax.NEG, jnp.float32)
+    init = (m, jnp.zeros((G,), jnp.float32), jnp.zeros((G, st.Hv), jnp.float32))
     return fold.fold_page(st, init, q_k, k_k, v_k, ks_k, vs_k, vis_k)
 
   return jax.vmap(head)(q, keys, values, ks, vs, vis)

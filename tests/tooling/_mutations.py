@@ -224,9 +224,23 @@ MUTATIONS = [
   (
     "sparse: a block's dK/dV total carried into the next block (_backends/sparse)",
     "jattn/_backends/sparse.py",
-    "    return (jnp.where(done, zero, acc_k), jnp.where(done, zero, acc_v), dq, dk, dv), None",
-    "    return (acc_k, acc_v, dq, dk, dv), None",
+    "    return (jnp.where(done, zero, acc_k), jnp.where(done, zero, acc_v), dq, dk, dv)",
+    "    return (acc_k, acc_v, dq, dk, dv)",
     ["tests/attention/test_sparse.py"],
+  ),
+  (
+    "sparse: a block's dK/dV from its chunks of 128 overwrite those of 512 (_backends/sparse)",
+    "jattn/_backends/sparse.py",
+    "      buf, jnp.where(done, old(buf) + acc, old(buf)), at, 0",
+    "      buf, jnp.where(done, acc, old(buf)), at, 0",
+    ["tests/attention/test_sparse.py"],
+  ),
+  (
+    "paged key_selection: a traced repeated block read twice (_paged/selected)",
+    "jattn/_paged/selected.py",
+    "  ok = (chosen >= 0) & (chosen < blocks) & first",
+    "  ok = (chosen >= 0) & (chosen < blocks)",
+    ["tests/paged/test_paged_selection.py"],
   ),
 ]
 
