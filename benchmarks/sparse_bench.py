@@ -9,12 +9,18 @@ Beside the medians of interleaved calls: the compiled programs' temporary memory
 query reads (the work), and the n at which the causal call would read as many keys as the
 selection (the work's crossover; time's crossover follows from the measured ratio).
 
+``--work``: no run; each program exported for cuda (`jax.export`, from this machine) and its
+matmul work read from the optimized program (`jattn.bench.structure.matmul_flops`: every loop
+step and conditional branch counted as run, so an upper bound where steps are skipped at run
+time), beside the work of the steps the selection actually runs (its chunks, counted from the
+indices as `_schedules` cuts them) -- for T = 65536, too long to time here.
+
 ``--sweep 16,32,64``: for each n, the selection through "sparse" against the same call (the
 selection as a mask, causal) through "chunked", interleaved: the n from which chunked is faster,
 the measured crossover behind implementation=None's rule (`jattn._dispatch.SPARSE_MAX_KEYS`).
 
 Run: python benchmarks/sparse_bench.py [--T 16384] [--n 16] [--block 64] [--window 512]
-     [--heads 4] [--kv-heads 1] [--head-dim 64] [--repeats 3] [--sweep 16,32,64]
+     [--heads 4] [--kv-heads 1] [--head-dim 64] [--repeats 3] [--sweep 16,32,64] [--work]
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import numpy as np
 
 import jattn
 from jattn import masks as M
-from jattn.bench import alternating, interleaved
+from jattn.bench import alternating, interleaved, structure
 from jattn.bench.runner import compiled_memory
 
 
@@ -56,8 +62,11 @@ def main(argv=None):
   p.add_argument("--head-dim", type=int, default=64)
   p.add_argument("--repeats", type=int, default=3)
   p.add_argument("--sweep", type=str, default=None)
+  p.add_argument("--work", action="store_true")
   a = p.parse_args(argv)
   T, N, K, H = a.T, a.heads, a.kv_heads, a.head_dim
+  if a.work:
+    return _work(a)
   keys = jax.random.split(jax.random.key(0), 4)
   q, k, v, do = (
     jax.random.normal(kk, (1, T, h, H), jnp.float32) for kk, h in zip(keys, (N, K, K, N))
@@ -66,11 +75,7 @@ def main(argv=None):
     return _sweep(a, (q, k, v, do), [int(n) for n in a.sweep.split(",")])
   idx = jnp.asarray(_selection(T, K, a.n, a.block))
 
-  programs = {
-    "selected (sparse)": loss(block=a.block, is_causal=True, implementation="sparse"),
-    "window (chunked)": loss(local_window_size=(a.window - 1, 0), implementation="chunked"),
-    "causal (chunked)": loss(is_causal=True, implementation="chunked"),
-  }
+  programs = _programs(a)
   calls = {name: (lambda f=f: f(q, k, v, do, idx)) for name, f in programs.items()}
   ms = interleaved(calls, a.repeats, order=alternating(list(calls)))
   mem = {
@@ -100,6 +105,54 @@ def loss(block=None, **kw):
     return jnp.sum(jattn.dot_product_attention(q, k, v, **kw, **sel) * do)
 
   return jax.jit(jax.grad(f, argnums=(0, 1, 2)))
+
+
+def _programs(a):
+  """The three branches' jitted gradients: NSA's selected and window branches, causal."""
+  return {
+    "selected (sparse)": loss(block=a.block, is_causal=True, implementation="sparse"),
+    "window (chunked)": loss(local_window_size=(a.window - 1, 0), implementation="chunked"),
+    "causal (chunked)": loss(is_causal=True, implementation="chunked"),
+  }
+
+
+def _chunks_run(idx, block, S, sizes=(512, 128)):
+  """Pairs' worth of chunk rows the sparse path runs for ``idx`` (1, T, K, n): per KV head and
+  key block, whole chunks of the first size, the rest in chunks of the second (as
+  `jattn._backends.sparse` cuts them)."""
+  rows = 0
+  for kh in range(idx.shape[2]):
+    chosen = idx[0, :, kh].ravel()
+    count = np.bincount(chosen[chosen >= 0], minlength=-(-S // block))
+    big = count // sizes[0]
+    rows += int(
+      (big * sizes[0]).sum() + (-(-(count - big * sizes[0]) // sizes[1]) * sizes[1]).sum()
+    )
+  return rows
+
+
+def _work(a):
+  """Matmul work of each branch at T, exported for cuda (no run)."""
+  T, N, K, H = a.T, a.heads, a.kv_heads, a.head_dim
+  spec = lambda h, dtype=jnp.float32: jax.ShapeDtypeStruct((1, T, h, H), dtype)
+  args = (spec(N), spec(K), spec(K), spec(N), jax.ShapeDtypeStruct((1, T, K, a.n), jnp.int32))
+  print(f"T={T} N={N} K={K} H={H} n={a.n} block={a.block} window={a.window}, fwd+bwd, for cuda")
+  print(f"{'call':20s} {'program GFLOP':>14s}")
+  work = {}
+  for name, f in _programs(a).items():
+    work[name] = structure.matmul_flops(structure.lowered_for(f, args, "cuda"))
+    shown = "unknown" if work[name] is None else f"{work[name] / 1e9:.1f}"
+    print(f"{name:20s} {shown:>14s}")
+  # The steps the selection runs: 7 matmuls (forward QK, PV; backward QK, dP, dQ, dK, dV) of
+  # G query rows per pair against one block.
+  idx = _selection(T, K, a.n, a.block)
+  ran = 7 * 2 * _chunks_run(idx, a.block, T) * (N // K) * a.block * H
+  print(f"{'selected, chunks run':20s} {ran / 1e9:14.1f}")
+  causal = work["causal (chunked)"]
+  if causal:
+    print(
+      f"selected's chunks run + window / causal: {(ran + work['window (chunked)']) / causal:.3f}x"
+    )
 
 
 def _sweep(a, args, ns):
