@@ -263,30 +263,22 @@ def test_no_scatter_over_repeated_indices_in_programs_for_cuda():
   )
   mods.append(jax.export.export(jax.jit(f), platforms=["cuda"])(*dec).mlir_module())
   pool = jax.ShapeDtypeStruct((64, 16, 2, 64), jnp.float32)
-  paged = lambda q, kp, vp, t, n: jattn.paged_attention(q, kp, vp, t, n, implementation="chunked")
-  mods.append(
-    jax.export.export(jax.jit(paged), platforms=["cuda"])(
-      jax.ShapeDtypeStruct((4, 3, 8, 64), jnp.float32),
-      pool,
-      pool,
-      jax.ShapeDtypeStruct((4, 8), jnp.int32),
-      jax.ShapeDtypeStruct((4,), jnp.int32),
-    ).mlir_module()
+  paged_args = (
+    jax.ShapeDtypeStruct((4, 3, 8, 64), jnp.float32),
+    pool,
+    pool,
+    jax.ShapeDtypeStruct((4, 8), jnp.int32),
+    jax.ShapeDtypeStruct((4,), jnp.int32),
   )
+  for_cuda = lambda f, *more: jax.export.export(jax.jit(f), platforms=["cuda"])(
+    *paged_args, *more
+  ).mlir_module()
+  mods.append(for_cuda(lambda *a: jattn.paged_attention(*a, implementation="chunked")))
   # A decoding step that reads only each row's chosen blocks (key_selection).
-  selected = lambda q, kp, vp, t, n, i: jattn.paged_attention(
-    q, kp, vp, t, n, key_selection=jattn.masks.selected_blocks(i, 16)
+  selected = lambda *a: jattn.paged_attention(
+    *a[:5], key_selection=jattn.masks.selected_blocks(a[5], 16)
   )
-  mods.append(
-    jax.export.export(jax.jit(selected), platforms=["cuda"])(
-      jax.ShapeDtypeStruct((4, 3, 8, 64), jnp.float32),
-      pool,
-      pool,
-      jax.ShapeDtypeStruct((4, 8), jnp.int32),
-      jax.ShapeDtypeStruct((4,), jnp.int32),
-      jax.ShapeDtypeStruct((4, 3, 2, 4), jnp.int32),
-    ).mlir_module()
-  )
+  mods.append(for_cuda(selected, jax.ShapeDtypeStruct((4, 3, 2, 4), jnp.int32)))
   scatters = [op for mod in mods for op in re.findall(r'"?stablehlo\.scatter"?.*', mod)]
   assert len(scatters) >= 20  # the merges are there, written as scatters
   repeated = [op for op in scatters if "unique_indices = true" not in op]

@@ -181,27 +181,13 @@ def test_paged_attention_alone_equals_in_batch(rows):
   # Ragged rows (query_start): the sequence alone has its own rows only, the batch all of them.
   lengths = np.array([37, 150, 12, 101])
   q, kp, vp, table = _pool(jnp.float32, lengths, rows)
-  start = np.concatenate([[0], np.cumsum(rows)]).astype(np.int32)
   kw = dict(
     sinks=jnp.linspace(-1.0, 1.0, N),
     logits_soft_cap=20.0,
     local_window_size=(60, 0),
     return_residual=True,
   )
-  batched = jattn.paged_attention(q, kp, vp, table, lengths, query_start=start, **kw)
-  for b in range(B):
-    mine = slice(start[b], start[b + 1])
-    one = jattn.paged_attention(
-      q[mine],
-      kp,
-      vp,
-      table[b : b + 1],
-      lengths[b : b + 1],
-      query_start=np.array([0, rows[b]], np.int32),
-      **kw,
-    )
-    for got, want in zip(one, batched):
-      np.testing.assert_array_equal(np.asarray(got), np.asarray(want[mine]), err_msg=f"seq {b}")
+  _each_sequence_alone(q, kp, vp, table, lengths, rows, **kw)
   # Padded queries (B, T, N, H): the last T of each sequence.
   qp = q[:4].reshape(1, 4, N, H).repeat(B, axis=0) if sum(rows) >= 4 else q[None].repeat(B, 0)
   batched = jattn.paged_attention(qp, kp, vp, table, lengths, **kw)
@@ -243,7 +229,6 @@ def test_paged_attention_with_a_key_selection_alone_equals_in_batch():
   lengths = np.array([37, 150, 12, 101])
   rows = (5, 1, 12, 3)
   q, kp, vp, table = _pool(jnp.float32, lengths, rows)
-  start = np.concatenate([[0], np.cumsum(rows)]).astype(np.int32)
   rng = np.random.default_rng(4)
   owner = np.repeat(np.arange(B), rows)
   idx = np.full((1, sum(rows), K, 3), -1, np.int32)
@@ -251,11 +236,26 @@ def test_paged_attention_with_a_key_selection_alone_equals_in_batch():
     for k in range(K):
       c = rng.permutation(-(-lengths[b] // 8))[:3]
       idx[0, r, k, : len(c)] = c
-  kw = dict(sinks=jnp.linspace(-1.0, 1.0, N), logits_soft_cap=20.0, return_residual=True)
-  sel = lambda i: jattn.masks.selected_blocks(i, 8)
-  batched = jattn.paged_attention(
-    q, kp, vp, table, lengths, query_start=start, key_selection=sel(idx), **kw
+  _each_sequence_alone(
+    q,
+    kp,
+    vp,
+    table,
+    lengths,
+    rows,
+    sinks=jnp.linspace(-1.0, 1.0, N),
+    logits_soft_cap=20.0,
+    return_residual=True,
+    key_selection=lambda mine: jattn.masks.selected_blocks(idx[:, mine], 8),
   )
+
+
+def _each_sequence_alone(q, kp, vp, table, lengths, rows, **kw):
+  """Ragged rows (query_start): each sequence's call on its own rows returns the bits of its
+  rows of the batched call. A keyword given as a function of a row slice is cut to the rows."""
+  start = np.concatenate([[0], np.cumsum(rows)]).astype(np.int32)
+  cut = lambda rows: {k: (x(rows) if callable(x) else x) for k, x in kw.items()}
+  batched = jattn.paged_attention(q, kp, vp, table, lengths, query_start=start, **cut(slice(None)))
   for b in range(B):
     mine = slice(start[b], start[b + 1])
     one = jattn.paged_attention(
@@ -265,8 +265,7 @@ def test_paged_attention_with_a_key_selection_alone_equals_in_batch():
       table[b : b + 1],
       lengths[b : b + 1],
       query_start=np.array([0, rows[b]], np.int32),
-      key_selection=sel(idx[:, mine]),
-      **kw,
+      **cut(mine),
     )
     for got, want in zip(one, batched):
       np.testing.assert_array_equal(np.asarray(got), np.asarray(want[mine]), err_msg=f"seq {b}")
