@@ -15,12 +15,17 @@ step and conditional branch counted as run, so an upper bound where steps are sk
 time), beside the work of the steps the selection actually runs (its chunks, counted from the
 indices as `_schedules` cuts them) -- for T = 65536, too long to time here.
 
+``--decode``: serving, a paged decoding step (B=4, N=32, K=8, H=128, 16384 cached tokens a
+sequence in pages of 16, float32) reading every cached key against one reading a selection of
+2048 (`paged_attention(key_selection=...)`: tokens, then whole pages).
+
 ``--sweep 16,32,64``: for each n, the selection through "sparse" against the same call (the
 selection as a mask, causal) through "chunked", interleaved: the n from which chunked is faster,
 the measured crossover behind implementation=None's rule (`jattn._dispatch.SPARSE_MAX_KEYS`).
 
 Run: python benchmarks/sparse_bench.py [--T 16384] [--n 16] [--block 64] [--window 512]
      [--heads 4] [--kv-heads 1] [--head-dim 64] [--repeats 3] [--sweep 16,32,64] [--work]
+     [--decode]
 """
 
 from __future__ import annotations
@@ -63,7 +68,10 @@ def main(argv=None):
   p.add_argument("--repeats", type=int, default=3)
   p.add_argument("--sweep", type=str, default=None)
   p.add_argument("--work", action="store_true")
+  p.add_argument("--decode", action="store_true")
   a = p.parse_args(argv)
+  if a.decode:
+    return _decode(a.repeats)
   T, N, K, H = a.T, a.heads, a.kv_heads, a.head_dim
   if a.work:
     return _work(a)
@@ -153,6 +161,40 @@ def _work(a):
     print(
       f"selected's chunks run + window / causal: {(ran + work['window (chunked)']) / causal:.3f}x"
     )
+
+
+def _decode(repeats, B=4, N=32, K=8, H=128, page=16, L=16384, chosen=2048):
+  """A paged decoding step over all L cached keys against one over ``chosen`` selected keys."""
+  P = B * L // page
+  rng = np.random.default_rng(0)
+  kp, vp = (jnp.asarray(rng.standard_normal((P, page, K, H)), jnp.float32) for _ in "kv")
+  table = jnp.asarray(rng.permutation(P).reshape(B, L // page).astype(np.int32))
+  lens = jnp.full((B,), L, jnp.int32)
+  q = jnp.asarray(rng.standard_normal((B, 1, N, H)), jnp.float32)
+
+  def picks(size):  # (B, 1, K, chosen / size) distinct blocks of ``size`` tokens
+    n, blocks = chosen // size, L // size
+    return jnp.asarray(
+      np.stack([rng.permutation(blocks)[:n] for _ in range(B * K)]).reshape(B, 1, K, n),
+      jnp.int32,
+    )
+
+  def step(size):
+    f = lambda q, i: jattn.paged_attention(
+      q, kp, vp, table, lens, key_selection=None if i is None else M.selected_blocks(i, size)
+    )
+    return jax.jit(f)
+
+  progs = {
+    f"all {L} keys": (step(1), None),
+    f"{chosen} tokens (block 1)": (step(1), picks(1)),
+    f"{chosen // page} pages of {page}": (step(page), picks(page)),
+  }
+  calls = {name: (lambda f=f, i=i: f(q, i)) for name, (f, i) in progs.items()}
+  ms = interleaved(calls, repeats, order=alternating(list(calls)))
+  print(f"paged decoding step: B={B} N={N} K={K} H={H}, {L} cached tokens, float32, CPU")
+  for name in calls:
+    print(f"{name:28s} {ms[name]:8.2f} ms")
 
 
 def _sweep(a, args, ns):
