@@ -190,12 +190,11 @@ SPARSE_MAX_KEYS = 0.25
 def sparse_enough(mask, S: int) -> bool:
   """Whether ``mask`` holds one `masks.selected_blocks` (among its &-ed parts) of blocks of at
   least SPARSE_MIN_BLOCK keys naming at most SPARSE_MAX_KEYS of the S keys per query."""
-  if mask is None:
+  chosen, _ = _masks.split_selection(mask)
+  selection = chosen[0].selection() if len(chosen) == 1 else None
+  if selection is None:
     return False
-  chosen = [m.selection() for m in mask.conjuncts() if m.selection() is not None]
-  if len(chosen) != 1:
-    return False
-  indices, block = chosen[0]
+  indices, block = selection
   return block >= SPARSE_MIN_BLOCK and indices.shape[-1] * block <= SPARSE_MAX_KEYS * S
 
 
@@ -250,8 +249,9 @@ def implementation_by_platform(
   (see `jattn._dispatch.order`).
 
   A `masks.selected_blocks` selection sparse enough (`sparse_enough`) runs through "sparse" on
-  the CPU where chunked would run (measured), falling through to chunked for a call it refuses; not on GPU and TPU: not measured there, and its chunk loop is thousands of small
-  sequential steps, each a few kernel launches on a GPU."""
+  the CPU where chunked would run (measured), falling through to chunked for a call it refuses;
+  not on GPU and TPU: not measured there, and its chunk loop is thousands of small sequential
+  steps, each a few kernel launches on a GPU."""
   # A symbolic batch or head count (jax.export) bounds nothing: the program must serve every
   # size, so the scores are taken not to fit.
   if keys_split:

@@ -24,7 +24,6 @@ slots per row, P pairs per chunk.
 
 from __future__ import annotations
 
-import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -44,15 +43,13 @@ def _split(mask):
   """((choices, block size), the AND of the mask's other conjuncts or None), or a reason."""
   if mask is None:
     return "no selection: implementation='sparse' needs a masks.selected_blocks mask"
-  parts = mask.conjuncts()
-  chosen = [m for m in parts if m.selection() is not None]
+  chosen, rest = _masks.split_selection(mask)
   if len(chosen) != 1:
     return (
       f"mask: implementation='sparse' needs exactly one masks.selected_blocks among the mask's "
       f"&-ed parts, got {len(chosen)}"
     )
-  rest = [m for m in parts if m is not chosen[0]]
-  return chosen[0].selection(), functools.reduce(lambda a, b: a & b, rest) if rest else None
+  return chosen[0].selection(), rest
 
 
 def supports(call) -> str | None:
@@ -227,8 +224,10 @@ def _chunks(geo: _Geometry, i: int) -> int:
   M, P = geo.T * geo.n, CHUNK_SIZES[i]
   if i < len(CHUNK_SIZES) - 1:
     return M // P
-  per_block = -(-(CHUNK_SIZES[i - 1] - 1) // P) if i else -(-M // P)
-  return min(-(-M // P) + geo.num_blocks, per_block * geo.num_blocks)
+  every_pair = -(-M // P) + geo.num_blocks
+  if i == 0:
+    return every_pair
+  return min(every_pair, -(-(CHUNK_SIZES[i - 1] - 1) // P) * geo.num_blocks)
 
 
 def _loops(step, schedules, carry):

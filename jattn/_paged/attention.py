@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jattn import _tile, _validation
+from jattn import _tile, _validation, masks
 from jattn._paged import metadata, plan, run
 from jattn._paged import pool as _pool
 from jattn._paged.plan import Options, Queries
@@ -228,7 +228,9 @@ def _check_selection_kind(selection, new_token_mask) -> None:
   tree of new tokens (NotImplementedError)."""
   if selection is None:
     return
-  if getattr(selection, "selection", lambda: None)() is None or len(selection.conjuncts()) != 1:
+  is_mask = isinstance(selection, masks.Mask)
+  chosen, rest = masks.split_selection(selection) if is_mask else ((), None)
+  if len(chosen) != 1 or rest is not None:
     raise TypeError(
       "key_selection must be one jattn.masks.selected_blocks(indices, block_size) (causality "
       f"and the window are paged_attention's own arguments), got {type(selection).__name__}"

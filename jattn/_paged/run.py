@@ -65,7 +65,6 @@ _attend.defvjp(_attend_fwd, _attend_bwd)
 @functools.partial(jax.jit, static_argnums=(0,))
 def _jitted(st: PagedPlan, queries: Queries, pool: Pool):
   """`attend`'s program: (out, lse) as it returns them."""
-  programs = _programs(st)  # the plan alone decides which walk each platform runs
   # A sequence whose metadata breaks the rules runs as an empty one and comes back NaN.
   g = metadata.Geometry(pool.key_pages.shape[0], st.page_size * st.sub, st.rows, st.ragged)
   md = metadata.Metadata(
@@ -77,6 +76,7 @@ def _jitted(st: PagedPlan, queries: Queries, pool: Pool):
   if st.selected:  # each row reads its chosen keys: no tiles, rows already in place
     out, lse = selected.attend(st, queries, pool, at)
     return _in_place(st, at, out), _in_place(st, at, lse[..., None])[..., 0]
+  programs = _programs(st)  # the plan alone decides which walk each platform runs
   t = tiles.cut(st, at, pool.kv_lengths, queries.new_token_mask)
   q = tiles.gather(st, queries.query, t)  # (M, K, G * tq, H)
   landing = tiles.landing(st, t)

@@ -46,7 +46,8 @@ def attend(st: PagedPlan, queries: Queries, pool: Pool, at: Owners):
     q_r, chosen_r, seq, pos_r, live = args
     keys, key_pos = _positions(st, chosen_r, block)  # (K, J) each
     table = pool.page_table[seq]
-    page = jnp.clip(jnp.take(table, key_pos // st.page_size, mode="clip"), 0, _pages(pool) - 1)
+    pages = pool.key_pages.shape[0]
+    page = jnp.clip(jnp.take(table, key_pos // st.page_size, mode="clip"), 0, pages - 1)
     slot = key_pos % st.page_size
     vis = fold.visible(st, key_pos[:, None, :], pos_r, live, lens[seq]) & keys[:, None, :]
     vis = jnp.broadcast_to(vis, (st.K, st.G, vis.shape[-1]))
@@ -59,10 +60,6 @@ def attend(st: PagedPlan, queries: Queries, pool: Pool, at: Owners):
     m, l, acc = _softmax.join_sink(m, l, acc, sink)
   out = _softmax.normalize(acc, l, m, 0.0).astype(st.dtype)
   return out.reshape(R, st.N, st.Hv), _softmax.lse(m, l).reshape(R, st.N)
-
-
-def _pages(pool: Pool) -> int:
-  return pool.key_pages.shape[0]
 
 
 def _positions(st: PagedPlan, chosen, block: int):
@@ -111,12 +108,7 @@ def _gather(st: PagedPlan, pages, page, slot, half: int):
   combined pool's key (0) or value (1) heads. Quantised pages (another dtype than the query's)
   become float32."""
   kh = jnp.arange(st.K, dtype=jnp.int32)[:, None]
-  if st.kv_layout == "HND":
-    x = pages[page, kh, slot]
-  elif st.kv_layout == "combined":
-    x = pages[page, slot, 2 * kh + half]
-  else:
-    x = pages[page, slot, kh]
+  x = _take(st, pages, page, slot, 2 * kh + half if st.kv_layout == "combined" else kh)
   return x if x.dtype == st.dtype else x.astype(jnp.float32)
 
 
@@ -127,6 +119,12 @@ def _scale(st: PagedPlan, scale, kind, page, slot, seen):
     return None
   if kind in ("tensor", "head"):
     return jnp.broadcast_to(scale.astype(jnp.float32), (st.K,))
-  kh = jnp.arange(st.K, dtype=jnp.int32)[:, None]
-  x = scale[page, kh, slot] if st.kv_layout == "HND" else scale[page, slot, kh]
+  x = _take(st, scale, page, slot, jnp.arange(st.K, dtype=jnp.int32)[:, None])
   return jnp.where(seen, x.astype(jnp.float32), 0.0)[:, None, :]
+
+
+def _take(st: PagedPlan, pool, page, slot, head):
+  """``pool``'s entries (pages, or per-token scales) at (page, slot, head), laid out as
+  ``st.kv_layout`` says: token-major (P, page_size, heads, ...) or head-major (P, heads,
+  page_size, ...)."""
+  return pool[page, head, slot] if st.kv_layout == "HND" else pool[page, slot, head]

@@ -55,6 +55,7 @@ from jattn.masks._prefix_tree import prefix_tree as prefix_tree
 from jattn.masks._protocol import Cut as Cut
 from jattn.masks._protocol import Mask as Mask
 from jattn.masks._selection import selected_blocks as selected_blocks
+from jattn.masks._selection import split_selection as split_selection
 from jattn.masks._structural import band as band
 from jattn.masks._structural import causal as causal
 from jattn.masks._structural import chunked_local as chunked_local

@@ -14,6 +14,7 @@ scatters.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -156,6 +157,17 @@ def _member(sorted_rows, values):
   pos = _lower_bound(sorted_rows, values)
   found = jnp.take_along_axis(sorted_rows, jnp.minimum(pos, L - 1), axis=-1)
   return (pos < L) & (found == values)
+
+
+def split_selection(mask: Mask | None) -> tuple[tuple[Mask, ...], Mask | None]:
+  """(the `selected_blocks` among ``mask``'s &-ed parts, the AND of the other parts or None):
+  what a path that gathers the selection's blocks takes apart (none of either for None)."""
+  if mask is None:
+    return (), None
+  parts = mask.conjuncts()
+  chosen = tuple(m for m in parts if m.selection() is not None)
+  rest = [m for m in parts if m.selection() is None]
+  return chosen, functools.reduce(lambda a, b: a & b, rest) if rest else None
 
 
 def selected_blocks(indices: ArrayLike, block_size: int = 1) -> Mask:

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import reference as ref
+from programs import equations
 from selections import by_hand, f64_attention, indices
 
 import jattn
@@ -208,21 +209,15 @@ def test_the_program_for_cuda_scatters_only_over_uniqueindices():
   assert not [op for op in scatters if "unique_indices = true" not in op], scatters[:3]
 
 
-def _dot_flops(jaxpr, times=1):
+def _dot_flops(jaxpr):
   """The multiply-adds of every dot_general in ``jaxpr`` (x2), a scan's body counted once per
   step: the program's matmul work, read from the program."""
   total = 0
-  for eqn in jaxpr.eqns:
-    steps = times * (eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1)
+  for eqn, runs in equations(jaxpr):
     if eqn.primitive.name == "dot_general":
       (contract, _), _ = eqn.params["dimension_numbers"]
       k = math.prod(eqn.invars[0].aval.shape[d] for d in contract)
-      total += times * 2 * math.prod(eqn.outvars[0].aval.shape) * k
-    for param in eqn.params.values():
-      for sub in param if isinstance(param, (tuple, list)) else (param,):
-        inner = getattr(sub, "jaxpr", sub)
-        if hasattr(inner, "eqns"):
-          total += _dot_flops(inner, steps)
+      total += runs * 2 * math.prod(eqn.outvars[0].aval.shape) * k
   return total
 
 

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from programs import equations
 
 import jattn
 from jattn.bench import structure
@@ -309,20 +310,11 @@ def test_vmapped_causal_gradients_keep_block_skipping():
 def _tiles(f, *args):
   """The (rows, keys) of every logits tile (a dot_general ending in the key block) in ``f``'s
   program, sub-programs included."""
-  found = set()
-
-  def walk(jaxpr):
-    for e in jaxpr.eqns:
-      if e.primitive.name == "dot_general":
-        found.add(tuple(e.outvars[0].aval.shape[-2:]))
-      for p in e.params.values():
-        for sub in p if isinstance(p, (list, tuple)) else [p]:
-          sub = getattr(sub, "jaxpr", sub)
-          if hasattr(sub, "eqns"):
-            walk(sub)
-
-  walk(jax.make_jaxpr(f)(*args).jaxpr)
-  return found
+  return {
+    tuple(e.outvars[0].aval.shape[-2:])
+    for e, _ in equations(jax.make_jaxpr(f)(*args).jaxpr)
+    if e.primitive.name == "dot_general"
+  }
 
 
 @pytest.mark.parametrize("w, blocks", [(511, (256, 256)), (1023, (256, 256)), (1024, (512, 256))])

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from covering import pairwise
 from paged_reference import check, combined, head_major, normal, pool, reference
+from programs import equations
 
 import jattn
 from jattn import masks
@@ -164,20 +165,10 @@ def test_only_the_selected_pages_are_read():
   f = lambda kp: jattn.paged_attention(q, kp, vp, table, jnp.asarray(lens), key_selection=sel)
   gathered = [
     np.prod(e.outvars[0].aval.shape)
-    for e in _equations(jax.make_jaxpr(f)(kp).jaxpr)
+    for e, _ in equations(jax.make_jaxpr(f)(kp).jaxpr)
     if e.primitive.name == "gather" and e.invars[0].aval.shape == kp.shape
   ]
   assert gathered and max(gathered) <= B * T * K * n * block * H
-
-
-def _equations(jaxpr):
-  for e in jaxpr.eqns:
-    yield e
-    for param in e.params.values():
-      for sub in param if isinstance(param, (list, tuple)) else [param]:
-        sub = getattr(sub, "jaxpr", sub)
-        if hasattr(sub, "eqns"):
-          yield from _equations(sub)
 
 
 def test_traced_indices_select_nothing_out_of_range_and_count_a_repeat_once():
