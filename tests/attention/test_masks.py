@@ -367,6 +367,7 @@ PUBLIC = {
   "remap",
   "segments",
   "selected_blocks",
+  "split_selection",
   "static_array",
   "take_part",
   "tree_mask",
