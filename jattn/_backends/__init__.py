@@ -57,7 +57,7 @@ register(
     sparse.run,
     supports=sparse.supports,
     ring="while the sparse path gathers each query's blocks from the whole sequence",
-    max_logits="the sparse path does not return its running max yet",
+    max_logits=None,
     only="calls with a masks.selected_blocks selection",
   )
 )

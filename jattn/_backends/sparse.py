@@ -71,7 +71,6 @@ def supports(call) -> str | None:
     ("bias", call.bias is not None),
     ("dropout_rate", s.opts.dropout_rate > 0),
     ("score_mod", s.opts.score_mod is not None),
-    ("return_max_logits", s.opts.return_max_logits),
   ):
     if given:
       return f"{what}: not taken by implementation='sparse' yet (use 'chunked')"
@@ -81,7 +80,8 @@ def supports(call) -> str | None:
 
 
 def run(call):
-  """The sparse backend on a bound call: (out (B, T, N, Hv), lse (B, T, N))."""
+  """The sparse backend on a bound call: (out (B, T, N, Hv), lse (B, T, N)), and each row's max
+  logit over its visible keys (B, T, N) where the call asks for it (``return_max_logits``)."""
   reason = supports(call)
   if reason is not None:
     raise NotImplementedError(f"implementation='sparse' does not take this call: {reason}")
@@ -101,13 +101,12 @@ def run(call):
     b, (qb, kb, vb, bb, vab) = args
     part = None if rest is None else rest.take_part(_masks.Cut(b, 1, 0, s.N, s.B, s.N))
     ops = Ops(qb[None], kb[None], vb[None], bb[None], vab[None], part)
-    out, lse = _attend(geo, cfg, ops, sink)
-    return out[0], lse[0]
+    return tuple(x[0] for x in _attend(geo, cfg, ops, sink))
 
-  out, lse = jax.lax.map(example, (jnp.arange(s.B), (q, k, v, blocks, valid)))
+  out, *stats = jax.lax.map(example, (jnp.arange(s.B), (q, k, v, blocks, valid)))
   rows = lambda x: jnp.transpose(x.reshape(s.B, s.N, s.T), (0, 2, 1))
   out = jnp.transpose(out.reshape(s.B, s.N, s.T, s.Hv), (0, 2, 1, 3))
-  return out, rows(lse)
+  return (out, *map(rows, stats))
 
 
 class _Geometry(tuple):
@@ -295,9 +294,9 @@ def _spare_rows(x):
 
 
 def _head_forward(geo, cfg, head: Ops, sink):
-  """(out (G, T, Hv) in the query's dtype, lse (G, T)) of one KV head: each token's running
-  softmax statistics in token-major buffers, each chunk merging its pairs into their tokens'
-  rows (rows distinct within a chunk; chunks in their fixed order)."""
+  """(out (G, T, Hv) in the query's dtype, lse (G, T), max logits (G, T)) of one KV head: each
+  token's running softmax statistics in token-major buffers, each chunk merging its pairs into
+  their tokens' rows (rows distinct within a chunk; chunks in their fixed order)."""
   scheds = _schedules(geo, head.blocks, head.valid)
   sd = _tile.stat_dtype(head.q.dtype)
   R, Hv = geo.T + max(CHUNK_SIZES), head.v.shape[-1]
@@ -323,10 +322,11 @@ def _head_forward(geo, cfg, head: Ops, sink):
   m, l, acc = _loops(step, scheds, init)
   m, l = m[: geo.T].T, l[: geo.T].T
   acc = jnp.transpose(acc[: geo.T], (1, 0, 2))
+  mx = _softmax.row_max(m, l)  # over the keys: before a sink joins
   if sink is not None:
     m, l, acc = _softmax.join_sink(m, l, acc, sink[:, None])
   out = _softmax.normalize(acc, l, m, 0.0).astype(head.q.dtype)
-  return out, _softmax.lse(m, l)
+  return out, _softmax.lse(m, l), mx
 
 
 def _head_backward(geo, cfg, head: Ops, dout, lse_r, delta):
@@ -376,26 +376,28 @@ def _head_backward(geo, cfg, head: Ops, dout, lse_r, delta):
 
 
 def _attend(geo, cfg, ops: Ops, sink):
-  """(out, lse) of one example (`_forward`), differentiable in q, k, v and the sinks in every
-  mode: reverse mode by `_backward` (deterministic), forward mode by JAX's tangent of the same
-  plain-JAX forward (its loops carry the tangents: O(T x n x block) too)."""
+  """(out, lse) of one example (`_forward`), and its max logits with ``cfg.max_logits``,
+  differentiable in q, k, v and the sinks in every mode: reverse mode by `_backward`
+  (deterministic), forward mode by JAX's tangent of the same plain-JAX forward (its loops carry
+  the tangents: O(T x n x block) too). The max logits are a statistic: no derivative."""
   diff, aux = (ops.q, ops.k, ops.v, sink), (ops.blocks, ops.valid, ops.rest)
   as_ops = lambda diff, aux: Ops(*diff[:3], *aux)
-  forward = lambda diff, aux, saved=(): _forward(geo, cfg, as_ops(diff, aux), diff[3])
+  n_outs = 3 if cfg.max_logits else 2
+  forward = lambda diff, aux, saved=(): _forward(geo, cfg, as_ops(diff, aux), diff[3])[:n_outs]
   kernel = lambda diff, aux: (forward(diff, aux), ())
 
   def backward(diff, aux, outs, saved, cts):
-    return _backward(geo, cfg, as_ops(diff, aux), diff[3], outs, cts)
+    return _backward(geo, cfg, as_ops(diff, aux), diff[3], outs[:2], cts[:2])
 
   return _derivatives.with_derivatives(kernel, forward, backward, diff, aux)
 
 
 def _forward(geo, cfg, ops: Ops, sink):
-  """(out (1, K, G, T, Hv) in the query's dtype, lse (1, K, G, T)) of one example."""
+  """(out (1, K, G, T, Hv) in the query's dtype, lse (1, K, G, T), max logits (1, K, G, T)) of
+  one example."""
   sinks = jnp.zeros((geo.K, geo.G)) if sink is None else sink.reshape(geo.K, geo.G)
   fn = lambda head, sk: _head_forward(geo, cfg, head, None if sink is None else sk)
-  out, lse = _per_head(geo, fn, _heads(geo, ops), sinks)
-  return out[None], lse[None]
+  return tuple(x[None] for x in _per_head(geo, fn, _heads(geo, ops), sinks))
 
 
 def _backward(geo, cfg, ops: Ops, sink, outs, cts):

@@ -2,7 +2,8 @@
 
 It equals the float64 reference under the equivalent boolean mask (outputs, the returned lse and
 the gradients of q, k, v and sinks, the lse's own cotangent included), with causal, lengths,
-segments, a soft cap and sinks, GQA, token and block granularity; its gradients are bitwise the
+segments, a soft cap and sinks, GQA, token and block granularity, and its max logits
+(`return_max_logits`: a statistic, no derivative) against float64; its gradients are bitwise the
 same run to run and for an example alone as in a batch; the program it lowers for cuda scatters
 only over unique indices; its work grows with T x n x block, not T x S; what it does not take is
 refused by name."""
@@ -16,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import reference as ref
+from max_logits_reference import reference_max
 from programs import equations
 from selections import by_hand, f64_attention, indices
 
@@ -126,6 +128,51 @@ def test_forward_mode_and_its_gradient_equal_float64():
   np.testing.assert_allclose(out, want_out, atol=2e-5, rtol=2e-5)
   np.testing.assert_allclose(tangent, want_tangent, atol=1e-4, rtol=1e-4)
   np.testing.assert_allclose(hvp, want_hvp, atol=1e-3, rtol=1e-3)
+
+
+def test_max_logits_equal_float64_and_carry_no_derivative():
+  # Each row's max logit over the keys it sees (selected, causal, within the lengths), after the
+  # soft cap; -inf for a row that sees none (row 3 selects nothing); a sink is not a key.
+  T, S, K, block = 29, 37, 2, 4
+  q, k, v, do, _, sinks, idx = _problem(5, T, S, K, 3, block)
+  idx[:, 3] = -1
+  sinks = sinks.at[1].set(30.0)  # above every logit
+  kv_len = np.array([S, 25])
+  kw = dict(
+    mask=M.selected_blocks(idx, block),
+    is_causal="bottom_right",
+    key_value_seq_lengths=jnp.asarray(kv_len),
+    logits_soft_cap=4.0,
+    sinks=sinks,
+    implementation="sparse",
+  )
+  out, mx = jattn.dot_product_attention(q, k, v, return_max_logits=True, **kw)
+  visible = ref.visible_mask(
+    B, N, T, S, mask=by_hand(idx, block, N, T, S), causal="bottom_right", kv_lengths=kv_len
+  )
+  want = reference_max(q, k, scale=1 / np.sqrt(H), cap=4.0, visible=visible)
+  assert mx.shape == (B, T, N) and mx.dtype == jnp.float32
+  assert np.isneginf(want[:, 3]).all() and np.isfinite(want).any()
+  np.testing.assert_array_equal(np.isneginf(mx), np.isneginf(want))
+  np.testing.assert_allclose(mx, want, rtol=2e-6, atol=2e-6)
+  np.testing.assert_array_equal(out, jattn.dot_product_attention(q, k, v, **kw))
+
+  # The output's gradient is the one without the max logits; none flows through them, in
+  # either mode.
+  def loss(q, with_max):
+    if not with_max:
+      return (jattn.dot_product_attention(q, k, v, **kw) * do).sum()
+    o, m = jattn.dot_product_attention(q, k, v, return_max_logits=True, **kw)
+    return (o * do).sum() + 0.0 * jnp.where(jnp.isfinite(m), m, 0.0).sum()
+
+  np.testing.assert_allclose(jax.grad(loss)(q, True), jax.grad(loss)(q, False), rtol=1e-6)
+
+  def only_max(q):
+    m = jattn.dot_product_attention(q, k, v, return_max_logits=True, **kw)[1]
+    return jnp.where(jnp.isfinite(m), m, 0.0)
+
+  assert not np.asarray(jax.grad(lambda q: only_max(q).sum())(q)).any()
+  assert not np.asarray(jax.jvp(only_max, (q,), (q,))[1]).any()
 
 
 def test_implementation_none_takes_the_sparse_path_and_falls_through_where_it_refuses():
