@@ -24,13 +24,16 @@ slots per row, P pairs per chunk.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from jattn import _derivatives, _softmax, _tile
+from jattn import _call, _derivatives, _softmax, _tile
 from jattn import masks as _masks
+from jattn._parallel import partition as _partition
 
 # (token, slot) pairs per chunk, largest first: a block's run of pairs is cut into chunks of the
 # first size while that many remain, the rest into chunks of the next (the last size takes what
@@ -85,6 +88,67 @@ def run(call):
   reason = supports(call)
   if reason is not None:
     raise NotImplementedError(f"implementation='sparse' does not take this call: {reason}")
+  s = call.static
+  if _partition.applies(call.mask, ()):
+    # Under plain jit on several devices XLA partitions the program after it is traced: left to
+    # it, the loop over the examples needs every example on every device (the whole batch
+    # computed on each, the output replicated). As one operation with a partitioning rule each
+    # device runs its own examples and KV heads; rows and keys stay whole (a query's chosen
+    # blocks lie anywhere in the sequence).
+    problem = _partition.Problem(
+      s.B, s.T, s.S, s.N, s.K, functools.partial(part, s), whole_sequences=True
+    )
+    operands = _partition.Operands(
+      call.query, call.key, call.value, None, call.mask, None, call.sink
+    )
+    whole = lambda ops: part(s, ops, None)  # the same outputs unpartitioned, for forward mode
+    return tuple(_partition.attention(problem, operands, whole))
+  return _whole_forward(call)
+
+
+def part(static, operands, place, saved=None):
+  """One device's examples and heads (``operands``: its `_partition.Operands`, the mask cut to
+  them; rows and keys whole), as the partitioning rule runs them: (out, lse) (and the max
+  logits), or with ``saved`` = (out, lse, dout, dlse) the cotangents of q, k, v and the sinks."""
+  del place  # no offsets: rows and keys are whole, the mask is the part's
+  q, k, v, _, mask, _, sink = operands
+  local = dataclasses.replace(static, B=q.shape[0], N=q.shape[2], K=k.shape[2])
+  call = _call.Call(q, k, v, None, mask, None, sink, None, local)
+  if saved is None:
+    return _whole_forward(call)
+  s = local
+  out, lse, dout, dlse = saved
+  stats = lambda x: jnp.transpose(x, (0, 2, 1)).reshape(s.B, s.K, s.G, s.T)
+  per_example = (call.head_major(out, True), stats(lse), call.head_major(dout, True), stats(dlse))
+
+  def example(geo, cfg, ops, sink, xs):
+    outs, cts = (xs[0][None], xs[1][None]), (xs[2][None], xs[3][None])
+    dq, dk, dv, dsink = _backward(geo, cfg, ops, sink, outs, cts)
+    return dq[0], dk[0], dv[0], jnp.zeros((), lse.dtype) if dsink is None else dsink
+
+  dq, dk, dv, dsink = _each_example(call, example, per_example)
+  dq = jnp.transpose(dq.reshape(s.B, s.N, s.T, -1), (0, 2, 1, 3)).astype(q.dtype)
+  dk, dv = (jnp.swapaxes(x, 1, 2).astype(y.dtype) for x, y in ((dk, k), (dv, v)))
+  # The examples' shares of the sinks' gradient, added in one fixed order.
+  dsink = None if sink is None else _softmax.ordered_sum(dsink, 0).astype(sink.dtype)
+  return _partition.Operands(dq, dk, dv, None, None, None, dsink)
+
+
+def _whole_forward(call):
+  """(out (B, T, N, Hv), lse (B, T, N)[, max logits (B, T, N)]) of a whole call (`_attend` per
+  example: differentiable in every mode)."""
+  s = call.static
+  example = lambda geo, cfg, ops, sink, _: tuple(x[0] for x in _attend(geo, cfg, ops, sink))
+  out, *stats = _each_example(call, example, ())
+  rows = lambda x: jnp.transpose(x.reshape(s.B, s.N, s.T), (0, 2, 1))
+  out = jnp.transpose(out.reshape(s.B, s.N, s.T, s.Hv), (0, 2, 1, 3))
+  return (out, *map(rows, stats))
+
+
+def _each_example(call, fn, per_example):
+  """``fn(geo, cfg, ops, sink, xs)`` for each example of ``call`` (``ops`` its `Ops`, ``xs``
+  its slices of the arrays ``per_example``), stacked. One example at a time: the program is the
+  same whatever B is, so an example's result is bitwise the same alone and in a batch."""
   (chosen, block), rest = _split(call.mask)
   s = call.static
   cfg, _ = s.config((s.B, s.N, 1, 1))
@@ -96,17 +160,12 @@ def run(call):
   sink = None if call.sink is None else call.sink.reshape(1, s.K, s.G, 1)
 
   def example(args):
-    # One example at a time: the program is the same whatever B is, so an example's result is
-    # bitwise the same alone and in a batch.
-    b, (qb, kb, vb, bb, vab) = args
+    b, (qb, kb, vb, bb, vab), xs = args
     part = None if rest is None else rest.take_part(_masks.Cut(b, 1, 0, s.N, s.B, s.N))
     ops = Ops(qb[None], kb[None], vb[None], bb[None], vab[None], part)
-    return tuple(x[0] for x in _attend(geo, cfg, ops, sink))
+    return fn(geo, cfg, ops, sink, xs)
 
-  out, *stats = jax.lax.map(example, (jnp.arange(s.B), (q, k, v, blocks, valid)))
-  rows = lambda x: jnp.transpose(x.reshape(s.B, s.N, s.T), (0, 2, 1))
-  out = jnp.transpose(out.reshape(s.B, s.N, s.T, s.Hv), (0, 2, 1, 3))
-  return (out, *map(rows, stats))
+  return jax.lax.map(example, (jnp.arange(s.B), (q, k, v, blocks, valid), per_example))
 
 
 class _Geometry(tuple):

@@ -1,4 +1,5 @@
-"""The chunked kernels as one custom-partitioned operation, for programs XLA partitions itself.
+"""The chunked kernels (and the sparse path's, `whole_sequences`) as one custom-partitioned
+operation, for programs XLA partitions itself.
 
 Under plain ``jax.jit`` on sharded arrays (an Auto mesh, or no mesh set at all) an array's
 sharding is decided by XLA's partitioner after jattn has traced the call, so jattn cannot pick
@@ -26,9 +27,9 @@ partitioned matmuls do:
 Where the program is not partitioned (one device, inside a `jax.shard_map`) the operation is the
 plain computation. Under `jax.vmap` it is too (the primitive has no batching rule: a
 `jax.custom_batching.custom_vmap` maps the plain computation instead), and XLA partitions a
-vmapped call as ordinary code. Gradients: a custom VJP whose backward is a second partitioned
-operation, the kernels' backward pass on each device's part from the forward's output and
-log-sum-exp.
+vmapped call as ordinary code. Derivatives (`jattn._derivatives.with_derivatives`): reverse mode
+is a second partitioned operation, the kernels' backward pass on each device's part from the
+forward's output and log-sum-exp; forward mode is JAX's tangent of the plain computation.
 
 Shapes: q (B, T, N, H), k and v (B, S, K, H), bias (B|1, K|1, G|1, T|1, S|1), sinks (1, K, G, 1);
 out (B, T, N, H), lse (B, T, N).
@@ -41,7 +42,6 @@ turns the operation off for the calls traced inside it.
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -64,11 +64,12 @@ _ENABLED = jax.make_user_context(True)
 
 @contextlib.contextmanager
 def auto_partitioning(enabled: bool = True):
-  """Within this context, chunked calls traced under plain `jax.jit` on several devices use
-  (True, the default outside any context) or do not use (False) jattn's partitioning rule (see
-  docs/sharding.md). Turn it off to `jax.export` a program partitioned over several devices:
-  the rule is a Python callback, which an exported program cannot carry. Off, XLA partitions
-  the kernels as ordinary code (a sequence-sharded query is then gathered on every device).
+  """Within this context, chunked and sparse calls traced under plain `jax.jit` on several
+  devices use (True, the default outside any context) or do not use (False) jattn's
+  partitioning rule (see docs/sharding.md). Turn it off to `jax.export` a program partitioned
+  over several devices: the rule is a Python callback, which an exported program cannot carry.
+  Off, XLA partitions the kernels as ordinary code (a sequence-sharded query is then gathered
+  on every device; the sparse path's batch too).
   The setting is part of `jax.jit`'s cache key, so a function already traced with the other
   setting is traced again."""
   if not isinstance(enabled, bool):
@@ -119,10 +120,9 @@ def _split(mesh, q_spec, k_spec, problem) -> Split:
     names = _sharding._names(entry)
     return names if names and size % _sharding.axes_size(mesh, names) == 0 else ()
 
-  split = Split(
-    axes(q_entries[0], problem.B), axes(q_entries[1], problem.T), axes(q_entries[2], problem.K)
-  )
-  keys = axes(k_entries[1], problem.S)
+  rows = () if problem.whole_sequences else axes(q_entries[1], problem.T)
+  split = Split(axes(q_entries[0], problem.B), rows, axes(q_entries[2], problem.K))
+  keys = () if problem.whole_sequences else axes(k_entries[1], problem.S)
   taken = {a for entry in q_entries for a in _sharding._names(entry)}
   if not split.rows and keys and not taken & set(keys):
     split = split._replace(keys=keys)
@@ -146,9 +146,12 @@ class Operands(NamedTuple):
 class Problem(NamedTuple):
   """The static sizes of the call and how to run one device's part.
 
-  ``local(operands, place, saved=None)`` runs the chunked kernels on one device's `Operands`
+  ``local(operands, place, saved=None)`` runs the kernels on one device's `Operands`
   (``place``: its `jattn._call.Place` in the whole call) and returns (out, lse); with ``saved`` =
-  (out, lse, dout, dlse) it returns the operands' cotangents (an `jattn._chunked.plan.Operands`)."""
+  (out, lse, dout, dlse) it returns the operands' cotangents (fields q, k, v, bias and sink).
+  ``whole_sequences``: the kernels take whole sequences only (the sparse path: a query's chosen
+  blocks lie anywhere in them): query rows and keys are never split, only examples and heads
+  (a sequence-sharded query or key is gathered)."""
 
   B: int
   T: int
@@ -157,6 +160,7 @@ class Problem(NamedTuple):
   K: int
   local: Callable
   bias_shape: tuple | None = None  # the whole bias's (B|1, K|1, G|1, T|1, S|1)
+  whole_sequences: bool = False
 
 
 def _part(problem: Problem, split: Split, mesh, operands: Operands):
@@ -378,27 +382,27 @@ def _op(problem: Problem, body: Callable, operands: Operands, extra, out_roles: 
   return tuple(None if o is None else next(it) for o in outs_struct)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def attention(problem: Problem, operands: Operands):
-  """(out, lse) of the chunked kernels on the `Operands`, partitioned by the query's sharding when XLA partitions the program (see the module docstring); (out, lse, max logits) when the
-  problem's ``local`` returns them too (``return_max_logits``: laid out like the lse)."""
-  return _op(problem, _forward, operands, (), ("q", "q", "q"))
+def attention(problem: Problem, operands: Operands, reference: Callable):
+  """(out, lse) of the kernels on the `Operands`, partitioned by the query's sharding when XLA
+  partitions the program (see the module docstring); (out, lse, max logits) when the problem's
+  ``local`` returns them too (``return_max_logits``: laid out like the lse). Differentiable in
+  every mode: reverse mode by the kernels' backward as a second partitioned operation, forward
+  mode by JAX's tangent of ``reference(operands)`` (the same outputs computed whole, whose
+  program XLA partitions as ordinary code). A custom VJP alone would refuse forward mode
+  (`jax.jvp`, `jacfwd`) on any process with several devices."""
+  diff = (operands.q, operands.k, operands.v, operands.bias, operands.sink)
+  aux = (operands.mask, operands.seed)
+  as_operands = lambda d, a: Operands(d[0], d[1], d[2], d[3], a[0], a[1], d[4])
 
+  def kernel(d, a):
+    return _op(problem, _forward, as_operands(d, a), (), ("q", "q", "q")), ()
 
-def _attention_fwd(problem, operands):
-  res = attention(problem, operands)
-  return res, (operands, res[0], res[1])
+  def backward(d, a, outs, saved, cts):
+    out, lse = outs[:2]
+    # The max logits' cotangent, if any, is dropped: they are a statistic.
+    dout, dlse = (jnp.zeros_like(x) if c is None else c for c, x in zip(cts[:2], (out, lse)))
+    extra = (out, lse, dout, dlse)
+    return _op(problem, _backward, as_operands(d, a), extra, BACKWARD_ROLES)
 
-
-def _attention_bwd(problem, res, cts):
-  operands, out, lse = res
-  dout, dlse = cts[:2]  # the max logits' cotangent, if any, is dropped: they are a statistic
-  dq, dk, dv, dbias, dsink = _op(
-    problem, _backward, operands, (out, lse, dout, dlse), BACKWARD_ROLES
-  )
-  zeros = lambda tree: jax.tree.map(_derivatives.zero_cotangent, tree)
-  # The cotangent has the primal's structure: an `Operands`.
-  return (Operands(dq, dk, dv, dbias, zeros(operands.mask), zeros(operands.seed), dsink),)
-
-
-attention.defvjp(_attention_fwd, _attention_bwd)
+  ref = lambda d, a, saved: tuple(reference(as_operands(d, a)))
+  return _derivatives.with_derivatives(kernel, ref, backward, diff, aux)

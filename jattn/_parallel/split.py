@@ -48,18 +48,18 @@ def chunked(call):
       operands = _partition.Operands(
         call.query, call.key, call.value, call.bias, call.mask, call.seed, call.sink
       )
-      res = _partition.attention(
-        _partition.Problem(
-          s.B,
-          s.T,
-          s.S,
-          s.N,
-          s.K,
-          functools.partial(part, s),
-          None if call.bias is None else call.bias.shape,
-        ),
-        operands,
+      problem = _partition.Problem(
+        s.B,
+        s.T,
+        s.S,
+        s.N,
+        s.K,
+        functools.partial(part, s),
+        None if call.bias is None else call.bias.shape,
       )
+      # Forward mode through the plain kernels (their own rules), unpartitioned.
+      whole = lambda ops: part(s, ops, _call.Place())
+      res = _partition.attention(problem, operands, whole)
     else:
       res = _chunked.attend(call, cfg, score_args)
   out, *stats = res

@@ -436,9 +436,10 @@ def test_sharded_calls_under_explicit_and_auto_meshes():
 def test_the_partitioned_operation_unpartitioned_equals_the_kernels(monkeypatch, schedule):
   """On a process with several devices every chunked call goes through the partitioning rule's
   operation, and a program that is not partitioned runs its plain computation (forward, and
-  the backward from the saved output and lse). Here on one device, made to look like several:
-  equal to the kernels as ordinary code, forward and every gradient, with padded blocks (T = 50
-  in blocks of 16), sinks, a bias, lengths and dropout."""
+  the backward from the saved output and lse; forward mode through the plain kernels). Here on
+  one device, made to look like several: equal to the kernels as ordinary code, forward, every
+  gradient and a tangent, with padded blocks (T = 50 in blocks of 16), sinks, a bias, lengths
+  and dropout."""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -472,13 +473,16 @@ def test_the_partitioned_operation_unpartitioned_equals_the_kernels(monkeypatch,
     return (out * jnp.cos(jnp.arange(out.size).reshape(out.shape))).sum()
 
   grad = jax.grad(loss, argnums=(0, 1, 2, 3, 4))
+  # Forward mode too: a custom VJP here refused it on any process with several devices.
+  args = (q, k, v, bias, sinks)
+  jvp = lambda *a: jax.jvp(loss, a, tuple(jnp.cos(x) for x in args))
   with jattn.auto_partitioning(False):
-    want = jax.jit(grad)(q, k, v, bias, sinks)
+    want = jax.jit(grad)(*args) + jax.jit(jvp)(*args)
   calls = []
   applies = _partition.applies
   monkeypatch.setattr(jax, "device_count", lambda: 4)
   monkeypatch.setattr(_partition, "applies", lambda *a: calls.append(1) or applies(*a))
-  got = jax.jit(grad)(q, k, v, bias, sinks)
+  got = jax.jit(grad)(*args) + jax.jit(jvp)(*args)
   assert calls and applies(None, ())  # the operation was used
   for a, b in zip(got, want):
     assert np.isfinite(np.asarray(a)).all()
