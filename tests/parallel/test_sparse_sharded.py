@@ -7,7 +7,9 @@ heads. Here: on 4 host devices in a subprocess, batch- and head-sharded calls eq
 unsharded one (forward, lse and the gradients of q, k, v and the sinks), keep the query's
 sharding, and move nothing but the selection's indices (gathered) and at most N numbers added
 over the devices (the loss's sums, the sinks' gradient); a sequence-sharded query is gathered
-and still equal; forward mode (jvp) equals the unsharded one. And in this process, one device
+and still equal; forward mode (jvp) equals the unsharded one; inside a `jax.shard_map` over
+the examples (its mesh axes checked) it equals too; under an Explicit mesh it is refused by name
+(NotImplementedError). And in this process, one device
 made to look like four: the operation's plain computation (forward, the backward from the saved
 output and lse, and forward mode) equals the kernels as ordinary code.
 """
@@ -75,6 +77,35 @@ WORKER = textwrap.dedent('''
         np.testing.assert_allclose(np.asarray(got_t), np.asarray(want_t), rtol=1e-5, atol=1e-4)
       except AssertionError as e:
         failures.append(f"{where}: {str(e)[:300]}")
+    # Inside the user's shard_map over the examples (its axes checked: a loop's carry varies
+    # like the inputs): each device's examples whole, equal, forward and gradients. (Without
+    # sinks: replicated parameters get a gradient that varies over the map's axes, which a
+    # checked shard_map refuses from a custom rule; check_vma=False takes them.)
+    def plain(q, k, v, idx, do):
+      out, lse = jattn.dot_product_attention(
+          q, k, v, mask=M.selected_blocks(idx, block), is_causal=True, return_residual=True,
+          implementation="sparse")
+      return (out * do).sum() + jnp.sin(lse).sum()
+
+    g = jax.grad(plain, argnums=(0, 1, 2))
+    with jattn.auto_partitioning(False):
+      want_g = jax.jit(g)(q, k, v, idx, do)
+    part = jax.shard_map(g, mesh=mesh, in_specs=(P("x"),) * 5, out_specs=(P("x"),) * 3)
+    try:
+      for a, b in zip(jax.jit(part)(q, k, v, idx, do), want_g):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+    except Exception as e:
+      failures.append(f"shard_map: {type(e).__name__}: {str(e)[:300]}")
+    # Sharding in types (an Explicit mesh): refused by name, not a sharding type error.
+    explicit = jax.make_mesh((4,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
+    with jax.set_mesh(explicit):
+      args = [jax.device_put(x, NamedSharding(explicit, P("x"))) for x in (q, k, v)]
+      try:
+        jax.jit(fn)(*args, sinks, idx)
+        failures.append("Explicit mesh: no error")
+      except NotImplementedError as e:
+        if "Explicit mesh" not in str(e):
+          failures.append(f"Explicit mesh: {e}")
     assert not failures, failures
     print("OK")
 ''')
