@@ -296,18 +296,6 @@ def _chunks(geo: _Geometry, i: int) -> int:
   return min(every_pair, -(-(CHUNK_SIZES[i - 1] - 1) // P) * geo.num_blocks)
 
 
-def _like(carry, *inputs):
-  """``carry`` typed like what a loop's steps compute from ``inputs``: inside a `jax.shard_map`
-  (checking which mesh axes a value varies over) a loop's carry must vary over the axes of the
-  values its steps mix into it, and zeros made from nothing vary over none. Adds a zero that
-  depends on one element of each input (a select that never takes it: no NaN gets in)."""
-  anchor = jnp.zeros((), jnp.float32)
-  for x in jax.tree.leaves(inputs):
-    if x.size:
-      anchor = anchor + jnp.where(False, x.reshape(-1)[0].astype(jnp.float32), 0.0)
-  return jax.tree.map(lambda c: c + anchor.astype(c.dtype), carry)
-
-
 def _loops(step, schedules, carry):
   """``carry`` through ``step(sched, carry, j)`` for every chunk of each schedule in turn, a
   chunk past the last in use skipped."""
@@ -398,7 +386,7 @@ def _head_forward(geo, cfg, head: Ops, sink):
 
   neg = jnp.asarray(_softmax.NEG, sd)
   init = (jnp.full((R, geo.G), neg), jnp.zeros((R, geo.G), sd), jnp.zeros((R, geo.G, Hv), sd))
-  m, l, acc = _loops(step, scheds, _like(init, head, sink))
+  m, l, acc = _loops(step, scheds, _sharding.varying_tree(init, head, sink))
   m, l = m[: geo.T].T, l[: geo.T].T
   acc = jnp.transpose(acc[: geo.T], (1, 0, 2))
   mx = _softmax.row_max(m, l)  # over the keys: before a sink joins
@@ -450,7 +438,7 @@ def _head_backward(geo, cfg, head: Ops, dout, lse_r, delta):
   Sp, H, Hv = head.k.shape[0], head.k.shape[1], head.v.shape[1]
   zeros = lambda *shape: jnp.zeros(shape, sd)
   init = (zeros(bk, H), zeros(bk, Hv), zeros(q.shape[0], geo.G, H), zeros(Sp, H), zeros(Sp, Hv))
-  _, _, dq, dk, dv = _loops(step, scheds, _like(init, head, dout, lse_r, delta))
+  _, _, dq, dk, dv = _loops(step, scheds, _sharding.varying_tree(init, head, dout, lse_r, delta))
   return jnp.swapaxes(dq[: geo.T], 0, 1), dk[: geo.S], dv[: geo.S]
 
 
