@@ -41,6 +41,9 @@ from jattn._parallel import partition as _partition
 # (XLA's CPU matmuls run faster on taller tiles), little padding where it has few.
 CHUNK_SIZES = (512, 128)
 
+# The largest packed (block, pair) sort key `_inverse_selection` forms; past it, a stable argsort.
+PACKED_SORT_MAX = 2**31 - 1
+
 
 def _split(mask):
   """((choices, block size), the AND of the mask's other conjuncts or None), or a reason."""
@@ -491,8 +494,16 @@ def _inverse_selection(geo, blocks, valid):
   run of them starts and ends in that order: (order (M,), start, end (each (num_blocks,)))."""
   M, nb = geo.T * geo.n, geo.num_blocks
   key = jnp.where(valid, blocks, nb).reshape(M)  # pairs in (token, slot) order; none: last
-  order = jnp.argsort(key, stable=True).astype(jnp.int32)  # by block, then token
+  pair = jnp.arange(M, dtype=jnp.int32)
+  if (nb + 1) * M - 1 <= PACKED_SORT_MAX:
+    # One int32 key a pair, (block, pair) packed, so distinct: a plain sort is the stable one,
+    # and XLA's CPU sort of one operand runs ~4x faster than a stable sort of two (jax 0.10).
+    packed = jnp.sort(key * M + pair)
+    order, key = packed % M, packed // M
+  else:
+    order = jnp.argsort(key, stable=True).astype(jnp.int32)  # by block, then token
+    key = key[order]
   ids = jnp.arange(nb, dtype=jnp.int32)
-  start = jnp.searchsorted(key[order], ids, side="left").astype(jnp.int32)
-  end = jnp.searchsorted(key[order], ids, side="right").astype(jnp.int32)
+  start = jnp.searchsorted(key, ids, side="left").astype(jnp.int32)
+  end = jnp.searchsorted(key, ids, side="right").astype(jnp.int32)
   return order, start, end
