@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import reference as ref
+import selections
 
 B, T, S, N, K, H = 4, 32, 32, 8, 4, 8
 BLOCKS = dict(block_q=8, block_kv=8)
@@ -101,6 +102,9 @@ _POS_VIS = (_KV_POS[:, None, None, :] <= _Q_POS[:, None, :, None]) & (
   _KV_POS[:, None, None, :] >= _Q_POS[:, None, :, None] - 7
 )
 _RATE = 0.25
+# Learned sparse attention's choices: per example, row and KV head 3 key blocks of 4 (some slots
+# -1, so some rows choose nothing visible under causal).
+_SEL = selections.indices(_rng(7), B, T, K, 3, S, 4)
 
 OPTIONS: dict[str, Option] = {
   "plain": Option(call=lambda a: {}),
@@ -161,6 +165,11 @@ OPTIONS: dict[str, Option] = {
   ),
   "mask-object": Option(
     call=lambda a: dict(mask=_mask_object()), mask_kw=dict(causal="top_left", window=(5, 5))
+  ),
+  "selection": Option(
+    call=lambda a: dict(mask=_selected(a["sel"]), is_causal=True),
+    arrays={"sel": (_SEL, "BTK_")},
+    mask_kw=dict(causal="top_left", mask=selections.by_hand(_SEL, 4, N, T, S)),
   ),
   "soft-cap": Option(call=lambda a: dict(logits_soft_cap=2.0), ref=lambda a: dict(soft_cap=2.0)),
   "sinks": Option(
@@ -232,6 +241,12 @@ def sharded_design() -> list[tuple[str, str, str, str]]:
     for o, option in enumerate(OPTIONS):
       rows.append((*placements[(i + o) % len(placements)], impl, option))
   return rows
+
+
+def _selected(indices):
+  from jattn import masks
+
+  return masks.selected_blocks(indices, 4)
 
 
 def _mask_object():
