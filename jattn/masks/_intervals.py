@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn import _validation
+from jattn import _sharding, _validation
 from jattn._types import ArrayLike
 from jattn.masks._grid import EMPTY, FULL, PARTIAL
 from jattn.masks._protocol import Mask, _register
@@ -152,9 +152,8 @@ def hidden_rows(
   if len(set(shapes.values())) > 1:
     raise ValueError(f"{_NAME}: the arrays must have one shape, got {shapes}")
   _check_known(arrays)
-  shape = next(iter(shapes.values()))
-  lower = _pair(arrays, "lower", 0, _BEYOND, shape)
-  upper = _pair(arrays, "upper", 0, 0, shape)
+  lower = _pair(arrays, "lower", 0, _BEYOND)
+  upper = _pair(arrays, "upper", 0, 0)
   return _HiddenRows(lower, upper)
 
 
@@ -165,13 +164,17 @@ def _array(name, x):
   return x
 
 
-def _pair(arrays, side, default_start, default_end, shape):
+def _pair(arrays, side, default_start, default_end):
   """The (2, B, N, S) int32 (start, end) of one side (None if absent), empty intervals moved
   out of every block's way."""
   if f"{side}_start" not in arrays and f"{side}_end" not in arrays:
     return None
+  # Under an Explicit mesh the arrays stack as the first given one is sharded.
+  like = next(iter(arrays.values()))
   start, end = (
-    arrays[k].astype(jnp.int32) if k in arrays else jnp.full(shape, d, jnp.int32)
+    _sharding.reshard_to(arrays[k].astype(jnp.int32), _sharding.spec_of(like))
+    if k in arrays
+    else jnp.full_like(like, d, jnp.int32)
     for k, d in ((f"{side}_start", default_start), (f"{side}_end", default_end))
   )
   pair = jnp.stack([start, end])

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn import _validation
+from jattn import _sharding, _validation
 from jattn._types import ArrayLike
 from jattn.masks._intervals import hidden_rows
 from jattn.masks._protocol import Mask
@@ -75,10 +75,18 @@ def prefix_tree(
   if ids.ndim not in (1, 2):
     raise ValueError(f"{_NAME}: node_ids must be (B, T) or (T,), got shape {ids.shape}")
   p, ids = _batched(p.astype(jnp.int32), ids.astype(jnp.int32))
+  # Under an Explicit mesh: the tree's integer bookkeeping (its scatters and pointer jumps mix
+  # per-token and per-node arrays) on whole arrays on every device, the per-token results
+  # sharded back as the node ids were.
+  spec = _sharding.spec_of(ids)
+  p, ids = _sharding.replicated((p, ids))
   _check_parents(p)
   _check_node_ids(ids, p.shape[1])
   lower_start, positions, previous, nxt = _tree(p, ids)
   _check_depth_first(p, nxt)
+  lower_start, positions, previous, ids = (
+    _sharding.reshard_to(x, spec) for x in (lower_start, positions, previous, ids)
+  )
   return PrefixTree(causal() & hidden_rows(lower_start=lower_start), positions, previous, ids)
 
 

@@ -143,7 +143,7 @@ def _lower_bound(sorted_rows, values):
   ``sorted_rows`` (..., L) (sorted ascending) below it: a binary search of log2(L) gathers,
   O(m log L) work and O(m) memory."""
   L = sorted_rows.shape[-1]
-  values = _rows_like(values, sorted_rows)
+  values = _sharding.reshard_to(values, _sharding.spec_of(sorted_rows))  # Explicit: as the rows
   pos = jnp.zeros_like(values, dtype=jnp.int32)  # sharded as the values
   for bit in reversed(range(max(L, 1).bit_length())):
     step = pos + (1 << bit)
@@ -152,20 +152,10 @@ def _lower_bound(sorted_rows, values):
   return pos
 
 
-def _rows_like(values, sorted_rows):
-  """``values`` sharded as ``sorted_rows`` (the identity off an Explicit mesh): there the chunked
-  engine's rows are its examples' part, sharded by example, and a select mixing them with values
-  made whole on every device is a sharding type error."""
-  spec = _sharding.spec_of(sorted_rows)
-  if spec is None or _sharding.spec_of(values) == spec:
-    return values
-  return jax.sharding.reshard(values, spec)
-
-
 def _member(sorted_rows, values):
   """Whether each entry of ``values`` (..., m) is in its row of ``sorted_rows`` (..., L)."""
   L = sorted_rows.shape[-1]
-  values = _rows_like(values, sorted_rows)
+  values = _sharding.reshard_to(values, _sharding.spec_of(sorted_rows))  # Explicit: as the rows
   pos = _lower_bound(sorted_rows, values)
   found = jnp.take_along_axis(sorted_rows, jnp.minimum(pos, L - 1), axis=-1)
   return (pos < L) & (found == values)

@@ -102,6 +102,32 @@ _POS_VIS = (_KV_POS[:, None, None, :] <= _Q_POS[:, None, :, None]) & (
   _KV_POS[:, None, None, :] >= _Q_POS[:, None, :, None] - 7
 )
 _RATE = 0.25
+# Packed prefix trees (RL rollouts), one per example, in depth-first order: a prompt with a
+# response that branches and a second response; a GRPO group; two trees (a forest); a chain.
+_PARENTS = np.array([[-1, 0, 1, 0], [-1, 0, 0, 0], [-1, 0, -1, 2], [-1, 0, 1, 2]], np.int32)
+_NODES = np.stack(
+  [
+    np.concatenate([np.repeat(np.arange(4), lens), np.full(T - sum(lens), -1)])
+    for lens in ([8, 6, 5, 7], [5, 9, 9, 9], [10, 3, 4, 1], [2, 2, 2, 2])
+  ]
+).astype(np.int32)
+
+
+def _tree_visible():
+  """(B, 1, T, S): row i sees key j iff j <= i and j's node is i's or an ancestor of it."""
+  vis = np.zeros((B, 1, T, S), bool)
+  for b in range(B):
+    for i in range(T):
+      node = _NODES[b, i]
+      path = set()
+      while node >= 0:
+        path.add(node)
+        node = _PARENTS[b, node]
+      for j in range(i + 1):
+        vis[b, 0, i, j] = _NODES[b, j] in path
+  return vis
+
+
 # Learned sparse attention's choices: per example, row and KV head 3 key blocks of 4 (some slots
 # -1, so some rows choose nothing visible under causal).
 _SEL = selections.indices(_rng(7), B, T, K, 3, S, 4)
@@ -170,6 +196,11 @@ OPTIONS: dict[str, Option] = {
     call=lambda a: dict(mask=_selected(a["sel"]), is_causal=True),
     arrays={"sel": (_SEL, "BTK_")},
     mask_kw=dict(causal="top_left", mask=selections.by_hand(_SEL, 4, N, T, S)),
+  ),
+  "prefix-tree": Option(
+    call=lambda a: dict(mask=_prefix_tree(a["parents"], a["nodes"])),
+    arrays={"parents": (_PARENTS, "B_"), "nodes": (_NODES, "BT")},
+    mask_kw=dict(mask=_tree_visible()),
   ),
   "soft-cap": Option(call=lambda a: dict(logits_soft_cap=2.0), ref=lambda a: dict(soft_cap=2.0)),
   "sinks": Option(
@@ -247,6 +278,12 @@ def _selected(indices):
   from jattn import masks
 
   return masks.selected_blocks(indices, 4)
+
+
+def _prefix_tree(parents, nodes):
+  from jattn import masks
+
+  return masks.prefix_tree(parents, nodes).mask
 
 
 def _mask_object():
