@@ -165,13 +165,20 @@ class Problem:
         live = np.arange(self.L) < self.len[a]
         np.add.at(res[name][b], self.idx[a][live], g[a][live])
     if grads.get("dbias") is not None:
-      g = np.asarray(grads["dbias"], np.float64)
       res["dbias"] = np.zeros((B, N, self.T, self.T))
       for a, b in enumerate(self.row):
-        n = self.len[a]
-        i = self.idx[a][:n]
-        res["dbias"][b][:, i[:, None], i[None, :]] += g[a][:, :n, :n]
+        self.add_bias_grad(res["dbias"][b], a, np.asarray(grads["dbias"][a], np.float64))
     return res
+
+  def add_bias_grad(self, dbias, a, g):
+    """Add path a's bias gradient ``g`` (N, >= n, >= n) into its packed row's ``dbias`` (N, T,
+    T), run of consecutive tokens by run (its nodes): slices, not a fancy index of n x n."""
+    i = self.idx[a][: self.len[a]]
+    cut = np.flatnonzero(np.diff(i) != 1) + 1
+    runs = [(int(r[0]), len(r), int(o)) for r, o in zip(np.split(i, cut), np.r_[0, cut])]
+    for t0, n0, o0 in runs:
+      for t1, n1, o1 in runs:
+        dbias[:, t0 : t0 + n0, t1 : t1 + n1] += g[:, o0 : o0 + n0, o1 : o1 + n1]
 
   def float64(self):
     """The float64 answer: every path alone (NumPy, reference.attention and .grads, path by
@@ -194,9 +201,9 @@ class Problem:
       for name, g in (("dq", dq), ("dk", dk), ("dv", dv)):
         grads[name].append(pad(g))
       if dbias is not None:
-        grads["dbias"].append(np.pad(dbias[0], [(0, 0), (0, self.L - n), (0, self.L - n)]))
+        grads["dbias"].append(dbias[0])  # (N, n, n): add_bias_grad reads its n x n
       dsinks += ds
-    stacked = {k: np.stack(v) if v else None for k, v in grads.items()}
+    stacked = {k: np.stack(v) if v and k != "dbias" else v or None for k, v in grads.items()}
     return self.packed(np.stack(outs), dict(stacked, dsinks=dsinks))
 
 
