@@ -82,15 +82,24 @@ def supports(call) -> str | None:
       return f"{what}: not taken by implementation='sparse' yet (use 'chunked')"
   if any(x is not None for x in call.place):
     return "a device's part of a larger call (implementation='sparse' runs whole calls)"
-  for name, x in (("query", call.query), ("key", call.key), ("value", call.value)):
-    spec = _sharding.spec_of(x)
-    if spec is not None and any(entry is not None for entry in spec):
-      # Sharding in types: its loop over the examples would need them whole on every device.
-      return (
-        f"{name}: sharded over an Explicit mesh ({spec}); implementation='sparse' runs under "
-        f"plain jit's partitioning (Auto mesh axes) or inside jax.shard_map"
-      )
+  shards = _explicit_shards(call)
+  if isinstance(shards, str):
+    return (
+      f"query, key and value under an Explicit mesh with {shards}: implementation='sparse' "
+      f"splits only examples and heads there (a query's chosen blocks lie anywhere in the "
+      f"sequence)"
+    )
   return None
+
+
+def _explicit_shards(call):
+  """Under an Explicit mesh with query, key or value sharded (sharding in their types): the
+  (batch, head) mesh axes they are split over (`_per_device` runs each device's part), or a
+  phrase saying why they cannot be split so; else None."""
+  arrays = (call.query, call.key, call.value)
+  if not any(any(e is not None for e in (_sharding.spec_of(x) or ())) for x in arrays):
+    return None
+  return _sharding.examples_and_heads(*arrays)
 
 
 def run(call):
@@ -100,6 +109,9 @@ def run(call):
   if reason is not None:
     raise NotImplementedError(f"implementation='sparse' does not take this call: {reason}")
   s = call.static
+  shards = _explicit_shards(call)
+  if shards is not None:
+    return _per_device(call, *shards)
   if _partition.applies(call.mask, ()):
     # Under plain jit on several devices XLA partitions the program after it is traced: left to
     # it, the loop over the examples needs every example on every device (the whole batch
@@ -115,6 +127,42 @@ def run(call):
     whole = lambda ops: part(s, ops, None)  # the same outputs unpartitioned, for forward mode
     return tuple(_partition.attention(problem, operands, whole))
   return _whole_forward(call)
+
+
+def _per_device(call, batch, head):
+  """Under an Explicit mesh with q, k and v sharded over the mesh axes ``batch`` (examples)
+  and ``head`` (heads), sequences whole: each device's examples and heads as a whole call
+  inside a `jax.shard_map` (its loop over the examples cannot run on sharded types), the mask
+  and the sinks whole on every device and cut to its part. The outputs come back sharded as
+  the query; nothing else moves."""
+  s = call.static
+  mesh = jax.sharding.get_abstract_mesh()
+  Bl, Nl = s.B // _sharding.axes_size(mesh, batch), s.N // _sharding.axes_size(mesh, head)
+  local = dataclasses.replace(s, B=Bl, N=Nl, K=Nl // s.G)
+  P = jax.sharding.PartitionSpec
+  rows = P(_sharding.spec_entry(batch), None, _sharding.spec_entry(head))
+
+  def body(q, k, v, mask, sink):
+    b0 = jax.lax.axis_index(batch) * Bl if batch else 0
+    h0 = jax.lax.axis_index(head) * Nl if head else 0
+    mask = mask.take_part(_masks.Cut(b0, Bl, h0, Nl, s.B, s.N))
+    if sink is not None:
+      sink = jax.lax.dynamic_slice_in_dim(sink, h0 // s.G, local.K, axis=1)
+    return _whole_forward(_call.Call(q, k, v, None, mask, None, sink, None, local))
+
+  manual = frozenset(
+    n for n, t in zip(mesh.axis_names, mesh.axis_types) if t != jax.sharding.AxisType.Manual
+  )
+  fn = jax.shard_map(
+    body,
+    mesh=mesh,
+    in_specs=(rows, rows, rows, P(), P()),
+    out_specs=(rows,) * (3 if s.opts.return_max_logits else 2),
+    axis_names=manual,
+    check_vma=False,
+  )
+  qkv = (_sharding.reshard_to(x, rows) for x in (call.query, call.key, call.value))
+  return fn(*qkv, *_sharding.replicated((call.mask, call.sink)))
 
 
 def part(static, operands, place, saved=None):

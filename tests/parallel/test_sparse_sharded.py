@@ -8,7 +8,8 @@ unsharded one (forward, lse and the gradients of q, k, v and the sinks), keep th
 sharding, and move nothing but the selection's indices (gathered) and at most N numbers added
 over the devices (the loss's sums, the sinks' gradient); a sequence-sharded query is gathered
 and still equal; forward mode (jvp) equals the unsharded one; inside a `jax.shard_map` over
-the examples (its mesh axes checked) it equals too; under an Explicit mesh it is refused by name
+the examples (its mesh axes checked) it equals too; under an Explicit mesh batch- and
+head-sharded calls run per device and equal, sequence-sharded ones are refused by name
 (NotImplementedError). And in this process, one device
 made to look like four: the operation's plain computation (forward, the backward from the saved
 output and lse, and forward mode) equals the kernels as ordinary code.
@@ -96,16 +97,36 @@ WORKER = textwrap.dedent('''
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
     except Exception as e:
       failures.append(f"shard_map: {type(e).__name__}: {str(e)[:300]}")
-    # Sharding in types (an Explicit mesh): refused by name, not a sharding type error.
+    # Sharding in types (an Explicit mesh): batch- or head-sharded, each device's examples and
+    # heads inside a shard_map, equal (forward, lse, grads with the sinks'), sharded as the
+    # query, nothing but the indices and sinks gathered; sequence-sharded, refused by name.
     explicit = jax.make_mesh((4,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
+    for where, spec in (("batch", P("x")), ("heads", P(None, None, "x"))):
+      with jax.set_mesh(explicit):
+        put = lambda x: jax.device_put(x, NamedSharding(explicit, spec))
+        args = (put(q), put(k), put(v), sinks, put(idx) if where == "batch" else idx)
+        f = jax.jit(fn)
+        try:
+          got = f(*args)
+          for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+          (_, (out, _)), grads = got
+          like = NamedSharding(explicit, spec)
+          for x in (out, grads[0]):
+            assert x.sharding.is_equivalent_to(like, x.ndim), x.sharding
+          text = f.lower(*args).compile().as_text()
+          gathered = re.findall(r"= (\\w+)\\[([\\d,]*)\\][^ ]* all-gather(?:-start)?\\(", text)
+          assert all(t == "s32" or d == str(N) for t, d in gathered), gathered
+        except Exception as e:
+          failures.append(f"Explicit mesh, {where}: {type(e).__name__}: {str(e)[:300]}")
     with jax.set_mesh(explicit):
-      args = [jax.device_put(x, NamedSharding(explicit, P("x"))) for x in (q, k, v)]
+      args = [jax.device_put(x, NamedSharding(explicit, P(None, "x"))) for x in (q, k, v)]
       try:
         jax.jit(fn)(*args, sinks, idx)
-        failures.append("Explicit mesh: no error")
+        failures.append("Explicit mesh, rows: no error")
       except NotImplementedError as e:
         if "Explicit mesh" not in str(e):
-          failures.append(f"Explicit mesh: {e}")
+          failures.append(f"Explicit mesh, rows: {e}")
     assert not failures, failures
     print("OK")
 ''')
