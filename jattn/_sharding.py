@@ -49,6 +49,19 @@ def explicit_mesh() -> bool:
   return mesh is not None and any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
 
 
+def per_device(fn, in_specs, out_specs):
+  """``fn`` run by each device on its own part, inside a `jax.shard_map` manual over every mesh
+  axis not manual yet (replicated over those the specs leave out), its types unchecked
+  (``check_vma=False``): a call split by examples and heads, with no communication."""
+  mesh = jax.sharding.get_abstract_mesh()
+  free = frozenset(
+    n for n, t in zip(mesh.axis_names, mesh.axis_types) if t != jax.sharding.AxisType.Manual
+  )
+  return jax.shard_map(
+    fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=free, check_vma=False
+  )
+
+
 def unpartitioned() -> bool:
   """Whether the program being traced runs on one device as written: no mesh is set and the
   process has one device, or every axis of the mesh is manual (inside a `jax.shard_map`, each

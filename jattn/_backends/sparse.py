@@ -150,16 +150,8 @@ def _per_device(call, batch, head):
       sink = jax.lax.dynamic_slice_in_dim(sink, h0 // s.G, local.K, axis=1)
     return _whole_forward(_call.Call(q, k, v, None, mask, None, sink, None, local))
 
-  manual = frozenset(
-    n for n, t in zip(mesh.axis_names, mesh.axis_types) if t != jax.sharding.AxisType.Manual
-  )
-  fn = jax.shard_map(
-    body,
-    mesh=mesh,
-    in_specs=(rows, rows, rows, P(), P()),
-    out_specs=(rows,) * (3 if s.opts.return_max_logits else 2),
-    axis_names=manual,
-    check_vma=False,
+  fn = _sharding.per_device(
+    body, (rows, rows, rows, P(), P()), (rows,) * (3 if s.opts.return_max_logits else 2)
   )
   qkv = (_sharding.reshard_to(x, rows) for x in (call.query, call.key, call.value))
   return fn(*qkv, *_sharding.replicated((call.mask, call.sink)))

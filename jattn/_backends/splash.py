@@ -277,19 +277,12 @@ def splash_attention(call, shard=None):
   b, h = _sharding.spec_entry(batch), _sharding.spec_entry(head)
   rows, per_example, per_head = P(b, None, h), P(b), P(h)
   put = _sharding.reshard_to
-  mesh = jax.sharding.get_abstract_mesh()
-  # Manual over every mesh axis not manual yet (replicated over those the inputs do not use): a
-  # Pallas kernel lowers only where no axis is left for XLA to partition.
-  manual = frozenset(
-    n for n, t in zip(mesh.axis_names, mesh.axis_types) if t != jax.sharding.AxisType.Manual
-  )
-  fn = jax.shard_map(
+  # Manual over every mesh axis (replicated over those the inputs do not use): a Pallas kernel
+  # lowers only where no axis is left for XLA to partition.
+  fn = _sharding.per_device(
     attend,
-    mesh=mesh,
-    in_specs=(rows, rows, rows, None if sinks is None else per_head, (per_example,) * 4),
-    out_specs=(rows, rows),
-    axis_names=manual,
-    check_vma=False,
+    (rows, rows, rows, None if sinks is None else per_head, (per_example,) * 4),
+    (rows, rows),
   )
   return fn(
     put(query, rows),
