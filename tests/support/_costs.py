@@ -4,8 +4,10 @@ their seconds, seconds spent waiting on subprocesses, and wall seconds.
     pytest -n 2 --jattn-costs            # or JATTN_COSTS=1 in the environment
 
 prints a table after the run, the costliest file first. Compilations are counted from jax's own
-monitoring events (one ``backend_compile_duration`` per compiled program; its seconds are tracing,
-lowering and XLA's compile together), so a test that hits jax's caches counts nothing. Under
+monitoring events (one ``backend_compile_duration`` per compiled program), so a test that hits
+jax's caches counts nothing; their seconds are split in two: ``trace s`` (Python: tracing to a
+jaxpr and lowering it to MLIR) and ``xla s`` (XLA's compile), as the cure differs -- fewer or
+smaller traced functions against fewer or smaller programs. Under
 pytest-xdist each worker measures its own tests and hands the figures to the controller in the
 reports' ``user_properties``, which is the one channel xdist carries back.
 """
@@ -33,18 +35,20 @@ class _Meter:
 
   def __init__(self):
     self.compiles = 0
-    self.compile_s = 0.0
+    self.trace_s = 0.0
+    self.xla_s = 0.0
     self.subprocess_s = 0.0
     self._local = threading.local()
 
   def on_event(self, name, secs, **_):
-    if name in _COMPILE_EVENTS:
-      self.compile_s += secs
-      if name == _COMPILE_EVENTS[-1]:
-        self.compiles += 1
+    if name == _COMPILE_EVENTS[-1]:
+      self.xla_s += secs
+      self.compiles += 1
+    elif name in _COMPILE_EVENTS:
+      self.trace_s += secs
 
   def snapshot(self):
-    return (self.compiles, self.compile_s, self.subprocess_s, time.perf_counter())
+    return (self.compiles, self.trace_s, self.xla_s, self.subprocess_s, time.perf_counter())
 
   def waiting(self, wait):
     # Popen.communicate calls Popen.wait: count the outermost call only.
@@ -88,7 +92,7 @@ def pytest_configure(config):
   subprocess.Popen.wait = meter.waiting(subprocess.Popen.wait)  # type: ignore[method-assign]
   subprocess.Popen.communicate = meter.waiting(subprocess.Popen.communicate)  # type: ignore[method-assign]
   config._jattn_meter = meter
-  config._jattn_costs = collections.defaultdict(lambda: [0, 0, 0.0, 0.0, 0.0])
+  config._jattn_costs = collections.defaultdict(lambda: [0, 0, 0.0, 0.0, 0.0, 0.0])
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -120,18 +124,17 @@ def pytest_runtest_logreport(report):
       _add(report.config if hasattr(report, "config") else None, value)
 
 
-_TOTALS: dict = collections.defaultdict(lambda: [0, 0, 0.0, 0.0, 0.0])
+_TOTALS: dict = collections.defaultdict(lambda: [0, 0, 0.0, 0.0, 0.0, 0.0])
 _LAST_FILE: dict = {}
 
 
 def _add(_config, value):
-  path, (compiles, compile_s, subprocess_s, wall_s) = value
+  path, (compiles, *seconds) = value
   row = _TOTALS[path]
   row[0] += 1
   row[1] += int(compiles)
-  row[2] += compile_s
-  row[3] += subprocess_s
-  row[4] += wall_s
+  for i, s in enumerate(seconds, 2):
+    row[i] += s
 
 
 def _flush_last(config):
@@ -163,19 +166,22 @@ def pytest_testnodedown(node, error):
 
 def table(totals=None) -> str:
   totals = _TOTALS if totals is None else totals
-  rows = sorted(totals.items(), key=lambda kv: -kv[1][4])
+  rows = sorted(totals.items(), key=lambda kv: -kv[1][-1])
   width = max([len(p) for p in totals] + [4])
   lines = [
-    f"{'file':<{width}} {'tests':>6} {'compiles':>9} {'compile s':>10} {'subproc s':>10} {'wall s':>8}"
+    f"{'file':<{width}} {'tests':>6} {'compiles':>9} {'trace s':>8} {'xla s':>8}"
+    f" {'subproc s':>10} {'wall s':>8}"
   ]
-  sums = [0, 0, 0.0, 0.0, 0.0]
+  sums = [0, 0, 0.0, 0.0, 0.0, 0.0]
   for path, row in rows:
     lines.append(
-      f"{path:<{width}} {row[0]:>6} {row[1]:>9} {row[2]:>10.1f} {row[3]:>10.1f} {row[4]:>8.1f}"
+      f"{path:<{width}} {row[0]:>6} {row[1]:>9} {row[2]:>8.1f} {row[3]:>8.1f}"
+      f" {row[4]:>10.1f} {row[5]:>8.1f}"
     )
     sums = [s + r for s, r in zip(sums, row)]
   lines.append(
-    f"{'total':<{width}} {sums[0]:>6} {sums[1]:>9} {sums[2]:>10.1f} {sums[3]:>10.1f} {sums[4]:>8.1f}"
+    f"{'total':<{width}} {sums[0]:>6} {sums[1]:>9} {sums[2]:>8.1f} {sums[3]:>8.1f}"
+    f" {sums[4]:>10.1f} {sums[5]:>8.1f}"
   )
   return "\n".join(lines)
 
