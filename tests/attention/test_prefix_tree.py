@@ -240,7 +240,10 @@ def test_float64_tree_attention_is_the_paths_alone():
 
 # Every implementation in float32; in bfloat16 (paths of hundreds of tokens, the costliest cases
 # here) the chunked kernels once (serial), not again in the parallel schedule: its 16-bit
-# arithmetic is tests/properties/test_precision16.py's, its tree mask the float32 case's.
+# arithmetic is tests/properties/test_precision16.py's, its tree mask the float32 case's. The
+# bias (B, N, T, T) is in the float32 cases only: its packed gradient is the tree's bookkeeping,
+# checked there; a 16-bit bias gradient is tests/properties/test_guarantees.py's, and at T = 1536
+# the bias made these cases 4x dearer (~25 s of the suite).
 PACKED_CASES = [(impl, "float32") for impl in IMPLS] + [
   (impl, "bfloat16") for impl in IMPLS if impl != "parallel"
 ]
@@ -248,11 +251,11 @@ PACKED_CASES = [(impl, "float32") for impl in IMPLS] + [
 
 @pytest.mark.parametrize("impl, dtype", PACKED_CASES)
 def test_packed_equals_alone_against_float64(impl, dtype):
-  """Each packed token's output and the gradients of q, k, v, bias and sinks against the float64
-  answer (every path alone), for the packed rows and for the same paths run alone by jattn:
-  float32 within 3e-5, bfloat16 within the 16-bit rule (both)."""
+  """Each packed token's output and the gradients of q, k, v, bias (float32, not ring) and sinks
+  against the float64 answer (every path alone), for the packed rows and for the same paths run
+  alone by jattn: float32 within 3e-5, bfloat16 within the 16-bit rule (both)."""
   dt, size = DTYPES[dtype], SIZES[dtype]
-  pb, want = problem(dtype, impl != "ring")
+  pb, want = problem(dtype, dtype == "float32" and impl != "ring")
   out, grads = run_packed(pb, impl, dt, size["blocks"])
   got = dict(grads, out=out)
   alone = run_alone(pb, impl, dt, size["blocks"])
