@@ -216,6 +216,9 @@ def _jax_nn_vjp(q, k, v, do, operands, *, static):
 
 @pytest.mark.parametrize("impl", IMPLS)
 class TestAgainstReference:
+  """Every implementation and both chunked schedules: the plain call, GQA/MHA/MQA, empty rows
+  (lengths of 0, sinks over rows that see nothing) and the features composed."""
+
   def test_plain_gqa(self, impl):
     _check(impl, jax_nn=True)
 
@@ -223,31 +226,8 @@ class TestAgainstReference:
   def test_mha_and_mqa(self, impl, K):
     _check(impl, K=K, T=20, S=33, jax_nn=True)
 
-  def test_window_with_bottom_right_causal(self, impl):
-    _check(impl, window=(6, 0), causal="bottom_right", T=21, S=50)
-
-  def test_lengths(self, impl):
-    _check(impl, q_lengths=[30, 37], kv_lengths=[45, 5], jax_nn=True)
-
   def test_lengths_with_zero_and_causal(self, impl):
     _check(impl, q_lengths=[0, 12], kv_lengths=[17, 0], causal=True, jax_nn=True)
-
-  def test_segments_packed(self, impl):
-    q_seg = np.array([[0] * 10 + [1] * 20 + [2] * 7, [0] * 37])
-    kv_seg = np.array([[0] * 12 + [1] * 3 + [2] * 30, [0] * 20 + [5] * 25])
-    _check(impl, segs=(q_seg, kv_seg))
-
-  def test_segments_unsorted(self, impl):
-    rng = np.random.default_rng(0)
-    q_seg = rng.integers(0, 3, (2, 37))
-    kv_seg = rng.integers(0, 3, (2, 45))
-    _check(impl, segs=(q_seg, kv_seg))
-
-  def test_soft_cap_and_scale(self, impl):
-    _check(impl, soft_cap=2.0, scale=0.9, causal=True)
-
-  def test_sinks(self, impl):
-    _check(impl, sinks=[0.0, 1.0, -2.0, 3.0], causal=True, kv_lengths=[45, 3])
 
   def test_sinks_with_empty_rows(self, impl):
     # Rows that see no key: the sink takes all the mass, the output is 0, lse is the sink logit.
@@ -258,17 +238,6 @@ class TestAgainstReference:
       q_lengths=[37, 11],
       bias=np.random.default_rng(4).normal(size=(1, 4, 37, 45)),
     )
-
-  # score_mod: non-additive functions (derivative != 1), closed-over arrays with gradients, and
-  # composition with soft cap, bias, masks and sinks; the chunked path differentiates it tile by
-  # tile through its own VJP.
-  def test_score_mod_alibi_and_temperature_gradients(self, impl):
-    def make(a):
-      slopes, temp = a
-      return lambda s, b, h, qi, ki: s / temp[h] - slopes[h] * jnp.abs(qi - ki).astype(s.dtype)
-
-    args = (jnp.asarray([0.5, 0.25, 0.125, 0.0625]), jnp.asarray([1.0, 2.0, 0.5, 1.5]))
-    _check(impl, score_mod=(make, args), causal=True)
 
   def test_score_mod_nonlinear_after_soft_cap_and_bias(self, impl):
     # s -> s + w[h] * s^2 / 8 per batch: its derivative depends on s, so a chain rule that skips
@@ -288,18 +257,6 @@ class TestAgainstReference:
       kv_lengths=[45, 30],
     )
 
-  def test_score_mod_relative_table_with_mask(self, impl):
-    def make(table):
-      return lambda s, b, h, qi, ki: s * 1.5 + table[h, qi - ki + 45]
-
-    table = jnp.asarray(np.random.default_rng(7).normal(size=(4, 37 + 45)), jnp.float32)
-    _check(
-      impl,
-      score_mod=(make, table),
-      mask=jnp.asarray(np.random.default_rng(8).random((2, 4, 37, 45)) > 0.3),
-      causal="bottom_right",
-    )
-
   def test_everything_together(self, impl):
     rng = np.random.default_rng(3)
     _check(
@@ -312,6 +269,61 @@ class TestAgainstReference:
       bias=rng.normal(size=(1, 4, 37, 45)),
       soft_cap=5.0,
       mask=jnp.asarray(rng.random((2, 1, 37, 45)) > 0.2),
+    )
+
+
+@pytest.mark.parametrize("impl", ["dense", "chunked"])
+class TestFeaturesAgainstReference:
+  """One feature at a time on dense and the serial chunked kernels. The parallel schedule takes
+  each of these features in tests/properties/test_matrix.py (every option on chunked-parallel,
+  forward and gradients against float64) and all of them together in TestAgainstReference:
+  its lanes and merges do not depend on which feature hides a key, and its programs take about
+  twice as long to compile as the serial ones."""
+
+  def test_window_with_bottom_right_causal(self, impl):
+    _check(impl, window=(6, 0), causal="bottom_right", T=21, S=50)
+
+  def test_lengths(self, impl):
+    _check(impl, q_lengths=[30, 37], kv_lengths=[45, 5], jax_nn=True)
+
+  def test_segments_packed(self, impl):
+    q_seg = np.array([[0] * 10 + [1] * 20 + [2] * 7, [0] * 37])
+    kv_seg = np.array([[0] * 12 + [1] * 3 + [2] * 30, [0] * 20 + [5] * 25])
+    _check(impl, segs=(q_seg, kv_seg))
+
+  def test_segments_unsorted(self, impl):
+    rng = np.random.default_rng(0)
+    q_seg = rng.integers(0, 3, (2, 37))
+    kv_seg = rng.integers(0, 3, (2, 45))
+    _check(impl, segs=(q_seg, kv_seg))
+
+  def test_soft_cap_and_scale(self, impl):
+    _check(impl, soft_cap=2.0, scale=0.9, causal=True)
+
+  def test_sinks(self, impl):
+    _check(impl, sinks=[0.0, 1.0, -2.0, 3.0], causal=True, kv_lengths=[45, 3])
+
+  # score_mod: non-additive functions (derivative != 1), closed-over arrays with gradients, and
+  # composition with soft cap, bias, masks and sinks; the chunked path differentiates it tile by
+  # tile through its own VJP.
+  def test_score_mod_alibi_and_temperature_gradients(self, impl):
+    def make(a):
+      slopes, temp = a
+      return lambda s, b, h, qi, ki: s / temp[h] - slopes[h] * jnp.abs(qi - ki).astype(s.dtype)
+
+    args = (jnp.asarray([0.5, 0.25, 0.125, 0.0625]), jnp.asarray([1.0, 2.0, 0.5, 1.5]))
+    _check(impl, score_mod=(make, args), causal=True)
+
+  def test_score_mod_relative_table_with_mask(self, impl):
+    def make(table):
+      return lambda s, b, h, qi, ki: s * 1.5 + table[h, qi - ki + 45]
+
+    table = jnp.asarray(np.random.default_rng(7).normal(size=(4, 37 + 45)), jnp.float32)
+    _check(
+      impl,
+      score_mod=(make, table),
+      mask=jnp.asarray(np.random.default_rng(8).random((2, 4, 37, 45)) > 0.3),
+      causal="bottom_right",
     )
 
 
