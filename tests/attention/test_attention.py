@@ -268,6 +268,7 @@ class TestAgainstReference:
       segs=(np.sort(rng.integers(0, 3, (2, 37))), np.sort(rng.integers(0, 3, (2, 45)))),
       bias=rng.normal(size=(1, 4, 37, 45)),
       soft_cap=5.0,
+      scale=0.7,
       mask=jnp.asarray(rng.random((2, 1, 37, 45)) > 0.2),
     )
 
