@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import reference as ref
-from attention_cases import IMPLS, inputs, plain_low_precision
+from attention_cases import IMPLS, TILE_IMPLS, inputs, plain_low_precision
 
 import jattn
 from jattn import _dropout
@@ -273,13 +273,10 @@ class TestAgainstReference:
     )
 
 
-@pytest.mark.parametrize("impl", ["dense", "chunked"])
+@pytest.mark.parametrize("impl", TILE_IMPLS)
 class TestFeaturesAgainstReference:
-  """One feature at a time on dense and the serial chunked kernels. The parallel schedule takes
-  each of these features in tests/properties/test_matrix.py (every option on chunked-parallel,
-  forward and gradients against float64) and all of them together in TestAgainstReference:
-  its lanes and merges do not depend on which feature hides a key, and its programs take about
-  twice as long to compile as the serial ones."""
+  """One feature at a time, on `attention_cases.TILE_IMPLS` (the parallel schedule takes these
+  features in the matrix and composed in TestAgainstReference)."""
 
   def test_window_with_bottom_right_causal(self, impl):
     _check(impl, window=(6, 0), causal="bottom_right", T=21, S=50)
@@ -304,9 +301,9 @@ class TestFeaturesAgainstReference:
   def test_sinks(self, impl):
     _check(impl, sinks=[0.0, 1.0, -2.0, 3.0], causal=True, kv_lengths=[45, 3])
 
-  # score_mod: non-additive functions (derivative != 1), closed-over arrays with gradients, and
-  # composition with soft cap, bias, masks and sinks; the chunked path differentiates it tile by
-  # tile through its own VJP.
+  # score_mod: non-additive functions (derivative != 1), closed-over arrays with gradients, with a
+  # mask here and composed with soft cap, bias and sinks in TestAgainstReference; the chunked path
+  # differentiates it tile by tile through its own VJP.
   def test_score_mod_alibi_and_temperature_gradients(self, impl):
     def make(a):
       slopes, temp = a

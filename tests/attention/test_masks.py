@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import reference as ref
+from attention_cases import TILE_IMPLS
 
 import jattn
 from jattn import masks as M
@@ -203,11 +204,6 @@ def test_mask_objects_in_attention_match_reference(impl):
 # --------------------------------------------------------------------------------------------
 
 T, S, H = 30, 41, 8
-# Dense and the serial chunked kernels: a score function is applied tile by tile by code both
-# chunked schedules share; the parallel schedule takes score_mod (a function, a table with its
-# gradient, the soft cap as one) in tests/properties/test_matrix.py and composed with every
-# option in tests/attention/test_attention.py.
-SCORE_IMPLS = ["dense", "chunked"]
 
 
 def _qkv():
@@ -219,7 +215,7 @@ def _qkv():
   return q, k, v, do
 
 
-@pytest.mark.parametrize("impl", SCORE_IMPLS)
+@pytest.mark.parametrize("impl", TILE_IMPLS)
 def test_relative_position_table_gets_its_gradient(impl):
   q, k, v, do = _qkv()
   table = jax.random.normal(jax.random.key(9), (N, T + S)) * 0.5
@@ -248,7 +244,7 @@ def test_relative_position_table_gets_its_gradient(impl):
   np.testing.assert_allclose(dtable, r_dtable, rtol=2e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("impl", SCORE_IMPLS)
+@pytest.mark.parametrize("impl", TILE_IMPLS)
 def test_alibi_and_temperature(impl):
   q, k, v, _ = _qkv()
   slopes = jnp.asarray([0.5, 0.25, 0.125])
@@ -267,7 +263,7 @@ def test_alibi_and_temperature(impl):
   np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("impl", SCORE_IMPLS)
+@pytest.mark.parametrize("impl", TILE_IMPLS)
 def test_soft_cap_via_score_mod_against_reference(impl):
   # The option and the same function as a score_mod are one definition: both equal the float64
   # reference's soft cap, forward and gradients.

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import reference as ref
-from attention_cases import IMPLS, inputs
+from attention_cases import IMPLS, TILE_IMPLS, inputs
 from flax import nnx
 
 import jattn
@@ -202,9 +202,8 @@ def test_malformed_score_mod_raises(impl, name, mod, exc, msg):
 # --------------------------------------------------------------------------------------------
 
 
-# The scale enters the tile math both chunked schedules share: dense and serial chunked here (the
-# parallel schedule takes a scale in tests/attention/test_attention.py's composed cases).
-@pytest.mark.parametrize("impl", ["dense", "chunked"])
+# The parallel schedule takes a scale in test_attention's everything-together case.
+@pytest.mark.parametrize("impl", TILE_IMPLS)
 def test_scale_as_array_and_traced_equals_jax_nn(impl):
   q, k, v, do = inputs()
   want = jax.nn.dot_product_attention(q, k, v, scale=0.3, is_causal=True)

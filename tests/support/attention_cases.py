@@ -18,6 +18,12 @@ IMPLS = {
     implementation="chunked", block_q=16, block_kv=24, schedule="parallel", step_width=2
   ),
 }
+# For a check of what a tile computes (a feature's mask, score function, scale): dense and the
+# serial chunked kernels. The parallel schedule runs the same tile code and differs in how tiles
+# are laid out and merged; it takes every feature in tests/properties/test_matrix.py (each option
+# on chunked-parallel) and all of them composed in test_attention's TestAgainstReference, and
+# its programs take about twice as long to compile as the serial ones'.
+TILE_IMPLS = ("dense", "chunked")
 
 
 def inputs(B=2, T=37, S=45, N=4, K=2, H=16, dtype=jnp.float32, seed=0):
