@@ -92,7 +92,6 @@ def pytest_configure(config):
   subprocess.Popen.wait = meter.waiting(subprocess.Popen.wait)  # type: ignore[method-assign]
   subprocess.Popen.communicate = meter.waiting(subprocess.Popen.communicate)  # type: ignore[method-assign]
   config._jattn_meter = meter
-  config._jattn_costs = collections.defaultdict(lambda: [0, 0, 0.0, 0.0, 0.0, 0.0])
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -124,8 +123,9 @@ def pytest_runtest_logreport(report):
       _add(report.config if hasattr(report, "config") else None, value)
 
 
-_TOTALS: dict = collections.defaultdict(lambda: [0, 0, 0.0, 0.0, 0.0, 0.0])
-_LAST_FILE: dict = {}
+# A file's row: tests, compiles, then the seconds of `_Meter.snapshot` after its count.
+_ROW = [0, 0, 0.0, 0.0, 0.0, 0.0]
+_TOTALS: dict = collections.defaultdict(lambda: list(_ROW))
 
 
 def _add(_config, value):
@@ -172,7 +172,7 @@ def table(totals=None) -> str:
     f"{'file':<{width}} {'tests':>6} {'compiles':>9} {'trace s':>8} {'xla s':>8}"
     f" {'subproc s':>10} {'wall s':>8}"
   ]
-  sums = [0, 0, 0.0, 0.0, 0.0, 0.0]
+  sums = list(_ROW)
   for path, row in rows:
     lines.append(
       f"{path:<{width}} {row[0]:>6} {row[1]:>9} {row[2]:>8.1f} {row[3]:>8.1f}"
