@@ -172,7 +172,8 @@ def _case_kwargs(case, T, N, key):
 
 
 def _out_and_grads(f, ct, q, k, v):
-  """f(q, k, v) and the gradients in q, k, v of sum(f * ct) (in float32)."""
+  """f(q, k, v) and its pullback of ``ct`` (float32, taken in the output's dtype: the gradients
+  of sum(f.astype(float32) * ct) in q, k, v)."""
   out, pull = jax.vjp(f, q, k, v)
   return out, pull(ct.astype(out.dtype))
 
