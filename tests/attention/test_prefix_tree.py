@@ -304,9 +304,14 @@ def test_windows_in_alone_positions(impl):
 @pytest.mark.parametrize("schedule", ["serial", "parallel"])
 def test_chunked_packed_is_alone_bit_for_bit_where_nodes_fill_whole_blocks(schedule):
   """float32, every node a multiple of both block sizes: each path's keys fall in the same blocks
-  packed and alone, so the outputs, dq, and dk and dv of tokens on one path are the same bits
-  (a shared node's dk and dv are summed over its leaves in another order: not bitwise, ~1e-7).
-  Elsewhere packed differs from alone by rounding: docs/prefix_trees.md."""
+  packed and alone, so the outputs, dq, and dk and dv of tokens on one path add the same terms in
+  the same order (a shared node's dk and dv are summed over its leaves in another order: ~1e-7).
+  The outputs are the same bits; the gradients too on jax >= 0.11. On jax 0.10 XLA's CPU
+  runtime can round a tile's matmul differently in two programs of the same tiles (jax 0.10.2
+  on an AMD EPYC: dq's head dims 6 and 7 of 8 on 2.5% of its entries, 6e-8 apart; bitwise on an
+  Intel Xeon), so there the gradients are held to a few float32 roundings of their scale; the
+  order of the terms is jattn's code, the same on both jax lines, and CI runs both. Elsewhere
+  packed differs from alone by rounding: docs/prefix_trees.md."""
   parents = np.array([[-1, 0, 1, 1, 0], [-1, 0, 0, 0, -1]])
   lengths = np.array([[32, 16, 16, 32, 16], [16, 32, 16, 16, 0]])
   pb = Problem(0, jnp.float32, T=112, bias=False, tree=(parents, lengths))
@@ -321,8 +326,16 @@ def test_chunked_packed_is_alone_bit_for_bit_where_nodes_fill_whole_blocks(sched
         start = lengths[b, :m].sum()
         shared[b, start : start + lengths[b, m]] = True
   np.testing.assert_array_equal(np.asarray(out), alone["out"].astype(np.float32))
-  np.testing.assert_array_equal(np.asarray(grads["dq"]), alone["dq"].astype(np.float32))
+
+  def same(got, want, name):
+    if jax.__version_info__ >= (0, 11):
+      np.testing.assert_array_equal(got, want, err_msg=name)
+    else:
+      scale = float(np.abs(want).max())
+      np.testing.assert_allclose(got, want, rtol=0, atol=4e-7 * scale, err_msg=name)
+
+  same(np.asarray(grads["dq"]), alone["dq"].astype(np.float32), "dq")
   for name in ("dk", "dv"):
     got, want = np.asarray(grads[name]), alone[name].astype(np.float32)
-    np.testing.assert_array_equal(got[~shared], want[~shared], err_msg=name)
+    same(got[~shared], want[~shared], name)
     np.testing.assert_allclose(got[shared], want[shared], rtol=1e-6, atol=1e-6, err_msg=name)
