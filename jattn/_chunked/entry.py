@@ -12,7 +12,7 @@ import functools
 
 import jax.numpy as jnp
 
-from jattn import _lowering
+from jattn import _lowering, _tile
 from jattn import masks as _masks
 from jattn._chunked import plan as _plan
 from jattn._chunked.derivatives import chunked_attention, chunked_attention_grads
@@ -27,6 +27,8 @@ def attend(call, cfg, score_args, saved=None):
   Where the call is a part (``call.place``): rows of a query shard, or keys of a key/value
   shard, see their global positions (the mask is remapped to them; score_mod and dropout see
   them too), and examples and heads their global indices (the mask is already cut to them).
+  A part with its keys cut is merged with the other parts' through their log-sum-exps: its
+  output comes back in the statistics dtype (`jattn._chunked.plan.Plan.out_dtype`).
   ``saved``: (out, lse, dout, dlse) of an earlier call on the same operands; the operands'
   cotangents (an `Operands`) are returned instead. The schedule is the call's, else the
   platform's default, chosen where the program is lowered."""
@@ -45,9 +47,11 @@ def attend(call, cfg, score_args, saved=None):
         0 if place.batch0 is None else place.batch0,
         0 if place.head0 is None else place.head0,
       )
+  merged = place.kv_offset is not None
+  out_dtype = _tile.stat_dtype(call.query.dtype) if merged else None
   run = {}
   for schedule in (tuned.schedule,) if tuned.schedule else _plan.SCHEDULES:
-    plan, states = _plan.make_plan(cfg, mask, bq, bk, schedule, tuned.step_width)
+    plan, states = _plan.make_plan(cfg, mask, bq, bk, schedule, tuned.step_width, out_dtype)
     ops = Operands(
       q=call.query,
       k=call.key,

@@ -28,15 +28,17 @@ from jattn._chunked.serial import _backward_serial, walk_rows, walk_rows_fixed
 
 
 def forward(plan: Plan, ops: Operands):
-  """q (B,Tp,N,H), k/v (B,Sp,K,H) -> out (B,Tp,N,Hv) in q's dtype, lse (B,Tp,N); with
-  ``plan.cfg.max_logits`` also each row's max logit over its visible keys (B,Tp,N) (the running
-  max of the same walk, before the sink joins; -inf for a row that sees nothing)."""
+  """q (B,Tp,N,H), k/v (B,Sp,K,H) -> out (B,Tp,N,Hv) in ``plan.out_dtype`` (default q's
+  dtype), lse (B,Tp,N); with ``plan.cfg.max_logits`` also each row's max logit over its visible
+  keys (B,Tp,N) (the running max of the same walk, before the sink joins; -inf for a row that
+  sees nothing)."""
   start, tile, finish = _steps(plan, ops)
+  out_dtype = _out_dtype(plan, ops)
   if plan.schedule == "parallel":
-    return _forward_parallel(plan, ops, start, tile)
+    return _forward_parallel(plan, ops, start, tile, out_dtype)
   # Each query block writes its rows of the output in place: stacking per-block results (as
   # lax.map does) would need another full-size copy to put them back in sequence order.
-  outs = _outputs(plan, ops)
+  outs = _outputs(plan, ops, out_dtype)
   return walk_rows(plan, ops, start=start, tile=tile, finish=finish, outs=outs, name="fwd")
 
 
@@ -48,15 +50,19 @@ def forward_fixed(plan: Plan, ops: Operands):
   cfg = dataclasses.replace(plan.cfg, max_logits=False)
   serial = dataclasses.replace(plan, schedule="serial", cfg=cfg)
   start, tile, finish = _steps(serial, ops)
-  outs = _outputs(serial, ops)
+  outs = _outputs(serial, ops, _out_dtype(plan, ops))
   return walk_rows_fixed(serial, ops, start=start, tile=tile, finish=finish, outs=outs)
 
 
-def _outputs(plan: Plan, ops: Operands):
-  """The forward's outputs before any block is written: out (B, Tp, N, Hv), lse (B, Tp, N)
-  (and the max logits (B, Tp, N) with ``plan.cfg.max_logits``)."""
+def _out_dtype(plan: Plan, ops: Operands):
+  return ops.q.dtype if plan.out_dtype is None else plan.out_dtype
+
+
+def _outputs(plan: Plan, ops: Operands, out_dtype):
+  """The forward's outputs before any block is written: out (B, Tp, N, Hv) in ``out_dtype``,
+  lse (B, Tp, N) (and the max logits (B, Tp, N) with ``plan.cfg.max_logits``)."""
   q, v = ops.q, ops.v
-  out0 = jnp.repeat(jnp.zeros_like(q[..., :1]), v.shape[-1], axis=-1)
+  out0 = jnp.repeat(jnp.zeros_like(q[..., :1], dtype=out_dtype), v.shape[-1], axis=-1)
   lse0 = jnp.zeros_like(q[..., 0], dtype=_tile.stat_dtype(q.dtype))
   outs = (out0, lse0, lse0) if plan.cfg.max_logits else (out0, lse0)
   return _sharding.varying_tree(outs, q, v, ops.k, ops.states)

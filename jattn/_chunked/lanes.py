@@ -201,10 +201,11 @@ def _lane_steps(
   return _in_groups(tables, width, (lane.const, lane.carry0), (rows0, shared), run)
 
 
-def _forward_parallel(plan: Plan, ops: Operands, start, tile):
+def _forward_parallel(plan: Plan, ops: Operands, start, tile, out_dtype):
   """Every lane's next key/value block in one step (see `jattn._chunked.plan.lanes`); the parts of a
-  row are merged through their running max and sum, then the sink joins once. Returns (out,
-  lse), and the rows' max logits (their max before the sink joins) with ``cfg.max_logits``."""
+  row are merged through their running max and sum, then the sink joins once. Returns (out
+  in ``out_dtype``, lse), and the rows' max logits (their max before the sink joins) with
+  ``cfg.max_logits``."""
   cfg = plan.cfg
   sd = _tile.stat_dtype(ops.q.dtype)
   schedule = _lanes(plan, plan.row_lanes, ops.states, plan.row_split)
@@ -227,7 +228,7 @@ def _forward_parallel(plan: Plan, ops: Operands, start, tile):
   mx = _softmax.row_max(m_r, l_r) if cfg.max_logits else None
   if ops.sink is not None:
     m_r, l_r, acc_r = _softmax.join_sink(m_r, l_r, acc_r, ops.sink.astype(sd)[None])
-  out = _softmax.normalize(acc_r, l_r, m_r, cfg.dropout_rate).astype(ops.q.dtype)
+  out = _softmax.normalize(acc_r, l_r, m_r, cfg.dropout_rate).astype(out_dtype)
   lse = _softmax.lse(m_r, l_r)
   # (nq, B, K, G, bq[, H]) -> (B, Tp, N[, H]): query block i holds rows i * bq ..
   R, B = out.shape[:2]

@@ -330,6 +330,11 @@ class Plan:
   # Parallel schedule: the lanes each row of a run-time map is dealt over (see `split_kv_lanes`;
   # static maps have the split in `row_lanes`).
   row_split: int = 1
+  # The forward's output dtype; None: the query's. A part that is merged with others through
+  # their log-sum-exps (ring attention's shard pairs, split-KV's devices) keeps the statistics
+  # dtype: rounded to a 16-bit input's dtype first, a row would be rounded once per part
+  # (docs/prefix_trees.md: 1.59x the error of rounding the answer once, against 1.27x).
+  out_dtype: Any = None
 
   @property
   def Tp(self) -> int:
@@ -388,17 +393,26 @@ def split_kv_lanes(cfg: Config, grid: BlockGrid, width: int) -> int:
 
 
 def make_plan(
-  cfg: Config, mask, block_q: int, block_kv: int, schedule: str = "serial", width: int | None = None
+  cfg: Config,
+  mask,
+  block_q: int,
+  block_kv: int,
+  schedule: str = "serial",
+  width: int | None = None,
+  out_dtype=None,
 ):
   """(Plan, states): the plan over (cfg.T, cfg.S) in blocks of (block_q, block_kv), and its block
   map as a jax int8 array. ``width``: the parallel schedule's lanes per step (default: as many
-  as fit STEP_BYTES, see `default_step_width`)."""
+  as fit STEP_BYTES, see `default_step_width`); ``out_dtype``: see `Plan.out_dtype`."""
   grid = BlockGrid(cfg.T, cfg.S, block_q, block_kv)
   states, kinds = block_map_and_kinds(mask, grid, (cfg.B, cfg.N, cfg.T, cfg.S))
   parallel = schedule == "parallel"
   width = (width or default_step_width(cfg, block_q, block_kv)) if parallel else None
   split = split_kv_lanes(cfg, grid, width) if width is not None else 1
-  plan = Plan(cfg, grid, kinds, schedule=schedule, width=width, row_split=split)
+  out_dtype = None if out_dtype is None else jnp.dtype(out_dtype)
+  plan = Plan(
+    cfg, grid, kinds, schedule=schedule, width=width, row_split=split, out_dtype=out_dtype
+  )
   if isinstance(states, np.ndarray):
     plan = dataclasses.replace(
       plan, q_ranges=static_ranges(states), kv_ranges=static_ranges(states.T)

@@ -355,7 +355,8 @@ def _ring_config(opts: _RingOptions, st, query, key):
     )
   # score_mod is replayed with its arrays passed in varying (see _sharding.VaryingReplay).
   cfg, score_args = st.config((st.B, st.N, bq, bk), replay=True, varying_like=(query, key))
-  plan, _ = _plan.make_plan(cfg, None, bq, bk)
+  # Each pair's output stays in the statistics dtype until the pairs are merged (Plan.out_dtype).
+  plan, _ = _plan.make_plan(cfg, None, bq, bk, out_dtype=_tile.stat_dtype(query.dtype))
   # The block map of every pair is computed at run time (it depends on the ring step), so every
   # tile variant is compiled.
   rc = ring_loop.RingConfig(

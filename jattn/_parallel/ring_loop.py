@@ -174,8 +174,8 @@ def _ring_forward(rc: RingConfig, q, k, v, ro: RingOperands):
     k_next, v_next, tokens_next = _send(rc, (k, v, kv_tokens))
     # After `step` sends, this device holds the shard of device index - step.
     ops = _pair(rc, ro, q, k, v, index, (index - step) % P, kv_tokens)
-    o, l, *m = _chunked.forward(rc.plan, ops)
-    out, lse = _softmax.merge_pair(out, lse, o.astype(sd), l.astype(sd))
+    o, l, *m = _chunked.forward(rc.plan, ops)  # o in the statistics dtype (`_ring_config`)
+    out, lse = _softmax.merge_pair(out, lse, o, l.astype(sd))
     mx = [jnp.maximum(a, b.astype(sd)) for a, b in zip(mx, m)]  # exact: a max of maxes
     return k_next, v_next, tokens_next, out, lse, *mx
 

@@ -76,7 +76,15 @@ def _check_case(results, name):
   # inputs, the ring's error is at most twice that of a plain dense computation in the input
   # dtype (_ring_worker._plain_fn), plus 1e-3 -- for the output, the lse and every gradient. The
   # plain errors must be those of a sane bfloat16 computation, so that the bound is not vacuous.
-  assert set(errs) == expected | {"plain_" + k for k in QUANTITIES}
+  assert set(errs) == expected | {"plain_" + k for k in QUANTITIES} | {"rounded_out"}
+  # And the output against the error of rounding the exact answer to the input dtype once (the
+  # rule of tests/properties/test_precision16.py, here in the max norm): the shard pairs'
+  # outputs merge in float32 and round once, so the largest error is the rounding's (measured
+  # 1.00x in both cases); merged from parts each rounded to bfloat16 first it was 1.16x and 1.29x.
+  assert errs["out"] <= 1.1 * errs["rounded_out"], (
+    f"{name}: output error {errs['out']:.3e} is {errs['out'] / errs['rounded_out']:.2f}x the "
+    f"{c['dtype']} rounding of the exact answer ({errs['rounded_out']:.3e}); the bound is 1.1x"
+  )
   bad = {
     k: (errs[k], errs["plain_" + k])
     for k in QUANTITIES
