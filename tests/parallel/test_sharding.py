@@ -14,6 +14,7 @@ implementation=None, a (data, sequence) mesh, `jax.vmap` of a sharded call, and 
 with `jattn.auto_partitioning(False)`.
 """
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -28,6 +29,7 @@ WORKER = textwrap.dedent('''
     import jax, jax.numpy as jnp, numpy as np, jattn
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
+    import reference as ref  # tests/support, on the path (`_run`)
     from jattn.bench import structure
     B, N, K, H = 4, 8, 4, 8  # GQA: a gathered K or V is not query-sized
     mesh = jax.make_mesh((4,), ("x",), axis_types=(AxisType.Explicit,))
@@ -185,14 +187,9 @@ WORKER = textwrap.dedent('''
     # (Plan.out_dtype): 1.23x serial, 1.18x parallel, as unsharded (1.32x, 1.18x); each part
     # rounded to bfloat16 before the merge, as until 2026-12-06, it was 1.66x and 1.57x.
     qb, kb, vb = (x.astype(jnp.bfloat16) for x in (q, k, v))
-    q64, k64, v64 = (np.asarray(x, np.float64) for x in (qb, kb, vb))
-    kr, vr = (np.repeat(x, N // K, axis=2) for x in (k64, v64))
-    sc = np.einsum("btnh,bsnh->bnts", q64, kr) / np.sqrt(H)
-    pr = np.exp(sc - sc.max(-1, keepdims=True))
-    exact = np.einsum("bnts,bsnh->btnh", pr / pr.sum(-1, keepdims=True), vr)
-    rel = lambda x: float(np.linalg.norm(np.asarray(x, np.float64) - exact)
-                          / np.linalg.norm(exact))
-    rounded = rel(np.asarray(exact, np.float32).astype(jnp.bfloat16))
+    exact = ref.attention(qb, kb, vb)[0]
+    rel = lambda x: ref.rel_error(x, exact)
+    rounded = rel(ref.round_to_dtype(exact, jnp.bfloat16))
     for sched in ("serial", "parallel"):
       f = functools.partial(jattn.dot_product_attention, implementation="chunked",
                             schedule=sched, block_q=16, block_kv=8)
@@ -450,10 +447,23 @@ WORKER = textwrap.dedent('''
 ''')
 
 
+def _run(worker: str, timeout: int):
+  """Run a worker script in a fresh Python, tests/support on its path (the float64 reference)."""
+  support = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "support")
+  path = os.pathsep.join(filter(None, (support, os.environ.get("PYTHONPATH"))))
+  return subprocess.run(
+    [sys.executable, "-c", worker],
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+    env=dict(os.environ, PYTHONPATH=path),
+  )
+
+
 @pytest.mark.slow
 @pytest.mark.long
 def test_sharded_calls_under_explicit_and_auto_meshes():
-  r = subprocess.run([sys.executable, "-c", WORKER], capture_output=True, text=True, timeout=900)
+  r = _run(WORKER, timeout=900)
   assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
 
 
@@ -522,18 +532,16 @@ NO_CONTEXT_WORKER = textwrap.dedent('''
     import jax, jax.numpy as jnp, numpy as np, jattn
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
+    import reference as ref  # tests/support, on the path (`_run`)
+
     B, T, N, K, H = 4, 64, 8, 4, 16
     mesh = jax.make_mesh((4,), ("x",), axis_types=(AxisType.Explicit,))
     ks = jax.random.split(jax.random.key(0), 3)
     q, k, v = (jax.random.normal(key, (B, T, n, H)) for key, n in zip(ks, (N, K, K)))
 
     def reference(causal):
-        qd, kd, vd = (np.repeat(np.asarray(x, np.float64), N // x.shape[2], axis=2) for x in (q, k, v))
-        s = np.einsum("btnh,bsnh->bnts", qd, kd) / np.sqrt(H)
-        if causal:
-            s = np.where(np.tril(np.ones((T, T), bool)), s, -np.inf)
-        p = np.exp(s - s.max(-1, keepdims=True))
-        return np.einsum("bnts,bsnh->btnh", p / p.sum(-1, keepdims=True), vd)
+        vis = ref.visible_mask(B, N, T, T, causal="top_left" if causal else None)
+        return ref.attention(q, k, v, visible=vis)[0]
 
     failures = []
     # Every implementation under every sharding; causal or not turned between them (a covering
@@ -558,7 +566,5 @@ def test_arrays_of_an_explicit_mesh_without_a_context_mesh():
   # jax.nn takes an Explicit mesh's arrays under plain jit, without jax.set_mesh: jattn traces
   # the call under the mesh their types carry (batch-, head- and sequence-sharded, every
   # implementation), against the float64 reference.
-  r = subprocess.run(
-    [sys.executable, "-c", NO_CONTEXT_WORKER], capture_output=True, text=True, timeout=600
-  )
+  r = _run(NO_CONTEXT_WORKER, timeout=600)
   assert r.returncode == 0 and "OK" in r.stdout, (r.stdout[-3000:], r.stderr[-3000:])
