@@ -26,6 +26,7 @@ select that computes it. Tangent operands are broadcast (their transposes sum th
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -193,8 +194,28 @@ class _Rule:
     return [jnp.zeros_like(x) if g is None else g.astype(x.dtype) for g, x in zip(got, leaves)]
 
 
+def traced_once(fn, static_argnums=()):
+  """``fn`` jitted, and called under the abstract mesh in force made explicit.
+
+  A function with a custom derivative is traced when its call is staged (jattn's calls are
+  jitted) and again when the staged call is differentiated, by its JVP or forward rule. JAX
+  sets the context's abstract mesh between the two (none, then the empty mesh), and that alone
+  keeps the second trace out of jit's cache; made explicit, it is the same in both and the
+  second trace is the first's: a gradient traces its kernel's forward once, not twice; the
+  compiled program is the same (the inner call is inlined)."""
+  jitted = jax.jit(fn, static_argnums=static_argnums)
+
+  @functools.wraps(fn)
+  def call(*args):
+    with jax.sharding.use_abstract_mesh(jax.sharding.get_abstract_mesh()):
+      return jitted(*args)
+
+  return call
+
+
 def _differentiable(kernel, reference, backward):
   """The custom JVP around ``kernel``: (diff, aux) -> (outs, saved)."""
+  kernel = traced_once(kernel)
 
   @jax.custom_jvp
   def fn(diff, aux):

@@ -38,10 +38,15 @@ from jattn._chunked.kernel import Residuals, backward, forward, forward_fixed
 from jattn._chunked.plan import Operands, Plan
 from jattn._chunked.tangent import tangent
 
+_forward_once = _derivatives.traced_once(forward, static_argnums=0)
+# The backward likewise, under a second derivative (staged, then differentiated by
+# `_backward_jvp`).
+_backward_once = _derivatives.traced_once(backward, static_argnums=0)
+
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
 def _kernel(plan: Plan, ops: Operands):
-  return forward(plan, ops)
+  return _forward_once(plan, ops)
 
 
 @_kernel.defjvp
@@ -134,7 +139,7 @@ def _differentiable(x) -> bool:
 
 def _grads(plan: Plan, res: Residuals, dout, dlse) -> Operands:
   """`backward`, each cotangent typed like its operand under an Explicit mesh."""
-  grads = backward(plan, res, dout, dlse)
+  grads = _backward_once(plan, res, dout, dlse)
   if _sharding.explicit_mesh():
     # A cotangent must have its operand's type, sharding included: the sinks' gradient, summed
     # from head-sharded statistics, comes out sharded like the heads even where the sinks are

@@ -260,13 +260,17 @@ def _ring_backward(rc: RingConfig, res: _Residuals, dout, dlse):
   return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dro
 
 
+# Traced when the call is staged and again by `_ring_fwd`: the second trace from the first's.
+_ring_forward_once = _derivatives.traced_once(_ring_forward, static_argnums=0)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def ring(rc, q, k, v, ro):
-  return _ring_forward(rc, q, k, v, ro)
+  return _ring_forward_once(rc, q, k, v, ro)
 
 
 def _ring_fwd(rc, q, k, v, ro):
-  res = _ring_forward(rc, q, k, v, ro)
+  res = _ring_forward_once(rc, q, k, v, ro)
   return res, _Residuals(q, k, v, ro, res[0], res[1])
 
 

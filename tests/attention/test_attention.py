@@ -706,3 +706,39 @@ def test_no_recompilation_on_second_call(impl):
   jattn.dot_product_attention(q, k, v, is_causal=True, **IMPLS[impl])
   jattn.dot_product_attention(q * 2, k, v, is_causal=True, **IMPLS[impl])
   assert jattn._attention._attention._cache_size() - before <= 1
+
+
+def test_a_gradient_traces_each_kernel_forward_once(monkeypatch):
+  """Under jit(grad) a kernel with a custom derivative is traced when its call is staged and
+  asked for again by its JVP rule when the staged call is differentiated; the second trace is
+  the first's, from jit's cache (`jattn._derivatives.traced_once`). Counted for the chunked
+  kernels' forward walk and for the sparse path's forward (a kernel through
+  `_derivatives.with_derivatives`, as the fused kernels are). The gradients are checked
+  elsewhere; this pins what a model's compile pays."""
+  from jattn._backends import sparse
+  from jattn._chunked import kernel
+
+  jax.clear_caches()  # a program traced before would be reused: nothing traced to count
+  counts = {"walk_rows": 0, "_forward": 0}
+
+  def counting(module, name):
+    real = getattr(module, name)
+
+    def wrapped(*args, **kwargs):
+      counts[name] += 1
+      return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, wrapped)
+
+  counting(kernel, "walk_rows")
+  counting(sparse, "_forward")
+  q, k, v, _ = inputs()
+  idx = jnp.asarray(np.broadcast_to(np.array([1, 0]), (2, 37, 2, 2)), jnp.int32)
+  calls = {
+    "walk_rows": dict(is_causal=True, **IMPLS["chunked"]),
+    "_forward": dict(implementation="sparse", mask=jattn.masks.selected_blocks(idx, 16)),
+  }
+  for name, kw in calls.items():
+    loss = lambda q, k, v, kw=kw: jnp.sum(jattn.dot_product_attention(q, k, v, **kw))
+    jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, v)
+    assert counts[name] == 1, (name, counts)
