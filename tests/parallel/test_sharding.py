@@ -14,12 +14,10 @@ implementation=None, a (data, sequence) mesh, `jax.vmap` of a sharded call, and 
 with `jattn.auto_partitioning(False)`.
 """
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from _subprocess import run_source
 
 WORKER = textwrap.dedent('''
     import contextlib, functools, os
@@ -29,7 +27,7 @@ WORKER = textwrap.dedent('''
     import jax, jax.numpy as jnp, numpy as np, jattn
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-    import reference as ref  # tests/support, on the path (`_run`)
+    import reference as ref  # tests/support, on the path (`run_source`)
     from jattn.bench import structure
     B, N, K, H = 4, 8, 4, 8  # GQA: a gathered K or V is not query-sized
     mesh = jax.make_mesh((4,), ("x",), axis_types=(AxisType.Explicit,))
@@ -447,23 +445,10 @@ WORKER = textwrap.dedent('''
 ''')
 
 
-def _run(worker: str, timeout: int):
-  """Run a worker script in a fresh Python, tests/support on its path (the float64 reference)."""
-  support = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "support")
-  path = os.pathsep.join(filter(None, (support, os.environ.get("PYTHONPATH"))))
-  return subprocess.run(
-    [sys.executable, "-c", worker],
-    capture_output=True,
-    text=True,
-    timeout=timeout,
-    env=dict(os.environ, PYTHONPATH=path),
-  )
-
-
 @pytest.mark.slow
 @pytest.mark.long
 def test_sharded_calls_under_explicit_and_auto_meshes():
-  r = _run(WORKER, timeout=900)
+  r = run_source(WORKER, timeout=900)
   assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
 
 
@@ -532,7 +517,7 @@ NO_CONTEXT_WORKER = textwrap.dedent('''
     import jax, jax.numpy as jnp, numpy as np, jattn
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-    import reference as ref  # tests/support, on the path (`_run`)
+    import reference as ref  # tests/support, on the path (`run_source`)
 
     B, T, N, K, H = 4, 64, 8, 4, 16
     mesh = jax.make_mesh((4,), ("x",), axis_types=(AxisType.Explicit,))
@@ -566,5 +551,5 @@ def test_arrays_of_an_explicit_mesh_without_a_context_mesh():
   # jax.nn takes an Explicit mesh's arrays under plain jit, without jax.set_mesh: jattn traces
   # the call under the mesh their types carry (batch-, head- and sequence-sharded, every
   # implementation), against the float64 reference.
-  r = _run(NO_CONTEXT_WORKER, timeout=600)
+  r = run_source(NO_CONTEXT_WORKER, timeout=600)
   assert r.returncode == 0 and "OK" in r.stdout, (r.stdout[-3000:], r.stderr[-3000:])
