@@ -88,7 +88,8 @@ def pytest_report_header(config):
 
 def pytest_collection_modifyitems(config, items):
   # Under `pytest -n 2` a minute-long test that is handed out last keeps one worker busy while
-  # the other has finished: start them first, the short tests then even out the two workers.
+  # the other has finished: start them first, the short tests then even out the two workers
+  # (pyproject's `--dist worksteal`: a worker that runs out takes the other's pending tests).
   items.sort(key=lambda item: item.get_closest_marker("long") is None)  # stable
 
 
