@@ -236,19 +236,19 @@ MUTATIONS = [
     ["tests/attention/test_sparse.py"],
   ),
   (
+    "paged key_selection: a traced repeated block read twice (_paged/selected)",
+    "jattn/_paged/selected.py",
+    "  ok = (chosen >= 0) & (chosen < blocks) & first",
+    "  ok = (chosen >= 0) & (chosen < blocks)",
+    ["tests/paged/test_paged_selection.py"],
+  ),
+  (
     "sparse: the forward's accumulator not rescaled when a chunk raises a row's max "
     "(_backends/sparse)",
     "jattn/_backends/sparse.py",
     "    acc_n = acc_o * a[..., None] + pv * b[..., None]",
     "    acc_n = acc_o + pv * b[..., None]",
     ["tests/attention/test_sparse.py"],
-  ),
-  (
-    "paged key_selection: a traced repeated block read twice (_paged/selected)",
-    "jattn/_paged/selected.py",
-    "  ok = (chosen >= 0) & (chosen < blocks) & first",
-    "  ok = (chosen >= 0) & (chosen < blocks)",
-    ["tests/paged/test_paged_selection.py"],
   ),
 ]
 
