@@ -132,7 +132,8 @@ def dot_product_attention(
   Returns:
     The output, shaped like ``query`` (value has key's shape), in the query dtype; with
     ``return_residual`` or ``return_max_logits`` a tuple: the output, then the lse (if
-    ``return_residual``), then the max logits (if ``return_max_logits``).
+    ``return_residual``), then the max logits (if ``return_max_logits``). Empty sizes give
+    jax.nn's answer: B, N, T = 0 an empty output; S = 0 (no keys) every row's empty-row 0.
 
   Differences from jax.nn: a query row with nothing to attend to returns 0 (jax.nn returns the
   mean of V); its gradients are 0; masked positions never contribute inf or NaN.
@@ -180,7 +181,7 @@ def dot_product_attention(
 @functools.partial(jax.jit, static_argnames=("opts",))
 def _attention(given: _call.Given, *, opts: _call.Options):
   with _call.inputs_mesh(given):
-    call = _call.bind(given, opts)
+    call = _call.bind(given, opts, empty_sequences=True)
     out, lse, mx = _dispatch.run(call)  # (B, T, N, Hv), (B, T, N), (B, T, N) or None
   if call.static.unbatched:
     out, lse, mx = out[0], lse[0], None if mx is None else mx[0]
@@ -268,7 +269,7 @@ def attention_weights(
 
 @functools.partial(jax.jit, static_argnames=("opts",))
 def _weights(given: _call.Given, *, opts: _call.Options):
-  call = _call.bind(given, opts)
+  call = _call.bind(given, opts, empty_sequences=True)
   w = _dense.weights(call)
   return w[0] if call.static.unbatched else w
 

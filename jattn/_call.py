@@ -171,9 +171,10 @@ def _qkv(query, key, value):
   return query, key, value
 
 
-def arrays(given: Given) -> Arrays:
+def arrays(given: Given, empty_sequences: bool = False) -> Arrays:
   """``given``'s arrays checked against each other, rank 4; ``q_positions``/``kv_positions``
-  (B, T), (B, S) (or (T,), (S,) unbatched) as `jattn.masks.positions` checks them."""
+  (B, T), (B, S) (or (T,), (S,) unbatched) as `jattn.masks.positions` checks them.
+  ``empty_sequences``: T = 0 or S = 0 is taken (the caller answers it), else a ValueError."""
   query, key, value = _qkv(given.query, given.key, given.value)
   bias, mask, sinks = given.bias, given.mask, given.sinks
   q_lengths, kv_lengths, q_seg, kv_seg = (
@@ -197,7 +198,7 @@ def arrays(given: Given) -> Arrays:
         f"sizes; export one program per length (pad to it and pass key_value_seq_lengths), "
         f"the batch B and heads N may stay symbolic"
       )
-  if min(T, S, H) == 0:
+  if H == 0 or (min(T, S) == 0 and not empty_sequences):
     raise ValueError(f"empty attention: T={T}, S={S}, H={H} must all be positive")
   full = (B, N, T, S)
 
@@ -494,9 +495,10 @@ def inputs_mesh(given: Given):
   return jax.sharding.use_abstract_mesh(mesh)
 
 
-def bind(given: Given, opts: Options) -> Call:
-  """The arrays checked against each other and laid out for the kernels (inside jit)."""
-  args = arrays(given)
+def bind(given: Given, opts: Options, empty_sequences: bool = False) -> Call:
+  """The arrays checked against each other and laid out for the kernels (inside jit).
+  ``empty_sequences``: T = 0 or S = 0 is bound (`jattn._dispatch.run` answers it)."""
+  args = arrays(given, empty_sequences)
   scale_operand = given.scale_operand
   B, T, N, H = args.query.shape
   S = args.key.shape[1]

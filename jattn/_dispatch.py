@@ -30,13 +30,18 @@ def run(call):
   """(out (B, T, N, Hv), lse (B, T, N), max logits (B, T, N) or None) of a bound call
   (`jattn._call.Call`): the max logits where the call asks for them (``return_max_logits``)."""
   s = call.static
-  if _validation.concrete(s.B, s.N) and s.B * s.N == 0:
-    # No examples or no heads: nothing to compute, whatever the implementation (a kernel's
-    # plan would divide by the empty sizes, splash's block map reduce over them), and the
-    # answer is empty, as jax.nn's. Its gradients, through these constants, are empty too.
-    empty = (s.B, s.T, s.N)
-    mx = jnp.full(empty, -jnp.inf, s.stat_dtype) if call.opts.return_max_logits else None
-    return jnp.zeros(empty + (s.Hv,), s.dtype), jnp.full(empty, _softmax.NEG, s.stat_dtype), mx
+  if s.T * s.S == 0 or (_validation.concrete(s.B, s.N) and s.B * s.N == 0):
+    # No examples, heads, queries or keys: nothing to compute, whatever the implementation (a
+    # kernel's plan would divide by the empty sizes, splash's block map reduce over them). The
+    # answer is jax.nn's: empty, or with no keys every row sees nothing, so 0 (and an lse of
+    # NEG, or of the row's sink alone: the sinks' gradient flows through it).
+    rows = (s.B, s.T, s.N)
+    mx = jnp.full(rows, -jnp.inf, s.stat_dtype) if call.opts.return_max_logits else None
+    if call.sink is None:
+      lse = jnp.full(rows, _softmax.NEG, s.stat_dtype)
+    else:
+      lse = jnp.broadcast_to(call.sink.reshape(s.N), rows)
+    return jnp.zeros(rows + (s.Hv,), s.dtype), lse, mx
   names = _validation.implementation_names(call.opts.implementation)
   runners = {name: functools.partial(attempt, name, call) for name in _registry.REGISTRY}
   if len(names) == 1:

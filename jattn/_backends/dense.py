@@ -29,6 +29,8 @@ def run(call):
 def weights(call):
   """The bound call's (B, N, T, S) softmax weights (see `attention_weights`)."""
   s = call.static
+  if s.T * s.S == 0:  # no queries or no keys: no weight (a max over no keys has no identity)
+    return jnp.zeros((s.B, s.N, s.T, s.S), s.stat_dtype)
   cfg, score_args = s.config((s.B, s.N, s.T, s.S))
   return attention_weights(call, cfg, score_args).reshape(s.B, s.N, s.T, s.S)
 

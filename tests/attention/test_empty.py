@@ -1,7 +1,8 @@
-"""Empty problems (issue #42): no examples (B = 0) or no heads (N = K = 0) give empty results on
-every implementation, forward and gradients, as jax.nn's dense path does; empty sequences
-(T = 0 or S = 0) keep their clear error. An empty array's whole content is its shape and dtype,
-so those are what these tests compare (against jax.nn where it answers)."""
+"""Empty problems (issue #42): no examples (B = 0), no heads (N = K = 0), no queries (T = 0) or
+no keys (S = 0) give jax.nn's results on every implementation, forward and gradients. An empty
+array's whole content is its shape and dtype, so those are what these tests compare (against
+jax.nn where it answers); with no keys every row sees nothing, so its output is 0 (jattn's empty
+row, and jax.nn's answer) and its log-sum-exp that of the sink alone."""
 
 from __future__ import annotations
 
@@ -92,11 +93,70 @@ def test_query_heads_without_key_heads_are_still_an_error():
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("option", sorted(OPTIONS))
+@pytest.mark.parametrize("T, S", [(0, 8), (8, 0), (0, 0)])
+def test_empty_sequences_give_jax_nns_answer(impl, option, T, S):
+  B, N, K, H = 2, 4, 2, 8
+  q = jax.random.normal(jax.random.key(0), (B, T, N, H))
+  k = jax.random.normal(jax.random.key(1), (B, S, K, H))
+  v = jax.random.normal(jax.random.key(2), (B, S, K, H))
+  kw = _kwargs(option, B, T, S, N)
+  f = lambda q, k, v: jattn.dot_product_attention(q, k, v, implementation=impl, **kw)
+  out = f(q, k, v)
+  jattn_only = ("local_window_size", "logits_soft_cap", "q_segment_ids", "kv_segment_ids")
+  nn_kw = {x: y for x, y in kw.items() if x not in jattn_only}
+  want = jax.nn.dot_product_attention(q, k, v, **nn_kw)
+  assert (out.shape, out.dtype) == (want.shape, want.dtype) == ((B, T, N, H), jnp.float32)
+  np.testing.assert_array_equal(out, want)  # zeros where S = 0
+  grads = jax.grad(lambda *a: f(*a).sum(), argnums=(0, 1, 2))(q, k, v)
+  for g, x in zip(grads, (q, k, v)):
+    assert (g.shape, g.dtype) == (x.shape, x.dtype)
+    np.testing.assert_array_equal(g, 0.0)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_no_keys_leave_each_row_its_sink(impl):
+  """With sinks and S = 0 a row's softmax holds the sink alone: output 0, log-sum-exp the sink
+  (as for a row whose keys are all masked), and the sinks' gradient through that lse."""
+  B, T, N, K, H = 2, 3, 4, 2, 8
+  q = jnp.ones((B, T, N, H))
+  sinks = jnp.array([0.5, -1.0, 2.0, 0.0])
+
+  def lse(sinks, S=0):
+    kv = jnp.ones((B, S, K, H))
+    mask = jnp.zeros((B, N, T, S), bool)
+    out, lse = jattn.dot_product_attention(
+      q, kv, kv, mask=mask, sinks=sinks, implementation=impl, return_residual=True
+    )
+    return lse, out
+
+  (got, out), (masked, _) = lse(sinks), lse(sinks, S=5)
+  np.testing.assert_array_equal(out, 0.0)
+  np.testing.assert_array_equal(got, np.broadcast_to(sinks, (B, T, N)))
+  np.testing.assert_array_equal(got, masked)
+  cotangent = jax.random.normal(jax.random.key(3), (B, T, N))
+  grad = lambda S: jax.grad(lambda s: (lse(s, S)[0] * cotangent).sum())(sinks)
+  np.testing.assert_allclose(grad(0), cotangent.sum((0, 1)), rtol=1e-6)
+  np.testing.assert_allclose(grad(0), grad(5), rtol=1e-6)
+
+
 @pytest.mark.parametrize("T, S", [(0, 8), (8, 0)])
-def test_empty_sequences_keep_their_clear_error(impl, T, S):
+def test_empty_sequences_through_weights_and_received(T, S):
+  q, k = jnp.ones((1, T, 4, 8)), jnp.ones((1, S, 2, 8))
+  from jattn._attention import attention_weights  # Flax's sow_weights through make_attention_fn
+
+  weights = attention_weights(q, k, k, is_causal=True)
+  assert (weights.shape, weights.dtype) == ((1, 4, T, S), jnp.float32)
+  received = jattn.attention_received(q, k, is_causal=True)
+  assert received.shape == (1, S, 4)
+  np.testing.assert_array_equal(received, 0.0)
+
+
+@pytest.mark.parametrize("T, S", [(0, 8), (8, 0)])
+def test_the_other_entry_points_keep_the_empty_sequence_error(T, S):
   q, k = jnp.ones((1, T, 2, 8)), jnp.ones((1, S, 2, 8))
   with pytest.raises(ValueError, match="empty attention"):
-    jattn.dot_product_attention(q, k, k, implementation=impl)
+    jattn.diagnostics.attention_stats(q, k, k)
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])

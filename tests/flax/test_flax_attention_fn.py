@@ -259,6 +259,29 @@ def test_dropout_in_layers_is_applied_and_reproducible():
   assert np.isfinite(np.asarray(a)).all()
 
 
+@pytest.mark.parametrize("T_q, T_kv", [(0, T), (T, 0)], ids=["no-queries", "no-keys"])
+def test_layers_on_empty_sequences_match_flax(T_q, T_kv):
+  """An empty query or key sequence (an empty prompt, a step before any context) through flax's
+  layers: the same outputs and sown weights as flax's own attention (no keys: every row sees
+  nothing, so the attention output is 0 and the layer gives its out-projection's bias)."""
+  xq, xkv = _normal(12, (B, T_q, D), (B, T_kv, D))
+  ref = nn.MultiHeadDotProductAttention(num_heads=N)
+  mine = nn.MultiHeadDotProductAttention(num_heads=N, attention_fn=jattn.make_attention_fn())
+  params = ref.init(jax.random.key(1), xq, xkv)
+  want, want_w = ref.apply(params, xq, xkv, sow_weights=True, mutable="intermediates")
+  got, got_w = mine.apply(params, xq, xkv, sow_weights=True, mutable="intermediates")
+  assert got.shape == want.shape == (B, T_q, D)
+  np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
+  for a, b in zip(jax.tree.leaves(got_w), jax.tree.leaves(want_w), strict=True):
+    assert a.shape == b.shape == (B, N, T_q, T_kv)
+  layer = nnx.MultiHeadAttention(
+    num_heads=N, in_features=D, num_kv_heads=2, decode=False, rngs=nnx.Rngs(0)
+  )
+  want = layer(xq, xkv)
+  layer.attention_fn = jattn.make_attention_fn()
+  np.testing.assert_allclose(layer(xq, xkv), want, atol=1e-6, rtol=0)
+
+
 def test_fully_masked_row_is_zero_where_flax_gives_mean_of_v():
   q, k, v = _normal(10, *[(1, 3, 2, 4)] * 3)
   mask = jnp.array([[True, True, False], [False, False, False], [True, False, True]])
