@@ -10,7 +10,8 @@ contiguous G x H read a pair) against its block's keys, read in place. The forwa
 token's running softmax statistics in a buffer and merges every chunk's pairs into their
 tokens' rows; the backward, on keys-major tiles (dK and dV plain matmuls of them), adds each
 chunk's dQ share into its tokens' rows and sums a block's dK and dV over its chunks of each
-size in chunk order, adding each size's sum to the block once. No two pairs of a chunk share a
+size in chunk order, adding each size's sum to the block once (a long loop computes two chunks
+a step and merges them in that order, `_loops`). No two pairs of a chunk share a
 row (a token chooses a block once), chunks run in their fixed order: every scatter declares
 unique indices, nothing is added by atomics, and the results are bitwise reproducible.
 Examples, and the KV heads of one, run one at a time (the program is the same whatever B is:
@@ -40,6 +41,13 @@ from jattn._parallel import partition as _partition
 # is left, its last chunk part-filled). G x 512 query rows a matmul where a block has many pairs
 # (XLA's CPU matmuls run faster on taller tiles), little padding where it has few.
 CHUNK_SIZES = (512, 128)
+
+# Chunks a loop step takes (see `_loops`) where a schedule may run at least PAIRED_FROM chunks:
+# two a step ran forward+backward in 0.94-0.96x the time of one (T = 8192, 4 and 16 heads, both
+# jax lines; docs/benchmarks.md), but its program takes a third longer to compile and its last
+# step may work a chunk for nothing, which short loops do not win back.
+CHUNKS_A_STEP = 2
+PAIRED_FROM = 32
 
 # The largest packed (block, pair) sort key `_inverse_selection` forms; past it, a stable argsort.
 PACKED_SORT_MAX = 2**31 - 1
@@ -339,17 +347,35 @@ def _chunks(geo: _Geometry, i: int) -> int:
   return min(every_pair, -(-(CHUNK_SIZES[i - 1] - 1) // P) * geo.num_blocks)
 
 
-def _loops(step, schedules, carry):
-  """``carry`` through ``step(sched, carry, j)`` for every chunk of each schedule in turn, a
-  chunk past the last in use skipped."""
+def _loops(work, merge, schedules, carry):
+  """``carry`` through every chunk of each schedule in turn: ``merge(sched, carry, j,
+  work(sched, j))``, a chunk past the last in use skipped. ``work`` reads no carry: a long loop
+  takes CHUNKS_A_STEP chunks a step, their work independent of each other (XLA's CPU runtime
+  can run one's matmuls beside the other's), merged one after the other in chunk order (the
+  same sums in the same order as one chunk a step)."""
   for sched in schedules:
-    if not sched.live.shape[0]:
+    C = sched.live.shape[0]
+    if not C:
       continue  # no chunk of this size can exist (fewer pairs than it)
+    w = CHUNKS_A_STEP if C >= PAIRED_FROM else 1
 
-    def live_only(carry, j, sched=sched):
-      return jax.lax.cond(sched.live[j], lambda c: step(sched, c, j), lambda c: c, carry), None
+    def one_step(carry, i, sched=sched, C=C, w=w):
+      js = [jnp.minimum(i * w + d, C - 1) for d in range(w)]
+      # Chunks in use are a prefix: the first of a step in use, it runs; each later one merges
+      # only where it is itself in use (past C it would repeat the last chunk).
+      in_use = [sched.live[j] & (i * w + d < C) for d, j in enumerate(js)]
 
-    carry, _ = jax.lax.scan(live_only, carry, jnp.arange(sched.live.shape[0], dtype=jnp.int32))
+      def run(carry):
+        done = [work(sched, j) for j in js]
+        carry = merge(sched, carry, js[0], done[0])
+        for j, use, res in zip(js[1:], in_use[1:], done[1:]):
+          later = lambda c, j=j, res=res: merge(sched, c, j, res)
+          carry = jax.lax.cond(use, later, lambda c: c, carry)
+        return carry
+
+      return jax.lax.cond(in_use[0], run, lambda c: c, carry), None
+
+    carry, _ = jax.lax.scan(one_step, carry, jnp.arange(-(-C // w), dtype=jnp.int32))
   return carry
 
 
@@ -412,24 +438,27 @@ def _head_forward(geo, cfg, head: Ops, sink):
   R, Hv = geo.T + max(CHUNK_SIZES), head.v.shape[-1]
   q = _spare_rows(head.q)
 
-  def step(sched, carry, j):
-    m, l, acc = carry  # (R, G), (R, G), (R, G, Hv)
+  def work(sched, j):
     t = _chunk_tile(geo, cfg, head, q, sched, j)
     P = t.rows.shape[0]
     mc = t.s.max(-1)
     p = jnp.where(t.vis, jnp.exp(t.s - mc[:, None]), jnp.zeros((), sd))
     pv = jnp.einsum("ar,rh->ah", p.astype(t.vc.dtype), t.vc, preferred_element_type=sd)
-    mc, lc, pv = mc.reshape(P, geo.G), p.sum(-1).reshape(P, geo.G), pv.reshape(P, geo.G, Hv)
-    m_o, l_o, acc_o = m[t.rows], l[t.rows], acc[t.rows]
+    return t.rows, mc.reshape(P, geo.G), p.sum(-1).reshape(P, geo.G), pv.reshape(P, geo.G, Hv)
+
+  def merge(sched, carry, j, chunk):
+    m, l, acc = carry  # (R, G), (R, G), (R, G, Hv)
+    rows, mc, lc, pv = chunk
+    m_o, l_o, acc_o = m[rows], l[rows], acc[rows]
     m_n = jnp.maximum(m_o, mc)
     a, b = jnp.exp(m_o - m_n), jnp.exp(mc - m_n)
-    put = lambda buf, x: buf.at[t.rows].set(x, unique_indices=True)
+    put = lambda buf, x: buf.at[rows].set(x, unique_indices=True)
     acc_n = acc_o * a[..., None] + pv * b[..., None]
     return put(m, m_n), put(l, l_o * a + lc * b), put(acc, acc_n)
 
   neg = jnp.asarray(_softmax.NEG, sd)
   init = (jnp.full((R, geo.G), neg), jnp.zeros((R, geo.G), sd), jnp.zeros((R, geo.G, Hv), sd))
-  m, l, acc = _loops(step, scheds, _sharding.varying_tree(init, head, sink))
+  m, l, acc = _loops(work, merge, scheds, _sharding.varying_tree(init, head, sink))
   m, l = m[: geo.T].T, l[: geo.T].T
   acc = jnp.transpose(acc[: geo.T], (1, 0, 2))
   mx = _softmax.row_max(m, l)  # over the keys: before a sink joins
@@ -451,8 +480,7 @@ def _head_backward(geo, cfg, head: Ops, dout, lse_r, delta):
   dout = _spare_rows(jnp.swapaxes(dout, 0, 1))
   lse_r, delta = _spare_rows(lse_r.T), _spare_rows(delta.T)
 
-  def step(sched, carry, j):
-    acc_k, acc_v, dq, dk, dv = carry
+  def work(sched, j):
     t = _chunk_tile(geo, cfg, head, q, sched, j, keys_major=True)
     P = t.rows.shape[0]
     # Keys-major tiles (block, P * G): dK and dV are plain matmuls of them (a matmul reading a
@@ -465,11 +493,16 @@ def _head_backward(geo, cfg, head: Ops, dout, lse_r, delta):
       ds = ds * (1 - t.tanh * t.tanh)
     ds = ds * jnp.asarray(cfg.scale, ds.dtype)
     dq_c = jnp.einsum("ra,rh->ah", ds.astype(t.kc.dtype), t.kc, preferred_element_type=sd)
-    dq = dq.at[t.rows].add(dq_c.reshape(P, geo.G, -1), unique_indices=True)
     mm = lambda a, b: jnp.einsum("ra,ah->rh", a.astype(b.dtype), b, preferred_element_type=sd)
-    acc_k, acc_v = acc_k + mm(ds, t.q), acc_v + mm(p, dot)
+    return t.c, t.rows, dq_c.reshape(P, geo.G, -1), mm(ds, t.q), mm(p, dot)
+
+  def merge(sched, carry, j, chunk):
+    acc_k, acc_v, dq, dk, dv = carry
+    c, rows, dq_c, dk_c, dv_c = chunk
+    dq = dq.at[rows].add(dq_c, unique_indices=True)
+    acc_k, acc_v = acc_k + dk_c, acc_v + dv_c
     done = sched.last[j]
-    at = t.c * bk
+    at = c * bk
     old = lambda buf: jax.lax.dynamic_slice_in_dim(buf, at, bk, 0)
     put = lambda buf, acc: jax.lax.dynamic_update_slice_in_dim(
       buf, jnp.where(done, old(buf) + acc, old(buf)), at, 0
@@ -481,7 +514,9 @@ def _head_backward(geo, cfg, head: Ops, dout, lse_r, delta):
   Sp, H, Hv = head.k.shape[0], head.k.shape[1], head.v.shape[1]
   zeros = lambda *shape: jnp.zeros(shape, sd)
   init = (zeros(bk, H), zeros(bk, Hv), zeros(q.shape[0], geo.G, H), zeros(Sp, H), zeros(Sp, Hv))
-  _, _, dq, dk, dv = _loops(step, scheds, _sharding.varying_tree(init, head, dout, lse_r, delta))
+  _, _, dq, dk, dv = _loops(
+    work, merge, scheds, _sharding.varying_tree(init, head, dout, lse_r, delta)
+  )
   return jnp.swapaxes(dq[: geo.T], 0, 1), dk[: geo.S], dv[: geo.S]
 
 

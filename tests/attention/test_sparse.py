@@ -248,6 +248,50 @@ def test_gradients_are_bitwise_reproducible_and_an_example_alone_equals_it_in_a_
       np.testing.assert_array_equal(a[0], b[i])
 
 
+@pytest.mark.parametrize(
+  "T, S, n, options",
+  [
+    (64, 64, 6, dict(is_causal="bottom_right", key_value_seq_lengths=jnp.array([64, 55]))),
+    # 520 pairs on one block: one chunk of 512, as many as the loop's bound (an odd count).
+    (520, 4, 1, {}),
+  ],
+  ids=["bottom_right-lengths", "bound-reached"],
+)
+def test_two_chunks_a_step_give_the_bits_of_one(monkeypatch, T, S, n, options):
+  """Long loops take two chunks a step (`sparse.CHUNKS_A_STEP`), merged in chunk order: out,
+  lse, the gradients and the tangent are bitwise those of one chunk a step, whatever the
+  parity of the chunks in use (every loop taken two a step here, the short ones included)."""
+  q, k, v, do, _, _, idx = _problem(7, T, S, 2, n, 4)
+  rng = np.random.default_rng(8)
+  tangents = tuple(jnp.asarray(rng.standard_normal(x.shape), jnp.float32) for x in (q, k, v))
+  attend = lambda q, k, v: jattn.dot_product_attention(
+    q,
+    k,
+    v,
+    mask=M.selected_blocks(np.maximum(idx, 0) if S == 4 else idx, 4),
+    return_residual=True,
+    implementation="sparse",
+    **options,
+  )
+
+  def run(paired_from):
+    monkeypatch.setattr(sparse, "PAIRED_FROM", paired_from)
+    jax.clear_caches()  # the constant is read while tracing
+
+    def f(q, k, v):
+      (out, lse), pull = jax.vjp(attend, q, k, v)
+      _, (tout, _) = jax.jvp(attend, (q, k, v), tangents)
+      return out, lse, tout, *pull((do, jnp.zeros_like(lse)))
+
+    lowered = jax.jit(f).lower(q, k, v)
+    return lowered.as_text(), lowered.compile(compiler_options=_AS_USERS)(q, k, v)
+
+  (one_text, one), (two_text, two) = run(10**9), run(1)
+  assert one_text != two_text
+  for name, a, b in zip(("out", "lse", "tangent", "dq", "dk", "dv"), one, two, strict=True):
+    np.testing.assert_array_equal(a, b, err_msg=name)
+
+
 def test_the_program_for_cuda_scatters_only_over_uniqueindices():
   # dK and dV sum each key block's pairs in a fixed order and write the block once: no
   # floating-point scatter over repeated indices (atomics on a GPU) in the gradient.
