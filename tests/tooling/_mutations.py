@@ -250,6 +250,20 @@ MUTATIONS = [
     "    acc_n = acc_o + pv * b[..., None]",
     ["tests/attention/test_sparse.py"],
   ),
+  (
+    "sparse: two chunks a step, the second merged though past the loop's end (_backends/sparse)",
+    "jattn/_backends/sparse.py",
+    "          carry = jax.lax.cond(use, later, lambda c: c, carry)",
+    "          carry = later(carry)",
+    ["tests/attention/test_sparse.py"],
+  ),
+  (
+    "no keys (S = 0): a sink's row given the empty row's lse, not the sink's (_dispatch)",
+    "jattn/_dispatch.py",
+    "    if call.sink is None:",
+    "    if True:",
+    ["tests/attention/test_empty.py"],
+  ),
 ]
 
 
