@@ -249,15 +249,16 @@ def test_gradients_are_bitwise_reproducible_and_an_example_alone_equals_it_in_a_
 
 
 @pytest.mark.parametrize(
-  "T, S, n, options",
+  "T, S, n, every_slot_used, options",
   [
-    (64, 64, 6, dict(is_causal="bottom_right", key_value_seq_lengths=jnp.array([64, 55]))),
-    # 520 pairs on one block: one chunk of 512, as many as the loop's bound (an odd count).
-    (520, 4, 1, {}),
+    (64, 64, 6, False, dict(is_causal="bottom_right", key_value_seq_lengths=jnp.array([64, 55]))),
+    # Every row choosing the one block: 520 pairs, one chunk of 512, as many as the loop's bound
+    # (an odd count).
+    (520, 4, 1, True, {}),
   ],
   ids=["bottom_right-lengths", "bound-reached"],
 )
-def test_two_chunks_a_step_give_the_bits_of_one(monkeypatch, T, S, n, options):
+def test_two_chunks_a_step_give_the_bits_of_one(monkeypatch, T, S, n, every_slot_used, options):
   """Long loops take two chunks a step (`sparse.CHUNKS_A_STEP`), merged in chunk order: out,
   lse, the gradients and the tangent are bitwise those of one chunk a step, whatever the
   parity of the chunks in use (every loop taken two a step here, the short ones included)."""
@@ -268,7 +269,7 @@ def test_two_chunks_a_step_give_the_bits_of_one(monkeypatch, T, S, n, options):
     q,
     k,
     v,
-    mask=M.selected_blocks(np.maximum(idx, 0) if S == 4 else idx, 4),
+    mask=M.selected_blocks(np.maximum(idx, 0) if every_slot_used else idx, 4),
     return_residual=True,
     implementation="sparse",
     **options,
